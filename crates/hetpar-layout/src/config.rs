@@ -1,0 +1,342 @@
+//! The TOML config as written by users (INTERFACES.md), parsed with unknown keys rejected.
+//!
+//! These structs are the raw, typed file. [`crate::graph::ModelGraph::from_config`] validates
+//! them into layouts and a module graph; nothing downstream reads a `Config` directly.
+//! Parsing is pure: the caller reads the file and passes its text.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ConfigError, Result};
+
+/// A whole config file.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Run name; the default output directory is `runs/<name>`.
+    pub name: String,
+    /// Step, batch and optimizer settings.
+    pub train: TrainConfig,
+    /// Where samples come from.
+    #[serde(default)]
+    pub data: DataConfig,
+    /// Modules by name.
+    #[serde(default)]
+    pub modules: BTreeMap<String, ModuleConfig>,
+    /// Directed edges `from -> to` carrying boundary rows.
+    #[serde(default)]
+    pub edges: Vec<EdgeConfig>,
+}
+
+/// `[train]`.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Seed of initialization and data order.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Optimizer steps to run.
+    #[serde(default = "default_steps")]
+    pub steps: usize,
+    /// Samples per step.
+    pub global_batch: usize,
+    /// Global microbatches per step, the same for every module.
+    pub microbatches: usize,
+    /// LLM sequence length per sample.
+    pub seq_len: usize,
+    /// Learning rate.
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    /// Element type of parameters and activations.
+    #[serde(default)]
+    pub dtype: Dtype,
+}
+
+fn default_seed() -> u64 {
+    1234
+}
+fn default_steps() -> usize {
+    20
+}
+fn default_lr() -> f64 {
+    1e-3
+}
+
+/// Element types.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// 32-bit float.
+    #[default]
+    F32,
+    /// bfloat16, where the backend supports it.
+    Bf16,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 => 2,
+        }
+    }
+
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// `[data]`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// Where samples come from.
+    #[serde(default)]
+    pub source: DataSource,
+    /// LLaVA JSON file, for `source = "llava"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// Directory that image paths in the JSON are relative to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_root: Option<String>,
+}
+
+/// Data sources.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataSource {
+    /// Generated in-process from the seed.
+    #[default]
+    Synthetic,
+    /// LLaVA-format conversations with images.
+    Llava,
+}
+
+/// Module kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModuleKind {
+    /// ViT encoder with a 2-layer MLP projector into the LLM width.
+    Vit,
+    /// Whisper-style audio encoder with a projector.
+    Audio,
+    /// Llama-style decoder LLM (MoE when `experts > 0`).
+    Llama,
+}
+
+impl ModuleKind {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModuleKind::Vit => "vit",
+            ModuleKind::Audio => "audio",
+            ModuleKind::Llama => "llama",
+        }
+    }
+
+    /// Encoders produce boundary rows; the LLM consumes them.
+    pub fn is_encoder(self) -> bool {
+        matches!(self, ModuleKind::Vit | ModuleKind::Audio)
+    }
+}
+
+/// `[modules.NAME]`. Which size fields apply depends on `kind`; validation rejects a field
+/// that does not apply and names one that is missing.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModuleConfig {
+    /// What the module is.
+    pub kind: ModuleKind,
+    /// vit: image side in pixels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_size: Option<usize>,
+    /// vit: patch side in pixels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub patch_size: Option<usize>,
+    /// audio: log-mel channels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_mels: Option<usize>,
+    /// audio: log-mel frames per clip (the conv stem halves them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frames: Option<usize>,
+    /// llama: vocabulary size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab: Option<usize>,
+    /// Model width.
+    pub hidden: usize,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// llama: key/value heads (grouped-query attention); defaults to `heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<usize>,
+    /// MLP width.
+    pub ffn: usize,
+    /// llama: experts per MoE layer; 0 means dense.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experts: Option<usize>,
+    /// llama: experts each token is routed to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<usize>,
+    /// Layout and placement.
+    pub parallel: ParallelConfig,
+}
+
+/// `[modules.NAME.parallel]`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelConfig {
+    /// Placement span `[start, end)`.
+    pub ranks: [usize; 2],
+    /// Tensor-parallel size.
+    #[serde(default = "one")]
+    pub tp: usize,
+    /// Context-parallel size.
+    #[serde(default = "one")]
+    pub cp: usize,
+    /// Pipeline-parallel size.
+    #[serde(default = "one")]
+    pub pp: usize,
+    /// Expert-parallel size.
+    #[serde(default = "one")]
+    pub ep: usize,
+    /// Expert tensor-parallel size (default: tp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etp: Option<usize>,
+    /// Sequence parallelism inside TP.
+    #[serde(default)]
+    pub sp: bool,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// `[[edges]]`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeConfig {
+    /// Source module (an encoder).
+    pub from: String,
+    /// Destination module (the LLM).
+    pub to: String,
+    /// Boundary routing strategy.
+    #[serde(default)]
+    pub strategy: StrategyName,
+    /// Leader pairs per replica pair for `leaders` (striping over several links).
+    #[serde(default = "one")]
+    pub stripes: usize,
+}
+
+/// Boundary strategies as written in configs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StrategyName {
+    /// `exact` when colocated, `leaders` when not.
+    #[default]
+    Auto,
+    /// Move exactly the rows each rank lacks (all-to-all-v or direct point-to-point).
+    Exact,
+    /// Colocated gather-and-select (all-gather inside groups, keep the needed intervals).
+    Gather,
+    /// Non-colocated boundary leaders plus local distribution.
+    Leaders,
+}
+
+impl Config {
+    /// Parses a config from TOML text. Errors are one line: the line number, the enclosing
+    /// table and the parser's reason.
+    pub fn from_toml(text: &str) -> Result<Config> {
+        toml::from_str(text).map_err(|e| {
+            let offset = e.span().map(|s| s.start).unwrap_or(0).min(text.len());
+            let line = text[..offset].matches('\n').count() + 1;
+            let field = match enclosing_table(text, offset) {
+                Some(table) => format!("line {line}, in {table}"),
+                None => format!("line {line}"),
+            };
+            ConfigError::new(field, e.message().trim().replace('\n', " "))
+        })
+    }
+
+    /// Serializes back to TOML (used by `plan --emit-config`).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a Config always serializes")
+    }
+}
+
+/// The last `[table]` or `[[array]]` header at or before byte `offset`.
+fn enclosing_table(text: &str, offset: usize) -> Option<&str> {
+    let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
+    text[..end]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| l.split('#').next().unwrap_or(l).trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+name = "t"
+[train]
+global_batch = 8
+microbatches = 2
+seq_len = 64
+[modules.llm]
+kind = "llama"
+vocab = 64
+hidden = 32
+layers = 2
+heads = 4
+ffn = 64
+[modules.llm.parallel]
+ranks = [0, 2]
+tp = 2
+"#;
+
+    #[test]
+    fn defaults_fill_optional_fields() {
+        let c = Config::from_toml(MINIMAL).expect("parses");
+        assert_eq!(c.train.seed, 1234);
+        assert_eq!(c.train.dtype, Dtype::F32);
+        assert_eq!(c.data.source, DataSource::Synthetic);
+        let p = &c.modules["llm"].parallel;
+        assert_eq!((p.tp, p.cp, p.pp, p.ep, p.etp, p.sp), (2, 1, 1, 1, None, false));
+        assert!(c.edges.is_empty());
+    }
+
+    #[test]
+    fn unknown_key_is_one_line_with_line_and_table() {
+        let text = MINIMAL.replace("tp = 2", "tpp = 2");
+        let e = Config::from_toml(&text).expect_err("unknown key");
+        let msg = e.to_string();
+        assert!(!msg.contains('\n'), "{msg}");
+        assert!(
+            msg.starts_with("line 16, in [modules.llm.parallel]: unknown field `tpp`"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn unknown_kind_names_the_choices() {
+        let text = MINIMAL.replace("\"llama\"", "\"gpt\"");
+        let msg = Config::from_toml(&text).expect_err("bad kind").to_string();
+        assert!(msg.starts_with("line 8, in [modules.llm]: unknown variant `gpt`"), "{msg}");
+    }
+
+    #[test]
+    fn round_trips_through_toml() {
+        let c = Config::from_toml(MINIMAL).expect("parses");
+        assert_eq!(Config::from_toml(&c.to_toml()).expect("re-parses"), c);
+    }
+}

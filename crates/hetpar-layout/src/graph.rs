@@ -1,0 +1,617 @@
+//! The validated model graph: modules with layouts, edges with placement mode, DP relation and
+//! boundary strategy. [`ModelGraph::from_config`] is the single place a [`Config`] is checked;
+//! every rejection is one line naming the field and the arithmetic (RELIABILITY.md row 7).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::config::{Config, DataConfig, ModuleConfig, ModuleKind, StrategyName, TrainConfig};
+use crate::error::{ConfigError, Result};
+use crate::layout::{LayoutSpec, ModuleLayout, Span};
+use crate::plan::Strategy;
+
+/// Index of a module in [`ModelGraph::modules`].
+pub type ModuleId = usize;
+/// Index of an edge in [`ModelGraph::edges`].
+pub type EdgeId = usize;
+
+/// Architecture sizes of a module, by kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModuleSpec {
+    /// ViT encoder + projector.
+    Vit {
+        /// Image side in pixels.
+        image_size: usize,
+        /// Patch side in pixels.
+        patch_size: usize,
+    },
+    /// Whisper-style audio encoder + projector.
+    Audio {
+        /// Log-mel channels.
+        n_mels: usize,
+        /// Log-mel frames per clip.
+        frames: usize,
+    },
+    /// Llama-style LLM.
+    Llama {
+        /// Vocabulary size.
+        vocab: usize,
+        /// Key/value heads.
+        kv_heads: usize,
+        /// Experts per MoE layer (0: dense).
+        experts: usize,
+        /// Experts per token.
+        top_k: usize,
+    },
+}
+
+/// Transformer sizes shared by every kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    /// Model width.
+    pub hidden: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// MLP width.
+    pub ffn: usize,
+}
+
+/// A module of the graph.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Module {
+    /// Name from the config.
+    pub name: String,
+    /// Kind-specific sizes.
+    pub spec: ModuleSpec,
+    /// Shared transformer sizes.
+    pub dims: Dims,
+    /// Validated layout and placement.
+    pub layout: ModuleLayout,
+}
+
+impl Module {
+    /// The config kind.
+    pub fn kind(&self) -> ModuleKind {
+        match self.spec {
+            ModuleSpec::Vit { .. } => ModuleKind::Vit,
+            ModuleSpec::Audio { .. } => ModuleKind::Audio,
+            ModuleSpec::Llama { .. } => ModuleKind::Llama,
+        }
+    }
+
+    /// Boundary rows one input item (an image, an audio clip) produces; `None` for the LLM.
+    pub fn rows_per_item(&self) -> Option<usize> {
+        match self.spec {
+            ModuleSpec::Vit { image_size, patch_size } => Some((image_size / patch_size).pow(2)),
+            // The conv stem has stride 2 over frames.
+            ModuleSpec::Audio { frames, .. } => Some(frames / 2),
+            ModuleSpec::Llama { .. } => None,
+        }
+    }
+}
+
+/// How the two ends of an edge are placed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlacementMode {
+    /// Same span, different grids.
+    Colocated,
+    /// Disjoint spans (rank islands).
+    NonColocated,
+}
+
+impl PlacementMode {
+    /// `colocated` or `non_colocated`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlacementMode::Colocated => "colocated",
+            PlacementMode::NonColocated => "non_colocated",
+        }
+    }
+}
+
+/// The DP relation between the ends of an edge (SEMANTICS.md section 4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DpRelation {
+    /// `dp_src == dp_dst`.
+    EqualDp,
+    /// `dp_src == k * dp_dst`, `k > 1`.
+    FanIn(usize),
+    /// `dp_dst == k * dp_src`, `k > 1`.
+    FanOut(usize),
+    /// Neither divides the other.
+    General,
+}
+
+impl DpRelation {
+    /// Classifies `dp_src -> dp_dst`.
+    pub fn of(dp_src: usize, dp_dst: usize) -> DpRelation {
+        if dp_src == dp_dst {
+            DpRelation::EqualDp
+        } else if dp_src.is_multiple_of(dp_dst) {
+            DpRelation::FanIn(dp_src / dp_dst)
+        } else if dp_dst.is_multiple_of(dp_src) {
+            DpRelation::FanOut(dp_dst / dp_src)
+        } else {
+            DpRelation::General
+        }
+    }
+
+    /// `equal-dp`, `fan-in`, `fan-out` or `general`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DpRelation::EqualDp => "equal-dp",
+            DpRelation::FanIn(_) => "fan-in",
+            DpRelation::FanOut(_) => "fan-out",
+            DpRelation::General => "general",
+        }
+    }
+}
+
+impl fmt::Display for DpRelation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DpRelation::FanIn(k) | DpRelation::FanOut(k) => write!(f, "{} x{k}", self.name()),
+            _ => f.write_str(self.name()),
+        }
+    }
+}
+
+/// A validated edge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Edge {
+    /// Source module (an encoder).
+    pub src: ModuleId,
+    /// Destination module (the LLM).
+    pub dst: ModuleId,
+    /// Colocated or not.
+    pub mode: PlacementMode,
+    /// DP relation of the two layouts.
+    pub relation: DpRelation,
+    /// Routing strategy, resolved from `auto`.
+    pub strategy: Strategy,
+}
+
+/// A config after validation: what every later stage reads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelGraph {
+    /// Run name.
+    pub name: String,
+    /// `[train]` as written.
+    pub train: TrainConfig,
+    /// `[data]` as written.
+    pub data: DataConfig,
+    /// Ranks `0..world` are all in some module's span.
+    pub world: usize,
+    /// Modules in name order.
+    pub modules: Vec<Module>,
+    /// Edges in config order.
+    pub edges: Vec<Edge>,
+}
+
+impl ModelGraph {
+    /// Validates `cfg`. Every check happens here, before any rank or communicator exists.
+    pub fn from_config(cfg: &Config) -> Result<ModelGraph> {
+        if cfg.modules.is_empty() {
+            return Err(ConfigError::new(
+                "modules",
+                "no modules defined: add a [modules.NAME] table",
+            ));
+        }
+        let modules: Vec<Module> = cfg
+            .modules
+            .iter()
+            .map(|(name, m)| build_module(name, m, &cfg.train))
+            .collect::<Result<_>>()?;
+        let world = check_spans(&modules)?;
+        let ids: BTreeMap<&str, ModuleId> =
+            modules.iter().enumerate().map(|(i, m)| (m.name.as_str(), i)).collect();
+        let edges = build_edges(cfg, &modules, &ids)?;
+        check_batch(&cfg.train, &modules)?;
+        check_sequence(&cfg.train, &modules, &edges)?;
+        Ok(ModelGraph {
+            name: cfg.name.clone(),
+            train: cfg.train.clone(),
+            data: cfg.data.clone(),
+            world,
+            modules,
+            edges,
+        })
+    }
+
+    /// The module called `name`.
+    pub fn module_id(&self, name: &str) -> Option<ModuleId> {
+        self.modules.iter().position(|m| m.name == name)
+    }
+
+    /// Edges ending at `dst`, in config order.
+    pub fn edges_into(&self, dst: ModuleId) -> impl Iterator<Item = (EdgeId, &Edge)> {
+        self.edges.iter().enumerate().filter(move |(_, e)| e.dst == dst)
+    }
+
+    /// Samples per global microbatch: `global_batch / microbatches`.
+    pub fn microbatch_size(&self) -> usize {
+        self.train.global_batch / self.train.microbatches
+    }
+
+    /// Modules in dependency order (every source before its destinations).
+    pub fn topo_order(&self) -> Vec<ModuleId> {
+        let pairs: Vec<(usize, usize)> = self.edges.iter().map(|e| (e.src, e.dst)).collect();
+        topo_sort(self.modules.len(), &pairs).expect("validated graphs are acyclic")
+    }
+}
+
+fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Module> {
+    let field = format!("modules.{name}");
+    let err = |message: String| Err(ConfigError::new(field.clone(), message));
+    let kind = m.kind.name();
+    // Fields that belong to other kinds are rejected, missing ones named.
+    let present: [(&str, bool, &[ModuleKind]); 8] = [
+        ("image_size", m.image_size.is_some(), &[ModuleKind::Vit]),
+        ("patch_size", m.patch_size.is_some(), &[ModuleKind::Vit]),
+        ("n_mels", m.n_mels.is_some(), &[ModuleKind::Audio]),
+        ("frames", m.frames.is_some(), &[ModuleKind::Audio]),
+        ("vocab", m.vocab.is_some(), &[ModuleKind::Llama]),
+        ("kv_heads", m.kv_heads.is_some(), &[ModuleKind::Llama]),
+        ("experts", m.experts.is_some(), &[ModuleKind::Llama]),
+        ("top_k", m.top_k.is_some(), &[ModuleKind::Llama]),
+    ];
+    for (key, is_set, kinds) in present {
+        if is_set && !kinds.contains(&m.kind) {
+            return err(format!("`{key}` does not apply to kind \"{kind}\""));
+        }
+    }
+    let need = |key: &str, v: Option<usize>| -> Result<usize> {
+        v.ok_or_else(|| ConfigError::new(field.clone(), format!("kind \"{kind}\" needs `{key}`")))
+    };
+    let dims = Dims { hidden: m.hidden, layers: m.layers, heads: m.heads, ffn: m.ffn };
+    for (key, v) in [("hidden", m.hidden), ("layers", m.layers), ("heads", m.heads), ("ffn", m.ffn)]
+    {
+        if v == 0 {
+            return err(format!("{key} must be at least 1, got 0"));
+        }
+    }
+    if !m.hidden.is_multiple_of(m.heads) {
+        return err(format!("hidden({}) is not divisible by heads({})", m.hidden, m.heads));
+    }
+    let spec = match m.kind {
+        ModuleKind::Vit => {
+            let (image_size, patch_size) =
+                (need("image_size", m.image_size)?, need("patch_size", m.patch_size)?);
+            if patch_size == 0 || image_size == 0 || image_size % patch_size != 0 {
+                return err(format!(
+                    "image_size({image_size}) is not a positive multiple of patch_size({patch_size})"
+                ));
+            }
+            ModuleSpec::Vit { image_size, patch_size }
+        }
+        ModuleKind::Audio => {
+            let (n_mels, frames) = (need("n_mels", m.n_mels)?, need("frames", m.frames)?);
+            if n_mels == 0 || frames < 2 || frames % 2 != 0 {
+                return err(format!(
+                    "needs n_mels >= 1 and an even frames >= 2 (stride-2 stem), got n_mels({n_mels}) frames({frames})"
+                ));
+            }
+            ModuleSpec::Audio { n_mels, frames }
+        }
+        ModuleKind::Llama => {
+            let vocab = need("vocab", m.vocab)?;
+            let kv_heads = m.kv_heads.unwrap_or(m.heads);
+            if vocab == 0 || kv_heads == 0 || !m.heads.is_multiple_of(kv_heads) {
+                return err(format!(
+                    "heads({}) must be a multiple of kv_heads({kv_heads}) and vocab({vocab}) positive",
+                    m.heads
+                ));
+            }
+            let experts = m.experts.unwrap_or(0);
+            let top_k = m.top_k.unwrap_or(if experts == 0 { 0 } else { 2.min(experts) });
+            if experts > 0 && (top_k == 0 || top_k > experts) {
+                return err(format!("top_k({top_k}) must be in 1..=experts({experts})"));
+            }
+            ModuleSpec::Llama { vocab, kv_heads, experts, top_k }
+        }
+    };
+    let p = &m.parallel;
+    let span = Span::new(p.ranks[0], p.ranks[1]);
+    let layout_spec = LayoutSpec { tp: p.tp, cp: p.cp, pp: p.pp, ep: p.ep, etp: p.etp, sp: p.sp };
+    let layout = ModuleLayout::new(name, span, layout_spec)?;
+    let pfield = format!("{field}.parallel");
+    let perr = |message: String| Err(ConfigError::new(pfield.clone(), message));
+    let tp = layout.tp();
+    let mut divides = vec![("heads", m.heads), ("ffn", m.ffn)];
+    if let ModuleSpec::Llama { vocab, kv_heads, .. } = spec {
+        divides.extend([("kv_heads", kv_heads), ("vocab", vocab)]);
+    }
+    for (key, v) in divides {
+        if v % tp != 0 {
+            return perr(format!("tp({tp}) does not divide {key}({v})"));
+        }
+    }
+    if layout.pp() > m.layers {
+        return perr(format!("pp({}) is more than layers({})", layout.pp(), m.layers));
+    }
+    let experts = match spec {
+        ModuleSpec::Llama { experts, .. } => experts,
+        _ => 0,
+    };
+    if layout.ep() > 1 && experts == 0 {
+        return perr(format!("ep({}) needs a MoE module (experts > 0)", layout.ep()));
+    }
+    if experts > 0 && experts % layout.ep() != 0 {
+        return perr(format!("ep({}) does not divide experts({experts})", layout.ep()));
+    }
+    if experts > 0 && !m.ffn.is_multiple_of(layout.etp()) {
+        return perr(format!("etp({}) does not divide ffn({})", layout.etp(), m.ffn));
+    }
+    if m.kind == ModuleKind::Llama {
+        let (cp, seq) = (layout.cp(), train.seq_len);
+        if cp > 1 && seq % (2 * cp) != 0 {
+            return perr(format!(
+                "train.seq_len({seq}) is not divisible by 2*cp = {} load-balanced chunks",
+                2 * cp
+            ));
+        }
+        if layout.sp() && (seq / cp) % tp != 0 {
+            return perr(format!(
+                "sequence parallelism needs seq_len({seq}) / cp({cp}) = {} divisible by tp({tp})",
+                seq / cp
+            ));
+        }
+    }
+    Ok(Module { name: name.to_string(), spec, dims, layout })
+}
+
+/// Spans must be equal or disjoint and cover `0..world` with no gap; returns `world`.
+fn check_spans(modules: &[Module]) -> Result<usize> {
+    for (i, a) in modules.iter().enumerate() {
+        for b in &modules[i + 1..] {
+            let (sa, sb) = (a.layout.span(), b.layout.span());
+            if sa != sb && sa.overlaps(&sb) {
+                return Err(ConfigError::new(
+                    format!("modules.{}.parallel.ranks", b.name),
+                    format!(
+                        "{sb} partly overlaps modules.{}.parallel.ranks {sa}: spans must be equal (colocated) or disjoint (non-colocated)",
+                        a.name
+                    ),
+                ));
+            }
+        }
+    }
+    let world = modules.iter().map(|m| m.layout.span().end).max().unwrap_or(0);
+    let mut spans: Vec<Span> = modules.iter().map(|m| m.layout.span()).collect();
+    spans.sort();
+    let mut covered = 0;
+    for s in spans {
+        if s.start > covered {
+            return Err(ConfigError::new(
+                "modules",
+                format!(
+                    "ranks {} belong to no module: every rank in [0, {world}) must be in some module's span",
+                    Span::new(covered, s.start)
+                ),
+            ));
+        }
+        covered = covered.max(s.end);
+    }
+    Ok(world)
+}
+
+fn build_edges(
+    cfg: &Config,
+    modules: &[Module],
+    ids: &BTreeMap<&str, ModuleId>,
+) -> Result<Vec<Edge>> {
+    let names = || modules.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ");
+    let mut pairs = Vec::new();
+    for (i, e) in cfg.edges.iter().enumerate() {
+        let lookup = |key: &str, name: &str| {
+            ids.get(name).copied().ok_or_else(|| {
+                ConfigError::new(
+                    format!("edges[{i}].{key}"),
+                    format!("\"{name}\" names no module; modules are {}", names()),
+                )
+            })
+        };
+        let (src, dst) = (lookup("from", &e.from)?, lookup("to", &e.to)?);
+        if src == dst {
+            return Err(ConfigError::new(
+                format!("edges[{i}]"),
+                format!("{} -> {} is a self-loop", e.from, e.to),
+            ));
+        }
+        if pairs.contains(&(src, dst)) {
+            return Err(ConfigError::new(
+                format!("edges[{i}]"),
+                format!("{} -> {} is listed twice", e.from, e.to),
+            ));
+        }
+        pairs.push((src, dst));
+    }
+    if let Err(cycle) = topo_sort(modules.len(), &pairs) {
+        let path: Vec<&str> = cycle.iter().map(|&m| modules[m].name.as_str()).collect();
+        return Err(ConfigError::new("edges", format!("form a cycle: {}", path.join(" -> "))));
+    }
+    let llms: Vec<&str> =
+        modules.iter().filter(|m| m.kind() == ModuleKind::Llama).map(|m| m.name.as_str()).collect();
+    if llms.len() != 1 {
+        return Err(ConfigError::new(
+            "modules",
+            format!(
+                "need exactly one module of kind \"llama\" (the LLM the encoders feed), found {}{}",
+                llms.len(),
+                if llms.is_empty() { String::new() } else { format!(": {}", llms.join(", ")) }
+            ),
+        ));
+    }
+    let mut edges = Vec::new();
+    for (i, (e, &(src, dst))) in cfg.edges.iter().zip(&pairs).enumerate() {
+        let field = format!("edges[{i}]");
+        let (s, d) = (&modules[src], &modules[dst]);
+        if !s.kind().is_encoder() || d.kind() != ModuleKind::Llama {
+            return Err(ConfigError::new(
+                field,
+                format!(
+                    "{} ({}) -> {} ({}): an edge must go from an encoder (vit, audio) to the llama module",
+                    s.name,
+                    s.kind().name(),
+                    d.name,
+                    d.kind().name()
+                ),
+            ));
+        }
+        let (ss, ds) = (s.layout.span(), d.layout.span());
+        let mode = if ss == ds { PlacementMode::Colocated } else { PlacementMode::NonColocated };
+        let strategy = resolve_strategy(&field, e.strategy, e.stripes, mode, &s.layout, &d.layout)?;
+        let relation = DpRelation::of(s.layout.dp(), d.layout.dp());
+        edges.push(Edge { src, dst, mode, relation, strategy });
+    }
+    for (id, m) in modules.iter().enumerate() {
+        if m.kind().is_encoder() && !edges.iter().any(|e| e.src == id) {
+            return Err(ConfigError::new(
+                format!("modules.{}", m.name),
+                format!(
+                    "encoder feeds no module: add [[edges]] from = \"{}\" to = \"{}\"",
+                    m.name, llms[0]
+                ),
+            ));
+        }
+    }
+    Ok(edges)
+}
+
+fn resolve_strategy(
+    field: &str,
+    name: StrategyName,
+    stripes: usize,
+    mode: PlacementMode,
+    src: &ModuleLayout,
+    dst: &ModuleLayout,
+) -> Result<Strategy> {
+    let err = |message: String| Err(ConfigError::new(field, message));
+    let colocated = mode == PlacementMode::Colocated;
+    let leaders =
+        matches!(name, StrategyName::Leaders) || (matches!(name, StrategyName::Auto) && !colocated);
+    if stripes != 1 && !leaders {
+        return err(format!("stripes({stripes}) only applies to strategy \"leaders\""));
+    }
+    match name {
+        StrategyName::Gather if !colocated => {
+            return err(format!(
+                "strategy \"gather\" needs colocated modules, but spans {} and {} are disjoint",
+                src.span(),
+                dst.span()
+            ));
+        }
+        StrategyName::Leaders if colocated => {
+            return err(format!(
+                "strategy \"leaders\" needs disjoint spans, but both modules use {}",
+                src.span()
+            ));
+        }
+        _ => {}
+    }
+    if leaders {
+        let max = src.stage_width().min(dst.stage_width());
+        if stripes == 0 || stripes > max {
+            return err(format!(
+                "stripes({stripes}) must be in 1..={max}: min(source tp*cp = {}, destination tp*cp = {})",
+                src.stage_width(),
+                dst.stage_width()
+            ));
+        }
+        return Ok(Strategy::Leaders { stripes });
+    }
+    Ok(match name {
+        StrategyName::Gather => Strategy::Gather,
+        _ => Strategy::Exact,
+    })
+}
+
+fn check_batch(train: &TrainConfig, modules: &[Module]) -> Result<()> {
+    let (b, m) = (train.global_batch, train.microbatches);
+    if b == 0 || m == 0 || b % m != 0 {
+        return Err(ConfigError::new(
+            "train.global_batch",
+            format!("global_batch({b}) must be a positive multiple of microbatches({m})"),
+        ));
+    }
+    let mb = b / m;
+    for module in modules {
+        let dp = module.layout.dp();
+        if mb % dp != 0 {
+            return Err(ConfigError::new(
+                "train.global_batch",
+                format!(
+                    "global_batch({b}) / microbatches({m}) = {mb} samples per microbatch is not divisible by modules.{} dp({dp})",
+                    module.name
+                ),
+            ));
+        }
+    }
+    if train.seq_len == 0 {
+        return Err(ConfigError::new("train.seq_len", "must be at least 1, got 0"));
+    }
+    Ok(())
+}
+
+/// One sample must fit one item of every encoder feeding the LLM plus a text token.
+fn check_sequence(train: &TrainConfig, modules: &[Module], edges: &[Edge]) -> Result<()> {
+    let parts: Vec<String> = edges
+        .iter()
+        .map(|e| {
+            let s = &modules[e.src];
+            format!("{} {}", s.rows_per_item().unwrap_or(0), s.name)
+        })
+        .collect();
+    let rows: usize = edges.iter().filter_map(|e| modules[e.src].rows_per_item()).sum();
+    if rows + 1 > train.seq_len {
+        return Err(ConfigError::new(
+            "train.seq_len",
+            format!(
+                "seq_len({}) cannot hold one item per encoder ({} rows) plus a text token",
+                train.seq_len,
+                parts.join(" + ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Kahn's algorithm. On a cycle, returns one cycle as a closed path of node ids.
+pub(crate) fn topo_sort(n: usize, edges: &[(usize, usize)]) -> Result<Vec<usize>, Vec<usize>> {
+    let mut indeg = vec![0; n];
+    for &(_, d) in edges {
+        indeg[d] += 1;
+    }
+    let mut ready: Vec<usize> = (0..n).filter(|&v| indeg[v] == 0).rev().collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(v) = ready.pop() {
+        order.push(v);
+        for &(s, d) in edges {
+            if s == v {
+                indeg[d] -= 1;
+                if indeg[d] == 0 {
+                    ready.push(d);
+                }
+            }
+        }
+    }
+    if order.len() == n {
+        return Ok(order);
+    }
+    // Every node left has a predecessor that is also left: walk predecessors until one repeats.
+    let left: Vec<bool> = (0..n).map(|v| indeg[v] > 0).collect();
+    let mut v = (0..n).find(|&v| left[v]).expect("a cycle leaves a node");
+    let mut path = vec![v];
+    loop {
+        v = edges.iter().find(|&&(s, d)| d == v && left[s]).map(|&(s, _)| s).expect("predecessor");
+        if let Some(i) = path.iter().position(|&p| p == v) {
+            let mut cycle: Vec<usize> = path[i..].to_vec();
+            cycle.reverse();
+            cycle.push(cycle[0]);
+            return Err(cycle);
+        }
+        path.push(v);
+    }
+}

@@ -1,0 +1,79 @@
+//! The `gather` strategy (colocated): all-gather-v inside groups, then local selection.
+//!
+//! A rank that lacks a row is linked to the row's single contributor (forward: its lowest
+//! holder; backward: its canonical gradient). The connected components of those links are
+//! the gather groups: each member contributes the rows it is the contributor of, every
+//! member receives all contributions into its stage buffer and copies out the intervals it
+//! needs. Rows a rank already has are copied locally, so a fan-in backward moves nothing.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{Buf, Movement, Op, Program, Seg, Segs};
+
+pub(super) fn plan(mv: &Movement<'_>) -> Program {
+    let mut prog = mv.empty_program();
+    let ranks: Vec<usize> = prog.ops.keys().copied().collect();
+    let index: BTreeMap<usize, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    let mut parent: Vec<usize> = (0..ranks.len()).collect();
+    fn find(parent: &mut [usize], mut x: usize) -> usize {
+        while parent[x] != x {
+            parent[x] = parent[parent[x]];
+            x = parent[x];
+        }
+        x
+    }
+    // (target, slot, row) for every row a target lacks.
+    let mut missing = Vec::new();
+    for &t in &ranks {
+        for (slot, row) in mv.copy_local(&mut prog, t) {
+            let (a, b) =
+                (find(&mut parent, index[&t]), find(&mut parent, index[&mv.contributor(row)]));
+            parent[a] = b;
+            missing.push((t, slot, row));
+        }
+    }
+    // Rows each component must circulate.
+    let mut comp_rows: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
+    for &(t, _, row) in &missing {
+        let c = find(&mut parent, index[&t]);
+        comp_rows.entry(c).or_default().insert(row);
+    }
+    for (&c, rows) in &comp_rows {
+        let group: Vec<usize> =
+            ranks.iter().copied().filter(|&r| find(&mut parent, index[&r]) == c).collect();
+        let contributions: Vec<Vec<usize>> = group
+            .iter()
+            .map(|&m| rows.iter().copied().filter(|&row| mv.contributor(row) == m).collect())
+            .collect();
+        let counts: Vec<usize> = contributions.iter().map(Vec::len).collect();
+        let total: usize = counts.iter().sum();
+        // Offset of each row in the gathered concatenation.
+        let offset: BTreeMap<usize, usize> =
+            contributions.iter().flatten().enumerate().map(|(i, &row)| (row, i)).collect();
+        for (m, mine) in group.iter().zip(&contributions) {
+            let base = prog.alloc_stage(*m, total);
+            let mut send = Segs::default();
+            for &row in mine {
+                send.push(
+                    mv.source_buf(),
+                    mv.source_slot(*m, row).expect("contributor has the row"),
+                );
+            }
+            let into = Seg { buf: Buf::Stage, start: base, len: total };
+            prog.push(
+                *m,
+                Op::AllGatherV { group: group.clone(), send, counts: counts.clone(), into },
+            );
+            let (mut from, mut to) = (Segs::default(), Segs::default());
+            for &(t, slot, row) in missing.iter().filter(|(t, _, _)| t == m) {
+                debug_assert_eq!(t, *m);
+                from.push(Buf::Stage, base + offset[&row]);
+                to.push(mv.target_buf(), slot);
+            }
+            if !from.is_empty() {
+                prog.push(*m, Op::Copy { from, to });
+            }
+        }
+    }
+    prog
+}

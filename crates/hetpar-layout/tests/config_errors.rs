@@ -1,0 +1,228 @@
+//! RELIABILITY.md row 7: every malformed config is rejected before any rank starts, with one
+//! line naming the field and the arithmetic. Each case edits one thing of a valid config.
+
+use hetpar_layout::{Config, ModelGraph, PlacementMode, Strategy};
+
+const GOOD: &str = r#"
+name = "t"
+[train]
+global_batch = 32
+microbatches = 4
+seq_len = 128
+
+[modules.vision]
+kind = "vit"
+image_size = 32
+patch_size = 8
+hidden = 64
+layers = 2
+heads = 4
+ffn = 128
+[modules.vision.parallel]
+ranks = [0, 8]
+
+[modules.llm]
+kind = "llama"
+vocab = 512
+hidden = 96
+layers = 4
+heads = 8
+kv_heads = 4
+ffn = 192
+[modules.llm.parallel]
+ranks = [0, 8]
+tp = 4
+cp = 2
+sp = true
+
+[modules.audio]
+kind = "audio"
+n_mels = 16
+frames = 32
+hidden = 64
+layers = 2
+heads = 4
+ffn = 128
+[modules.audio.parallel]
+ranks = [8, 10]
+
+[[edges]]
+from = "vision"
+to = "llm"
+
+[[edges]]
+from = "audio"
+to = "llm"
+"#;
+
+fn validate(text: &str) -> Result<ModelGraph, String> {
+    let cfg = Config::from_toml(text).map_err(|e| e.to_string())?;
+    ModelGraph::from_config(&cfg).map_err(|e| e.to_string())
+}
+
+/// The error of `GOOD` with `from` replaced by `to` (exactly once).
+fn error_after(from: &str, to: &str) -> String {
+    assert_eq!(GOOD.matches(from).count(), 1, "edit target {from:?} must be unique");
+    let msg = validate(&GOOD.replacen(from, to, 1)).expect_err("the edit breaks the config");
+    assert!(!msg.contains('\n'), "one line: {msg}");
+    msg
+}
+
+#[test]
+fn the_base_config_is_valid() {
+    let g = validate(GOOD).expect("valid");
+    assert_eq!(g.world, 10);
+    let vision = g.module_id("vision").expect("vision");
+    let e = g.edges.iter().find(|e| e.src == vision).expect("edge");
+    assert_eq!((e.mode, e.strategy), (PlacementMode::Colocated, Strategy::Exact));
+    assert_eq!(g.modules[vision].layout.dp(), 8);
+    let audio = g.edges.iter().find(|e| e.src != vision).expect("edge");
+    assert_eq!(audio.mode, PlacementMode::NonColocated);
+    assert_eq!(audio.strategy, Strategy::Leaders { stripes: 1 });
+}
+
+#[test]
+fn axes_that_do_not_fill_the_span() {
+    assert_eq!(
+        error_after("tp = 4\ncp = 2", "tp = 4\ncp = 3"),
+        "modules.llm.parallel: tp(4) * cp(3) * pp(1) = 12 does not divide span [0, 8) of 8 ranks"
+    );
+}
+
+#[test]
+fn tp_that_does_not_divide_heads_or_kv_heads() {
+    assert_eq!(
+        error_after("heads = 8\nkv_heads = 4", "heads = 6\nkv_heads = 2"),
+        "modules.llm.parallel: tp(4) does not divide heads(6)"
+    );
+    assert_eq!(
+        error_after("kv_heads = 4", "kv_heads = 2"),
+        "modules.llm.parallel: tp(4) does not divide kv_heads(2)"
+    );
+}
+
+#[test]
+fn ep_must_divide_experts() {
+    let text = GOOD.replacen("kv_heads = 4", "kv_heads = 4\nexperts = 6\ntop_k = 2", 1).replacen(
+        "sp = true",
+        "sp = true\nep = 4\netp = 1",
+        1,
+    );
+    assert_eq!(
+        validate(&text).expect_err("6 % 4"),
+        "modules.llm.parallel: ep(4) does not divide experts(6)"
+    );
+}
+
+#[test]
+fn spans_that_overlap_partly() {
+    assert_eq!(
+        error_after("ranks = [8, 10]", "ranks = [6, 10]"),
+        "modules.llm.parallel.ranks: [0, 8) partly overlaps modules.audio.parallel.ranks [6, 10): spans must be equal (colocated) or disjoint (non-colocated)"
+    );
+}
+
+#[test]
+fn unknown_keys_anywhere() {
+    assert_eq!(
+        error_after("tp = 4", "tpp = 4"),
+        "line 29, in [modules.llm.parallel]: unknown field `tpp`, expected one of `ranks`, `tp`, `cp`, `pp`, `ep`, `etp`, `sp`"
+    );
+    assert!(
+        error_after("seq_len = 128", "seq_len = 128\nwarmup = 3")
+            .starts_with("line 7, in [train]: unknown field `warmup`")
+    );
+    assert!(
+        error_after("name = \"t\"", "name = \"t\"\nnmae = 1")
+            .starts_with("line 3: unknown field `nmae`")
+    );
+}
+
+#[test]
+fn missing_modules() {
+    assert_eq!(
+        error_after("from = \"audio\"", "from = \"sound\""),
+        "edges[1].from: \"sound\" names no module; modules are audio, llm, vision"
+    );
+    let msg = validate("name = \"t\"\n[train]\nglobal_batch = 1\nmicrobatches = 1\nseq_len = 8\n")
+        .expect_err("no modules");
+    assert_eq!(msg, "modules: no modules defined: add a [modules.NAME] table");
+    let no_llm = GOOD.replacen("kind = \"llama\"", "kind = \"vit\"", 1);
+    assert!(
+        validate(&no_llm)
+            .expect_err("no llama")
+            .starts_with("modules.llm: `vocab` does not apply to kind \"vit\"")
+    );
+    assert_eq!(
+        error_after("patch_size = 8\n", ""),
+        "modules.vision: kind \"vit\" needs `patch_size`"
+    );
+}
+
+#[test]
+fn a_cycle_in_the_graph() {
+    let text = format!("{GOOD}\n[[edges]]\nfrom = \"llm\"\nto = \"vision\"\n");
+    assert_eq!(validate(&text).expect_err("cycle"), "edges: form a cycle: vision -> llm -> vision");
+}
+
+#[test]
+fn batch_not_divisible_by_microbatches_times_dp() {
+    assert_eq!(
+        error_after("global_batch = 32", "global_batch = 16"),
+        "train.global_batch: global_batch(16) / microbatches(4) = 4 samples per microbatch is not divisible by modules.vision dp(8)"
+    );
+    assert_eq!(
+        error_after("global_batch = 32", "global_batch = 30"),
+        "train.global_batch: global_batch(30) must be a positive multiple of microbatches(4)"
+    );
+}
+
+#[test]
+fn sequence_arithmetic() {
+    assert_eq!(
+        error_after("seq_len = 128", "seq_len = 102"),
+        "modules.llm.parallel: train.seq_len(102) is not divisible by 2*cp = 4 load-balanced chunks"
+    );
+    assert_eq!(
+        error_after("seq_len = 128", "seq_len = 20"),
+        "modules.llm.parallel: sequence parallelism needs seq_len(20) / cp(2) = 10 divisible by tp(4)"
+    );
+    assert_eq!(
+        error_after("seq_len = 128", "seq_len = 16"),
+        "train.seq_len: seq_len(16) cannot hold one item per encoder (16 vision + 16 audio rows) plus a text token"
+    );
+}
+
+#[test]
+fn placement_and_strategy_mismatches() {
+    assert_eq!(
+        error_after(
+            "from = \"audio\"\nto = \"llm\"",
+            "from = \"audio\"\nto = \"llm\"\nstrategy = \"gather\""
+        ),
+        "edges[1]: strategy \"gather\" needs colocated modules, but spans [8, 10) and [0, 8) are disjoint"
+    );
+    assert_eq!(
+        error_after(
+            "from = \"audio\"\nto = \"llm\"",
+            "from = \"audio\"\nto = \"llm\"\nstripes = 4"
+        ),
+        "edges[1]: stripes(4) must be in 1..=1: min(source tp*cp = 1, destination tp*cp = 8)"
+    );
+    assert_eq!(
+        error_after(
+            "from = \"vision\"\nto = \"llm\"",
+            "from = \"vision\"\nto = \"llm\"\nstrategy = \"leaders\""
+        ),
+        "edges[0]: strategy \"leaders\" needs disjoint spans, but both modules use [0, 8)"
+    );
+    assert_eq!(
+        error_after("ranks = [8, 10]", "ranks = [9, 11]"),
+        "modules: ranks [8, 9) belong to no module: every rank in [0, 11) must be in some module's span"
+    );
+    let text = GOOD.replacen("[[edges]]\nfrom = \"audio\"\nto = \"llm\"\n", "", 1);
+    assert_eq!(
+        validate(&text).expect_err("dangling encoder"),
+        "modules.audio: encoder feeds no module: add [[edges]] from = \"audio\" to = \"llm\""
+    );
+}

@@ -1,0 +1,323 @@
+//! `hetpar layout CONFIG`: module grids and boundary plans as text or JSON.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use hetpar_layout::plan::{Direction, rank_list};
+use hetpar_layout::{BatchManifest, EdgePlan, EdgeReport, ModelGraph, Module, StepTraffic};
+use serde_json::json;
+
+/// Arguments of `hetpar layout`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Config file (TOML).
+    config: PathBuf,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Also print every rank's forward and backward program for microbatch 0.
+    #[arg(long)]
+    programs: bool,
+    /// Which step's synthetic manifest to plan (row counts vary per step).
+    #[arg(long, default_value_t = 0)]
+    step: u64,
+}
+
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let graph = crate::load_graph(&args.config)?;
+    let manifest = BatchManifest::synthetic(&graph, args.step);
+    let reports: Vec<EdgeReport> =
+        (0..graph.edges.len()).map(|e| EdgeReport::new(&graph, e, &manifest)).collect();
+    let out = if args.json {
+        serde_json::to_string_pretty(&to_json(&graph, &reports))? + "\n"
+    } else {
+        render(&graph, &manifest, &reports, args)
+    };
+    #[allow(clippy::print_stdout)]
+    {
+        print!("{out}");
+    }
+    Ok(())
+}
+
+/// `1.5 KiB`, `384 B`, `2.00 MiB`.
+fn human(bytes: usize) -> String {
+    let b = bytes as f64;
+    if bytes < 1024 {
+        format!("{bytes} B")
+    } else if b < 1024.0 * 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else if b < 1024.0 * 1024.0 * 1024.0 {
+        format!("{:.2} MiB", b / (1024.0 * 1024.0))
+    } else {
+        format!("{:.2} GiB", b / (1024.0 * 1024.0 * 1024.0))
+    }
+}
+
+fn plural(n: usize, word: &str) -> String {
+    let suffix = match (n, word.ends_with('h')) {
+        (1, _) => "",
+        (_, true) => "es",
+        _ => "s",
+    };
+    format!("{n} {word}{suffix}")
+}
+
+/// One table per pipeline stage: a row per replica, a column per (cp, tp) position.
+fn render_grid(out: &mut String, m: &Module) {
+    let l = &m.layout;
+    let mut line = format!(
+        "module {} ({}): ranks {}, {}",
+        m.name,
+        m.kind().name(),
+        rank_list(&l.span().ranks().collect::<Vec<_>>()),
+        l.describe()
+    );
+    if l.ep() > 1 || l.etp() != l.tp() {
+        write!(line, "; experts etp{} ep{} edp{}", l.etp(), l.ep(), l.edp()).expect("string");
+    }
+    writeln!(out, "{line}").expect("string");
+    let headers: Vec<String> = (0..l.cp())
+        .flat_map(|c| {
+            (0..l.tp())
+                .map(move |t| if l.cp() > 1 { format!("c{c}t{t}") } else { format!("tp{t}") })
+        })
+        .collect();
+    let width =
+        headers.iter().map(String::len).max().unwrap_or(3).max(l.span().end.to_string().len());
+    for pp in 0..l.pp() {
+        let mut head = format!("  stage {pp:<3}");
+        for h in &headers {
+            write!(head, " {h:>width$}").expect("string");
+        }
+        writeln!(out, "{head}").expect("string");
+        for dp in 0..l.dp() {
+            let mut row = format!("    dp{dp:<6}");
+            for r in l.stage_ranks(dp, pp) {
+                write!(row, " {r:>width$}").expect("string");
+            }
+            writeln!(out, "{row}").expect("string");
+        }
+    }
+}
+
+fn traffic_line(name: &str, t: &StepTraffic, row_bytes: usize) -> String {
+    let (moved, bound) = (t.total(), t.total_lower_bound());
+    let ratio = if bound == 0 {
+        if moved == 0 { "at the bound".to_string() } else { "bound is 0".to_string() }
+    } else {
+        format!("{:.2}x the bound", moved as f64 / bound as f64)
+    };
+    let crossing = if t.crossing > 0 {
+        format!(
+            "; {} rows = {} cross the island boundary",
+            t.crossing,
+            human(t.crossing * row_bytes)
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "  {name:<9} moves {} rows = {}, lower bound {} rows = {} ({ratio}){crossing}",
+        moved,
+        human(moved * row_bytes),
+        bound,
+        human(bound * row_bytes)
+    )
+}
+
+fn render_edge(out: &mut String, graph: &ModelGraph, r: &EdgeReport) {
+    let e = &graph.edges[r.edge];
+    let (sl, dl) = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
+    writeln!(
+        out,
+        "edge {} -> {}: {}, {} (dp {} -> {}), strategy {}",
+        r.src,
+        r.dst,
+        r.mode.name().replace('_', "-"),
+        r.relation,
+        sl.dp(),
+        dl.dp(),
+        r.strategy
+    )
+    .expect("string");
+    writeln!(
+        out,
+        "  {} this step ({} without any), {} each",
+        plural(r.rows, "row"),
+        plural(r.empty_samples, "sample"),
+        human(r.row_bytes)
+    )
+    .expect("string");
+    if let Some(leaders) = &r.leaders {
+        let fmt =
+            |v: &Vec<Vec<usize>>| v.iter().map(|l| rank_list(l)).collect::<Vec<_>>().join(" | ");
+        writeln!(
+            out,
+            "  leaders: {} [{}] -> {} [{}]",
+            r.src,
+            fmt(&leaders.src),
+            r.dst,
+            fmt(&leaders.dst)
+        )
+        .expect("string");
+    }
+    writeln!(out, "{}", traffic_line("forward", &r.forward, r.row_bytes)).expect("string");
+    writeln!(out, "{}", traffic_line("backward", &r.backward, r.row_bytes)).expect("string");
+    writeln!(
+        out,
+        "  {:>6} {:>11} {:>11} {:>11} {:>11}",
+        "rank", "fwd sent", "fwd recv", "bwd sent", "bwd recv"
+    )
+    .expect("string");
+    for (&rank, &fr) in &r.forward.received {
+        let cells = [r.forward.sent[&rank], fr, r.backward.sent[&rank], r.backward.received[&rank]];
+        if cells.iter().all(|&c| c == 0) {
+            continue;
+        }
+        let mut row = format!("  {rank:>6}");
+        for c in cells {
+            write!(row, " {:>11}", human(c * r.row_bytes)).expect("string");
+        }
+        writeln!(out, "{row}").expect("string");
+    }
+    let alts: Vec<String> = r
+        .alternatives
+        .iter()
+        .map(|(s, f, b)| {
+            let cross = if f.crossing + b.crossing > 0 {
+                format!(
+                    " ({}/{} across)",
+                    human(f.crossing * r.row_bytes),
+                    human(b.crossing * r.row_bytes)
+                )
+            } else {
+                String::new()
+            };
+            format!(
+                "{s} {}/{}{cross}",
+                human(f.total() * r.row_bytes),
+                human(b.total() * r.row_bytes)
+            )
+        })
+        .collect();
+    writeln!(out, "  strategies (forward/backward): {}", alts.join(", ")).expect("string");
+}
+
+fn render_programs(out: &mut String, graph: &ModelGraph, manifest: &BatchManifest, edge: usize) {
+    let plan = EdgePlan::for_edge(graph, edge, manifest, 0);
+    for dir in [Direction::Forward, Direction::Backward] {
+        writeln!(out, "  {dir:?} program, microbatch 0:").expect("string");
+        for (rank, ops) in &plan.program(dir).ops {
+            for op in ops {
+                writeln!(out, "    {rank:>4}: {op}").expect("string");
+            }
+        }
+    }
+}
+
+fn render(
+    graph: &ModelGraph,
+    manifest: &BatchManifest,
+    reports: &[EdgeReport],
+    args: &Args,
+) -> String {
+    let mut out = String::new();
+    let t = &graph.train;
+    writeln!(
+        out,
+        "{}: {}, {}, {}",
+        graph.name,
+        plural(graph.world, "rank"),
+        plural(graph.modules.len(), "module"),
+        plural(graph.edges.len(), "edge")
+    )
+    .expect("string");
+    writeln!(
+        out,
+        "step {}: {} in {} of {}, seq_len {}, {}",
+        args.step,
+        plural(t.global_batch, "sample"),
+        plural(t.microbatches, "microbatch"),
+        manifest.microbatch_size(),
+        t.seq_len,
+        t.dtype.name()
+    )
+    .expect("string");
+    for id in graph.topo_order() {
+        writeln!(out).expect("string");
+        render_grid(&mut out, &graph.modules[id]);
+    }
+    for r in reports {
+        writeln!(out).expect("string");
+        render_edge(&mut out, graph, r);
+        if args.programs {
+            render_programs(&mut out, graph, manifest, r.edge);
+        }
+    }
+    out
+}
+
+fn to_json(graph: &ModelGraph, reports: &[EdgeReport]) -> serde_json::Value {
+    let modules: Vec<_> = graph
+        .modules
+        .iter()
+        .map(|m| {
+            let l = &m.layout;
+            json!({
+                "name": m.name, "kind": m.kind().name(),
+                "ranks": [l.span().start, l.span().end],
+                "tp": l.tp(), "cp": l.cp(), "dp": l.dp(), "pp": l.pp(),
+                "ep": l.ep(), "etp": l.etp(), "edp": l.edp(), "sp": l.sp(),
+            })
+        })
+        .collect();
+    let edges: Vec<_> = reports
+        .iter()
+        .map(|r| {
+            let b = r.row_bytes;
+            let per_rank: Vec<_> = r
+                .forward
+                .received
+                .keys()
+                .map(|rank| {
+                    json!({
+                        "rank": rank,
+                        "fwd_sent": r.forward.sent[rank] * b, "fwd_recv": r.forward.received[rank] * b,
+                        "bwd_sent": r.backward.sent[rank] * b, "bwd_recv": r.backward.received[rank] * b,
+                        "fwd_min": r.forward.lower_bound[rank] * b, "bwd_min": r.backward.lower_bound[rank] * b,
+                    })
+                })
+                .collect();
+            let strategies: Vec<_> = r
+                .alternatives
+                .iter()
+                .map(|(s, f, bw)| {
+                    json!({
+                        "strategy": s.to_string(),
+                        "bytes_fwd": f.total() * b, "bytes_bwd": bw.total() * b,
+                        "bytes_fwd_cross": f.crossing * b, "bytes_bwd_cross": bw.crossing * b,
+                    })
+                })
+                .collect();
+            json!({
+                "src": r.src, "dst": r.dst,
+                "mode": r.mode.name(), "relation": r.relation.name(), "strategy": r.strategy.to_string(),
+                "rows": r.rows, "row_bytes": b,
+                "bytes_fwd": r.forward.total() * b, "bytes_bwd": r.backward.total() * b,
+                "bytes_fwd_min": r.forward.total_lower_bound() * b, "bytes_bwd_min": r.backward.total_lower_bound() * b,
+                "bytes_fwd_cross": r.forward.crossing * b, "bytes_bwd_cross": r.backward.crossing * b,
+                "leaders": r.leaders.as_ref().map(|l| json!({"src": l.src, "dst": l.dst})),
+                "per_rank": per_rank,
+                "strategies": strategies,
+            })
+        })
+        .collect();
+    json!({
+        "name": graph.name,
+        "world": graph.world,
+        "microbatches": graph.train.microbatches,
+        "modules": modules,
+        "edges": edges,
+    })
+}

@@ -1,0 +1,61 @@
+//! The `hetpar` command line. The only place that prints, reads files and environment
+//! variables, and uses `anyhow`; every decision is made by the library crates.
+
+mod layout_cmd;
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use hetpar_layout::{Config, ModelGraph};
+
+#[derive(Parser)]
+#[command(
+    name = "hetpar",
+    version,
+    about = "Heterogeneous parallelism for multimodal LLM training: every module gets its own layout and placement.",
+    after_help = "Example:\n  hetpar layout examples/colocated-fanin.toml"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show each module's rank grid and each edge's boundary plan (bytes, lower bound, leaders).
+    #[command(
+        after_help = "Examples:\n  hetpar layout examples/colocated-fanin.toml\n  hetpar layout examples/two-encoders-islands.toml --programs\n  hetpar layout examples/dp3-into-dp2.toml --json"
+    )]
+    Layout(layout_cmd::Args),
+}
+
+/// Reads and validates a config file; errors name the file.
+pub(crate) fn load_graph(path: &Path) -> anyhow::Result<ModelGraph> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read config {}", path.display()))?;
+    let cfg = Config::from_toml(&text).with_context(|| path.display().to_string())?;
+    ModelGraph::from_config(&cfg).with_context(|| path.display().to_string())
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Layout(args) => layout_cmd::run(&args),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the chain of contexts joined by ": ".
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("error: {e:#}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

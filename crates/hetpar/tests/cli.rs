@@ -1,0 +1,129 @@
+//! The `hetpar` binary end to end: every example config, JSON fields, one-line errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use expect_test::expect_file;
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn hetpar(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hetpar"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("hetpar runs")
+}
+
+fn examples() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(root().join("examples"))
+        .expect("examples/")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .map(|p| format!("examples/{}", p.file_name().expect("name").to_string_lossy()))
+        .collect();
+    v.sort();
+    assert!(v.len() >= 4, "examples: {v:?}");
+    v
+}
+
+fn stdout(out: &Output) -> String {
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout.clone()).expect("utf-8")
+}
+
+#[test]
+fn layout_text_of_the_colocated_fan_in() {
+    let text = stdout(&hetpar(&["layout", "examples/colocated-fanin.toml", "--programs"]));
+    expect_file!["snapshots/layout-colocated-fanin.txt"].assert_eq(&text);
+}
+
+#[test]
+fn layout_json_has_the_interface_fields_and_exact_meets_the_bound() {
+    for example in examples() {
+        let json: Value = serde_json::from_str(&stdout(&hetpar(&["layout", &example, "--json"])))
+            .expect("one JSON object");
+        for m in json["modules"].as_array().expect("modules") {
+            for key in ["name", "ranks", "tp", "cp", "dp", "pp", "ep"] {
+                assert!(m.get(key).is_some(), "{example}: module lacks {key}");
+            }
+        }
+        let edges = json["edges"].as_array().expect("edges");
+        assert!(!edges.is_empty(), "{example}: no edges");
+        for e in edges {
+            for key in [
+                "src",
+                "dst",
+                "mode",
+                "relation",
+                "strategy",
+                "bytes_fwd",
+                "bytes_bwd",
+                "bytes_fwd_min",
+                "bytes_bwd_min",
+            ] {
+                assert!(e.get(key).is_some(), "{example}: edge lacks {key}");
+            }
+            let exact = e["strategies"]
+                .as_array()
+                .expect("strategies")
+                .iter()
+                .find(|s| s["strategy"] == "exact")
+                .expect("exact applies everywhere");
+            assert_eq!(exact["bytes_fwd"], e["bytes_fwd_min"], "{example}: exact forward");
+            assert_eq!(exact["bytes_bwd"], e["bytes_bwd_min"], "{example}: exact backward");
+            assert!(e["bytes_fwd"].as_u64() >= e["bytes_fwd_min"].as_u64());
+            assert!(e["bytes_fwd_min"].as_u64() > Some(0), "{example}: nothing to move?");
+        }
+    }
+}
+
+#[test]
+fn text_output_for_every_example() {
+    for example in examples() {
+        let text = stdout(&hetpar(&["layout", &example]));
+        assert!(text.contains("lower bound"), "{example}:\n{text}");
+        assert!(text.contains("stage 0"), "{example}:\n{text}");
+    }
+}
+
+#[test]
+fn bad_input_is_one_line_and_a_nonzero_exit() {
+    let dir = std::env::temp_dir().join(format!("hetpar-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let good =
+        std::fs::read_to_string(root().join("examples/colocated-cp-sp.toml")).expect("example");
+    let cases = [
+        (
+            "cp = 2",
+            "cp = 3",
+            "modules.llm.parallel: tp(2) * cp(3) * pp(1) = 6 does not divide span [0, 8) of 8 ranks",
+        ),
+        ("global_batch = 16", "global_batch = 12", "is not divisible by modules.vision dp(8)"),
+        ("sp = true", "sp = true\nspp = 1", "unknown field `spp`"),
+    ];
+    for (i, (from, to, want)) in cases.iter().enumerate() {
+        let path = dir.join(format!("bad{i}.toml"));
+        std::fs::write(&path, good.replacen(from, to, 1)).expect("write");
+        let out = hetpar(&["layout", path.to_str().expect("utf-8 path")]);
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8(out.stderr).expect("utf-8");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.starts_with("error: ") && err.contains(want), "{err}");
+        assert!(err.contains(&format!("bad{i}.toml")), "names the file: {err}");
+    }
+    let out = hetpar(&["layout", "no/such/file.toml"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(err.starts_with("error: cannot read config no/such/file.toml: "), "{err}");
+    assert_eq!(err.lines().count(), 1);
+}
+
+#[test]
+fn help_shows_an_example() {
+    let help = stdout(&hetpar(&["layout", "--help"]));
+    assert!(help.contains("Examples:\n  hetpar layout examples/colocated-fanin.toml"), "{help}");
+}
