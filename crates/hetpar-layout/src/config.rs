@@ -213,6 +213,13 @@ pub struct ParallelConfig {
     /// Sequence parallelism inside TP.
     #[serde(default)]
     pub sp: bool,
+    /// Virtual pipeline stages per rank (interleaved 1F1B); llama only.
+    #[serde(default = "one")]
+    pub vpp: usize,
+    /// Offload parameters and optimizer state to host memory while the LLM pipeline runs
+    /// (three-phase schedule); encoders sharing ranks with the LLM only.
+    #[serde(default)]
+    pub offload: bool,
 }
 
 fn one() -> usize {

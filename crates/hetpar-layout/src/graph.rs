@@ -69,6 +69,10 @@ pub struct Module {
     pub dims: Dims,
     /// Validated layout and placement.
     pub layout: ModuleLayout,
+    /// Virtual pipeline stages per rank (1: plain 1F1B).
+    pub vpp: usize,
+    /// Offloaded to host memory during the LLM pipeline phase.
+    pub offload: bool,
 }
 
 impl Module {
@@ -331,6 +335,39 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
     if layout.pp() > m.layers {
         return perr(format!("pp({}) is more than layers({})", layout.pp(), m.layers));
     }
+    let vpp = p.vpp;
+    if vpp == 0 {
+        return perr("vpp must be at least 1, got 0".to_string());
+    }
+    if vpp > 1 {
+        if m.kind != ModuleKind::Llama || layout.pp() == 1 {
+            return perr(format!(
+                "vpp({vpp}) (interleaved 1F1B) needs the llama module with pp > 1, got kind \"{kind}\" with pp({})",
+                layout.pp()
+            ));
+        }
+        if layout.pp() * vpp > m.layers {
+            return perr(format!(
+                "pp({}) * vpp({vpp}) = {} virtual stages is more than layers({})",
+                layout.pp(),
+                layout.pp() * vpp,
+                m.layers
+            ));
+        }
+        if !train.microbatches.is_multiple_of(layout.pp()) {
+            return perr(format!(
+                "interleaved 1F1B needs train.microbatches({}) divisible by pp({})",
+                train.microbatches,
+                layout.pp()
+            ));
+        }
+    }
+    if p.offload && m.kind == ModuleKind::Llama {
+        return perr(
+            "offload applies to encoders (during the LLM phase), not to the llama module"
+                .to_string(),
+        );
+    }
     let experts = match spec {
         ModuleSpec::Llama { experts, .. } => experts,
         _ => 0,
@@ -359,7 +396,7 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
             ));
         }
     }
-    Ok(Module { name: name.to_string(), spec, dims, layout })
+    Ok(Module { name: name.to_string(), spec, dims, layout, vpp, offload: p.offload })
 }
 
 /// Spans must be equal or disjoint and cover `0..world` with no gap; returns `world`.
@@ -467,6 +504,17 @@ fn build_edges(
         edges.push(Edge { src, dst, mode, relation, strategy });
     }
     for (id, m) in modules.iter().enumerate() {
+        let shares_ranks =
+            modules.iter().any(|o| o.name != m.name && o.layout.span() == m.layout.span());
+        if m.offload && !shares_ranks {
+            return Err(ConfigError::new(
+                format!("modules.{}.parallel.offload", m.name),
+                format!(
+                    "offload frees memory for a colocated LLM, but {} shares no ranks with another module",
+                    m.layout.span()
+                ),
+            ));
+        }
         if m.kind().is_encoder() && !edges.iter().any(|e| e.src == id) {
             return Err(ConfigError::new(
                 format!("modules.{}", m.name),
@@ -579,7 +627,7 @@ fn check_sequence(train: &TrainConfig, modules: &[Module], edges: &[Edge]) -> Re
 }
 
 /// Kahn's algorithm. On a cycle, returns one cycle as a closed path of node ids.
-pub(crate) fn topo_sort(n: usize, edges: &[(usize, usize)]) -> Result<Vec<usize>, Vec<usize>> {
+pub fn topo_sort(n: usize, edges: &[(usize, usize)]) -> Result<Vec<usize>, Vec<usize>> {
     let mut indeg = vec![0; n];
     for &(_, d) in edges {
         indeg[d] += 1;

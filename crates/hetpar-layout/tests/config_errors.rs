@@ -126,7 +126,7 @@ fn spans_that_overlap_partly() {
 fn unknown_keys_anywhere() {
     assert_eq!(
         error_after("tp = 4", "tpp = 4"),
-        "line 29, in [modules.llm.parallel]: unknown field `tpp`, expected one of `ranks`, `tp`, `cp`, `pp`, `ep`, `etp`, `sp`"
+        "line 29, in [modules.llm.parallel]: unknown field `tpp`, expected one of `ranks`, `tp`, `cp`, `pp`, `ep`, `etp`, `sp`, `vpp`, `offload`"
     );
     assert!(
         error_after("seq_len = 128", "seq_len = 128\nwarmup = 3")
@@ -224,5 +224,31 @@ fn placement_and_strategy_mismatches() {
     assert_eq!(
         validate(&text).expect_err("dangling encoder"),
         "modules.audio: encoder feeds no module: add [[edges]] from = \"audio\" to = \"llm\""
+    );
+}
+
+#[test]
+fn pipeline_options() {
+    assert_eq!(
+        error_after("sp = true", "sp = true\nvpp = 2"),
+        "modules.llm.parallel: vpp(2) (interleaved 1F1B) needs the llama module with pp > 1, got kind \"llama\" with pp(1)"
+    );
+    assert_eq!(
+        error_after("ranks = [8, 10]", "ranks = [8, 10]\noffload = true"),
+        "modules.audio.parallel.offload: offload frees memory for a colocated LLM, but [8, 10) shares no ranks with another module"
+    );
+    let text = GOOD.replacen(
+        "ranks = [0, 8]\ntp = 4\ncp = 2",
+        "ranks = [0, 8]\ntp = 2\ncp = 2\npp = 2\nvpp = 2",
+        1,
+    );
+    let text = text.replacen("microbatches = 4", "microbatches = 3", 1).replacen(
+        "global_batch = 32",
+        "global_batch = 24",
+        1,
+    );
+    assert_eq!(
+        validate(&text).expect_err("3 % 2"),
+        "modules.llm.parallel: interleaved 1F1B needs train.microbatches(3) divisible by pp(2)"
     );
 }

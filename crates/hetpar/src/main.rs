@@ -2,6 +2,7 @@
 //! variables, and uses `anyhow`; every decision is made by the library crates.
 
 mod layout_cmd;
+mod schedule_cmd;
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -29,6 +30,11 @@ enum Command {
         after_help = "Examples:\n  hetpar layout examples/colocated-fanin.toml\n  hetpar layout examples/two-encoders-islands.toml --programs\n  hetpar layout examples/dp3-into-dp2.toml --json"
     )]
     Layout(layout_cmd::Args),
+    /// Show and validate the per-rank action timeline of one training step.
+    #[command(
+        after_help = "Examples:\n  hetpar schedule examples/two-encoders-islands.toml\n  hetpar schedule examples/colocated-cp-sp.toml --svg schedule.svg"
+    )]
+    Schedule(schedule_cmd::Args),
 }
 
 /// Reads and validates a config file; errors name the file.
@@ -42,6 +48,7 @@ pub(crate) fn load_graph(path: &Path) -> anyhow::Result<ModelGraph> {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Layout(args) => layout_cmd::run(&args),
+        Command::Schedule(args) => schedule_cmd::run(&args),
     }
 }
 

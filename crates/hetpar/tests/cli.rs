@@ -127,3 +127,25 @@ fn help_shows_an_example() {
     let help = stdout(&hetpar(&["layout", "--help"]));
     assert!(help.contains("Examples:\n  hetpar layout examples/colocated-fanin.toml"), "{help}");
 }
+
+#[test]
+fn schedule_text_of_the_two_encoder_islands() {
+    let text = stdout(&hetpar(&["schedule", "examples/two-encoders-islands.toml"]));
+    expect_file!["snapshots/schedule-two-encoders-islands.txt"].assert_eq(&text);
+}
+
+#[test]
+fn schedule_for_every_example_with_an_svg() {
+    let dir = std::env::temp_dir().join(format!("hetpar-svg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for example in examples() {
+        let svg = dir.join("s.svg");
+        let text = stdout(&hetpar(&["schedule", &example, "--svg", svg.to_str().expect("utf-8")]));
+        assert!(text.contains("\nvalid: "), "{example}:\n{text}");
+        let picture = std::fs::read_to_string(&svg).expect("svg written");
+        assert!(
+            picture.starts_with("<svg ") && picture.trim_end().ends_with("</svg>"),
+            "{example}"
+        );
+    }
+}

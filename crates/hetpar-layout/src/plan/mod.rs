@@ -77,7 +77,7 @@ impl fmt::Display for Strategy {
 }
 
 /// Forward (activations, source to destination) or backward (gradients, back).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Direction {
     /// Activations: `Held` to `Needed`.
     Forward,

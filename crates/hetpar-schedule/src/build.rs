@@ -1,0 +1,316 @@
+//! Schedule builders: three-phase colocated and graph-aware 1F1B (SEMANTICS.md section 5).
+//!
+//! A builder decides compute orders per stage (`order.rs`); communication follows from them.
+//! Before each compute a rank posts what it must receive, together with what the previous
+//! compute produced for others, as one communication action (a batch of isend/irecv and a
+//! wait, Megatron's `send_forward_recv_backward` generalized). Posting sends and receives
+//! together is never more constrained than posting them one by one in either order, so a
+//! deadlock can only come from the compute orders themselves, which the validator checks.
+
+use std::collections::BTreeMap;
+
+use hetpar_layout::{Direction, ModuleId};
+
+use crate::action::{Action, Compute, Labels, MsgId, Pass, Post, Role};
+use crate::error::ScheduleError;
+use crate::graph::{PipelineGraph, ScheduleKind};
+use crate::{order, warmup};
+
+/// What to schedule besides the passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// Append gradient reduction and the optimizer step of every module.
+    pub optimizer: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { optimizer: true }
+    }
+}
+
+/// One training step as per-rank action lists.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    /// Which family built it.
+    pub kind: ScheduleKind,
+    /// Microbatches per step.
+    pub microbatches: usize,
+    /// Names for printing.
+    pub labels: Labels,
+    /// Every rank's actions, in order.
+    pub ranks: BTreeMap<usize, Vec<Action>>,
+}
+
+impl Schedule {
+    /// The schedule of `graph`: three-phase when modules share ranks, graph-aware 1F1B when
+    /// every module has its own island.
+    pub fn build(graph: &PipelineGraph, opts: Options) -> Result<Schedule, ScheduleError> {
+        let mut b = Builder::new(graph);
+        match graph.kind() {
+            ScheduleKind::ThreePhase => b.three_phase(),
+            ScheduleKind::GraphAware => b.graph_aware()?,
+        }
+        if opts.optimizer {
+            b.optimizer();
+        }
+        Ok(Schedule {
+            kind: graph.kind(),
+            microbatches: graph.microbatches(),
+            labels: graph.labels(),
+            ranks: b.out,
+        })
+    }
+}
+
+struct Builder<'g> {
+    g: &'g PipelineGraph,
+    out: BTreeMap<usize, Vec<Action>>,
+}
+
+impl<'g> Builder<'g> {
+    fn new(g: &'g PipelineGraph) -> Self {
+        Builder { g, out: g.ranks().into_iter().map(|r| (r, Vec::new())).collect() }
+    }
+
+    fn push(&mut self, rank: usize, a: Action) {
+        self.out.get_mut(&rank).expect("rank of the graph").push(a);
+    }
+
+    fn boundary_post(&self, edge: usize, mb: usize, dir: Direction, role: Role) -> Post {
+        Post {
+            msg: MsgId::Boundary { edge, mb, dir },
+            role,
+            participants: self.g.boundary_participants(edge),
+        }
+    }
+
+    fn edges_into(&self, m: ModuleId) -> Vec<usize> {
+        (0..self.g.edges().len()).filter(|&e| self.g.edges()[e].1 == m).collect()
+    }
+
+    fn edges_out_of(&self, m: ModuleId) -> Vec<usize> {
+        (0..self.g.edges().len()).filter(|&e| self.g.edges()[e].0 == m).collect()
+    }
+
+    /// What `rank` must receive before `c`. Boundary messages only when `inline`.
+    fn recvs(&self, rank: usize, c: &Compute, inline: bool) -> Vec<Post> {
+        let m = &self.g.modules()[c.module];
+        let last = m.n_vstages() - 1;
+        let p2p = |peer: usize, msg: MsgId| Post {
+            msg,
+            role: Role::Recv,
+            participants: sorted(rank, peer),
+        };
+        match c.pass {
+            Pass::Forward if c.vstage > 0 => {
+                let from = m.peer(rank, c.vstage - 1);
+                vec![p2p(
+                    from,
+                    MsgId::Act { module: c.module, vstage: c.vstage - 1, mb: c.mb, from, to: rank },
+                )]
+            }
+            Pass::Backward if c.vstage < last => {
+                let from = m.peer(rank, c.vstage + 1);
+                vec![p2p(
+                    from,
+                    MsgId::Grad {
+                        module: c.module,
+                        vstage: c.vstage + 1,
+                        mb: c.mb,
+                        from,
+                        to: rank,
+                    },
+                )]
+            }
+            Pass::Forward if inline => self
+                .edges_into(c.module)
+                .into_iter()
+                .map(|e| self.boundary_post(e, c.mb, Direction::Forward, Role::Recv))
+                .collect(),
+            Pass::Backward if inline => self
+                .edges_out_of(c.module)
+                .into_iter()
+                .map(|e| self.boundary_post(e, c.mb, Direction::Backward, Role::Recv))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// What `rank` sends after `c`. Boundary messages only when `inline`.
+    fn sends(&self, rank: usize, c: &Compute, inline: bool) -> Vec<Post> {
+        let m = &self.g.modules()[c.module];
+        let last = m.n_vstages() - 1;
+        let p2p = |peer: usize, msg: MsgId| Post {
+            msg,
+            role: Role::Send,
+            participants: sorted(rank, peer),
+        };
+        match c.pass {
+            Pass::Forward if c.vstage < last => {
+                let to = m.peer(rank, c.vstage + 1);
+                vec![p2p(
+                    to,
+                    MsgId::Act { module: c.module, vstage: c.vstage, mb: c.mb, from: rank, to },
+                )]
+            }
+            Pass::Backward if c.vstage > 0 => {
+                let to = m.peer(rank, c.vstage - 1);
+                vec![p2p(
+                    to,
+                    MsgId::Grad { module: c.module, vstage: c.vstage, mb: c.mb, from: rank, to },
+                )]
+            }
+            Pass::Forward if inline => self
+                .edges_out_of(c.module)
+                .into_iter()
+                .map(|e| self.boundary_post(e, c.mb, Direction::Forward, Role::Send))
+                .collect(),
+            Pass::Backward if inline => self
+                .edges_into(c.module)
+                .into_iter()
+                .map(|e| self.boundary_post(e, c.mb, Direction::Backward, Role::Send))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Appends, on every rank of `module`, the compute order `order(stage)` with its
+    /// communication; everything posted inside the segment completes inside it.
+    fn segment(
+        &mut self,
+        module: ModuleId,
+        inline: bool,
+        order: impl Fn(usize) -> Vec<Vec<Compute>>,
+    ) {
+        let layout = self.g.modules()[module].layout.clone();
+        for rank in layout.span().ranks() {
+            let stage = layout.coords(rank).expect("rank of the module").pp_idx;
+            let mut pending: Vec<Post> = Vec::new();
+            for group in order(stage) {
+                for c in &group {
+                    pending.extend(self.recvs(rank, c, inline));
+                }
+                if !pending.is_empty() {
+                    self.push(rank, Action::Comm(std::mem::take(&mut pending)));
+                }
+                for c in &group {
+                    self.push(rank, Action::Compute(*c));
+                    pending.extend(self.sends(rank, c, inline));
+                }
+            }
+            if !pending.is_empty() {
+                self.push(rank, Action::Comm(pending));
+            }
+        }
+    }
+
+    /// Standalone boundary transforms of `edges` for every microbatch, edge-major.
+    fn boundaries(&mut self, edges: &[usize], dir: Direction) {
+        for &e in edges {
+            for mb in 0..self.g.microbatches() {
+                for rank in self.g.boundary_participants(e) {
+                    let (src, _) = self.g.edges()[e];
+                    let on_src = self.g.modules()[src].layout.span().contains(rank);
+                    let role = match (dir, on_src) {
+                        (Direction::Forward, true) | (Direction::Backward, false) => Role::Send,
+                        _ => Role::Recv,
+                    };
+                    let post = self.boundary_post(e, mb, dir, role);
+                    self.push(rank, Action::Boundary(post));
+                }
+            }
+        }
+    }
+
+    fn module_vstages(&self, module: ModuleId, stage: usize) -> Vec<usize> {
+        let m = &self.g.modules()[module];
+        (0..m.vpp).map(|chunk| chunk * m.layout.pp() + stage).collect()
+    }
+
+    /// The sink's pipeline order for `stage` with `warmup` plain-1F1B warmup forwards.
+    fn sink_order(&self, stage: usize, warmup: usize) -> Vec<Vec<Compute>> {
+        let sink = self.g.sink();
+        let m = &self.g.modules()[sink];
+        let n = self.g.microbatches();
+        if m.vpp > 1 {
+            order::interleaved(sink, stage, m.layout.pp(), m.vpp, n)
+        } else {
+            order::one_f_one_b(sink, stage, n, warmup)
+        }
+    }
+
+    /// (1) encoder forwards and forward transforms, (2) the LLM pipeline, (3) backward
+    /// transforms and encoder backwards, in dependency order.
+    fn three_phase(&mut self) {
+        let sink = self.g.sink();
+        let n = self.g.microbatches();
+        let encoders: Vec<ModuleId> =
+            self.g.topo_order().iter().copied().filter(|&m| m != sink).collect();
+        for &m in &encoders {
+            self.boundaries(&self.edges_into(m), Direction::Forward);
+            let vstages = |s| self.module_vstages(m, s);
+            let orders: Vec<Vec<usize>> =
+                (0..self.g.modules()[m].layout.pp()).map(vstages).collect();
+            self.segment(m, false, |s| order::forwards(m, &orders[s], n));
+        }
+        self.boundaries(&self.edges_into(sink), Direction::Forward);
+        for &m in &encoders {
+            if self.g.modules()[m].offload {
+                for r in self.g.modules()[m].layout.span().ranks() {
+                    self.push(r, Action::Offload(m));
+                }
+            }
+        }
+        let p = self.g.modules()[sink].layout.pp();
+        let orders: Vec<Vec<Vec<Compute>>> =
+            (0..p).map(|s| self.sink_order(s, p - s - 1)).collect();
+        self.segment(sink, false, |s| orders[s].clone());
+        for &m in &encoders {
+            if self.g.modules()[m].offload {
+                for r in self.g.modules()[m].layout.span().ranks() {
+                    self.push(r, Action::Reload(m));
+                }
+            }
+        }
+        self.boundaries(&self.edges_into(sink), Direction::Backward);
+        for &m in encoders.iter().rev() {
+            let vstages = |s| self.module_vstages(m, s);
+            let orders: Vec<Vec<usize>> =
+                (0..self.g.modules()[m].layout.pp()).map(vstages).collect();
+            self.segment(m, false, |s| order::backwards(m, &orders[s], n));
+            self.boundaries(&self.edges_into(m), Direction::Backward);
+        }
+    }
+
+    /// One 1F1B over the stage graph, warmups from `warmup.rs`. Boundary transforms are
+    /// posted inline: a merge waits for all its inputs, a branch feeds all its outputs.
+    fn graph_aware(&mut self) -> Result<(), ScheduleError> {
+        let orders = warmup::graph_aware_orders(self.g)?;
+        for &m in self.g.topo_order() {
+            self.segment(m, true, |s| orders[&(m, s)].clone());
+        }
+        Ok(())
+    }
+
+    /// Gradient reduction over each module's dp x cp group, then every optimizer step.
+    fn optimizer(&mut self) {
+        let order: Vec<ModuleId> = self.g.topo_order().to_vec();
+        for &m in &order {
+            for r in self.g.modules()[m].layout.span().ranks() {
+                let participants = self.g.reduce_group(m, r);
+                let msg = MsgId::Reduce { module: m, group: participants[0] };
+                self.push(r, Action::Reduce(Post { msg, role: Role::Member, participants }));
+            }
+        }
+        for &m in &order {
+            for r in self.g.modules()[m].layout.span().ranks() {
+                self.push(r, Action::Step(m));
+            }
+        }
+    }
+}
+
+fn sorted(a: usize, b: usize) -> Vec<usize> {
+    if a < b { vec![a, b] } else { vec![b, a] }
+}
