@@ -1,0 +1,342 @@
+//! The `Communicator` trait: what every backend provides, on bytes tagged with a type, and
+//! [`CommExt`], the typed API everything above this crate calls.
+//!
+//! Conventions, shared by all backends:
+//! - ranks in arguments are indices in this communicator (`0..size`); `global_ranks` maps
+//!   them to world ranks, and errors always name world ranks;
+//! - every member calls the collectives of a communicator in the same order;
+//! - every blocking call returns [`CommError::Timeout`] after `timeout()` instead of hanging;
+//! - counts in the byte-level methods are in bytes, in the typed methods in elements.
+
+use std::time::Duration;
+
+use crate::dtype::{DType, Element, ReduceOp};
+use crate::error::{CommError, Result};
+
+/// A group of ranks that can talk. Object safe: code above this crate holds
+/// `&dyn Communicator`.
+pub trait Communicator {
+    /// This rank's index in the communicator.
+    fn rank(&self) -> usize;
+    /// Number of members.
+    fn size(&self) -> usize;
+    /// World rank of each member, by index.
+    fn global_ranks(&self) -> &[usize];
+    /// Backend name: `local`, `mpi`, `nccl`, `recording(...)`.
+    fn backend(&self) -> &'static str;
+    /// How long a blocking call may wait.
+    fn timeout(&self) -> Duration;
+
+    /// Waits until every member has arrived.
+    fn barrier(&self) -> Result<()>;
+    /// Reduces `data` elementwise over all members; everyone gets the result.
+    fn all_reduce_bytes(&self, data: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
+    /// Copies `root`'s `data` to every member.
+    fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<()>;
+    /// Member `i` contributes `counts[i]` bytes (`send`); everyone receives the
+    /// concatenation in member order (`recv`, `sum(counts)` bytes).
+    fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()>;
+    /// `send` holds `size` equal blocks; member `i` receives block `i` reduced over all.
+    fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()>;
+    /// Sends `send_counts[j]` bytes (consecutive in `send`) to member `j` and receives
+    /// `recv_counts[j]` bytes from member `j` (consecutive in `recv`).
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<()>;
+    /// Sends `data` to member `dst` with `tag`. Messages between a pair with one tag arrive
+    /// in order.
+    fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()>;
+    /// Receives exactly `data.len()` bytes from member `src` with `tag`; a message of
+    /// another length is a [`CommError::Mismatch`].
+    fn recv_bytes(&self, data: &mut [u8], src: usize, tag: u32) -> Result<()>;
+    /// Sends to `dst` and receives from `src` at once; never deadlocks against a matching
+    /// `send_recv` on the peer.
+    fn send_recv_bytes(
+        &self,
+        send: &[u8],
+        dst: usize,
+        send_tag: u32,
+        recv: &mut [u8],
+        src: usize,
+        recv_tag: u32,
+    ) -> Result<()>;
+    /// A communicator of the members listed (indices in this communicator, ascending, this
+    /// rank among them). Only the listed members call it, with the same list; a member's
+    /// `k`-th call with a given list matches the others' `k`-th call.
+    fn subgroup(&self, ranks: &[usize]) -> Result<Box<dyn Communicator>>;
+}
+
+/// A reference to a communicator is a communicator (so wrappers can borrow one).
+impl<C: Communicator + ?Sized> Communicator for &C {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn size(&self) -> usize {
+        (**self).size()
+    }
+    fn global_ranks(&self) -> &[usize] {
+        (**self).global_ranks()
+    }
+    fn backend(&self) -> &'static str {
+        (**self).backend()
+    }
+    fn timeout(&self) -> Duration {
+        (**self).timeout()
+    }
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+    fn all_reduce_bytes(&self, data: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        (**self).all_reduce_bytes(data, dtype, op)
+    }
+    fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<()> {
+        (**self).broadcast_bytes(data, root)
+    }
+    fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
+        (**self).all_gather_v_bytes(send, recv, counts)
+    }
+    fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        (**self).reduce_scatter_bytes(send, recv, dtype, op)
+    }
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        sc: &[usize],
+        recv: &mut [u8],
+        rc: &[usize],
+    ) -> Result<()> {
+        (**self).all_to_all_v_bytes(send, sc, recv, rc)
+    }
+    fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()> {
+        (**self).send_bytes(data, dst, tag)
+    }
+    fn recv_bytes(&self, data: &mut [u8], src: usize, tag: u32) -> Result<()> {
+        (**self).recv_bytes(data, src, tag)
+    }
+    fn send_recv_bytes(
+        &self,
+        send: &[u8],
+        dst: usize,
+        st: u32,
+        recv: &mut [u8],
+        src: usize,
+        rt: u32,
+    ) -> Result<()> {
+        (**self).send_recv_bytes(send, dst, st, recv, src, rt)
+    }
+    fn subgroup(&self, ranks: &[usize]) -> Result<Box<dyn Communicator>> {
+        (**self).subgroup(ranks)
+    }
+}
+
+/// Checks a subgroup list: ascending, in range, containing the caller.
+pub fn check_subgroup(comm: &dyn Communicator, ranks: &[usize]) -> Result<()> {
+    let ok =
+        ranks.windows(2).all(|w| w[0] < w[1]) && ranks.last().is_some_and(|&r| r < comm.size());
+    if !ok || !ranks.contains(&comm.rank()) {
+        return Err(CommError::Usage(format!(
+            "subgroup {ranks:?} of a communicator of {} must be ascending, in range and contain the caller (rank {})",
+            comm.size(),
+            comm.rank()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `peer` is a member index.
+pub fn check_peer(comm: &dyn Communicator, peer: usize, what: &str) -> Result<()> {
+    if peer >= comm.size() {
+        return Err(CommError::Usage(format!(
+            "{what}: rank {peer} is not in a communicator of {} (world ranks {:?})",
+            comm.size(),
+            comm.global_ranks()
+        )));
+    }
+    Ok(())
+}
+
+fn bytes<T: Element>(x: &[T]) -> &[u8] {
+    bytemuck::cast_slice(x)
+}
+
+fn bytes_mut<T: Element>(x: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(x)
+}
+
+fn scaled<T: Element>(counts: &[usize]) -> Vec<usize> {
+    counts.iter().map(|c| c * T::DTYPE.size()).collect()
+}
+
+/// The typed API, for every communicator (including `dyn Communicator`).
+pub trait CommExt: Communicator {
+    /// Typed [`Communicator::all_reduce_bytes`].
+    fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_bytes(bytes_mut(data), T::DTYPE, op)
+    }
+
+    /// Typed [`Communicator::broadcast_bytes`].
+    fn broadcast<T: Element>(&self, data: &mut [T], root: usize) -> Result<()> {
+        self.broadcast_bytes(bytes_mut(data), root)
+    }
+
+    /// All-gather with equal contributions: `recv.len() == size * send.len()`.
+    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let counts = vec![send.len() * T::DTYPE.size(); self.size()];
+        self.all_gather_v_bytes(bytes(send), bytes_mut(recv), &counts)
+    }
+
+    /// Typed [`Communicator::all_gather_v_bytes`]; `counts` in elements.
+    fn all_gather_v<T: Element>(&self, send: &[T], recv: &mut [T], counts: &[usize]) -> Result<()> {
+        self.all_gather_v_bytes(bytes(send), bytes_mut(recv), &scaled::<T>(counts))
+    }
+
+    /// Typed [`Communicator::reduce_scatter_bytes`].
+    fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_bytes(bytes(send), bytes_mut(recv), T::DTYPE, op)
+    }
+
+    /// Typed [`Communicator::all_to_all_v_bytes`]; counts in elements.
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.all_to_all_v_bytes(
+            bytes(send),
+            &scaled::<T>(send_counts),
+            bytes_mut(recv),
+            &scaled::<T>(recv_counts),
+        )
+    }
+
+    /// Typed [`Communicator::send_bytes`].
+    fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
+        self.send_bytes(bytes(data), dst, tag)
+    }
+
+    /// Typed [`Communicator::recv_bytes`].
+    fn recv<T: Element>(&self, data: &mut [T], src: usize, tag: u32) -> Result<()> {
+        self.recv_bytes(bytes_mut(data), src, tag)
+    }
+
+    /// Typed [`Communicator::send_recv_bytes`].
+    fn send_recv<T: Element>(
+        &self,
+        send: &[T],
+        dst: usize,
+        send_tag: u32,
+        recv: &mut [T],
+        src: usize,
+        recv_tag: u32,
+    ) -> Result<()> {
+        self.send_recv_bytes(bytes(send), dst, send_tag, bytes_mut(recv), src, recv_tag)
+    }
+
+    /// This rank's world rank.
+    fn global_rank(&self) -> usize {
+        self.global_ranks()[self.rank()]
+    }
+}
+
+impl<C: Communicator + ?Sized> CommExt for C {}
+
+/// Checks the argument sizes of a collective before any byte moves, so every backend
+/// rejects bad calls the same way.
+pub(crate) mod args {
+    use super::*;
+
+    pub fn all_gather_v(
+        comm: &dyn Communicator,
+        send: &[u8],
+        recv: &[u8],
+        counts: &[usize],
+    ) -> Result<()> {
+        if counts.len() != comm.size()
+            || counts[comm.rank()] != send.len()
+            || counts.iter().sum::<usize>() != recv.len()
+        {
+            return Err(CommError::Usage(format!(
+                "all-gather-v on rank {}: {} counts for {} members, own count {:?} for {} bytes sent, counts sum to {} for {} bytes of receive buffer",
+                comm.global_rank(),
+                counts.len(),
+                comm.size(),
+                counts.get(comm.rank()),
+                send.len(),
+                counts.iter().sum::<usize>(),
+                recv.len()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn reduce_scatter(
+        comm: &dyn Communicator,
+        send: &[u8],
+        recv: &[u8],
+        dtype: DType,
+    ) -> Result<()> {
+        if send.len() != recv.len() * comm.size() || !recv.len().is_multiple_of(dtype.size()) {
+            return Err(CommError::Usage(format!(
+                "reduce-scatter on rank {}: {} bytes sent must be {} members x {} bytes received, whole {} elements",
+                comm.global_rank(),
+                send.len(),
+                comm.size(),
+                recv.len(),
+                dtype.name()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn all_to_all_v(
+        comm: &dyn Communicator,
+        send: &[u8],
+        sc: &[usize],
+        recv: &[u8],
+        rc: &[usize],
+    ) -> Result<()> {
+        let n = comm.size();
+        if sc.len() != n
+            || rc.len() != n
+            || sc.iter().sum::<usize>() != send.len()
+            || rc.iter().sum::<usize>() != recv.len()
+        {
+            return Err(CommError::Usage(format!(
+                "all-to-all-v on rank {}: send counts {sc:?} for {} bytes, receive counts {rc:?} for {} bytes, {n} members",
+                comm.global_rank(),
+                send.len(),
+                recv.len()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn elements(comm: &dyn Communicator, op: &str, len: usize, dtype: DType) -> Result<()> {
+        if !len.is_multiple_of(dtype.size()) {
+            return Err(CommError::Usage(format!(
+                "{op} on rank {}: {len} bytes are not whole {} elements",
+                comm.global_rank(),
+                dtype.name()
+            )));
+        }
+        Ok(())
+    }
+}

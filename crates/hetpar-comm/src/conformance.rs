@@ -1,0 +1,312 @@
+//! The backend conformance suite (feature `testing`): one body per operation, run on every
+//! backend by the local tests and by the MPI runner under `mpirun`. Inputs are small
+//! integers, so every reduction is exact in any order and results can be compared bitwise.
+
+use half::bf16;
+
+use crate::comm::{CommExt, Communicator};
+use crate::dtype::{Element, ReduceOp};
+
+/// A conformance check: `Ok` or what went wrong on this rank.
+pub type Check = fn(&dyn Communicator) -> Result<(), String>;
+
+/// Every check, by name.
+pub const SUITE: &[(&str, Check)] = &[
+    ("barrier", barrier),
+    ("all_reduce_f32", all_reduce::<f32>),
+    ("all_reduce_f64", all_reduce::<f64>),
+    ("all_reduce_i64", all_reduce::<i64>),
+    ("all_reduce_bf16", all_reduce::<bf16>),
+    ("broadcast", broadcast),
+    ("all_gather", all_gather),
+    ("all_gather_v", all_gather_v),
+    ("reduce_scatter", reduce_scatter),
+    ("all_to_all_v", all_to_all_v),
+    ("point_to_point", point_to_point),
+    ("overlapping_subgroups", overlapping_subgroups),
+    ("many_groups_in_flight", many_groups_in_flight),
+];
+
+/// Lengths that catch off-by-one chunking: empty, one, odd, larger than the group.
+pub const LENGTHS: [usize; 5] = [0, 1, 7, 1000, 4099];
+
+/// Values that survive a round trip through every element type exactly.
+pub trait Exact: Element + PartialEq + std::fmt::Debug {
+    /// The element for a small integer.
+    fn of(v: i64) -> Self;
+}
+impl Exact for f32 {
+    fn of(v: i64) -> Self {
+        v as f32
+    }
+}
+impl Exact for f64 {
+    fn of(v: i64) -> Self {
+        v as f64
+    }
+}
+impl Exact for i64 {
+    fn of(v: i64) -> Self {
+        v
+    }
+}
+impl Exact for bf16 {
+    fn of(v: i64) -> Self {
+        bf16::from_f32(v as f32)
+    }
+}
+
+fn fail(comm: &dyn Communicator, what: String) -> String {
+    format!("rank {} of {} ({}): {what}", comm.global_rank(), comm.size(), comm.backend())
+}
+
+fn ok<T>(comm: &dyn Communicator, r: crate::Result<T>, what: &str) -> Result<T, String> {
+    r.map_err(|e| fail(comm, format!("{what}: {e}")))
+}
+
+fn barrier(c: &dyn Communicator) -> Result<(), String> {
+    for _ in 0..3 {
+        ok(c, c.barrier(), "barrier")?;
+    }
+    Ok(())
+}
+
+fn value(rank: usize, i: usize) -> i64 {
+    ((rank * 31 + i * 7) % 13) as i64 - 6
+}
+
+fn all_reduce<T: Exact>(c: &dyn Communicator) -> Result<(), String> {
+    let n = c.size();
+    for &len in &LENGTHS {
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+            let mut data: Vec<T> = (0..len).map(|i| T::of(value(c.rank(), i))).collect();
+            ok(c, c.all_reduce(&mut data, op), "all-reduce")?;
+            for (i, got) in data.iter().enumerate() {
+                let vals = (0..n).map(|r| value(r, i));
+                let want = match op {
+                    ReduceOp::Sum => vals.sum(),
+                    ReduceOp::Max => vals.max().expect("members"),
+                    ReduceOp::Min => vals.min().expect("members"),
+                };
+                if *got != T::of(want) {
+                    return Err(fail(
+                        c,
+                        format!(
+                            "all-reduce {} of {len}: element {i} is {got:?}, want {want}",
+                            op.name()
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn broadcast(c: &dyn Communicator) -> Result<(), String> {
+    for root in 0..c.size() {
+        for &len in &LENGTHS {
+            let mut data: Vec<f64> = (0..len)
+                .map(|i| if c.rank() == root { (root * 1000 + i) as f64 } else { -1.0 })
+                .collect();
+            ok(c, c.broadcast(&mut data, root), "broadcast")?;
+            if let Some(i) = (0..len).find(|&i| data[i] != (root * 1000 + i) as f64) {
+                return Err(fail(
+                    c,
+                    format!("broadcast from {root} of {len}: element {i} is {}", data[i]),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn all_gather(c: &dyn Communicator) -> Result<(), String> {
+    for &len in &[0usize, 3, 1001] {
+        let send: Vec<i64> = (0..len).map(|j| (c.rank() * 10_000 + j) as i64).collect();
+        let mut recv = vec![-1i64; len * c.size()];
+        ok(c, c.all_gather(&send, &mut recv), "all-gather")?;
+        for r in 0..c.size() {
+            for j in 0..len {
+                if recv[r * len + j] != (r * 10_000 + j) as i64 {
+                    return Err(fail(
+                        c,
+                        format!(
+                            "all-gather of {len}: part {r} element {j} is {}",
+                            recv[r * len + j]
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn all_gather_v(c: &dyn Communicator) -> Result<(), String> {
+    let counts: Vec<usize> = (0..c.size()).map(|j| (j * 3 + 1) % 4).collect();
+    let send: Vec<f32> = (0..counts[c.rank()]).map(|j| (c.rank() * 100 + j) as f32).collect();
+    let mut recv = vec![-1.0f32; counts.iter().sum()];
+    ok(c, c.all_gather_v(&send, &mut recv, &counts), "all-gather-v")?;
+    let want: Vec<f32> =
+        (0..c.size()).flat_map(|r| (0..counts[r]).map(move |j| (r * 100 + j) as f32)).collect();
+    if recv != want {
+        return Err(fail(
+            c,
+            format!("all-gather-v with counts {counts:?}: got {recv:?}, want {want:?}"),
+        ));
+    }
+    Ok(())
+}
+
+fn reduce_scatter(c: &dyn Communicator) -> Result<(), String> {
+    let n = c.size();
+    for block in [0usize, 1, 5, 777] {
+        let send: Vec<f64> = (0..n * block).map(|k| (c.rank() + k) as f64).collect();
+        let mut recv = vec![0.0f64; block];
+        ok(c, c.reduce_scatter(&send, &mut recv, ReduceOp::Sum), "reduce-scatter")?;
+        for (i, got) in recv.iter().enumerate() {
+            let want: usize = (0..n).map(|r| r + c.rank() * block + i).sum();
+            if *got != want as f64 {
+                return Err(fail(
+                    c,
+                    format!("reduce-scatter of block {block}: element {i} is {got}, want {want}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn all_to_all_v(c: &dyn Communicator) -> Result<(), String> {
+    let (n, me) = (c.size(), c.rank());
+    // Member r sends (r + 2j) % 3 * 5 elements to member j (zeros included).
+    let count = |from: usize, to: usize| (from + 2 * to) % 3 * 5;
+    let tag = |from: usize, to: usize, k: usize| (from * 1_000_000 + to * 1000 + k) as i64;
+    let sc: Vec<usize> = (0..n).map(|j| count(me, j)).collect();
+    let rc: Vec<usize> = (0..n).map(|j| count(j, me)).collect();
+    let send: Vec<i64> = (0..n).flat_map(|j| (0..sc[j]).map(move |k| tag(me, j, k))).collect();
+    let mut recv = vec![-1i64; rc.iter().sum()];
+    ok(c, c.all_to_all_v(&send, &sc, &mut recv, &rc), "all-to-all-v")?;
+    let want: Vec<i64> = (0..n).flat_map(|j| (0..rc[j]).map(move |k| tag(j, me, k))).collect();
+    if recv != want {
+        return Err(fail(c, format!("all-to-all-v: got {recv:?}, want {want:?}")));
+    }
+    Ok(())
+}
+
+fn point_to_point(c: &dyn Communicator) -> Result<(), String> {
+    let (n, me) = (c.size(), c.rank());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    // A ring exchange with send_recv, for several sizes (the empty message included).
+    for &len in &LENGTHS {
+        let send: Vec<f32> = (0..len).map(|i| (me * 7 + i) as f32).collect();
+        let mut recv = vec![-1.0f32; len];
+        ok(c, c.send_recv(&send, next, 3, &mut recv, prev, 3), "send-recv ring")?;
+        if let Some(i) = (0..len).find(|&i| recv[i] != (prev * 7 + i) as f32) {
+            return Err(fail(
+                c,
+                format!("ring of {len}: element {i} from rank {prev} is {}", recv[i]),
+            ));
+        }
+    }
+    // Ordered pairs: even ranks send then receive, odd ranks receive then send; two tags
+    // between the same pair keep their order per tag.
+    if n >= 2 && me < n - n % 2 {
+        let peer = me ^ 1;
+        let a: Vec<i64> = vec![me as i64; 3];
+        let b: Vec<i64> = vec![me as i64 + 100; 5];
+        let (mut ra, mut rb) = (vec![0i64; 3], vec![0i64; 5]);
+        if me % 2 == 0 {
+            ok(c, c.send(&a, peer, 11), "send")?;
+            ok(c, c.send(&b, peer, 12), "send")?;
+            ok(c, c.recv(&mut ra, peer, 11), "recv")?;
+            ok(c, c.recv(&mut rb, peer, 12), "recv")?;
+        } else {
+            ok(c, c.recv(&mut ra, peer, 11), "recv")?;
+            ok(c, c.recv(&mut rb, peer, 12), "recv")?;
+            ok(c, c.send(&a, peer, 11), "send")?;
+            ok(c, c.send(&b, peer, 12), "send")?;
+        }
+        if ra != vec![peer as i64; 3] || rb != vec![peer as i64 + 100; 5] {
+            return Err(fail(c, format!("pair exchange with {peer}: got {ra:?} and {rb:?}")));
+        }
+    }
+    Ok(())
+}
+
+fn sum_of_ranks(c: &dyn Communicator, g: &dyn Communicator) -> Result<(), String> {
+    let mut x = [c.global_rank() as i64];
+    ok(c, g.all_reduce(&mut x, ReduceOp::Sum), "subgroup all-reduce")?;
+    let want: i64 = g.global_ranks().iter().map(|&r| r as i64).sum();
+    if x[0] != want {
+        return Err(fail(
+            c,
+            format!("subgroup {:?}: sum of ranks {} != {want}", g.global_ranks(), x[0]),
+        ));
+    }
+    Ok(())
+}
+
+fn overlapping_subgroups(c: &dyn Communicator) -> Result<(), String> {
+    let n = c.size();
+    // Lower half plus one, upper half plus one (they overlap in the middle), evens, all.
+    let lists: Vec<Vec<usize>> = vec![
+        (0..(n / 2 + 1).min(n)).collect(),
+        (n.saturating_sub(n / 2 + 1)..n).collect(),
+        (0..n).step_by(2).collect(),
+        (0..n).collect(),
+    ];
+    for list in &lists {
+        if list.contains(&c.rank()) {
+            let g = ok(c, c.subgroup(list), "subgroup")?;
+            if g.size() != list.len() || g.global_ranks()[g.rank()] != c.global_rank() {
+                return Err(fail(
+                    c,
+                    format!(
+                        "subgroup {list:?} has size {} and maps rank {} to {}",
+                        g.size(),
+                        g.rank(),
+                        g.global_ranks()[g.rank()]
+                    ),
+                ));
+            }
+            sum_of_ranks(c, g.as_ref())?;
+            // A subgroup of a subgroup.
+            if g.size() >= 2 {
+                let inner: Vec<usize> = (0..g.size()).filter(|i| i % 2 == g.rank() % 2).collect();
+                let gg = ok(c, g.subgroup(&inner), "nested subgroup")?;
+                sum_of_ranks(c, gg.as_ref())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn many_groups_in_flight(c: &dyn Communicator) -> Result<(), String> {
+    let n = c.size();
+    // Disjoint pairs run many operations at the same time as each other.
+    let pair: Vec<usize> = if c.rank() + 1 == n && n % 2 == 1 {
+        vec![c.rank()]
+    } else {
+        vec![c.rank() & !1, c.rank() | 1]
+    };
+    let g = ok(c, c.subgroup(&pair), "pair subgroup")?;
+    for round in 0..25 {
+        let mut x = vec![(c.global_rank() + round) as f64; 17];
+        ok(c, g.all_reduce(&mut x, ReduceOp::Sum), "pair all-reduce")?;
+        let want: usize = g.global_ranks().iter().map(|r| r + round).sum();
+        if x.iter().any(|&v| v != want as f64) {
+            return Err(fail(c, format!("pair round {round}: {} != {want}", x[0])));
+        }
+        if g.size() == 2 {
+            let peer = 1 - g.rank();
+            let mut y = [0i64];
+            ok(c, g.send_recv(&[round as i64], peer, 1, &mut y, peer, 1), "pair exchange")?;
+            if y[0] != round as i64 {
+                return Err(fail(c, format!("pair exchange round {round}: got {}", y[0])));
+            }
+        }
+    }
+    ok(c, c.barrier(), "closing barrier")
+}

@@ -1,0 +1,181 @@
+//! Element types the communicators move, and the reductions they apply.
+//!
+//! Backends work on bytes tagged with a [`DType`]; the typed API casts slices of an
+//! [`Element`] to bytes (bytemuck, no copies). Reductions combine contributions strictly in
+//! member order, so a backend that uses [`reduce_into`] is bitwise deterministic.
+
+use half::bf16;
+
+/// Element types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// 64-bit float.
+    F64,
+    /// 64-bit signed integer.
+    I64,
+    /// bfloat16 (reduced in f32, rounded once per element).
+    Bf16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::Bf16 => 2,
+        }
+    }
+
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::I64 => "i64",
+            DType::Bf16 => "bf16",
+        }
+    }
+}
+
+/// A type a communicator can move: plain old data with a [`DType`].
+pub trait Element: bytemuck::Pod {
+    /// Its tag.
+    const DTYPE: DType;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+}
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+}
+impl Element for bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+
+/// Reductions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Maximum.
+    Max,
+    /// Minimum.
+    Min,
+}
+
+impl ReduceOp {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+fn combine<T: Copy + PartialOrd + std::ops::Add<Output = T>>(acc: &mut [T], x: &[T], op: ReduceOp) {
+    match op {
+        ReduceOp::Sum => acc.iter_mut().zip(x).for_each(|(a, &b)| *a = *a + b),
+        ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, &b)| {
+            if b > *a {
+                *a = b;
+            }
+        }),
+        ReduceOp::Min => acc.iter_mut().zip(x).for_each(|(a, &b)| {
+            if b < *a {
+                *a = b;
+            }
+        }),
+    }
+}
+
+fn reduce_typed<T: bytemuck::Pod + PartialOrd + std::ops::Add<Output = T>>(
+    out: &mut [u8],
+    parts: &[&[u8]],
+    op: ReduceOp,
+) {
+    let acc: &mut [T] = bytemuck::cast_slice_mut(out);
+    acc.copy_from_slice(bytemuck::cast_slice(parts[0]));
+    for p in &parts[1..] {
+        combine(acc, bytemuck::cast_slice(p), op);
+    }
+}
+
+/// Writes into `out` the reduction of `parts` (equal byte lengths), combined in order:
+/// `((p0 op p1) op p2) ...`. bf16 accumulates in f32 and rounds once at the end.
+pub fn reduce_into(out: &mut [u8], parts: &[&[u8]], dtype: DType, op: ReduceOp) {
+    assert!(
+        !parts.is_empty() && parts.iter().all(|p| p.len() == out.len()),
+        "reduce of unequal parts"
+    );
+    match dtype {
+        DType::F32 => reduce_typed::<f32>(out, parts, op),
+        DType::F64 => reduce_typed::<f64>(out, parts, op),
+        DType::I64 => match op {
+            // Integer sums wrap like two's complement hardware instead of panicking.
+            ReduceOp::Sum => {
+                let acc: &mut [i64] = bytemuck::cast_slice_mut(out);
+                acc.copy_from_slice(bytemuck::cast_slice(parts[0]));
+                for p in &parts[1..] {
+                    let x: &[i64] = bytemuck::cast_slice(p);
+                    acc.iter_mut().zip(x).for_each(|(a, &b)| *a = a.wrapping_add(b));
+                }
+            }
+            _ => reduce_typed::<i64>(out, parts, op),
+        },
+        DType::Bf16 => {
+            let n = out.len() / 2;
+            let mut acc: Vec<f32> =
+                bytemuck::cast_slice::<u8, bf16>(parts[0]).iter().map(|v| v.to_f32()).collect();
+            for p in &parts[1..] {
+                let x: Vec<f32> =
+                    bytemuck::cast_slice::<u8, bf16>(p).iter().map(|v| v.to_f32()).collect();
+                combine(&mut acc, &x, op);
+            }
+            let o: &mut [bf16] = bytemuck::cast_slice_mut(out);
+            debug_assert_eq!(o.len(), n);
+            o.iter_mut().zip(&acc).for_each(|(o, &a)| *o = bf16::from_f32(a));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reductions_combine_in_order() {
+        let a = [1.0f32, 5.0, -2.0];
+        let b = [4.0f32, 2.0, -3.0];
+        let mut out = [0u8; 12];
+        let parts = [bytemuck::cast_slice(&a), bytemuck::cast_slice(&b)];
+        for (op, want) in [
+            (ReduceOp::Sum, [5.0, 7.0, -5.0]),
+            (ReduceOp::Max, [4.0, 5.0, -2.0]),
+            (ReduceOp::Min, [1.0, 2.0, -3.0]),
+        ] {
+            reduce_into(&mut out, &parts, DType::F32, op);
+            assert_eq!(bytemuck::cast_slice::<u8, f32>(&out), want);
+        }
+        let x = [bf16::from_f32(1.5), bf16::from_f32(-1.0)];
+        let mut out = [0u8; 4];
+        reduce_into(
+            &mut out,
+            &[bytemuck::cast_slice(&x), bytemuck::cast_slice(&x)],
+            DType::Bf16,
+            ReduceOp::Sum,
+        );
+        assert_eq!(
+            bytemuck::cast_slice::<u8, bf16>(&out),
+            [bf16::from_f32(3.0), bf16::from_f32(-2.0)]
+        );
+    }
+}

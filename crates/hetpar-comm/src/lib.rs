@@ -1,0 +1,19 @@
+//! hetpar-comm: moving bytes between ranks. The [`Communicator`] trait (collectives,
+//! all-to-all-v, point-to-point, subgroups, timeouts) and its backends: [`local`] (threads,
+//! the default), `mpi` (feature `mpi`), `nccl` (feature `nccl`), and [`recording`], a wrapper
+//! that logs what any backend moved. Only this crate knows about transports; everything
+//! above it sees the trait.
+
+pub mod comm;
+#[cfg(feature = "testing")]
+pub mod conformance;
+pub mod dtype;
+pub mod error;
+pub mod local;
+pub mod recording;
+
+pub use comm::{CommExt, Communicator};
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{CommError, Result};
+pub use local::{LocalComm, LocalOptions, launch};
+pub use recording::{Log, OpKind, OpRecord, Recording};

@@ -1,0 +1,189 @@
+//! The local backend: the conformance suite on several world sizes, determinism, timeouts,
+//! failure propagation and the recording wrapper.
+
+use std::time::{Duration, Instant};
+
+use hetpar_comm::conformance::SUITE;
+use hetpar_comm::{
+    CommError, CommExt, Communicator, LocalOptions, Log, OpKind, Recording, ReduceOp, launch,
+};
+
+fn opts(secs: f64) -> LocalOptions {
+    LocalOptions { timeout: Duration::from_secs_f64(secs) }
+}
+
+macro_rules! conformance {
+    ($($name:ident: $world:expr,)*) => {$(
+        #[test]
+        fn $name() {
+            for (check, f) in SUITE {
+                let out = launch($world, opts(20.0), |c| f(c)).unwrap_or_else(|e| panic!("{check}: {e}"));
+                for r in out {
+                    r.unwrap_or_else(|e| panic!("{check}: {e}"));
+                }
+            }
+        }
+    )*};
+}
+
+conformance! {
+    suite_on_1_rank: 1,
+    suite_on_2_ranks: 2,
+    suite_on_3_ranks: 3,
+    suite_on_4_ranks: 4,
+    suite_on_8_ranks: 8,
+}
+
+#[test]
+fn reruns_are_bitwise_identical() {
+    let run = || {
+        launch(5, opts(10.0), |c| {
+            let mut x: Vec<f32> = (0..1001)
+                .map(|i| ((c.rank() * 13 + i) as f32).sin() * 1e-3 + 1.0 / (i + 1) as f32)
+                .collect();
+            c.all_reduce(&mut x, ReduceOp::Sum).expect("all-reduce");
+            x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+        })
+        .expect("launch")
+    };
+    let (a, b) = (run(), run());
+    assert_eq!(a, b);
+    // Every rank got the same bits, and they equal a sequential sum in rank order.
+    assert!(a.iter().all(|v| *v == a[0]));
+    let seq: Vec<u32> = (0..1001)
+        .map(|i| {
+            let mut acc = 0.0f32;
+            for r in 0..5 {
+                let v = ((r * 13 + i) as f32).sin() * 1e-3 + 1.0 / (i + 1) as f32;
+                acc = if r == 0 { v } else { acc + v };
+            }
+            acc.to_bits()
+        })
+        .collect();
+    assert_eq!(a[0], seq);
+}
+
+#[test]
+fn a_rank_that_never_joins_times_out_naming_it() {
+    let start = Instant::now();
+    let out = launch(3, opts(0.5), |c| {
+        if c.rank() == 2 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(());
+        }
+        c.barrier()
+    })
+    .expect("no panic");
+    assert!(start.elapsed() < Duration::from_secs(3));
+    for r in [0, 1] {
+        let e = out[r].clone().expect_err("timeout");
+        assert!(matches!(e, CommError::Timeout { .. }), "{e}");
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "barrier #0 over ranks [0-2] timed out after 500ms on rank {r}: ranks [2] never joined"
+            )
+        );
+    }
+    assert!(out[2].is_ok());
+}
+
+#[test]
+fn a_rank_that_returns_early_fails_the_others_fast() {
+    let start = Instant::now();
+    let out = launch(3, opts(30.0), |c| if c.rank() == 1 { Ok(()) } else { c.barrier() })
+        .expect("no panic");
+    assert!(start.elapsed() < Duration::from_secs(5), "did not wait for the 30 s timeout");
+    let e = out[0].clone().expect_err("peer exited");
+    assert_eq!(e.to_string(), "rank 1 failed: exited without joining it (barrier #0 on rank 0)");
+}
+
+#[test]
+fn a_receive_without_a_send_times_out() {
+    let out = launch(2, opts(0.3), |c| {
+        let mut buf = [0.0f32; 4];
+        if c.rank() == 0 {
+            c.recv(&mut buf, 1, 9)
+        } else {
+            std::thread::sleep(Duration::from_millis(800));
+            Ok(())
+        }
+    })
+    .expect("no panic");
+    let e = out[0].clone().expect_err("timeout");
+    assert_eq!(
+        e.to_string(),
+        "recv from rank 1 (tag 9) over ranks [0-1] timed out after 300ms on rank 0: ranks [1] never sent it"
+    );
+}
+
+#[test]
+fn mismatched_sizes_are_errors_not_hangs() {
+    let out = launch(2, opts(2.0), |c| {
+        let mut x = vec![1.0f64; 4 + c.rank()];
+        c.all_reduce(&mut x, ReduceOp::Sum)
+    })
+    .expect("no panic");
+    let msgs: Vec<String> = out.into_iter().map(|r| r.expect_err("mismatch").to_string()).collect();
+    assert!(
+        msgs.iter().all(|m| m.starts_with("all-reduce #0 over ranks [0-1]: rank ")),
+        "{msgs:?}"
+    );
+    assert!(msgs.iter().all(|m| m.contains("passes bytes Some(")), "{msgs:?}");
+    let out = launch(2, opts(2.0), |c| {
+        if c.rank() == 0 { c.send(&[1i64, 2, 3], 1, 0) } else { c.recv(&mut [0i64; 2], 0, 0) }
+    })
+    .expect("no panic");
+    assert_eq!(
+        out[1].clone().expect_err("size").to_string(),
+        "recv from rank 0 (tag 0) over ranks [0-1]: rank 0 sent 24 bytes, rank 1 expects 16"
+    );
+    let out = launch(2, opts(2.0), |c| {
+        if c.rank() == 0 { c.barrier() } else { c.all_reduce(&mut [0i64], ReduceOp::Sum) }
+    })
+    .expect("no panic");
+    let e = out[1].clone().expect_err("kind").to_string();
+    assert!(
+        e.contains("rank 1 called all-reduce while rank 0 called barrier")
+            || e.contains("rank 0 called barrier while rank 1 called all-reduce"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_panic_fails_every_rank_fast_with_its_rank() {
+    let start = Instant::now();
+    let e = launch(4, opts(30.0), |c| {
+        if c.rank() == 3 {
+            panic!("injected fault");
+        }
+        let mut x = [1.0f32];
+        c.all_reduce(&mut x, ReduceOp::Sum).map(|_| ())
+    })
+    .expect_err("a rank panicked");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert_eq!(e.to_string(), "rank 3 failed: panicked: injected fault");
+}
+
+#[test]
+fn recording_counts_what_moves() {
+    let log = Log::new();
+    launch(4, opts(10.0), |c| {
+        let rec = Recording::new(Box::new(c), log.clone());
+        let mut x = [0.0f32; 100];
+        rec.all_reduce(&mut x, ReduceOp::Sum).expect("all-reduce");
+        let g = rec.subgroup(&[0, 1]).ok().filter(|_| c.rank() < 2);
+        if let Some(g) = g {
+            let peer = 1 - g.rank();
+            g.send_recv(&[1i64; 8], peer, 0, &mut [0i64; 8], peer, 0).expect("exchange");
+        }
+    })
+    .expect("launch");
+    let kinds = log.count_by_kind();
+    assert_eq!(kinds[&OpKind::AllReduce], 4);
+    assert_eq!((kinds[&OpKind::Send], kinds[&OpKind::Recv]), (2, 2));
+    // All-reduce of 400 bytes on 4 ranks: 2 * 3/4 * 400 each way per rank.
+    assert_eq!(log.bytes_by_group()[&vec![0, 1, 2, 3]], 4 * 600);
+    assert_eq!(log.bytes_by_peer()[&(0, 1)], 64);
+    assert_eq!(log.bytes_by_rank()[&0], (600 + 64, 600 + 64));
+}
