@@ -1,0 +1,201 @@
+//! The boundary executor: walks one rank's program of an edge plan over a communicator.
+//!
+//! Rows are `width` f32 values. A forward reads the held buffer (source layout) and fills
+//! the needed buffer (destination layout); a backward reads gradients from the needed buffer
+//! and fills the held buffer. The executor re-derives nothing: it checks the buffers against
+//! the plan, allocates the stage, and performs each op in order. Point-to-point messages go
+//! over the world communicator with the caller's tag; collectives over the plan's groups,
+//! created up front by [`Groups::prepare`] in one global order.
+
+use std::collections::BTreeMap;
+
+use hetpar_comm::{CommExt, Communicator};
+use hetpar_layout::plan::{Buf, Op, Program, Segs};
+use hetpar_layout::{Direction, EdgePlan};
+
+use crate::error::RuntimeError;
+
+/// Sub-communicators for the groups plans use, keyed by their world ranks.
+#[derive(Default)]
+pub struct Groups {
+    map: BTreeMap<Vec<usize>, Box<dyn Communicator>>,
+}
+
+impl std::fmt::Debug for Groups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.map.keys()).finish()
+    }
+}
+
+impl Groups {
+    /// No groups yet.
+    pub fn new() -> Groups {
+        Groups::default()
+    }
+
+    /// Creates every group of `programs` that this rank belongs to and does not have yet.
+    /// Every rank sees every rank's program, so all walk the same sorted list and create
+    /// shared groups in the same order (no deadlock on collective creation).
+    pub fn prepare<'p>(
+        &mut self,
+        world: &dyn Communicator,
+        programs: impl IntoIterator<Item = &'p Program>,
+    ) -> Result<(), RuntimeError> {
+        let me = world.global_rank();
+        let mut lists: Vec<Vec<usize>> = programs
+            .into_iter()
+            .flat_map(|p| {
+                p.ops.values().flatten().filter_map(|op| op.group().map(<[usize]>::to_vec))
+            })
+            .collect();
+        lists.sort();
+        lists.dedup();
+        for list in lists {
+            if list.contains(&me) && !self.map.contains_key(&list) {
+                let g = world.subgroup(&list)?;
+                self.map.insert(list, g);
+            }
+        }
+        Ok(())
+    }
+
+    fn get(&self, list: &[usize]) -> &dyn Communicator {
+        self.map.get(list).map(|b| b.as_ref()).unwrap_or_else(|| {
+            panic!("group {list:?} was not prepared: call Groups::prepare with this plan first")
+        })
+    }
+}
+
+/// The three row buffers of a rank.
+struct Rows<'a> {
+    held: &'a mut [f32],
+    needed: &'a mut [f32],
+    stage: Vec<f32>,
+    width: usize,
+}
+
+impl Rows<'_> {
+    fn buf(&self, b: Buf) -> &[f32] {
+        match b {
+            Buf::Held => self.held,
+            Buf::Needed => self.needed,
+            Buf::Stage => &self.stage,
+        }
+    }
+
+    fn buf_mut(&mut self, b: Buf) -> &mut [f32] {
+        match b {
+            Buf::Held => self.held,
+            Buf::Needed => self.needed,
+            Buf::Stage => &mut self.stage,
+        }
+    }
+
+    /// The rows of `segs`, concatenated.
+    fn gather(&self, segs: &Segs) -> Vec<f32> {
+        let w = self.width;
+        let mut out = Vec::with_capacity(segs.rows() * w);
+        for s in &segs.0 {
+            out.extend_from_slice(&self.buf(s.buf)[s.start * w..(s.start + s.len) * w]);
+        }
+        out
+    }
+
+    /// Writes `data` (concatenated rows) into the rows of `segs`.
+    fn scatter(&mut self, segs: &Segs, data: &[f32]) {
+        let w = self.width;
+        let mut at = 0;
+        for s in &segs.0 {
+            let n = s.len * w;
+            self.buf_mut(s.buf)[s.start * w..s.start * w + n].copy_from_slice(&data[at..at + n]);
+            at += n;
+        }
+        debug_assert_eq!(at, data.len());
+    }
+}
+
+/// Runs this rank's `dir` program of `plan` on `held` / `needed` (rows of `width` f32). P2P
+/// messages use `tag` on `world` (its ranks must be world ranks). Buffers that disagree with
+/// the plan are rejected before anything moves.
+#[allow(clippy::too_many_arguments)]
+pub fn run_boundary(
+    world: &dyn Communicator,
+    groups: &Groups,
+    plan: &EdgePlan,
+    dir: Direction,
+    edge: &str,
+    width: usize,
+    tag: u32,
+    held: &mut [f32],
+    needed: &mut [f32],
+) -> Result<(), RuntimeError> {
+    let rank = world.global_rank();
+    let geo = &plan.geometry;
+    let rows_of = |m: &BTreeMap<usize, Vec<usize>>| m.get(&rank).map_or(0, Vec::len);
+    for (name, len, rows) in
+        [("held", held.len(), rows_of(&geo.held)), ("needed", needed.len(), rows_of(&geo.needed))]
+    {
+        if len != rows * width {
+            return Err(RuntimeError::Boundary {
+                edge: edge.to_string(),
+                message: format!(
+                    "rank {rank} passes {len} values as its {name} rows, the plan has {rows} rows of width {width} = {}",
+                    rows * width
+                ),
+            });
+        }
+    }
+    let program = plan.program(dir);
+    let Some(ops) = program.ops.get(&rank) else { return Ok(()) };
+    let stage = vec![0.0f32; program.stage_rows.get(&rank).copied().unwrap_or(0) * width];
+    let mut rows = Rows { held, needed, stage, width };
+    for op in ops {
+        match op {
+            Op::Copy { from, to } => {
+                let data = rows.gather(from);
+                rows.scatter(to, &data);
+            }
+            Op::Send { peer, rows: segs } => world.send(&rows.gather(segs), *peer, tag)?,
+            Op::Recv { peer, rows: segs } => {
+                let mut data = vec![0.0f32; segs.rows() * width];
+                world.recv(&mut data, *peer, tag)?;
+                rows.scatter(segs, &data);
+            }
+            Op::AllToAllV { group, send, recv } => {
+                let g = groups.get(group);
+                let data: Vec<f32> = send.iter().flat_map(|s| rows.gather(s)).collect();
+                let sc: Vec<usize> = send.iter().map(|s| s.rows() * width).collect();
+                let rc: Vec<usize> = recv.iter().map(|s| s.rows() * width).collect();
+                let mut incoming = vec![0.0f32; rc.iter().sum()];
+                g.all_to_all_v(&data, &sc, &mut incoming, &rc)?;
+                let mut at = 0;
+                for (segs, n) in recv.iter().zip(&rc) {
+                    rows.scatter(segs, &incoming[at..at + n]);
+                    at += n;
+                }
+            }
+            Op::AllGatherV { group, send, counts, into } => {
+                let g = groups.get(group);
+                let data = rows.gather(send);
+                let counts: Vec<usize> = counts.iter().map(|c| c * width).collect();
+                let mut all = vec![0.0f32; counts.iter().sum()];
+                g.all_gather_v(&data, &mut all, &counts)?;
+                rows.scatter(&Segs(vec![*into]), &all);
+            }
+            Op::Broadcast { group, root, rows: segs } => {
+                let g = groups.get(group);
+                let root_idx = group.iter().position(|r| r == root).expect("root is a member");
+                let mut data = if rank == *root {
+                    rows.gather(segs)
+                } else {
+                    vec![0.0f32; segs.rows() * width]
+                };
+                g.broadcast(&mut data, root_idx)?;
+                if rank != *root {
+                    rows.scatter(segs, &data);
+                }
+            }
+        }
+    }
+    Ok(())
+}
