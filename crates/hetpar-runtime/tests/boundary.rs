@@ -30,9 +30,11 @@ fn encode(labels: &[Option<Label>]) -> Vec<f32> {
         .collect()
 }
 
-/// Runs both directions of `plan` on `world` local ranks; returns per rank the needed
-/// buffer after the forward and the held buffer after the backward, and the log.
-fn run(plan: &EdgePlan, world: usize) -> (Vec<(Vec<f32>, Vec<f32>)>, Log) {
+/// Per rank: the needed buffer after the forward, the held buffer after the backward.
+type Outcome = Vec<(Vec<f32>, Vec<f32>)>;
+
+/// Runs both directions of `plan` on `world` local ranks, recording what moves.
+fn run(plan: &EdgePlan, world: usize) -> (Outcome, Log) {
     let log = Log::new();
     let geo = &plan.geometry;
     let out = launch(world, LocalOptions { timeout: Duration::from_secs(20) }, |c| {
