@@ -4,6 +4,8 @@
 //! [`Element`] to bytes (bytemuck, no copies). Reductions combine contributions strictly in
 //! member order, so a backend that uses [`reduce_into`] is bitwise deterministic.
 
+use std::borrow::Cow;
+
 use half::bf16;
 
 /// Element types.
@@ -97,52 +99,59 @@ fn combine<T: Copy + PartialOrd + std::ops::Add<Output = T>>(acc: &mut [T], x: &
     }
 }
 
+/// A typed copy of `bytes` (which need not be aligned for `T`).
+pub(crate) fn typed<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
+    let mut v = vec![T::zeroed(); bytes.len() / size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(bytes);
+    v
+}
+
+/// `bytes` as `T`s, borrowed when aligned, copied when not.
+fn view<T: bytemuck::Pod>(bytes: &[u8]) -> Cow<'_, [T]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(s) => Cow::Borrowed(s),
+        Err(_) => Cow::Owned(typed(bytes)),
+    }
+}
+
 fn reduce_typed<T: bytemuck::Pod + PartialOrd + std::ops::Add<Output = T>>(
     out: &mut [u8],
     parts: &[&[u8]],
     op: ReduceOp,
+    add: fn(T, T) -> T,
 ) {
-    let acc: &mut [T] = bytemuck::cast_slice_mut(out);
-    acc.copy_from_slice(bytemuck::cast_slice(parts[0]));
+    let mut acc: Vec<T> = typed(parts[0]);
     for p in &parts[1..] {
-        combine(acc, bytemuck::cast_slice(p), op);
+        let x = view::<T>(p);
+        match op {
+            ReduceOp::Sum => acc.iter_mut().zip(x.iter()).for_each(|(a, &b)| *a = add(*a, b)),
+            _ => combine(&mut acc, &x, op),
+        }
     }
+    out.copy_from_slice(bytemuck::cast_slice(&acc));
 }
 
-/// Writes into `out` the reduction of `parts` (equal byte lengths), combined in order:
-/// `((p0 op p1) op p2) ...`. bf16 accumulates in f32 and rounds once at the end.
+/// Writes into `out` the reduction of `parts` (equal byte lengths, any alignment), combined
+/// in order: `((p0 op p1) op p2) ...`. Integer sums wrap like two's complement hardware;
+/// bf16 accumulates in f32 and rounds once at the end.
 pub fn reduce_into(out: &mut [u8], parts: &[&[u8]], dtype: DType, op: ReduceOp) {
     assert!(
         !parts.is_empty() && parts.iter().all(|p| p.len() == out.len()),
         "reduce of unequal parts"
     );
     match dtype {
-        DType::F32 => reduce_typed::<f32>(out, parts, op),
-        DType::F64 => reduce_typed::<f64>(out, parts, op),
-        DType::I64 => match op {
-            // Integer sums wrap like two's complement hardware instead of panicking.
-            ReduceOp::Sum => {
-                let acc: &mut [i64] = bytemuck::cast_slice_mut(out);
-                acc.copy_from_slice(bytemuck::cast_slice(parts[0]));
-                for p in &parts[1..] {
-                    let x: &[i64] = bytemuck::cast_slice(p);
-                    acc.iter_mut().zip(x).for_each(|(a, &b)| *a = a.wrapping_add(b));
-                }
-            }
-            _ => reduce_typed::<i64>(out, parts, op),
-        },
+        DType::F32 => reduce_typed::<f32>(out, parts, op, |a, b| a + b),
+        DType::F64 => reduce_typed::<f64>(out, parts, op, |a, b| a + b),
+        DType::I64 => reduce_typed::<i64>(out, parts, op, i64::wrapping_add),
         DType::Bf16 => {
-            let n = out.len() / 2;
-            let mut acc: Vec<f32> =
-                bytemuck::cast_slice::<u8, bf16>(parts[0]).iter().map(|v| v.to_f32()).collect();
+            let widen =
+                |p: &[u8]| -> Vec<f32> { view::<bf16>(p).iter().map(|v| v.to_f32()).collect() };
+            let mut acc = widen(parts[0]);
             for p in &parts[1..] {
-                let x: Vec<f32> =
-                    bytemuck::cast_slice::<u8, bf16>(p).iter().map(|v| v.to_f32()).collect();
-                combine(&mut acc, &x, op);
+                combine(&mut acc, &widen(p), op);
             }
-            let o: &mut [bf16] = bytemuck::cast_slice_mut(out);
-            debug_assert_eq!(o.len(), n);
-            o.iter_mut().zip(&acc).for_each(|(o, &a)| *o = bf16::from_f32(a));
+            let narrow: Vec<bf16> = acc.iter().map(|&a| bf16::from_f32(a)).collect();
+            out.copy_from_slice(bytemuck::cast_slice(&narrow));
         }
     }
 }
@@ -163,7 +172,7 @@ mod tests {
             (ReduceOp::Min, [1.0, 2.0, -3.0]),
         ] {
             reduce_into(&mut out, &parts, DType::F32, op);
-            assert_eq!(bytemuck::cast_slice::<u8, f32>(&out), want);
+            assert_eq!(typed::<f32>(&out), want);
         }
         let x = [bf16::from_f32(1.5), bf16::from_f32(-1.0)];
         let mut out = [0u8; 4];
@@ -173,9 +182,6 @@ mod tests {
             DType::Bf16,
             ReduceOp::Sum,
         );
-        assert_eq!(
-            bytemuck::cast_slice::<u8, bf16>(&out),
-            [bf16::from_f32(3.0), bf16::from_f32(-2.0)]
-        );
+        assert_eq!(typed::<bf16>(&out), [bf16::from_f32(3.0), bf16::from_f32(-2.0)]);
     }
 }

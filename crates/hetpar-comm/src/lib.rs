@@ -10,6 +10,8 @@ pub mod conformance;
 pub mod dtype;
 pub mod error;
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod recording;
 
 pub use comm::{CommExt, Communicator};

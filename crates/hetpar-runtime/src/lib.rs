@@ -3,6 +3,8 @@
 
 pub mod boundary;
 pub mod error;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use boundary::{Groups, run_boundary};
 pub use error::RuntimeError;

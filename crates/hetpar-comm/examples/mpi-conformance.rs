@@ -1,0 +1,48 @@
+//! The conformance suite on the MPI backend:
+//! `mpirun -n 4 target/release/examples/mpi-conformance`. Exits non-zero on any failure.
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use hetpar_comm::conformance::SUITE;
+use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
+use hetpar_comm::{CommExt, Communicator, ReduceOp};
+
+fn main() -> ExitCode {
+    let opts = MpiOptions {
+        timeout: Duration::from_secs(30),
+        on_fatal: Box::new(|e| eprintln!("fatal: {e}")),
+    };
+    let world = match init(opts) {
+        Ok(w) => w,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let rank = world.rank();
+    abort_on_panic(rank, |line| eprintln!("{line}"));
+    let mut failures = 0i64;
+    for (name, check) in SUITE {
+        if let Err(e) = check(&world) {
+            eprintln!("FAILED {name}: {e}");
+            failures += 1;
+        }
+    }
+    let mut total = [failures];
+    if let Err(e) = world.all_reduce(&mut total, ReduceOp::Sum) {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
+    if rank == 0 {
+        println!(
+            "mpi conformance on {} ranks: {} checks, {} failures",
+            world.size(),
+            SUITE.len(),
+            total[0]
+        );
+    }
+    if total[0] == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}

@@ -1,0 +1,64 @@
+//! Fault injection for the MPI backend, checked by CI: each case must end with a non-zero
+//! exit and a message naming the rank and the operation, within the timeout.
+//!
+//! `mpirun -n 4 target/release/examples/mpi-faults CASE` with CASE one of `hang` (rank 1
+//! never joins a barrier), `recv` (a receive with no send), `size` (a receive of the wrong
+//! size), `panic` (rank 2 panics mid-step).
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use hetpar_comm::mpi::{MpiOptions, abort_job, abort_on_panic, init};
+use hetpar_comm::{CommExt, Communicator, ReduceOp};
+
+fn main() -> ExitCode {
+    let case = std::env::args().nth(1).unwrap_or_default();
+    let opts = MpiOptions {
+        timeout: Duration::from_secs(3),
+        on_fatal: Box::new(|e| eprintln!("fatal: {e}")),
+    };
+    let world = init(opts).expect("MPI initializes");
+    let rank = world.rank();
+    abort_on_panic(rank, |line| eprintln!("{line}"));
+    let result = match case.as_str() {
+        "hang" => {
+            if rank == 1 {
+                std::thread::sleep(Duration::from_secs(30));
+            }
+            world.barrier()
+        }
+        "recv" => {
+            if rank == 0 {
+                world.recv(&mut [0.0f32; 8], 1, 5)
+            } else {
+                std::thread::sleep(Duration::from_secs(5));
+                Ok(())
+            }
+        }
+        "size" => match rank {
+            0 => world.send(&[1.0f64; 3], 1, 0),
+            1 => world.recv(&mut [0.0f64; 2], 0, 0),
+            _ => Ok(()),
+        },
+        "panic" => {
+            if rank == 2 {
+                panic!("injected fault on rank 2");
+            }
+            let mut x = [1.0f32];
+            world.all_reduce(&mut x, ReduceOp::Sum).and_then(|_| world.barrier())
+        }
+        other => {
+            eprintln!("unknown case {other:?}: use hang, recv, size or panic");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rank {rank}: error: {e}");
+            abort_job(1)
+        }
+    }
+}
