@@ -12,6 +12,8 @@ pub mod error;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod recording;
 
 pub use comm::{CommExt, Communicator};
