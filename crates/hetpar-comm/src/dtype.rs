@@ -114,46 +114,58 @@ fn view<T: bytemuck::Pod>(bytes: &[u8]) -> Cow<'_, [T]> {
     }
 }
 
-fn reduce_typed<T: bytemuck::Pod + PartialOrd + std::ops::Add<Output = T>>(
-    out: &mut [u8],
-    parts: &[&[u8]],
+fn fold_typed<T: bytemuck::Pod + PartialOrd + std::ops::Add<Output = T>>(
+    acc: &mut [u8],
+    rest: &[&[u8]],
     op: ReduceOp,
     add: fn(T, T) -> T,
 ) {
-    let mut acc: Vec<T> = typed(parts[0]);
-    for p in &parts[1..] {
-        let x = view::<T>(p);
-        match op {
-            ReduceOp::Sum => acc.iter_mut().zip(x.iter()).for_each(|(a, &b)| *a = add(*a, b)),
-            _ => combine(&mut acc, &x, op),
+    let fold = |acc: &mut [T]| {
+        for p in rest {
+            let x = view::<T>(p);
+            match op {
+                ReduceOp::Sum => acc.iter_mut().zip(x.iter()).for_each(|(a, &b)| *a = add(*a, b)),
+                _ => combine(acc, &x, op),
+            }
         }
+    };
+    // In place when `acc` is aligned for `T` (the usual case), else through a copy.
+    if let Ok(a) = bytemuck::try_cast_slice_mut::<u8, T>(acc) {
+        fold(a);
+    } else {
+        let mut a: Vec<T> = typed(acc);
+        fold(&mut a);
+        acc.copy_from_slice(bytemuck::cast_slice(&a));
     }
-    out.copy_from_slice(bytemuck::cast_slice(&acc));
 }
 
-/// Writes into `out` the reduction of `parts` (equal byte lengths, any alignment), combined
-/// in order: `((p0 op p1) op p2) ...`. Integer sums wrap like two's complement hardware;
-/// bf16 accumulates in f32 and rounds once at the end.
-pub fn reduce_into(out: &mut [u8], parts: &[&[u8]], dtype: DType, op: ReduceOp) {
-    assert!(
-        !parts.is_empty() && parts.iter().all(|p| p.len() == out.len()),
-        "reduce of unequal parts"
-    );
+/// Folds `rest` into `acc` elementwise, in order: `((acc op r0) op r1) ...` (equal byte
+/// lengths, any alignment). Integer sums wrap like two's complement hardware; bf16
+/// accumulates in f32 and rounds once at the end.
+pub fn reduce_onto(acc: &mut [u8], rest: &[&[u8]], dtype: DType, op: ReduceOp) {
+    assert!(rest.iter().all(|p| p.len() == acc.len()), "reduce of unequal parts");
     match dtype {
-        DType::F32 => reduce_typed::<f32>(out, parts, op, |a, b| a + b),
-        DType::F64 => reduce_typed::<f64>(out, parts, op, |a, b| a + b),
-        DType::I64 => reduce_typed::<i64>(out, parts, op, i64::wrapping_add),
+        DType::F32 => fold_typed::<f32>(acc, rest, op, |a, b| a + b),
+        DType::F64 => fold_typed::<f64>(acc, rest, op, |a, b| a + b),
+        DType::I64 => fold_typed::<i64>(acc, rest, op, i64::wrapping_add),
         DType::Bf16 => {
             let widen =
                 |p: &[u8]| -> Vec<f32> { view::<bf16>(p).iter().map(|v| v.to_f32()).collect() };
-            let mut acc = widen(parts[0]);
-            for p in &parts[1..] {
-                combine(&mut acc, &widen(p), op);
+            let mut wide = widen(acc);
+            for p in rest {
+                combine(&mut wide, &widen(p), op);
             }
-            let narrow: Vec<bf16> = acc.iter().map(|&a| bf16::from_f32(a)).collect();
-            out.copy_from_slice(bytemuck::cast_slice(&narrow));
+            let narrow: Vec<bf16> = wide.iter().map(|&a| bf16::from_f32(a)).collect();
+            acc.copy_from_slice(bytemuck::cast_slice(&narrow));
         }
     }
+}
+
+/// Writes into `out` the reduction of `parts`, combined in order (see [`reduce_onto`]).
+pub fn reduce_into(out: &mut [u8], parts: &[&[u8]], dtype: DType, op: ReduceOp) {
+    assert!(!parts.is_empty(), "reduce of nothing");
+    out.copy_from_slice(parts[0]);
+    reduce_onto(out, &parts[1..], dtype, op);
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! that logs what any backend moved. Only this crate knows about transports; everything
 //! above it sees the trait.
 
+pub mod bench;
 pub mod comm;
 #[cfg(feature = "testing")]
 pub mod conformance;

@@ -250,7 +250,8 @@ impl MpiComm {
         name: &str,
         waiting_on: &[usize],
     ) {
-        let deadline = Instant::now() + self.shared.timeout;
+        let start = Instant::now();
+        let deadline = start + self.shared.timeout;
         let mut spins = 0u32;
         loop {
             match req.test() {
@@ -263,9 +264,15 @@ impl MpiComm {
                 (self.shared.on_fatal)(&e);
                 self.comm.abort(3);
             }
+            // Non-blocking collectives progress only inside MPI calls: keep testing, yield
+            // the core to other ranks, and only sleep once the wait is clearly long.
             spins += 1;
-            if spins > 200 {
-                std::thread::sleep(Duration::from_micros(50));
+            if spins > 1000 {
+                if start.elapsed() > Duration::from_millis(500) {
+                    std::thread::sleep(Duration::from_micros(100));
+                } else {
+                    std::thread::yield_now();
+                }
             }
         }
     }
@@ -468,7 +475,7 @@ impl Communicator for MpiComm {
                 self.end();
                 return Err(e);
             }
-            std::thread::sleep(Duration::from_micros(20));
+            std::thread::yield_now();
         };
         let len = status.count(u8::equivalent_datatype()) as usize;
         if len != data.len() {

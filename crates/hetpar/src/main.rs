@@ -1,6 +1,7 @@
 //! The `hetpar` command line. The only place that prints, reads files and environment
 //! variables, and uses `anyhow`; every decision is made by the library crates.
 
+mod bench_cmd;
 mod layout_cmd;
 mod schedule_cmd;
 
@@ -35,6 +36,8 @@ enum Command {
         after_help = "Examples:\n  hetpar schedule examples/two-encoders-islands.toml\n  hetpar schedule examples/colocated-cp-sp.toml --svg schedule.svg"
     )]
     Schedule(schedule_cmd::Args),
+    /// Benchmarks: `hetpar bench comm`.
+    Bench(bench_cmd::Args),
 }
 
 /// Reads and validates a config file; errors name the file.
@@ -49,6 +52,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Layout(args) => layout_cmd::run(&args),
         Command::Schedule(args) => schedule_cmd::run(&args),
+        Command::Bench(args) => bench_cmd::run(&args),
     }
 }
 

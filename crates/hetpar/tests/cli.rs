@@ -149,3 +149,22 @@ fn schedule_for_every_example_with_an_svg() {
         );
     }
 }
+
+#[test]
+fn bench_comm_runs_a_small_case() {
+    let text =
+        stdout(&hetpar(&["bench", "comm", "--ranks", "2", "--sizes-mib", "1", "--iters", "1"]));
+    assert!(text.starts_with("memcpy, one thread, 256 MiB: "), "{text}");
+    for op in ["all-reduce", "all-gather", "all-to-all-v", "send-recv"] {
+        assert!(
+            text.lines().any(|l| l.starts_with("local") && l.contains(op) && l.contains(" 2 ")),
+            "{op}:\n{text}"
+        );
+    }
+    let out = hetpar(&["bench", "comm", "--backend", "tcp"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "error: --backend \"tcp\": use local or mpi"
+    );
+}

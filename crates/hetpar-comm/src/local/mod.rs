@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use self::state::{CallSite, Shared, Signature};
 use crate::comm::{Communicator, args, check_peer, check_subgroup};
-use crate::dtype::{DType, ReduceOp, reduce_into};
+use crate::dtype::{DType, ReduceOp, reduce_into, reduce_onto};
 use crate::error::{CommError, Result};
 
 /// Options of a local world.
@@ -124,6 +124,7 @@ impl LocalComm {
         let site = self.site(op);
         let (deposits, counts) = self.shared.gather_deposits(&site, sig, Arc::new(data), counts)?;
         let out = read(&deposits, &counts);
+        drop(deposits);
         self.shared.finish(&site);
         out
     }
@@ -168,30 +169,32 @@ impl Communicator for LocalComm {
         };
         let site = self.site("all-reduce");
         let (deposits, _) =
-            self.shared.gather_deposits(&site, sig, Arc::new(data.to_vec()), None)?;
+            self.shared.gather_deposits(&site, sig, Arc::new(self.shared.copy_of(data)), None)?;
         // Reduce my chunk over all members in member order, then gather every chunk.
         let (n, es) = (self.size(), dtype.size());
         let mine = chunk(data.len() / es, n, self.me);
         let parts: Vec<&[u8]> =
             deposits.iter().map(|d| &d[mine.start * es..mine.end * es]).collect();
-        let mut reduced = vec![0u8; mine.len() * es];
-        if !reduced.is_empty() {
-            reduce_into(&mut reduced, &parts, dtype, op);
-        }
-        let result = self.shared.gather_second(&site, Arc::new(reduced));
+        let mut reduced = self.shared.copy_of(parts[0]);
+        reduce_onto(&mut reduced, &parts[1..], dtype, op);
+        drop(parts);
+        drop(deposits);
+        // The reduced chunks are copied out and dropped before `finish` so they recycle.
+        let outcome = self.shared.gather_second(&site, Arc::new(reduced)).map(|parts| {
+            for (i, part) in parts.iter().enumerate() {
+                let c = chunk(data.len() / es, n, i);
+                data[c.start * es..c.end * es].copy_from_slice(part);
+            }
+        });
         self.shared.finish(&site);
-        for (i, part) in result?.iter().enumerate() {
-            let c = chunk(data.len() / es, n, i);
-            data[c.start * es..c.end * es].copy_from_slice(part);
-        }
-        Ok(())
+        outcome
     }
 
     fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<()> {
         check_peer(self, root, "broadcast root")?;
         let sig =
             Signature { len: Some(data.len()), root: Some(root), ..Signature::new("broadcast") };
-        let mine = if self.me == root { data.to_vec() } else { Vec::new() };
+        let mine = if self.me == root { self.shared.copy_of(data) } else { Vec::new() };
         self.exchange("broadcast", sig, mine, None, |d, _| {
             if self.me != root {
                 data.copy_from_slice(&d[root]);
@@ -203,7 +206,7 @@ impl Communicator for LocalComm {
     fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
         args::all_gather_v(self, send, recv, counts)?;
         let sig = Signature { counts: Some(counts.to_vec()), ..Signature::new("all-gather-v") };
-        self.exchange("all-gather-v", sig, send.to_vec(), None, |d, _| {
+        self.exchange("all-gather-v", sig, self.shared.copy_of(send), None, |d, _| {
             let mut at = 0;
             for part in d {
                 recv[at..at + part.len()].copy_from_slice(part);
@@ -228,7 +231,7 @@ impl Communicator for LocalComm {
             ..Signature::new("reduce-scatter")
         };
         let block = recv.len();
-        self.exchange("reduce-scatter", sig, send.to_vec(), None, |d, _| {
+        self.exchange("reduce-scatter", sig, self.shared.copy_of(send), None, |d, _| {
             if block > 0 {
                 let parts: Vec<&[u8]> =
                     d.iter().map(|p| &p[self.me * block..(self.me + 1) * block]).collect();
@@ -248,32 +251,38 @@ impl Communicator for LocalComm {
         args::all_to_all_v(self, send, sc, recv, rc)?;
         let sig = Signature::new("all-to-all-v");
         let seq = self.seq.get();
-        self.exchange("all-to-all-v", sig, send.to_vec(), Some(sc.to_vec()), |d, counts| {
-            let mut at = 0;
-            for (j, (data, their)) in d.iter().zip(counts).enumerate() {
-                let their = their.as_ref().expect("all-to-all-v deposits counts");
-                let offset: usize = their[..self.me].iter().sum();
-                let len = their[self.me];
-                if len != rc[j] {
-                    return Err(CommError::Mismatch {
-                        op: format!("all-to-all-v #{seq}"),
-                        group: self.members.clone(),
-                        detail: format!(
-                            "rank {} sends {len} bytes to rank {}, which expects {}",
-                            self.members[j], self.members[self.me], rc[j]
-                        ),
-                    });
+        self.exchange(
+            "all-to-all-v",
+            sig,
+            self.shared.copy_of(send),
+            Some(sc.to_vec()),
+            |d, counts| {
+                let mut at = 0;
+                for (j, (data, their)) in d.iter().zip(counts).enumerate() {
+                    let their = their.as_ref().expect("all-to-all-v deposits counts");
+                    let offset: usize = their[..self.me].iter().sum();
+                    let len = their[self.me];
+                    if len != rc[j] {
+                        return Err(CommError::Mismatch {
+                            op: format!("all-to-all-v #{seq}"),
+                            group: self.members.clone(),
+                            detail: format!(
+                                "rank {} sends {len} bytes to rank {}, which expects {}",
+                                self.members[j], self.members[self.me], rc[j]
+                            ),
+                        });
+                    }
+                    recv[at..at + len].copy_from_slice(&data[offset..offset + len]);
+                    at += len;
                 }
-                recv[at..at + len].copy_from_slice(&data[offset..offset + len]);
-                at += len;
-            }
-            Ok(())
-        })
+                Ok(())
+            },
+        )
     }
 
     fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()> {
         check_peer(self, dst, "send")?;
-        self.shared.post(self.group_id, self.me, dst, tag, data.to_vec());
+        self.shared.post(self.group_id, self.me, dst, tag, self.shared.copy_of(data));
         Ok(())
     }
 
@@ -294,6 +303,7 @@ impl Communicator for LocalComm {
             });
         }
         data.copy_from_slice(&msg);
+        self.shared.recycle(msg);
         Ok(())
     }
 

@@ -1,0 +1,143 @@
+//! `hetpar bench comm`: bus bandwidth of the collectives next to this machine's memcpy.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use hetpar_comm::bench::{BenchOp, BenchResult, bench, memcpy_bandwidth};
+use hetpar_comm::{LocalOptions, launch};
+
+/// Arguments of `hetpar bench`.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    what: What,
+}
+
+#[derive(clap::Subcommand)]
+enum What {
+    /// Bus bandwidth of all-reduce, all-gather, all-to-all-v and send-recv.
+    #[command(
+        after_help = "Examples:\n  hetpar bench comm\n  hetpar bench comm --ranks 2,4 --sizes-mib 4\n  mpirun -n 4 hetpar bench comm --backend mpi   (build with --features mpi)"
+    )]
+    Comm(CommArgs),
+}
+
+#[derive(clap::Args)]
+struct CommArgs {
+    /// `local` (threads of this process) or `mpi` (one process per rank, under mpirun).
+    #[arg(long, default_value = "local")]
+    backend: String,
+    /// World sizes to measure (local backend; MPI measures the mpirun world).
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    ranks: Vec<usize>,
+    /// Message sizes in MiB.
+    #[arg(long, value_delimiter = ',', default_value = "4,64")]
+    sizes_mib: Vec<usize>,
+    /// Timed calls per measurement (after one warm-up call).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+}
+
+fn gbs(bytes_per_s: f64) -> f64 {
+    bytes_per_s / 1e9
+}
+
+fn line(r: &BenchResult, backend: &str) -> String {
+    format!(
+        "{backend:<7} {:<13} {:>5} {:>6} MiB {:>11.3} ms {:>10.2} {:>10.2}",
+        r.op.name(),
+        r.ranks,
+        r.bytes >> 20,
+        r.seconds * 1e3,
+        gbs(r.algbw),
+        gbs(r.busbw)
+    )
+}
+
+#[allow(clippy::print_stdout)]
+fn say(s: &str) {
+    println!("{s}");
+}
+
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    let What::Comm(a) = &args.what;
+    if a.iters == 0 || a.sizes_mib.is_empty() || a.sizes_mib.contains(&0) {
+        bail!(
+            "--iters and every --sizes-mib must be at least 1 (got iters {}, sizes {:?})",
+            a.iters,
+            a.sizes_mib
+        );
+    }
+    let sizes: Vec<usize> = a.sizes_mib.iter().map(|m| m << 20).collect();
+    let header = format!(
+        "{:<7} {:<13} {:>5} {:>10} {:>14} {:>10} {:>10}",
+        "backend", "op", "ranks", "size", "time/call", "algbw GB/s", "busbw GB/s"
+    );
+    match a.backend.as_str() {
+        "local" => {
+            let memcpy = memcpy_bandwidth(256 << 20, 5);
+            say(&format!(
+                "memcpy, one thread, 256 MiB: {:.2} GB/s (the ceiling for moving bytes between threads)",
+                gbs(memcpy)
+            ));
+            say(&header);
+            for &n in &a.ranks {
+                if n == 0 {
+                    bail!("--ranks must be at least 1");
+                }
+                let opts = LocalOptions { timeout: Duration::from_secs(600) };
+                for &size in &sizes {
+                    for op in BenchOp::ALL {
+                        let out = launch(n, opts, |c| bench(c, op, size, a.iters))
+                            .context("local world")?;
+                        let r = out
+                            .into_iter()
+                            .next()
+                            .expect("one rank at least")
+                            .context("benchmark")?;
+                        say(&line(&r, "local"));
+                    }
+                }
+            }
+            Ok(())
+        }
+        "mpi" => run_mpi(&sizes, a.iters, &header),
+        other => bail!("--backend {other:?}: use local or mpi"),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(sizes: &[usize], iters: usize, header: &str) -> anyhow::Result<()> {
+    use hetpar_comm::Communicator;
+    use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
+    #[allow(clippy::print_stderr)]
+    let opts = MpiOptions {
+        timeout: Duration::from_secs(600),
+        on_fatal: Box::new(|e| eprintln!("error: {e}")),
+    };
+    let world = init(opts)?;
+    #[allow(clippy::print_stderr)]
+    abort_on_panic(world.rank(), |l| eprintln!("{l}"));
+    let lead = world.rank() == 0;
+    if lead {
+        let memcpy = memcpy_bandwidth(256 << 20, 5);
+        say(&format!("memcpy, one thread, 256 MiB: {:.2} GB/s", gbs(memcpy)));
+        say(header);
+    }
+    for &size in sizes {
+        for op in BenchOp::ALL {
+            let r = bench(&world, op, size, iters)?;
+            if lead {
+                say(&line(&r, "mpi"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &[usize], _: usize, _: &str) -> anyhow::Result<()> {
+    bail!(
+        "this hetpar was built without MPI: rebuild with `cargo build --release --features mpi` and run under mpirun"
+    )
+}
