@@ -14,8 +14,10 @@ use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{CommError, Result};
 
 /// A group of ranks that can talk. Object safe: code above this crate holds
-/// `&dyn Communicator`.
-pub trait Communicator {
+/// `&dyn Communicator` or `Arc<dyn Communicator>`. `Send + Sync` so that autograd ops can
+/// hold one (candle requires it); backends whose handles are thread-bound keep them on an
+/// engine thread.
+pub trait Communicator: Send + Sync {
     /// This rank's index in the communicator.
     fn rank(&self) -> usize;
     /// Number of members.

@@ -9,12 +9,15 @@ pub mod comm;
 #[cfg(feature = "testing")]
 pub mod conformance;
 pub mod dtype;
+#[cfg(feature = "mpi")]
+pub(crate) mod engine;
 pub mod error;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod pool;
 pub mod recording;
 
 pub use comm::{CommExt, Communicator};

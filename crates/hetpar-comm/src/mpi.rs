@@ -1,31 +1,36 @@
 //! The `mpi` backend (feature `mpi`): rsmpi over the system's OpenMPI, one process per rank
 //! under `mpirun`.
 //!
-//! Every operation is issued non-blocking and polled against a deadline. While polling, a
-//! rank answers status queries on a private control communicator ("which operation are you
-//! in?"). When a deadline passes, the rank asks the members it waits for, and the timeout
-//! names those that never arrived and what they are doing instead. A receive that times out
-//! returns the error. A collective or send that times out cannot give its buffers back to
-//! MPI, so the watchdog reports the error through the world's fatal handler and aborts the
-//! whole job (every rank exits non-zero).
+//! MPI handles may not leave the thread that uses them, so they live on an engine thread
+//! (`engine.rs`); the [`MpiComm`] handles callers hold are `Send + Sync` and copy their
+//! buffers to and from the engine. On the engine every operation is issued non-blocking and
+//! polled against a deadline. While polling, and while idle between operations, the engine
+//! answers status queries on a private control communicator ("what are you doing?"). When a
+//! deadline passes, the rank asks the members it waits for, so the timeout names the ranks
+//! that never arrived and what they are doing instead. A receive that times out returns the
+//! error. A collective or send that times out cannot give its buffers back to MPI, so the
+//! watchdog reports the error through the fatal handler and aborts the whole job.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ::mpi::collective::SystemOperation;
 use ::mpi::datatype::{Partition, PartitionMut};
 use ::mpi::environment::Universe;
+use ::mpi::point_to_point::{Message, Status};
 use ::mpi::request::{Request, Scope, scope};
 use ::mpi::topology::Communicator as _;
 use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::*;
 use ::mpi::{Rank, Threading};
 
-use crate::comm::{CommExt, Communicator, args, check_peer, check_subgroup};
-use crate::dtype::{DType, ReduceOp, reduce_into, typed};
+use crate::comm::{Communicator, args, check_peer, check_subgroup};
+use crate::dtype::{DType, ReduceOp, reduce_onto, typed};
+use crate::engine::EngineHandle;
 use crate::error::{CommError, Result, ranks};
+use crate::pool::BufferPool;
 
 const QUERY_TAG: i32 = 1;
 const REPLY_TAG: i32 = 2;
@@ -36,7 +41,7 @@ pub struct MpiOptions {
     /// How long a blocking call waits.
     pub timeout: Duration,
     /// Called with the error before a timeout aborts the job (the CLI prints it).
-    pub on_fatal: Box<dyn Fn(&CommError)>,
+    pub on_fatal: Box<dyn Fn(&CommError) + Send>,
 }
 
 impl std::fmt::Debug for MpiOptions {
@@ -45,26 +50,42 @@ impl std::fmt::Debug for MpiOptions {
     }
 }
 
-/// What every communicator of this process shares. Field order is drop order: the control
-/// communicator is freed before the universe finalizes MPI.
-struct Shared {
-    control: SimpleCommunicator,
-    /// What this rank is doing, for status queries.
-    doing: RefCell<String>,
-    timeout: Duration,
-    on_fatal: Box<dyn Fn(&CommError)>,
-    world_rank: usize,
-    _universe: Universe,
-}
-
-/// A communicator of the MPI backend.
-pub struct MpiComm {
+/// One communicator on the engine.
+struct Entry {
     comm: SimpleCommunicator,
     members: Vec<usize>,
     me: usize,
     seq: Cell<u64>,
     created: RefCell<HashMap<Vec<usize>, usize>>,
-    shared: Rc<Shared>,
+}
+
+/// Everything MPI, on the engine thread. Field order is drop order: communicators are freed
+/// before the universe finalizes MPI.
+pub struct MpiEngine {
+    entries: Vec<Entry>,
+    pool: Arc<BufferPool>,
+    control: SimpleCommunicator,
+    doing: RefCell<String>,
+    timeout: Duration,
+    on_fatal: Box<dyn Fn(&CommError) + Send>,
+    world_rank: usize,
+    _universe: Universe,
+}
+
+impl std::fmt::Debug for MpiEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MpiEngine(rank {}, {} communicators)", self.world_rank, self.entries.len())
+    }
+}
+
+/// A communicator of the MPI backend: a handle to a communicator on the engine thread.
+pub struct MpiComm {
+    engine: Arc<EngineHandle<MpiEngine>>,
+    pool: Arc<BufferPool>,
+    id: usize,
+    members: Vec<usize>,
+    me: usize,
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for MpiComm {
@@ -73,41 +94,62 @@ impl std::fmt::Debug for MpiComm {
     }
 }
 
-/// Initializes MPI and returns the world communicator. Fails when MPI was initialized
-/// already.
+/// Initializes MPI on an engine thread and returns the world communicator. Fails when MPI
+/// was initialized already.
 pub fn init(opts: MpiOptions) -> Result<MpiComm> {
-    let (universe, _) =
-        ::mpi::initialize_with_threading(Threading::Single).ok_or_else(|| CommError::Backend {
-            backend: "mpi",
-            message: "MPI is initialized already in this process".into(),
-        })?;
-    let world = universe.world();
-    let control = world.duplicate();
-    let (rank, size) = (world.rank() as usize, world.size() as usize);
-    let shared = Rc::new(Shared {
-        control,
-        doing: RefCell::new("starting".into()),
-        timeout: opts.timeout,
-        on_fatal: opts.on_fatal,
-        world_rank: rank,
-        _universe: universe,
-    });
-    Ok(MpiComm {
-        comm: SimpleCommunicator::world(),
-        members: (0..size).collect(),
-        me: rank,
-        seq: Cell::new(0),
-        created: RefCell::new(HashMap::new()),
-        shared,
-    })
+    let timeout = opts.timeout;
+    let pool = Arc::new(BufferPool::new());
+    let engine_pool = pool.clone();
+    let engine = EngineHandle::spawn(
+        "mpi",
+        Duration::from_millis(2),
+        move || {
+            let (universe, _) = ::mpi::initialize_with_threading(Threading::Serialized)
+                .ok_or_else(|| CommError::Backend {
+                    backend: "mpi",
+                    message: "MPI is initialized already in this process".into(),
+                })?;
+            let world = universe.world();
+            let control = world.duplicate();
+            let (rank, size) = (world.rank() as usize, world.size() as usize);
+            let entry = Entry {
+                comm: SimpleCommunicator::world(),
+                members: (0..size).collect(),
+                me: rank,
+                seq: Cell::new(0),
+                created: RefCell::new(HashMap::new()),
+            };
+            Ok(MpiEngine {
+                entries: vec![entry],
+                pool: engine_pool,
+                control,
+                doing: RefCell::new("computing (not in a communication call)".into()),
+                timeout: opts.timeout,
+                on_fatal: opts.on_fatal,
+                world_rank: rank,
+                _universe: universe,
+            })
+        },
+        MpiEngine::serve,
+    )?;
+    let (members, me) = engine.call(|e| Ok((e.entries[0].members.clone(), e.entries[0].me)))?;
+    Ok(MpiComm { engine, pool, id: 0, members, me, timeout })
 }
 
-/// Aborts every process of the job.
+impl MpiComm {
+    /// Frees every communicator and finalizes MPI; later calls on any handle fail. Call it
+    /// at the end of an MPI program (dropping the last handle does the same).
+    pub fn shutdown(&self) {
+        self.engine.shutdown();
+    }
+}
+
+/// Ends the whole job now with `code`: mpirun stops every process when one exits non-zero.
 pub fn abort_job(code: i32) -> ! {
-    SimpleCommunicator::world().abort(code)
+    std::process::exit(code)
 }
 
-/// Makes a panic on this rank print one line naming the rank and abort the whole job, so
+/// Makes a panic on this rank print one line naming the rank and end the whole job, so
 /// every process exits non-zero at once instead of waiting for the panicked one. Programs
 /// call it right after [`init`].
 pub fn abort_on_panic(rank: usize, print: fn(&str)) {
@@ -123,16 +165,6 @@ pub fn abort_on_panic(rank: usize, print: fn(&str)) {
         print(&format!("rank {rank} panicked{at}: {msg}"));
         abort_job(101);
     }));
-}
-
-/// Receives a matched message of any length.
-fn receive_all(
-    msg: ::mpi::point_to_point::Message,
-    status: &::mpi::point_to_point::Status,
-) -> Vec<u8> {
-    let mut buf = vec![0u8; status.count(u8::equivalent_datatype()) as usize];
-    msg.matched_receive_into(&mut buf[..]);
-    buf
 }
 
 fn mpi_op(op: ReduceOp) -> SystemOperation {
@@ -158,13 +190,24 @@ fn displacements(counts: &[Rank]) -> Vec<Rank> {
         .collect()
 }
 
-impl Shared {
+/// Receives a matched message of any length into a buffer from `pool`.
+fn receive_all(pool: &BufferPool, msg: Message, status: &Status) -> Vec<u8> {
+    let mut buf = pool.take(status.count(u8::equivalent_datatype()) as usize);
+    msg.matched_receive_into(&mut buf[..]);
+    buf
+}
+
+impl MpiEngine {
     /// Answers pending status queries from other ranks.
-    fn serve(&self) {
+    fn serve(&mut self) {
+        self.answer();
+    }
+
+    fn answer(&self) {
         while let Some((msg, status)) =
             self.control.any_process().immediate_matched_probe_with_tag(QUERY_TAG)
         {
-            receive_all(msg, &status);
+            self.pool.give(receive_all(&self.pool, msg, &status));
             let reply = self.doing.borrow().clone().into_bytes();
             self.control.process_at_rank(status.source_rank()).send_with_tag(&reply[..], REPLY_TAG);
         }
@@ -178,11 +221,11 @@ impl Shared {
         let mut answers = HashMap::new();
         let deadline = Instant::now() + Duration::from_secs(1);
         while answers.len() < peers.len() && Instant::now() < deadline {
-            self.serve();
+            self.answer();
             if let Some((msg, status)) =
                 self.control.any_process().immediate_matched_probe_with_tag(REPLY_TAG)
             {
-                let bytes = receive_all(msg, &status);
+                let bytes = receive_all(&self.pool, msg, &status);
                 answers.insert(
                     status.source_rank() as usize,
                     String::from_utf8_lossy(&bytes).into_owned(),
@@ -193,42 +236,44 @@ impl Shared {
         }
         answers
     }
-}
 
-impl MpiComm {
-    /// Starts an operation: returns its name (`all-reduce #3`) and publishes what this rank
-    /// is doing for status queries.
-    fn begin(&self, op: &str) -> String {
-        let seq = self.seq.get();
-        self.seq.set(seq + 1);
-        self.begin_named(format!("{op} #{seq}"))
+    fn doing_text(&self, id: usize, name: &str) -> String {
+        format!("in {name} over ranks {}", ranks(&self.entries[id].members))
     }
 
-    /// Like [`Self::begin`] for point-to-point calls, which are named by peer and tag.
-    fn begin_named(&self, name: String) -> String {
-        self.shared.doing.replace(self.doing(&name));
+    /// Starts collective `op` on communicator `id`: returns its name (`all-reduce #3`) and
+    /// publishes what this rank is doing.
+    fn begin(&self, id: usize, op: &str) -> String {
+        let e = &self.entries[id];
+        let seq = e.seq.get();
+        e.seq.set(seq + 1);
+        self.begin_named(id, format!("{op} #{seq}"))
+    }
+
+    /// Like [`Self::begin`] for point-to-point calls, named by peer and tag.
+    fn begin_named(&self, id: usize, name: String) -> String {
+        self.doing.replace(self.doing_text(id, &name));
         name
     }
 
-    fn doing(&self, name: &str) -> String {
-        format!("in {name} over ranks {}", ranks(&self.members))
-    }
-
     fn end(&self) {
-        self.shared.doing.replace("computing (not in a communication call)".into());
+        self.doing.replace("computing (not in a communication call)".into());
     }
 
-    /// The timeout error of operation `name`, with what the members we wait for say they
-    /// are doing.
-    fn timeout_error(&self, name: &str, waiting_on: &[usize]) -> CommError {
-        let answers = self.shared.ask(waiting_on);
+    fn others(&self, id: usize) -> Vec<usize> {
+        let e = &self.entries[id];
+        e.members.iter().copied().filter(|&r| r != e.members[e.me]).collect()
+    }
+
+    /// The timeout error of operation `name`, with what the members we wait for say.
+    fn timeout_error(&self, id: usize, name: &str, waiting_on: &[usize]) -> CommError {
+        let answers = self.ask(waiting_on);
         let mut notes = Vec::new();
         for &p in waiting_on {
             match answers.get(&p) {
-                Some(a) if *a == self.doing(name) => {}
+                Some(a) if *a == self.doing_text(id, name) => {}
                 Some(a) => notes.push(format!("rank {p} is {a}")),
-                None => notes
-                    .push(format!("rank {p} did not answer (busy outside communication, or gone)")),
+                None => notes.push(format!("rank {p} did not answer (hung or gone)")),
             }
         }
         if notes.is_empty() {
@@ -236,9 +281,9 @@ impl MpiComm {
         }
         CommError::Timeout {
             op: name.to_string(),
-            group: self.members.clone(),
-            rank: self.shared.world_rank,
-            after: self.shared.timeout,
+            group: self.entries[id].members.clone(),
+            rank: self.world_rank,
+            after: self.timeout,
             detail: notes.join("; "),
         }
     }
@@ -247,22 +292,23 @@ impl MpiComm {
     fn wait<'a, D: ?Sized, S: Scope<'a>>(
         &self,
         mut req: Request<'a, D, S>,
+        id: usize,
         name: &str,
         waiting_on: &[usize],
     ) {
         let start = Instant::now();
-        let deadline = start + self.shared.timeout;
+        let deadline = start + self.timeout;
         let mut spins = 0u32;
         loop {
             match req.test() {
                 Ok(_) => return,
                 Err(r) => req = r,
             }
-            self.shared.serve();
+            self.answer();
             if Instant::now() >= deadline {
-                let e = self.timeout_error(name, waiting_on);
-                (self.shared.on_fatal)(&e);
-                self.comm.abort(3);
+                let e = self.timeout_error(id, name, waiting_on);
+                (self.on_fatal)(&e);
+                self.entries[id].comm.abort(3);
             }
             // Non-blocking collectives progress only inside MPI calls: keep testing, yield
             // the core to other ranks, and only sleep once the wait is clearly long.
@@ -277,45 +323,259 @@ impl MpiComm {
         }
     }
 
-    fn others(&self) -> Vec<usize> {
-        self.members.iter().copied().filter(|&r| r != self.members[self.me]).collect()
-    }
-
-    /// A collective on typed data.
+    /// All-reduce of `data` into `out` as `T`s, in place on the pooled bytes when they are
+    /// aligned for `T` (large buffers always are), through typed copies otherwise.
     fn all_reduce_typed<T: Equivalence + bytemuck::Pod>(
         &self,
-        data: &mut [u8],
+        id: usize,
+        data: &[u8],
+        out: &mut [u8],
         op: ReduceOp,
-        what: &str,
+        name: &str,
     ) {
-        let send: Vec<T> = typed(data);
-        let mut recv: Vec<T> = send.clone();
-        scope(|s| {
-            let req = self.comm.immediate_all_reduce_into(s, &send[..], &mut recv[..], mpi_op(op));
-            self.wait(req, what, &self.others());
-        });
-        data.copy_from_slice(bytemuck::cast_slice(&recv));
+        let run = |send: &[T], recv: &mut [T]| {
+            scope(|s| {
+                let req =
+                    self.entries[id].comm.immediate_all_reduce_into(s, send, recv, mpi_op(op));
+                self.wait(req, id, name, &self.others(id));
+            })
+        };
+        match (bytemuck::try_cast_slice::<u8, T>(data), bytemuck::try_cast_slice_mut::<u8, T>(out))
+        {
+            (Ok(send), Ok(recv)) => run(send, recv),
+            (_, recv) => {
+                let send: Vec<T> = typed(data);
+                match recv {
+                    Ok(recv) => run(&send, recv),
+                    Err(_) => {
+                        let mut recv = send.clone();
+                        run(&send, &mut recv);
+                        out.copy_from_slice(bytemuck::cast_slice(&recv));
+                    }
+                }
+            }
+        }
     }
 
-    fn reduce_scatter_typed<T: Equivalence + bytemuck::Pod>(
-        &self,
-        send: &[u8],
-        recv: &mut [u8],
-        op: ReduceOp,
-        what: &str,
-    ) {
-        let s_t: Vec<T> = typed(send);
-        let mut r_t: Vec<T> = typed(recv);
+    fn all_reduce(&self, id: usize, data: Vec<u8>, dtype: DType, op: ReduceOp) -> Result<Vec<u8>> {
+        let name = self.begin(id, "all-reduce");
+        let mut out = self.pool.take(data.len());
+        match dtype {
+            DType::F32 => self.all_reduce_typed::<f32>(id, &data, &mut out, op, &name),
+            DType::F64 => self.all_reduce_typed::<f64>(id, &data, &mut out, op, &name),
+            DType::I64 => self.all_reduce_typed::<i64>(id, &data, &mut out, op, &name),
+            DType::Bf16 => {
+                // MPI has no bf16: reduce in f32, round once.
+                let wide: Vec<f32> =
+                    typed::<half::bf16>(&data).iter().map(|v| v.to_f32()).collect();
+                let mut summed = vec![0u8; wide.len() * 4];
+                self.all_reduce_typed::<f32>(
+                    id,
+                    bytemuck::cast_slice(&wide),
+                    &mut summed,
+                    op,
+                    &name,
+                );
+                let narrow: Vec<half::bf16> =
+                    typed::<f32>(&summed).iter().map(|&v| half::bf16::from_f32(v)).collect();
+                out.copy_from_slice(bytemuck::cast_slice(&narrow));
+            }
+        }
+        self.pool.give(data);
+        self.end();
+        Ok(out)
+    }
+
+    fn barrier(&self, id: usize) -> Result<()> {
+        let name = self.begin(id, "barrier");
+        let req = self.entries[id].comm.immediate_barrier();
+        self.wait(req, id, &name, &self.others(id));
+        self.end();
+        Ok(())
+    }
+
+    fn broadcast(&self, id: usize, mut data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        let name = self.begin(id, "broadcast");
+        let e = &self.entries[id];
         scope(|s| {
-            let req = self.comm.immediate_reduce_scatter_block_into(
-                s,
-                &s_t[..],
-                &mut r_t[..],
-                mpi_op(op),
-            );
-            self.wait(req, what, &self.others());
+            let req =
+                e.comm.process_at_rank(root as Rank).immediate_broadcast_into(s, &mut data[..]);
+            self.wait(req, id, &name, &[e.members[root]]);
         });
-        recv.copy_from_slice(bytemuck::cast_slice(&r_t));
+        self.end();
+        Ok(data)
+    }
+
+    fn all_gather_v(&self, id: usize, send: Vec<u8>, counts: Vec<usize>) -> Result<Vec<u8>> {
+        let name = self.begin(id, "all-gather-v");
+        let mut recv = self.pool.take(counts.iter().sum());
+        let c = counts_i32(&counts);
+        let d = displacements(&c);
+        let mut part = PartitionMut::new(&mut recv[..], &c[..], &d[..]);
+        scope(|s| {
+            let req =
+                self.entries[id].comm.immediate_all_gather_varcount_into(s, &send[..], &mut part);
+            self.wait(req, id, &name, &self.others(id));
+        });
+        self.pool.give(send);
+        self.end();
+        Ok(recv)
+    }
+
+    fn reduce_scatter(
+        &self,
+        id: usize,
+        send: Vec<u8>,
+        block: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<Vec<u8>> {
+        // Gather every member's block for this rank and reduce it in member order: the
+        // same arithmetic as the local backend for every type, bf16 included.
+        let e = &self.entries[id];
+        let n = e.members.len();
+        let sc = vec![block; n];
+        let mine = self.all_to_all_v(id, send, sc.clone(), sc)?;
+        let mut acc = self.pool.copy_of(&mine[..block]);
+        let rest: Vec<&[u8]> = (1..n).map(|m| &mine[m * block..(m + 1) * block]).collect();
+        if block > 0 {
+            reduce_onto(&mut acc, &rest, dtype, op);
+        }
+        self.pool.give(mine);
+        Ok(acc)
+    }
+
+    fn all_to_all_v(
+        &self,
+        id: usize,
+        send: Vec<u8>,
+        sc: Vec<usize>,
+        rc: Vec<usize>,
+    ) -> Result<Vec<u8>> {
+        let name = self.begin(id, "all-to-all-v");
+        let mut recv = self.pool.take(rc.iter().sum());
+        let (sc, rc) = (counts_i32(&sc), counts_i32(&rc));
+        let (sd, rd) = (displacements(&sc), displacements(&rc));
+        let part = Partition::new(&send[..], &sc[..], &sd[..]);
+        let mut rpart = PartitionMut::new(&mut recv[..], &rc[..], &rd[..]);
+        scope(|s| {
+            let req =
+                self.entries[id].comm.immediate_all_to_all_varcount_into(s, &part, &mut rpart);
+            self.wait(req, id, &name, &self.others(id));
+        });
+        self.pool.give(send);
+        self.end();
+        Ok(recv)
+    }
+
+    fn send(&self, id: usize, data: &[u8], dst: usize, tag: u32) -> Result<()> {
+        let e = &self.entries[id];
+        let name = self.begin_named(id, format!("send to rank {} (tag {tag})", e.members[dst]));
+        scope(|s| {
+            let req =
+                e.comm.process_at_rank(dst as Rank).immediate_send_with_tag(s, data, tag as i32);
+            self.wait(req, id, &name, &[e.members[dst]]);
+        });
+        self.end();
+        Ok(())
+    }
+
+    fn recv(&self, id: usize, len: usize, src: usize, tag: u32) -> Result<Vec<u8>> {
+        let e = &self.entries[id];
+        let name = self.begin_named(id, format!("recv from rank {} (tag {tag})", e.members[src]));
+        let deadline = Instant::now() + self.timeout;
+        let (msg, status) = loop {
+            if let Some(found) =
+                e.comm.process_at_rank(src as Rank).immediate_matched_probe_with_tag(tag as i32)
+            {
+                break found;
+            }
+            self.answer();
+            if Instant::now() >= deadline {
+                let err = self.timeout_error(id, &name, &[e.members[src]]);
+                self.end();
+                return Err(err);
+            }
+            std::thread::yield_now();
+        };
+        let data = receive_all(&self.pool, msg, &status);
+        self.end();
+        if data.len() != len {
+            return Err(CommError::Mismatch {
+                op: name,
+                group: e.members.clone(),
+                detail: format!(
+                    "rank {} sent {} bytes, rank {} expects {len}",
+                    e.members[src],
+                    data.len(),
+                    e.members[e.me]
+                ),
+            });
+        }
+        Ok(data)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn send_recv(
+        &self,
+        id: usize,
+        send: Vec<u8>,
+        dst: usize,
+        st: u32,
+        len: usize,
+        src: usize,
+        rt: u32,
+    ) -> Result<Vec<u8>> {
+        let e = &self.entries[id];
+        let name = self.begin_named(
+            id,
+            format!("send-recv with ranks {} and {}", e.members[dst], e.members[src]),
+        );
+        let got = scope(|s| {
+            let req = e.comm.process_at_rank(dst as Rank).immediate_send_with_tag(
+                s,
+                &send[..],
+                st as i32,
+            );
+            let got = self.recv(id, len, src, rt);
+            self.wait(req, id, &name, &[e.members[dst]]);
+            self.end();
+            got
+        });
+        self.pool.give(send);
+        got
+    }
+
+    fn subgroup(&mut self, id: usize, list: Vec<usize>) -> Result<(usize, Vec<usize>, usize)> {
+        let parent = &self.entries[id];
+        let occurrence = {
+            let mut created = parent.created.borrow_mut();
+            let n = created.entry(list.clone()).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        let ranks_i32: Vec<Rank> = list.iter().map(|&r| r as Rank).collect();
+        let group = parent.comm.group().include(&ranks_i32);
+        let tag = SUBGROUP_TAG_BASE + (occurrence as i32 % 30_000);
+        let comm = parent.comm.split_by_subgroup_with_tag(&group, tag).ok_or_else(|| {
+            CommError::Backend {
+                backend: "mpi",
+                message: format!(
+                    "MPI_Comm_create_group returned no communicator for {list:?} on rank {}",
+                    self.world_rank
+                ),
+            }
+        })?;
+        let members: Vec<usize> = list.iter().map(|&i| parent.members[i]).collect();
+        let me = list.iter().position(|&i| i == parent.me).expect("caller is a member");
+        self.entries.push(Entry {
+            comm,
+            members: members.clone(),
+            me,
+            seq: Cell::new(0),
+            created: RefCell::new(HashMap::new()),
+        });
+        Ok((self.entries.len() - 1, members, me))
     }
 }
 
@@ -333,60 +593,38 @@ impl Communicator for MpiComm {
         "mpi"
     }
     fn timeout(&self) -> Duration {
-        self.shared.timeout
+        self.timeout
     }
 
     fn barrier(&self) -> Result<()> {
-        let what = self.begin("barrier");
-        let req = self.comm.immediate_barrier();
-        self.wait(req, &what, &self.others());
-        self.end();
-        Ok(())
+        let id = self.id;
+        self.engine.call(move |e| e.barrier(id))
     }
 
     fn all_reduce_bytes(&self, data: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         args::elements(self, "all-reduce", data.len(), dtype)?;
-        let what = self.begin("all-reduce");
-        match dtype {
-            DType::F32 => self.all_reduce_typed::<f32>(data, op, &what),
-            DType::F64 => self.all_reduce_typed::<f64>(data, op, &what),
-            DType::I64 => self.all_reduce_typed::<i64>(data, op, &what),
-            DType::Bf16 => {
-                // MPI has no bf16: reduce in f32, round once.
-                let wide: Vec<f32> = typed::<half::bf16>(data).iter().map(|v| v.to_f32()).collect();
-                let mut wide_bytes: Vec<u8> = bytemuck::cast_slice(&wide).to_vec();
-                self.all_reduce_typed::<f32>(&mut wide_bytes, op, &what);
-                let out: Vec<half::bf16> =
-                    typed::<f32>(&wide_bytes).iter().map(|&v| half::bf16::from_f32(v)).collect();
-                data.copy_from_slice(bytemuck::cast_slice(&out));
-            }
-        }
-        self.end();
+        let (id, input) = (self.id, self.pool.copy_of(data));
+        let out = self.engine.call(move |e| e.all_reduce(id, input, dtype, op))?;
+        data.copy_from_slice(&out);
+        self.pool.give(out);
         Ok(())
     }
 
     fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<()> {
         check_peer(self, root, "broadcast root")?;
-        let what = self.begin("broadcast");
-        scope(|s| {
-            let req = self.comm.process_at_rank(root as Rank).immediate_broadcast_into(s, data);
-            self.wait(req, &what, &[self.members[root]]);
-        });
-        self.end();
+        let (id, input) = (self.id, self.pool.copy_of(data));
+        let out = self.engine.call(move |e| e.broadcast(id, input, root))?;
+        data.copy_from_slice(&out);
+        self.pool.give(out);
         Ok(())
     }
 
     fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
         args::all_gather_v(self, send, recv, counts)?;
-        let what = self.begin("all-gather-v");
-        let c = counts_i32(counts);
-        let d = displacements(&c);
-        let mut part = PartitionMut::new(recv, &c[..], &d[..]);
-        scope(|s| {
-            let req = self.comm.immediate_all_gather_varcount_into(s, send, &mut part);
-            self.wait(req, &what, &self.others());
-        });
-        self.end();
+        let (id, input, counts) = (self.id, self.pool.copy_of(send), counts.to_vec());
+        let out = self.engine.call(move |e| e.all_gather_v(id, input, counts))?;
+        recv.copy_from_slice(&out);
+        self.pool.give(out);
         Ok(())
     }
 
@@ -398,30 +636,10 @@ impl Communicator for MpiComm {
         op: ReduceOp,
     ) -> Result<()> {
         args::reduce_scatter(self, send, recv, dtype)?;
-        let what = self.begin("reduce-scatter");
-        match dtype {
-            DType::F32 => self.reduce_scatter_typed::<f32>(send, recv, op, &what),
-            DType::F64 => self.reduce_scatter_typed::<f64>(send, recv, op, &what),
-            DType::I64 => self.reduce_scatter_typed::<i64>(send, recv, op, &what),
-            DType::Bf16 => {
-                // Gather every block of every member and reduce in member order locally.
-                let n = self.size();
-                let mut all = vec![0u8; send.len() * n];
-                self.end();
-                self.all_gather_v_bytes(send, &mut all, &vec![send.len(); n])?;
-                let block = recv.len();
-                let parts: Vec<&[u8]> = (0..n)
-                    .map(|m| {
-                        &all[m * send.len() + self.me * block
-                            ..m * send.len() + (self.me + 1) * block]
-                    })
-                    .collect();
-                if block > 0 {
-                    reduce_into(recv, &parts, DType::Bf16, op);
-                }
-            }
-        }
-        self.end();
+        let (id, input, block) = (self.id, self.pool.copy_of(send), recv.len());
+        let out = self.engine.call(move |e| e.reduce_scatter(id, input, block, dtype, op))?;
+        recv.copy_from_slice(&out);
+        self.pool.give(out);
         Ok(())
     }
 
@@ -433,67 +651,29 @@ impl Communicator for MpiComm {
         rc: &[usize],
     ) -> Result<()> {
         args::all_to_all_v(self, send, sc, recv, rc)?;
-        let what = self.begin("all-to-all-v");
-        let (sc, rc) = (counts_i32(sc), counts_i32(rc));
-        let (sd, rd) = (displacements(&sc), displacements(&rc));
-        let part = Partition::new(send, &sc[..], &sd[..]);
-        let mut rpart = PartitionMut::new(recv, &rc[..], &rd[..]);
-        scope(|s| {
-            let req = self.comm.immediate_all_to_all_varcount_into(s, &part, &mut rpart);
-            self.wait(req, &what, &self.others());
-        });
-        self.end();
+        let (id, input, sc, rc) = (self.id, self.pool.copy_of(send), sc.to_vec(), rc.to_vec());
+        let out = self.engine.call(move |e| e.all_to_all_v(id, input, sc, rc))?;
+        recv.copy_from_slice(&out);
+        self.pool.give(out);
         Ok(())
     }
 
     fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()> {
         check_peer(self, dst, "send")?;
-        let what = self.begin_named(format!("send to rank {} (tag {tag})", self.members[dst]));
-        scope(|s| {
-            let req =
-                self.comm.process_at_rank(dst as Rank).immediate_send_with_tag(s, data, tag as i32);
-            self.wait(req, &what, &[self.members[dst]]);
-        });
-        self.end();
-        Ok(())
+        let (id, input) = (self.id, self.pool.copy_of(data));
+        self.engine.call(move |e| {
+            let r = e.send(id, &input, dst, tag);
+            e.pool.give(input);
+            r
+        })
     }
 
     fn recv_bytes(&self, data: &mut [u8], src: usize, tag: u32) -> Result<()> {
         check_peer(self, src, "recv")?;
-        let op = format!("recv from rank {} (tag {tag})", self.members[src]);
-        let what = self.begin_named(op.clone());
-        let deadline = Instant::now() + self.shared.timeout;
-        let (msg, status) = loop {
-            if let Some(found) =
-                self.comm.process_at_rank(src as Rank).immediate_matched_probe_with_tag(tag as i32)
-            {
-                break found;
-            }
-            self.shared.serve();
-            if Instant::now() >= deadline {
-                let e = self.timeout_error(&what, &[self.members[src]]);
-                self.end();
-                return Err(e);
-            }
-            std::thread::yield_now();
-        };
-        let len = status.count(u8::equivalent_datatype()) as usize;
-        if len != data.len() {
-            receive_all(msg, &status);
-            self.end();
-            return Err(CommError::Mismatch {
-                op,
-                group: self.members.clone(),
-                detail: format!(
-                    "rank {} sent {len} bytes, rank {} expects {}",
-                    self.members[src],
-                    self.members[self.me],
-                    data.len()
-                ),
-            });
-        }
-        msg.matched_receive_into(data);
-        self.end();
+        let (id, len) = (self.id, data.len());
+        let out = self.engine.call(move |e| e.recv(id, len, src, tag))?;
+        data.copy_from_slice(&out);
+        self.pool.give(out);
         Ok(())
     }
 
@@ -508,48 +688,24 @@ impl Communicator for MpiComm {
     ) -> Result<()> {
         check_peer(self, dst, "send-recv")?;
         check_peer(self, src, "send-recv")?;
-        let what = self.begin(&format!(
-            "send-recv with ranks {} and {}",
-            self.members[dst], self.members[src]
-        ));
-        let result = scope(|s| {
-            let req =
-                self.comm.process_at_rank(dst as Rank).immediate_send_with_tag(s, send, st as i32);
-            let got = self.recv_bytes(recv, src, rt);
-            self.wait(req, &what, &[self.members[dst]]);
-            got
-        });
-        self.end();
-        result
+        let (id, input, len) = (self.id, self.pool.copy_of(send), recv.len());
+        let out = self.engine.call(move |e| e.send_recv(id, input, dst, st, len, src, rt))?;
+        recv.copy_from_slice(&out);
+        self.pool.give(out);
+        Ok(())
     }
 
     fn subgroup(&self, list: &[usize]) -> Result<Box<dyn Communicator>> {
         check_subgroup(self, list)?;
-        let occurrence = {
-            let mut created = self.created.borrow_mut();
-            let n = created.entry(list.to_vec()).or_insert(0);
-            *n += 1;
-            *n - 1
-        };
-        let ranks_i32: Vec<Rank> = list.iter().map(|&r| r as Rank).collect();
-        let group = self.comm.group().include(&ranks_i32);
-        let tag = SUBGROUP_TAG_BASE + (occurrence as i32 % 30_000);
-        let comm = self.comm.split_by_subgroup_with_tag(&group, tag).ok_or_else(|| {
-            CommError::Backend {
-                backend: "mpi",
-                message: format!(
-                    "MPI_Comm_create_group returned no communicator for {list:?} on rank {}",
-                    self.global_rank()
-                ),
-            }
-        })?;
+        let (id, l) = (self.id, list.to_vec());
+        let (new_id, members, me) = self.engine.call(move |e| e.subgroup(id, l))?;
         Ok(Box::new(MpiComm {
-            comm,
-            members: list.iter().map(|&i| self.members[i]).collect(),
-            me: list.iter().position(|&i| i == self.me).expect("caller is a member"),
-            seq: Cell::new(0),
-            created: RefCell::new(HashMap::new()),
-            shared: self.shared.clone(),
+            engine: self.engine.clone(),
+            pool: self.pool.clone(),
+            id: new_id,
+            members,
+            me,
+            timeout: self.timeout,
         }))
     }
 }

@@ -16,13 +16,27 @@ use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
 use crate::comm::{CommExt, Communicator, args, check_peer, check_subgroup};
 use crate::dtype::{DType, ReduceOp, typed};
+use crate::engine::EngineHandle;
 use crate::error::{CommError, Result};
 
-/// A communicator of the NCCL backend.
-pub struct NcclComm {
-    nccl: Comm,
+/// NCCL and CUDA state, on the engine thread (NCCL handles may not leave it).
+pub struct NcclState {
+    comms: Vec<Comm>,
     stream: Arc<CudaStream>,
-    /// The MPI communicator of the same members, for bootstrapping subgroups.
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for NcclState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclState({} communicators)", self.comms.len())
+    }
+}
+
+/// A communicator of the NCCL backend: a handle to an NCCL communicator on the engine
+/// thread, plus the MPI communicator of the same members (for bootstrapping subgroups).
+pub struct NcclComm {
+    engine: Arc<EngineHandle<NcclState>>,
+    id: usize,
     bootstrap: Box<dyn Communicator>,
 }
 
@@ -39,32 +53,60 @@ fn backend(e: impl std::fmt::Debug) -> CommError {
 /// An NCCL communicator over the members of `bootstrap` (an MPI communicator), on GPU
 /// `device`: member 0 creates the unique id, MPI broadcasts it, every member joins.
 pub fn init(bootstrap: Box<dyn Communicator>, device: usize) -> Result<NcclComm> {
-    let ctx = CudaContext::new(device).map_err(backend)?;
-    let stream = ctx.new_stream().map_err(backend)?;
-    NcclComm::join(bootstrap, stream)
+    let timeout = bootstrap.timeout();
+    let engine = EngineHandle::spawn(
+        "nccl",
+        Duration::from_millis(50),
+        move || {
+            let ctx = CudaContext::new(device).map_err(backend)?;
+            let stream = ctx.new_stream().map_err(backend)?;
+            Ok(NcclState { comms: Vec::new(), stream, timeout })
+        },
+        |_| {},
+    )?;
+    NcclComm::join(engine, bootstrap)
 }
 
 impl NcclComm {
-    fn join(bootstrap: Box<dyn Communicator>, stream: Arc<CudaStream>) -> Result<NcclComm> {
+    fn join(
+        engine: Arc<EngineHandle<NcclState>>,
+        bootstrap: Box<dyn Communicator>,
+    ) -> Result<NcclComm> {
         let mut raw = [0u8; 128];
         if bootstrap.rank() == 0 {
-            let id = Id::new().map_err(backend)?;
-            for (r, c) in raw.iter_mut().zip(id.internal()) {
-                *r = *c as u8;
-            }
+            raw = engine.call(|_| {
+                let id = Id::new().map_err(backend)?;
+                let mut raw = [0u8; 128];
+                for (r, c) in raw.iter_mut().zip(id.internal()) {
+                    *r = *c as u8;
+                }
+                Ok(raw)
+            })?;
         }
         bootstrap.broadcast_bytes(&mut raw, 0)?;
-        let internal = raw.map(|b| b as core::ffi::c_char);
-        let nccl = Comm::from_rank(
-            stream.clone(),
-            bootstrap.rank(),
-            bootstrap.size(),
-            Id::uninit(internal),
-        )
-        .map_err(backend)?;
-        Ok(NcclComm { nccl, stream, bootstrap })
+        let (rank, size) = (bootstrap.rank(), bootstrap.size());
+        let id = engine.call(move |s| {
+            let internal = raw.map(|b| b as core::ffi::c_char);
+            let comm = Comm::from_rank(s.stream.clone(), rank, size, Id::uninit(internal))
+                .map_err(backend)?;
+            s.comms.push(comm);
+            Ok(s.comms.len() - 1)
+        })?;
+        Ok(NcclComm { engine, id, bootstrap })
     }
 
+    fn timeout_error(&self, op: &str) -> CommError {
+        CommError::Timeout {
+            op: op.to_string(),
+            group: self.global_ranks().to_vec(),
+            rank: self.global_rank(),
+            after: self.timeout(),
+            detail: "the operation did not complete on the GPU (NCCL does not report which ranks arrived)".into(),
+        }
+    }
+}
+
+impl NcclState {
     fn upload<T: DeviceRepr + bytemuck::Pod>(&self, bytes: &[u8]) -> Result<CudaSlice<T>> {
         self.stream.clone_htod(&typed::<T>(bytes)).map_err(backend)
     }
@@ -73,70 +115,83 @@ impl NcclComm {
         self.stream.alloc_zeros::<T>(n).map_err(backend)
     }
 
-    fn download<T: DeviceRepr + bytemuck::Pod + Default>(
-        &self,
-        src: &CudaSlice<T>,
-        out: &mut [u8],
-    ) -> Result<()> {
+    fn download<T: DeviceRepr + bytemuck::Pod>(&self, src: &CudaSlice<T>) -> Result<Vec<u8>> {
         let v: Vec<T> = self.stream.clone_dtoh(src).map_err(backend)?;
-        out.copy_from_slice(bytemuck::cast_slice(&v));
-        Ok(())
+        Ok(bytemuck::cast_slice(&v).to_vec())
     }
 
-    /// Waits for the stream with the timeout.
-    fn wait(&self, op: &str) -> Result<()> {
+    /// Waits for the stream; `false` when the timeout passed first.
+    fn wait(&self) -> Result<bool> {
         let event = self.stream.record_event(None).map_err(backend)?;
-        let deadline = Instant::now() + self.timeout();
+        let deadline = Instant::now() + self.timeout;
         while !event.try_is_complete().map_err(backend)? {
             if Instant::now() >= deadline {
-                return Err(CommError::Timeout {
-                    op: op.to_string(),
-                    group: self.global_ranks().to_vec(),
-                    rank: self.global_rank(),
-                    after: self.timeout(),
-                    detail: "the operation did not complete on the GPU (NCCL does not report which ranks arrived)".into(),
-                });
+                return Ok(false);
             }
             std::thread::sleep(Duration::from_micros(50));
         }
-        Ok(())
+        Ok(true)
     }
 
-    fn all_reduce_typed<T>(&self, data: &mut [u8], op: ReduceOp) -> Result<()>
+    fn all_reduce<T>(&self, id: usize, data: &[u8], op: ReduceOp) -> Result<Option<Vec<u8>>>
     where
-        T: DeviceRepr + NcclType + bytemuck::Pod + Default,
+        T: DeviceRepr + NcclType + bytemuck::Pod,
     {
         let mut buf = self.upload::<T>(data)?;
-        self.nccl.all_reduce_in_place(&mut buf, &nccl_op(op)).map_err(backend)?;
-        self.wait("all-reduce")?;
-        self.download(&buf, data)
+        self.comms[id].all_reduce_in_place(&mut buf, &nccl_op(op)).map_err(backend)?;
+        if !self.wait()? {
+            return Ok(None);
+        }
+        self.download(&buf).map(Some)
     }
 
-    fn reduce_scatter_typed<T>(&self, send: &[u8], recv: &mut [u8], op: ReduceOp) -> Result<()>
+    fn reduce_scatter<T>(
+        &self,
+        id: usize,
+        send: &[u8],
+        block: usize,
+        op: ReduceOp,
+    ) -> Result<Option<Vec<u8>>>
     where
-        T: DeviceRepr + ValidAsZeroBits + NcclType + bytemuck::Pod + Default,
+        T: DeviceRepr + ValidAsZeroBits + NcclType + bytemuck::Pod,
     {
         let s = self.upload::<T>(send)?;
-        let mut r = self.zeros::<T>(recv.len() / size_of::<T>())?;
-        self.nccl.reduce_scatter(&s, &mut r, &nccl_op(op)).map_err(backend)?;
-        self.wait("reduce-scatter")?;
-        self.download(&r, recv)
+        let mut r = self.zeros::<T>(block / size_of::<T>())?;
+        self.comms[id].reduce_scatter(&s, &mut r, &nccl_op(op)).map_err(backend)?;
+        if !self.wait()? {
+            return Ok(None);
+        }
+        self.download(&r).map(Some)
     }
 
-    /// Grouped point-to-point exchange of byte parts: `send[j]` to member `j`, `recv[j]`
-    /// (of the given lengths) from member `j`; the own entries are copied locally.
-    fn exchange(&self, op: &str, send: &[&[u8]], recv_lens: &[usize]) -> Result<Vec<Vec<u8>>> {
-        let me = self.rank();
+    fn broadcast(&self, id: usize, data: &[u8], root: usize) -> Result<Option<Vec<u8>>> {
+        let mut buf = self.upload::<u8>(data)?;
+        self.comms[id].broadcast_in_place(&mut buf, root as i32).map_err(backend)?;
+        if !self.wait()? {
+            return Ok(None);
+        }
+        self.download(&buf).map(Some)
+    }
+
+    /// Grouped point-to-point exchange: `send[j]` to member `j`, `recv_lens[j]` bytes from
+    /// member `j`; the own entry is copied locally.
+    fn exchange(
+        &self,
+        id: usize,
+        me: usize,
+        send: &[Vec<u8>],
+        recv_lens: &[usize],
+    ) -> Result<Option<Vec<Vec<u8>>>> {
         let sends: Vec<CudaSlice<u8>> = send
             .iter()
-            .map(|s| self.stream.clone_htod(*s).map_err(backend))
+            .map(|s| self.stream.clone_htod(&s[..]).map_err(backend))
             .collect::<Result<_>>()?;
         let mut recvs: Vec<CudaSlice<u8>> =
             recv_lens.iter().map(|&n| self.zeros::<u8>(n.max(1))).collect::<Result<_>>()?;
         {
             let send_views: Vec<_> = sends.iter().map(|s| s.as_view()).collect();
             let recv_views: Vec<_> = recvs.iter_mut().map(|r| r.as_view_mut()).collect();
-            let mut group = self.nccl.group();
+            let mut group = self.comms[id].group();
             for (j, (sv, rv)) in send_views.into_iter().zip(recv_views).enumerate() {
                 if j == me {
                     continue;
@@ -149,18 +204,20 @@ impl NcclComm {
                 }
             }
         }
-        self.wait(op)?;
+        if !self.wait()? {
+            return Ok(None);
+        }
         let mut out = Vec::with_capacity(recvs.len());
         for (j, r) in recvs.iter().enumerate() {
             if j == me {
-                out.push(send[j].to_vec());
+                out.push(send[j].clone());
             } else {
-                let mut v: Vec<u8> = self.stream.clone_dtoh(r).map_err(backend)?;
+                let mut v = self.download(r)?;
                 v.truncate(recv_lens[j]);
                 out.push(v);
             }
         }
-        Ok(out)
+        Ok(Some(out))
     }
 }
 
@@ -169,6 +226,28 @@ fn nccl_op(op: ReduceOp) -> NcclOp {
         ReduceOp::Sum => NcclOp::Sum,
         ReduceOp::Max => NcclOp::Max,
         ReduceOp::Min => NcclOp::Min,
+    }
+}
+
+impl NcclComm {
+    /// Runs `f` on the engine; `None` (the GPU did not finish in time) becomes a timeout.
+    fn run<R: Send + 'static>(
+        &self,
+        op: &str,
+        f: impl FnOnce(&NcclState, usize) -> Result<Option<R>> + Send + 'static,
+    ) -> Result<R> {
+        let id = self.id;
+        self.engine.call(move |s| f(s, id))?.ok_or_else(|| self.timeout_error(op))
+    }
+
+    fn exchange(
+        &self,
+        op: &str,
+        send: Vec<Vec<u8>>,
+        recv_lens: Vec<usize>,
+    ) -> Result<Vec<Vec<u8>>> {
+        let me = self.rank();
+        self.run(op, move |s, id| s.exchange(id, me, &send, &recv_lens))
     }
 }
 
@@ -197,14 +276,18 @@ impl Communicator for NcclComm {
     fn all_reduce_bytes(&self, data: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         args::elements(self, "all-reduce", data.len(), dtype)?;
         if data.is_empty() {
-            return self.barrier_if_empty();
+            // NCCL rejects empty reductions; keep the synchronization.
+            return self.bootstrap.barrier();
         }
-        match dtype {
-            DType::F32 => self.all_reduce_typed::<f32>(data, op),
-            DType::F64 => self.all_reduce_typed::<f64>(data, op),
-            DType::I64 => self.all_reduce_typed::<i64>(data, op),
-            DType::Bf16 => self.all_reduce_typed::<half::bf16>(data, op),
-        }
+        let input = data.to_vec();
+        let out = self.run("all-reduce", move |s, id| match dtype {
+            DType::F32 => s.all_reduce::<f32>(id, &input, op),
+            DType::F64 => s.all_reduce::<f64>(id, &input, op),
+            DType::I64 => s.all_reduce::<i64>(id, &input, op),
+            DType::Bf16 => s.all_reduce::<half::bf16>(id, &input, op),
+        })?;
+        data.copy_from_slice(&out);
+        Ok(())
     }
 
     fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<()> {
@@ -212,16 +295,16 @@ impl Communicator for NcclComm {
         if data.is_empty() {
             return Ok(());
         }
-        let mut buf = self.upload::<u8>(data)?;
-        self.nccl.broadcast_in_place(&mut buf, root as i32).map_err(backend)?;
-        self.wait("broadcast")?;
-        self.download(&buf, data)
+        let input = data.to_vec();
+        let out = self.run("broadcast", move |s, id| s.broadcast(id, &input, root))?;
+        data.copy_from_slice(&out);
+        Ok(())
     }
 
     fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
         args::all_gather_v(self, send, recv, counts)?;
-        let parts: Vec<&[u8]> = (0..self.size()).map(|_| send).collect();
-        let got = self.exchange("all-gather-v", &parts, counts)?;
+        let parts: Vec<Vec<u8>> = (0..self.size()).map(|_| send.to_vec()).collect();
+        let got = self.exchange("all-gather-v", parts, counts.to_vec())?;
         let mut at = 0;
         for part in got {
             recv[at..at + part.len()].copy_from_slice(&part);
@@ -241,12 +324,15 @@ impl Communicator for NcclComm {
         if recv.is_empty() {
             return Ok(());
         }
-        match dtype {
-            DType::F32 => self.reduce_scatter_typed::<f32>(send, recv, op),
-            DType::F64 => self.reduce_scatter_typed::<f64>(send, recv, op),
-            DType::I64 => self.reduce_scatter_typed::<i64>(send, recv, op),
-            DType::Bf16 => self.reduce_scatter_typed::<half::bf16>(send, recv, op),
-        }
+        let (input, block) = (send.to_vec(), recv.len());
+        let out = self.run("reduce-scatter", move |s, id| match dtype {
+            DType::F32 => s.reduce_scatter::<f32>(id, &input, block, op),
+            DType::F64 => s.reduce_scatter::<f64>(id, &input, block, op),
+            DType::I64 => s.reduce_scatter::<i64>(id, &input, block, op),
+            DType::Bf16 => s.reduce_scatter::<half::bf16>(id, &input, block, op),
+        })?;
+        recv.copy_from_slice(&out);
+        Ok(())
     }
 
     fn all_to_all_v_bytes(
@@ -260,19 +346,13 @@ impl Communicator for NcclComm {
         let mut parts = Vec::with_capacity(sc.len());
         let mut at = 0;
         for &c in sc {
-            parts.push(&send[at..at + c]);
+            parts.push(send[at..at + c].to_vec());
             at += c;
         }
-        let got = self.exchange("all-to-all-v", &parts, rc)?;
+        let got = self.exchange("all-to-all-v", parts, rc.to_vec())?;
         let mut at = 0;
         for (part, &c) in got.iter().zip(rc) {
-            if part.len() != c {
-                return Err(CommError::Usage(format!(
-                    "all-to-all-v: expected {c} bytes, the self part has {}",
-                    part.len()
-                )));
-            }
-            recv[at..at + c].copy_from_slice(part);
+            recv[at..at + c].copy_from_slice(&part[..c]);
             at += c;
         }
         Ok(())
@@ -280,23 +360,20 @@ impl Communicator for NcclComm {
 
     fn send_bytes(&self, data: &[u8], dst: usize, _tag: u32) -> Result<()> {
         check_peer(self, dst, "send")?;
-        if data.is_empty() {
-            return Ok(());
-        }
-        let buf = self.upload::<u8>(data)?;
-        self.nccl.send(&buf, dst as i32).map_err(backend)?;
-        self.wait(&format!("send to rank {}", self.global_ranks()[dst]))
+        let n = self.size();
+        let mut parts = vec![Vec::new(); n];
+        parts[dst] = data.to_vec();
+        self.exchange("send", parts, vec![0; n]).map(|_| ())
     }
 
     fn recv_bytes(&self, data: &mut [u8], src: usize, _tag: u32) -> Result<()> {
         check_peer(self, src, "recv")?;
-        if data.is_empty() {
-            return Ok(());
-        }
-        let mut buf = self.zeros::<u8>(data.len())?;
-        self.nccl.recv(&mut buf, src as i32).map_err(backend)?;
-        self.wait(&format!("recv from rank {}", self.global_ranks()[src]))?;
-        self.download(&buf, data)
+        let n = self.size();
+        let mut lens = vec![0; n];
+        lens[src] = data.len();
+        let got = self.exchange("recv", vec![Vec::new(); n], lens)?;
+        data.copy_from_slice(&got[src]);
+        Ok(())
     }
 
     fn send_recv_bytes(
@@ -310,17 +387,16 @@ impl Communicator for NcclComm {
     ) -> Result<()> {
         check_peer(self, dst, "send-recv")?;
         check_peer(self, src, "send-recv")?;
-        let n = self.size();
-        let mut parts: Vec<&[u8]> = vec![&[]; n];
-        let mut lens = vec![0usize; n];
-        parts[dst] = send;
-        lens[src] = recv.len();
-        if dst == self.rank() || src == self.rank() {
-            // A self exchange: only valid when both ends are this rank.
+        if dst == self.rank() && src == self.rank() {
             recv.copy_from_slice(send);
             return Ok(());
         }
-        let got = self.exchange("send-recv", &parts, &lens)?;
+        let n = self.size();
+        let mut parts = vec![Vec::new(); n];
+        let mut lens = vec![0; n];
+        parts[dst] = send.to_vec();
+        lens[src] = recv.len();
+        let got = self.exchange("send-recv", parts, lens)?;
         recv.copy_from_slice(&got[src]);
         Ok(())
     }
@@ -328,13 +404,6 @@ impl Communicator for NcclComm {
     fn subgroup(&self, list: &[usize]) -> Result<Box<dyn Communicator>> {
         check_subgroup(self, list)?;
         let bootstrap = self.bootstrap.subgroup(list)?;
-        Ok(Box::new(NcclComm::join(bootstrap, self.stream.clone())?))
-    }
-}
-
-impl NcclComm {
-    /// NCCL rejects zero-length reductions; keep the collective's synchronization anyway.
-    fn barrier_if_empty(&self) -> Result<()> {
-        self.bootstrap.barrier()
+        Ok(Box::new(NcclComm::join(self.engine.clone(), bootstrap)?))
     }
 }

@@ -9,10 +9,10 @@
 
 mod state;
 
-use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use self::state::{CallSite, Shared, Signature};
@@ -90,8 +90,8 @@ pub struct LocalComm {
     group_id: u64,
     members: Vec<usize>,
     me: usize,
-    seq: Cell<u64>,
-    created: RefCell<HashMap<Vec<usize>, usize>>,
+    seq: AtomicU64,
+    created: Mutex<HashMap<Vec<usize>, usize>>,
 }
 
 impl LocalComm {
@@ -101,14 +101,13 @@ impl LocalComm {
             group_id: 0,
             members: (0..world).collect(),
             me: rank,
-            seq: Cell::new(0),
-            created: RefCell::new(HashMap::new()),
+            seq: AtomicU64::new(0),
+            created: Mutex::new(HashMap::new()),
         }
     }
 
     fn site(&self, op: &'static str) -> CallSite<'_> {
-        let seq = self.seq.get();
-        self.seq.set(seq + 1);
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         CallSite { group_id: self.group_id, seq, members: &self.members, me: self.me, op }
     }
 
@@ -168,14 +167,18 @@ impl Communicator for LocalComm {
             ..Signature::new("all-reduce")
         };
         let site = self.site("all-reduce");
-        let (deposits, _) =
-            self.shared.gather_deposits(&site, sig, Arc::new(self.shared.copy_of(data)), None)?;
+        let (deposits, _) = self.shared.gather_deposits(
+            &site,
+            sig,
+            Arc::new(self.shared.pool.copy_of(data)),
+            None,
+        )?;
         // Reduce my chunk over all members in member order, then gather every chunk.
         let (n, es) = (self.size(), dtype.size());
         let mine = chunk(data.len() / es, n, self.me);
         let parts: Vec<&[u8]> =
             deposits.iter().map(|d| &d[mine.start * es..mine.end * es]).collect();
-        let mut reduced = self.shared.copy_of(parts[0]);
+        let mut reduced = self.shared.pool.copy_of(parts[0]);
         reduce_onto(&mut reduced, &parts[1..], dtype, op);
         drop(parts);
         drop(deposits);
@@ -194,7 +197,7 @@ impl Communicator for LocalComm {
         check_peer(self, root, "broadcast root")?;
         let sig =
             Signature { len: Some(data.len()), root: Some(root), ..Signature::new("broadcast") };
-        let mine = if self.me == root { self.shared.copy_of(data) } else { Vec::new() };
+        let mine = if self.me == root { self.shared.pool.copy_of(data) } else { Vec::new() };
         self.exchange("broadcast", sig, mine, None, |d, _| {
             if self.me != root {
                 data.copy_from_slice(&d[root]);
@@ -206,7 +209,7 @@ impl Communicator for LocalComm {
     fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
         args::all_gather_v(self, send, recv, counts)?;
         let sig = Signature { counts: Some(counts.to_vec()), ..Signature::new("all-gather-v") };
-        self.exchange("all-gather-v", sig, self.shared.copy_of(send), None, |d, _| {
+        self.exchange("all-gather-v", sig, self.shared.pool.copy_of(send), None, |d, _| {
             let mut at = 0;
             for part in d {
                 recv[at..at + part.len()].copy_from_slice(part);
@@ -231,7 +234,7 @@ impl Communicator for LocalComm {
             ..Signature::new("reduce-scatter")
         };
         let block = recv.len();
-        self.exchange("reduce-scatter", sig, self.shared.copy_of(send), None, |d, _| {
+        self.exchange("reduce-scatter", sig, self.shared.pool.copy_of(send), None, |d, _| {
             if block > 0 {
                 let parts: Vec<&[u8]> =
                     d.iter().map(|p| &p[self.me * block..(self.me + 1) * block]).collect();
@@ -250,11 +253,11 @@ impl Communicator for LocalComm {
     ) -> Result<()> {
         args::all_to_all_v(self, send, sc, recv, rc)?;
         let sig = Signature::new("all-to-all-v");
-        let seq = self.seq.get();
+        let seq = self.seq.load(Ordering::Relaxed);
         self.exchange(
             "all-to-all-v",
             sig,
-            self.shared.copy_of(send),
+            self.shared.pool.copy_of(send),
             Some(sc.to_vec()),
             |d, counts| {
                 let mut at = 0;
@@ -282,7 +285,7 @@ impl Communicator for LocalComm {
 
     fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()> {
         check_peer(self, dst, "send")?;
-        self.shared.post(self.group_id, self.me, dst, tag, self.shared.copy_of(data));
+        self.shared.post(self.group_id, self.me, dst, tag, self.shared.pool.copy_of(data));
         Ok(())
     }
 
@@ -303,7 +306,7 @@ impl Communicator for LocalComm {
             });
         }
         data.copy_from_slice(&msg);
-        self.shared.recycle(msg);
+        self.shared.pool.give(msg);
         Ok(())
     }
 
@@ -323,7 +326,7 @@ impl Communicator for LocalComm {
     fn subgroup(&self, ranks: &[usize]) -> Result<Box<dyn Communicator>> {
         check_subgroup(self, ranks)?;
         let occurrence = {
-            let mut created = self.created.borrow_mut();
+            let mut created = self.created.lock().unwrap_or_else(|e| e.into_inner());
             let n = created.entry(ranks.to_vec()).or_insert(0);
             *n += 1;
             *n - 1
@@ -336,8 +339,8 @@ impl Communicator for LocalComm {
             group_id,
             members,
             me,
-            seq: Cell::new(0),
-            created: RefCell::new(HashMap::new()),
+            seq: AtomicU64::new(0),
+            created: Mutex::new(HashMap::new()),
         }))
     }
 }

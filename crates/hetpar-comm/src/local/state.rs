@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CommError, Result, ranks};
+use crate::pool::BufferPool;
 
 /// What every member of a collective must agree on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,12 +87,9 @@ pub(crate) struct Shared {
     pub timeout: Duration,
     state: Mutex<State>,
     cond: Condvar,
-    /// Payload buffers to reuse: fresh large allocations cost page faults on every call.
-    pool: Mutex<Vec<Vec<u8>>>,
+    /// Payload buffers to reuse.
+    pub pool: BufferPool,
 }
-
-/// Buffers kept for reuse at most.
-const POOL_BUFFERS: usize = 64;
 
 /// Identifies a collective call for error messages.
 pub(crate) struct CallSite<'a> {
@@ -111,46 +109,7 @@ impl CallSite<'_> {
 impl Shared {
     pub fn new(world: usize, timeout: Duration) -> Self {
         let state = State { exited: vec![false; world], next_group: 1, ..State::default() };
-        Shared {
-            timeout,
-            state: Mutex::new(state),
-            cond: Condvar::new(),
-            pool: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// An empty buffer with room for `len` bytes, reused when one is free.
-    pub fn buffer(&self, len: usize) -> Vec<u8> {
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        let best = pool
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.capacity() >= len)
-            .min_by_key(|(_, v)| v.capacity())
-            .map(|(i, _)| i);
-        match best {
-            Some(i) => {
-                let mut v = pool.swap_remove(i);
-                v.clear();
-                v
-            }
-            None => Vec::with_capacity(len),
-        }
-    }
-
-    /// A copy of `data` in a reused buffer.
-    pub fn copy_of(&self, data: &[u8]) -> Vec<u8> {
-        let mut v = self.buffer(data.len());
-        v.extend_from_slice(data);
-        v
-    }
-
-    /// Returns a buffer for reuse.
-    pub fn recycle(&self, v: Vec<u8>) {
-        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        if pool.len() < POOL_BUFFERS && v.capacity() > 0 {
-            pool.push(v);
-        }
+        Shared { timeout, state: Mutex::new(state), cond: Condvar::new(), pool: BufferPool::new() }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -344,7 +303,7 @@ impl Shared {
             drop(st);
             for a in slot.deposits.into_iter().chain(slot.second).flatten() {
                 if let Ok(v) = Arc::try_unwrap(a) {
-                    self.recycle(v);
+                    self.pool.give(v);
                 }
             }
         }

@@ -1,0 +1,125 @@
+//! An engine thread: owns state that may not leave its thread (MPI and NCCL handles) and runs
+//! jobs on it, so the communicator handles that callers hold are `Send + Sync` (candle's
+//! custom ops, which run collectives inside autograd, require that).
+//!
+//! A call sends a closure and blocks on its reply. Between jobs the engine runs an idle hook
+//! (MPI answers status queries there). The thread ends when [`EngineHandle::shutdown`] is
+//! called or the last handle is dropped; state is dropped on the engine thread.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, SyncSender, channel, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::error::{CommError, Result};
+
+type Job<S> = Box<dyn FnOnce(&mut S) + Send>;
+
+enum Msg<S> {
+    Run(Job<S>),
+    Stop,
+}
+
+/// A handle to an engine thread owning an `S`.
+pub struct EngineHandle<S> {
+    name: &'static str,
+    tx: Mutex<Option<Sender<Msg<S>>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl<S> std::fmt::Debug for EngineHandle<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "EngineHandle({})", self.name)
+    }
+}
+
+impl<S: 'static> EngineHandle<S> {
+    /// Starts thread `name`, builds the state with `init` on it, and runs `idle` on the state
+    /// whenever no job arrived for `tick`.
+    pub fn spawn(
+        name: &'static str,
+        tick: Duration,
+        init: impl FnOnce() -> Result<S> + Send + 'static,
+        idle: fn(&mut S),
+    ) -> Result<Arc<EngineHandle<S>>> {
+        let (tx, rx): (Sender<Msg<S>>, Receiver<Msg<S>>) = channel();
+        let (ready_tx, ready_rx) = sync_channel::<Result<()>>(1);
+        let thread = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                let mut state = match init() {
+                    Ok(s) => {
+                        let _ = ready_tx.send(Ok(()));
+                        s
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                loop {
+                    match rx.recv_timeout(tick) {
+                        Ok(Msg::Run(job)) => job(&mut state),
+                        Ok(Msg::Stop) | Err(RecvTimeoutError::Disconnected) => break,
+                        Err(RecvTimeoutError::Timeout) => idle(&mut state),
+                    }
+                }
+            })
+            .map_err(|e| CommError::Backend {
+                backend: name,
+                message: format!("cannot start the engine thread: {e}"),
+            })?;
+        let started = ready_rx.recv().map_err(|_| CommError::Backend {
+            backend: name,
+            message: "the engine thread died while starting".into(),
+        })?;
+        started?;
+        Ok(Arc::new(EngineHandle {
+            name,
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    /// Runs `f` on the engine thread and returns its result.
+    pub fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut S) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
+        let (reply_tx, reply_rx): (SyncSender<Result<R>>, _) = sync_channel(1);
+        let job: Job<S> = Box::new(move |s| {
+            let _ = reply_tx.send(f(s));
+        });
+        let stopped = || CommError::Backend {
+            backend: self.name,
+            message: "the engine has shut down".into(),
+        };
+        {
+            let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+            tx.as_ref().ok_or_else(stopped)?.send(Msg::Run(job)).map_err(|_| stopped())?;
+        }
+        reply_rx.recv().map_err(|_| stopped())?
+    }
+
+    /// Stops the engine after the jobs already sent and waits for its thread (the state is
+    /// dropped there: for MPI, communicators are freed and MPI finalized).
+    pub fn shutdown(&self) {
+        if let Some(tx) = self.tx.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.send(Msg::Stop);
+        }
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<S> Drop for EngineHandle<S> {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.send(Msg::Stop);
+        }
+        if let Some(t) = self.thread.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,80 @@
+//! A pool of byte buffers. Fresh large allocations cost a page fault per 4 KiB on first
+//! touch, which dominates copying at the message sizes training moves; the backends copy
+//! payloads through reused buffers instead.
+
+use std::sync::Mutex;
+
+/// Buffers kept for reuse at most.
+const MAX_BUFFERS: usize = 64;
+
+/// A shared pool of reusable byte buffers.
+#[derive(Debug, Default)]
+pub struct BufferPool {
+    bufs: Mutex<Vec<Vec<u8>>>,
+}
+
+impl BufferPool {
+    /// An empty pool.
+    pub fn new() -> BufferPool {
+        BufferPool::default()
+    }
+
+    /// A buffer of exactly `len` initialized bytes (contents unspecified), reused when a free
+    /// one is large enough. Its capacity is never zero, so its address is a real allocation.
+    pub fn take(&self, len: usize) -> Vec<u8> {
+        let mut bufs = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let best = bufs
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.capacity() >= len)
+            .min_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i);
+        let mut v = match best {
+            Some(i) => bufs.swap_remove(i),
+            None => Vec::with_capacity(len.max(1)),
+        };
+        drop(bufs);
+        if v.len() >= len {
+            v.truncate(len);
+        } else {
+            v.resize(len, 0);
+        }
+        v
+    }
+
+    /// A copy of `data` in a reused buffer.
+    pub fn copy_of(&self, data: &[u8]) -> Vec<u8> {
+        let mut v = self.take(0);
+        v.extend_from_slice(data);
+        v
+    }
+
+    /// Returns a buffer for reuse.
+    pub fn give(&self, v: Vec<u8>) {
+        if v.capacity() == 0 {
+            return;
+        }
+        let mut bufs = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        if bufs.len() < MAX_BUFFERS {
+            bufs.push(v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_come_back_sized() {
+        let pool = BufferPool::new();
+        let a = pool.copy_of(&[1, 2, 3]);
+        assert_eq!(a, [1, 2, 3]);
+        pool.give(a);
+        let b = pool.take(2);
+        assert_eq!(b.len(), 2);
+        assert!(b.capacity() >= 3);
+        let c = pool.take(0);
+        assert!(c.capacity() >= 1, "never the dangling address of an empty Vec");
+    }
+}
