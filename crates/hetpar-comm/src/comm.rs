@@ -78,6 +78,18 @@ pub trait Communicator: Send + Sync {
     fn subgroup(&self, ranks: &[usize]) -> Result<Box<dyn Communicator>>;
 }
 
+impl std::fmt::Debug for dyn Communicator + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} communicator, rank {} of world ranks {:?}",
+            self.backend(),
+            self.rank(),
+            self.global_ranks()
+        )
+    }
+}
+
 /// A reference to a communicator is a communicator (so wrappers can borrow one).
 impl<C: Communicator + ?Sized> Communicator for &C {
     fn rank(&self) -> usize {

@@ -1,0 +1,165 @@
+//! Column- and row-parallel linear layers (Megatron; Shoeybi et al. 2019), with sequence
+//! parallelism (Korthikanti et al. 2022). Activations are `[batch, seq, features]`.
+//!
+//! Column-parallel: `W` `[out, in]` split by output rows over `tp`. The input enters through
+//! `f` (replicated input) or an all-gather along the sequence (SP). Row-parallel: `W` split
+//! by input columns; partial outputs leave through `g` (all-reduce) or a reduce-scatter
+//! along the sequence (SP); the bias is added after the reduction.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+
+use crate::ctx::ParallelCtx;
+use crate::error::Result;
+use crate::init::Init;
+use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
+use crate::params::{HasParams, Param, even_split, replicated_reduce, sharded_reduce};
+
+/// What every layer constructor needs: the rank's context, the init seed, the dtype.
+#[derive(Clone, Debug)]
+pub struct Build {
+    /// The module's parallel context.
+    pub ctx: Arc<ParallelCtx>,
+    /// Initialization seed.
+    pub seed: u64,
+    /// Parameter dtype.
+    pub dtype: DType,
+}
+
+impl Build {
+    /// A parameter sharded along `dim` over `tp` (or whole at tp 1).
+    pub fn tp_sharded(
+        &self,
+        name: String,
+        shape: &[usize],
+        dim: usize,
+        init: Init,
+    ) -> Result<Param> {
+        let (tp, idx) = (self.ctx.tp.size(), self.ctx.tp.rank);
+        Param::new(
+            name,
+            shape,
+            even_split(dim, shape[dim], tp, idx),
+            sharded_reduce(),
+            init,
+            self.seed,
+            self.dtype,
+        )
+    }
+
+    /// A parameter every tp rank holds whole.
+    pub fn replicated(&self, name: String, shape: &[usize], init: Init) -> Result<Param> {
+        Param::new(name, shape, None, replicated_reduce(&self.ctx), init, self.seed, self.dtype)
+    }
+}
+
+/// `x [b, s, in] @ W^T` with `W [out, in]`.
+pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (rows, inner) = (dims[..dims.len() - 1].iter().product::<usize>(), dims[dims.len() - 1]);
+    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    let mut out = dims;
+    *out.last_mut().expect("a feature dim") = w.dims()[0];
+    Ok(y.reshape(out)?)
+}
+
+/// A linear layer with its output features split over `tp`.
+#[derive(Debug)]
+pub struct ColumnParallel {
+    ctx: Arc<ParallelCtx>,
+    weight: Param,
+    bias: Option<Param>,
+}
+
+impl ColumnParallel {
+    /// `name.weight` `[out, in]` (and `name.bias` `[out]`), each rank holding `out / tp` rows.
+    pub fn new(
+        b: &Build,
+        name: &str,
+        input: usize,
+        output: usize,
+        bias: bool,
+        std: f64,
+    ) -> Result<Self> {
+        let weight =
+            b.tp_sharded(format!("{name}.weight"), &[output, input], 0, Init::Normal(std))?;
+        let bias = if bias {
+            Some(b.tp_sharded(format!("{name}.bias"), &[output], 0, Init::Const(0.0))?)
+        } else {
+            None
+        };
+        Ok(ColumnParallel { ctx: b.ctx.clone(), weight, bias })
+    }
+
+    /// `[b, s, in]` (sequence-sharded under SP) to `[b, s_full, out / tp]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x =
+            if self.ctx.sp() { gather_dim(&self.ctx.tp, x, 1)? } else { copy_to(&self.ctx.tp, x)? };
+        self.local(&x)
+    }
+
+    /// The local matmul on an already replicated (or gathered) input.
+    pub fn local(&self, x: &Tensor) -> Result<Tensor> {
+        let y = matmul_t(x, self.weight.tensor())?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b.tensor())?,
+            None => y,
+        })
+    }
+}
+
+impl HasParams for ColumnParallel {
+    fn params(&self) -> Vec<&Param> {
+        std::iter::once(&self.weight).chain(&self.bias).collect()
+    }
+}
+
+/// A linear layer with its input features split over `tp`.
+#[derive(Debug)]
+pub struct RowParallel {
+    ctx: Arc<ParallelCtx>,
+    weight: Param,
+    bias: Option<Param>,
+}
+
+impl RowParallel {
+    /// `name.weight` `[out, in]`, each rank holding `in / tp` columns; `name.bias` whole.
+    pub fn new(
+        b: &Build,
+        name: &str,
+        input: usize,
+        output: usize,
+        bias: bool,
+        std: f64,
+    ) -> Result<Self> {
+        let weight =
+            b.tp_sharded(format!("{name}.weight"), &[output, input], 1, Init::Normal(std))?;
+        let bias = if bias {
+            Some(b.replicated(format!("{name}.bias"), &[output], Init::Const(0.0))?)
+        } else {
+            None
+        };
+        Ok(RowParallel { ctx: b.ctx.clone(), weight, bias })
+    }
+
+    /// `[b, s_full, in / tp]` to `[b, s, out]` (sequence-sharded under SP).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let partial = matmul_t(x, self.weight.tensor())?;
+        let y = if self.ctx.sp() {
+            reduce_scatter_dim(&self.ctx.tp, &partial, 1)?
+        } else {
+            reduce_from(&self.ctx.tp, &partial)?
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b.tensor())?,
+            None => y,
+        })
+    }
+}
+
+impl HasParams for RowParallel {
+    fn params(&self) -> Vec<&Param> {
+        std::iter::once(&self.weight).chain(&self.bias).collect()
+    }
+}

@@ -1,0 +1,83 @@
+//! Feed-forward blocks: SwiGLU (Shazeer 2020; Llama) and a GELU MLP (ViT, projector).
+//! Up/gate projections are column-parallel, the down projection row-parallel, so the hidden
+//! activation never leaves its tp shard.
+
+use candle_core::Tensor;
+
+use crate::error::Result;
+use crate::layers::linear::{Build, ColumnParallel, RowParallel};
+use crate::params::{HasParams, Param};
+
+/// `down(silu(gate(x)) * up(x))`, HF Llama names `gate_proj`, `up_proj`, `down_proj`.
+#[derive(Debug)]
+pub struct SwiGlu {
+    gate: ColumnParallel,
+    up: ColumnParallel,
+    down: RowParallel,
+}
+
+impl SwiGlu {
+    /// Under `name`; `out_std` initializes the down projection.
+    pub fn new(
+        b: &Build,
+        name: &str,
+        hidden: usize,
+        ffn: usize,
+        std: f64,
+        out_std: f64,
+    ) -> Result<Self> {
+        Ok(SwiGlu {
+            gate: ColumnParallel::new(b, &format!("{name}.gate_proj"), hidden, ffn, false, std)?,
+            up: ColumnParallel::new(b, &format!("{name}.up_proj"), hidden, ffn, false, std)?,
+            down: RowParallel::new(b, &format!("{name}.down_proj"), ffn, hidden, false, out_std)?,
+        })
+    }
+
+    /// `[b, s, hidden]` to `[b, s, hidden]` (sequence-sharded in and out under SP).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?;
+        self.down.forward(&h)
+    }
+}
+
+impl HasParams for SwiGlu {
+    fn params(&self) -> Vec<&Param> {
+        [self.gate.params(), self.up.params(), self.down.params()].concat()
+    }
+}
+
+/// `fc2(gelu(fc1(x)))` with biases, HF names `fc1`, `fc2` (or any two names).
+#[derive(Debug)]
+pub struct GeluMlp {
+    fc1: ColumnParallel,
+    fc2: RowParallel,
+}
+
+impl GeluMlp {
+    /// `first` maps `input` to `hidden`, `second` maps `hidden` to `output`.
+    pub fn new(
+        b: &Build,
+        first: &str,
+        second: &str,
+        dims: (usize, usize, usize),
+        std: f64,
+        out_std: f64,
+    ) -> Result<Self> {
+        let (input, hidden, output) = dims;
+        Ok(GeluMlp {
+            fc1: ColumnParallel::new(b, first, input, hidden, true, std)?,
+            fc2: RowParallel::new(b, second, hidden, output, true, out_std)?,
+        })
+    }
+
+    /// `[b, s, input]` to `[b, s, output]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc2.forward(&self.fc1.forward(x)?.gelu_erf()?)
+    }
+}
+
+impl HasParams for GeluMlp {
+    fn params(&self) -> Vec<&Param> {
+        [self.fc1.params(), self.fc2.params()].concat()
+    }
+}

@@ -1,0 +1,10 @@
+//! Parallel layers.
+
+pub mod attention;
+pub mod comm;
+pub mod embedding;
+pub mod linear;
+pub mod loss;
+pub mod mlp;
+pub mod norm;
+pub mod rope;

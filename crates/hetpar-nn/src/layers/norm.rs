@@ -1,0 +1,73 @@
+//! RMSNorm (Zhang and Sennrich 2019) and LayerNorm (Ba et al. 2016) over the last dim,
+//! written with differentiable tensor ops. Their scales are replicated over `tp`.
+
+use candle_core::{D, Tensor};
+
+use crate::error::Result;
+use crate::init::Init;
+use crate::layers::linear::Build;
+use crate::params::{HasParams, Param};
+
+/// `x / sqrt(mean(x^2) + eps) * weight`.
+#[derive(Debug)]
+pub struct RmsNorm {
+    weight: Param,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// `name.weight` `[dim]`, initialized to ones.
+    pub fn new(b: &Build, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: b.replicated(format!("{name}.weight"), &[dim], Init::Const(1.0))?,
+            eps,
+        })
+    }
+
+    /// Normalizes the last dim.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let y = x.broadcast_div(&(ms + self.eps)?.sqrt()?)?;
+        Ok(y.broadcast_mul(self.weight.tensor())?)
+    }
+}
+
+impl HasParams for RmsNorm {
+    fn params(&self) -> Vec<&Param> {
+        vec![&self.weight]
+    }
+}
+
+/// `(x - mean) / sqrt(var + eps) * weight + bias`.
+#[derive(Debug)]
+pub struct LayerNorm {
+    weight: Param,
+    bias: Param,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// `name.weight` (ones) and `name.bias` (zeros), `[dim]`.
+    pub fn new(b: &Build, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        Ok(LayerNorm {
+            weight: b.replicated(format!("{name}.weight"), &[dim], Init::Const(1.0))?,
+            bias: b.replicated(format!("{name}.bias"), &[dim], Init::Const(0.0))?,
+            eps,
+        })
+    }
+
+    /// Normalizes the last dim.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let centered = x.broadcast_sub(&mean)?;
+        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+        let y = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        Ok(y.broadcast_mul(self.weight.tensor())?.broadcast_add(self.bias.tensor())?)
+    }
+}
+
+impl HasParams for LayerNorm {
+    fn params(&self) -> Vec<&Param> {
+        vec![&self.weight, &self.bias]
+    }
+}

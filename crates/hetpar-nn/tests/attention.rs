@@ -1,0 +1,146 @@
+//! Attention sharded over tp (with and without SP) and cp (all-gather and ring) matches the
+//! world-size-1 run: outputs, input gradients and parameter gradients, f32 and f64.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use candle_core::{DType, Var};
+use common::*;
+use hetpar_comm::{LocalOptions, Log, OpKind, Recording, launch};
+use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
+use hetpar_nn::layers::attention::{Attention, AttentionSpec, CpMode};
+use hetpar_nn::testing::{RankReport, assemble, compare_params, flat, rel_err, snapshot};
+use hetpar_nn::{Build, HasParams, ParallelCtx};
+
+const B: usize = 2;
+const S: usize = 16;
+
+fn spec(causal: bool, cp_mode: CpMode) -> AttentionSpec {
+    if causal {
+        AttentionSpec {
+            hidden: 32,
+            heads: 8,
+            kv_heads: 4,
+            causal,
+            rope_theta: Some(10_000.0),
+            bias: false,
+            cp_mode,
+        }
+    } else {
+        AttentionSpec {
+            hidden: 32,
+            heads: 4,
+            kv_heads: 4,
+            causal,
+            rope_theta: None,
+            bias: true,
+            cp_mode,
+        }
+    }
+}
+
+fn layout(tp: usize, cp: usize, sp: bool) -> ModuleLayout {
+    ModuleLayout::new(
+        "m",
+        Span::new(0, tp * cp),
+        LayoutSpec { tp, cp, sp, ..LayoutSpec::default() },
+    )
+    .expect("layout")
+}
+
+fn run(l: &ModuleLayout, spec: AttentionSpec, dtype: DType, log: Option<&Log>) -> Vec<RankReport> {
+    let h = spec.hidden;
+    launch(l.span().len(), LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let rec;
+        let comm: &dyn hetpar_comm::Communicator = match log {
+            Some(log) => {
+                rec = Recording::new(Box::new(c), log.clone());
+                &rec
+            }
+            None => c,
+        };
+        let ctx = ParallelCtx::new(comm, l).expect("ctx");
+        let b = Build { ctx: ctx.clone(), seed: 3, dtype };
+        let att = Attention::new(&b, "attn", "o_proj", spec, 0.3, 0.2).expect("attention");
+        let pos = local_positions(l, ctx.rank, S);
+        let x =
+            Var::from_tensor(&at_positions(&global("x", &[B, S, h], dtype), &pos)).expect("var");
+        let probe = at_positions(&global("probe", &[B, S, h], dtype), &pos);
+        let y = att.forward(x.as_tensor(), &cp_positions(l, ctx.rank, S)).expect("forward");
+        let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().expect("backward");
+        let mut values = BTreeMap::new();
+        values.insert("out".to_string(), flat(&y).unwrap());
+        values.insert("x_grad".to_string(), flat(grads.get(x.as_tensor()).unwrap()).unwrap());
+        snapshot(&ctx, &att.params(), &grads, values).expect("snapshot")
+    })
+    .expect("launch")
+}
+
+fn check(tp: usize, cp: usize, sp: bool, causal: bool, mode: CpMode, dtype: DType) {
+    let tol = tolerance(dtype);
+    let spec = spec(causal, mode);
+    let reference = run(&layout(1, 1, false), spec, dtype, None);
+    let l = layout(tp, cp, sp);
+    let runs = run(&l, spec, dtype, None);
+    let what = format!("tp {tp} cp {cp} sp {sp} causal {causal} {mode:?} {dtype:?}");
+    compare_params(&assemble(&reference, tol).unwrap(), &assemble(&runs, tol).unwrap(), tol)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    for key in ["out", "x_grad"] {
+        let got = by_position(&runs, &l, key, B, S, spec.hidden, tol);
+        let e = rel_err(&got, &reference[0].values[key]);
+        assert!(e <= tol, "{what}: {key} differs by {e:e}");
+    }
+}
+
+#[test]
+fn causal_gqa_rope_attention_matches_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        for (tp, cp, sp) in [
+            (2, 1, false),
+            (2, 1, true),
+            (4, 1, false),
+            (4, 1, true),
+            (1, 2, false),
+            (1, 4, false),
+            (2, 2, true),
+            (2, 2, false),
+        ] {
+            check(tp, cp, sp, true, CpMode::AllGather, dtype);
+        }
+        for (tp, cp, sp) in [(1, 2, false), (1, 4, false), (2, 2, true)] {
+            check(tp, cp, sp, true, CpMode::Ring, dtype);
+        }
+    }
+}
+
+#[test]
+fn bidirectional_vit_attention_matches_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        for (tp, cp, sp) in [(2, 1, true), (4, 1, false), (1, 4, false), (2, 2, true)] {
+            check(tp, cp, sp, false, CpMode::AllGather, dtype);
+        }
+        check(1, 4, false, false, CpMode::Ring, dtype);
+    }
+}
+
+#[test]
+fn kv_exchange_happens_only_under_cp() {
+    let gather_spec = spec(true, CpMode::AllGather);
+    for (tp, cp, gathers) in [(2, 1, false), (1, 2, true)] {
+        let log = Log::new();
+        run(&layout(tp, cp, false), gather_spec, DType::F32, Some(&log));
+        let kinds = log.count_by_kind();
+        assert_eq!(kinds.contains_key(&OpKind::AllGatherV), gathers, "tp {tp} cp {cp}: {kinds:?}");
+    }
+    let log = Log::new();
+    run(&layout(1, 2, false), spec(true, CpMode::Ring), DType::F32, Some(&log));
+    let kinds = log.count_by_kind();
+    assert!(
+        kinds.contains_key(&OpKind::Send) && !kinds.contains_key(&OpKind::AllGatherV),
+        "{kinds:?}"
+    );
+}
