@@ -6,5 +6,6 @@ pub mod embedding;
 pub mod linear;
 pub mod loss;
 pub mod mlp;
+pub mod moe;
 pub mod norm;
 pub mod rope;

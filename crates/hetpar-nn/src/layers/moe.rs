@@ -1,0 +1,228 @@
+//! Mixture of experts (Shazeer et al. 2017; Mixtral's top-k routing) with expert
+//! parallelism: experts are split over `ep`, tokens travel to their experts and back by
+//! all-to-all-v, and no token is dropped (no capacity limit).
+//!
+//! Per rank: tokens replicated over `tp` (no SP) are first split over `tp`, so every rank of
+//! the stage routes distinct tokens. The router's softmax picks the top-k experts of each
+//! token; gates are the picked probabilities renormalized to sum to one. Assignments are
+//! sorted by destination rank and expert, sent, computed by each local expert (SwiGLU,
+//! Mixtral names `w1`, `w3`, `w2`), sent back, weighted and summed per token.
+//!
+//! The load-balancing loss (Switch Transformer, Fedus et al. 2021) is
+//! `coef * E * sum_e f_e * P_e` over the whole stage's tokens, with `f_e` the share of
+//! assignments to expert `e` and `P_e` its mean router probability. Each rank returns its
+//! part (global `f`, its own tokens' probability sum over the global token count), so the
+//! parts add up to the loss over ranks and the gradient of each part is exact.
+
+use std::sync::Arc;
+
+use candle_core::{D, DType, Device, Tensor};
+use hetpar_comm::{CommExt, ReduceOp};
+use hetpar_layout::Axis;
+
+use crate::ctx::ParallelCtx;
+use crate::error::{NnError, Result};
+use crate::init::Init;
+use crate::layers::attention::softmax;
+use crate::layers::comm::{gather_rows, split_rows};
+use crate::layers::linear::{Build, matmul_t};
+use crate::ops::AllToAllRows;
+use crate::params::{HasParams, Param};
+
+/// Sizes of a MoE layer.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeSpec {
+    /// Model width.
+    pub hidden: usize,
+    /// Width of each expert's MLP.
+    pub ffn: usize,
+    /// Experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Weight of the load-balancing loss.
+    pub aux_coef: f64,
+}
+
+#[derive(Debug)]
+struct Expert {
+    w1: Param,
+    w3: Param,
+    w2: Param,
+}
+
+impl Expert {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (matmul_t(x, self.w1.tensor())?.silu()? * matmul_t(x, self.w3.tensor())?)?;
+        matmul_t(&h, self.w2.tensor())
+    }
+}
+
+/// A sparse MoE block.
+#[derive(Debug)]
+pub struct Moe {
+    ctx: Arc<ParallelCtx>,
+    spec: MoeSpec,
+    gate: Param,
+    /// This rank's experts, by global id.
+    experts: Vec<(usize, Expert)>,
+}
+
+impl Moe {
+    /// `name.gate.weight` `[experts, hidden]` (every rank) and
+    /// `name.experts.{e}.{w1,w3,w2}.weight` for the experts of this rank's `ep` index.
+    pub fn new(b: &Build, name: &str, spec: MoeSpec, std: f64, out_std: f64) -> Result<Self> {
+        let ctx = b.ctx.clone();
+        let ep = ctx.ep.size();
+        if !spec.experts.is_multiple_of(ep) {
+            return Err(NnError::Input(format!("ep({ep}) does not divide experts({})", spec.experts)));
+        }
+        // The router sees distinct tokens on every rank of the stage: its gradient is partial
+        // over tp too, with or without sequence parallelism.
+        let gate = Param::new(
+            format!("{name}.gate.weight"),
+            &[spec.experts, spec.hidden],
+            None,
+            vec![Axis::Dp, Axis::Cp, Axis::Tp],
+            Init::Normal(std),
+            b.seed,
+            b.dtype,
+        )?;
+        let per = spec.experts / ep;
+        let first = ctx.ep.rank * per;
+        let expert_param = |e: usize, w: &str, shape: [usize; 2], s: f64| {
+            Param::new(format!("{name}.experts.{e}.{w}.weight"), &shape, None, vec![Axis::Edp], Init::Normal(s), b.seed, b.dtype)
+        };
+        let experts = (first..first + per)
+            .map(|e| {
+                Ok((
+                    e,
+                    Expert {
+                        w1: expert_param(e, "w1", [spec.ffn, spec.hidden], std)?,
+                        w3: expert_param(e, "w3", [spec.ffn, spec.hidden], std)?,
+                        w2: expert_param(e, "w2", [spec.hidden, spec.ffn], out_std)?,
+                    },
+                ))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Moe { ctx, spec, gate, experts })
+    }
+
+    /// `x` `[b, s, hidden]` to the output `[b, s, hidden]` and this rank's part of the
+    /// load-balancing loss (a scalar).
+    pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, s, h) = x.dims3()?;
+        let n = b * s;
+        let flat = x.reshape((n, h))?;
+        let split = self.ctx.tp.size() > 1 && !self.ctx.sp();
+        let xs = if split { split_rows(&self.ctx.tp, &flat)? } else { flat };
+        let n_sub = xs.dims()[0];
+        let (e_count, k) = (self.spec.experts, self.spec.top_k);
+        let probs = softmax(&matmul_t(&xs, self.gate.tensor())?)?;
+
+        // Top-k per token, ties to the lower expert id (a stable descending sort).
+        let p: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let mut picks: Vec<Vec<usize>> = Vec::with_capacity(n_sub);
+        for t in 0..n_sub {
+            let row = &p[t * e_count..(t + 1) * e_count];
+            let mut order: Vec<usize> = (0..e_count).collect();
+            order.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
+            picks.push(order[..k].to_vec());
+        }
+        let pick_idx: Vec<u32> = picks.iter().flatten().map(|&e| e as u32).collect();
+        let pick_idx = Tensor::from_vec(pick_idx, (n_sub, k), &Device::Cpu)?;
+        let picked = probs.gather(&pick_idx, 1)?;
+        let gates = picked.broadcast_div(&picked.sum_keepdim(D::Minus1)?)?;
+
+        // Dispatch order: by destination ep rank, then expert, then token, then slot.
+        let per = e_count / self.ctx.ep.size();
+        let mut assign: Vec<(usize, usize, usize)> = (0..n_sub)
+            .flat_map(|t| picks[t].iter().enumerate().map(move |(j, &e)| (e, t, j)))
+            .collect();
+        assign.sort();
+        let tokens: Vec<u32> = assign.iter().map(|&(_, t, _)| t as u32).collect();
+        let slots: Vec<u32> = assign.iter().map(|&(_, t, j)| (t * k + j) as u32).collect();
+        let a = assign.len();
+        let tok_idx = Tensor::from_vec(tokens, a, &Device::Cpu)?;
+        let disp = xs.index_select(&tok_idx, 0)?;
+        let mut per_expert = vec![0i64; e_count];
+        for &(e, _, _) in &assign {
+            per_expert[e] += 1;
+        }
+
+        let (recv, recv_counts) = self.exchange(&disp, &per_expert, per)?;
+        // Each local expert computes its rows; rows from each source arrive grouped by expert.
+        let mut out_recv = recv.zeros_like()?;
+        let mut offset = 0;
+        let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); per];
+        for src in &recv_counts {
+            for (le, &c) in src.iter().enumerate() {
+                rows_of[le].extend((offset..offset + c as usize).map(|r| r as u32));
+                offset += c as usize;
+            }
+        }
+        for (le, (_, expert)) in self.experts.iter().enumerate() {
+            if rows_of[le].is_empty() {
+                continue;
+            }
+            let idx = Tensor::from_vec(rows_of[le].clone(), rows_of[le].len(), &Device::Cpu)?;
+            let y = expert.forward(&recv.index_select(&idx, 0)?)?;
+            out_recv = out_recv.index_add(&idx, &y, 0)?;
+        }
+        let back = self.exchange_back(&out_recv, &per_expert, &recv_counts, per)?;
+        let slot_idx = Tensor::from_vec(slots, a, &Device::Cpu)?;
+        let g = gates.flatten_all()?.index_select(&slot_idx, 0)?.unsqueeze(1)?;
+        let combined = xs.zeros_like()?.index_add(&tok_idx, &back.broadcast_mul(&g)?, 0)?;
+        let out = if split { gather_rows(&self.ctx.tp, &combined, n)? } else { combined };
+        let aux = self.aux_loss(&probs, &per_expert, n_sub)?;
+        Ok((out.reshape((b, s, h))?, aux))
+    }
+
+    /// Sends each assignment row to the ep rank owning its expert. Returns the received
+    /// rows (grouped by source, then local expert) and the per-source, per-local-expert
+    /// counts.
+    fn exchange(&self, disp: &Tensor, per_expert: &[i64], per: usize) -> Result<(Tensor, Vec<Vec<i64>>)> {
+        let Some(comm) = self.ctx.ep.comm() else {
+            return Ok((disp.clone(), vec![per_expert.to_vec()]));
+        };
+        let ep = self.ctx.ep.size();
+        let mut counts = vec![0i64; ep * per];
+        comm.all_to_all_v(per_expert, &vec![per; ep], &mut counts, &vec![per; ep])?;
+        let recv_counts: Vec<Vec<i64>> = counts.chunks(per).map(<[i64]>::to_vec).collect();
+        let send_rows: Vec<usize> = per_expert.chunks(per).map(|c| c.iter().sum::<i64>() as usize).collect();
+        let recv_rows: Vec<usize> = recv_counts.iter().map(|c| c.iter().sum::<i64>() as usize).collect();
+        let op = AllToAllRows { comm: comm.clone(), send: Arc::new(send_rows), recv: Arc::new(recv_rows) };
+        Ok((disp.contiguous()?.apply_op1(op)?, recv_counts))
+    }
+
+    /// The inverse of [`Self::exchange`]: expert outputs back to the ranks that sent them.
+    fn exchange_back(&self, rows: &Tensor, per_expert: &[i64], recv_counts: &[Vec<i64>], per: usize) -> Result<Tensor> {
+        let Some(comm) = self.ctx.ep.comm() else {
+            return Ok(rows.clone());
+        };
+        let send_rows: Vec<usize> = recv_counts.iter().map(|c| c.iter().sum::<i64>() as usize).collect();
+        let recv_rows: Vec<usize> = per_expert.chunks(per).map(|c| c.iter().sum::<i64>() as usize).collect();
+        let op = AllToAllRows { comm: comm.clone(), send: Arc::new(send_rows), recv: Arc::new(recv_rows) };
+        Ok(rows.contiguous()?.apply_op1(op)?)
+    }
+
+    fn aux_loss(&self, probs: &Tensor, per_expert: &[i64], n_sub: usize) -> Result<Tensor> {
+        let mut counts = per_expert.to_vec();
+        let mut tokens = [n_sub as i64];
+        if let Some(c) = self.ctx.stage.comm() {
+            c.all_reduce(&mut counts, ReduceOp::Sum)?;
+            c.all_reduce(&mut tokens, ReduceOp::Sum)?;
+        }
+        let (e, k, total) = (self.spec.experts, self.spec.top_k, tokens[0].max(1) as f64);
+        let f: Vec<f64> = counts.iter().map(|&c| c as f64 / (total * k as f64)).collect();
+        let f = Tensor::from_vec(f, e, &Device::Cpu)?.to_dtype(probs.dtype())?;
+        let p_sum = probs.sum(0)?;
+        Ok(((p_sum * f)?.sum_all()? * (self.spec.aux_coef * e as f64 / total))?)
+    }
+}
+
+impl HasParams for Moe {
+    fn params(&self) -> Vec<&Param> {
+        std::iter::once(&self.gate).chain(self.experts.iter().flat_map(|(_, x)| [&x.w1, &x.w3, &x.w2])).collect()
+    }
+}
