@@ -8,6 +8,7 @@ pub mod ctx;
 pub mod error;
 pub mod init;
 pub mod layers;
+pub mod models;
 pub mod ops;
 pub mod params;
 #[cfg(feature = "testing")]

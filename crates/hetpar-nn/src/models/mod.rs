@@ -1,0 +1,4 @@
+//! Models built from the parallel layers.
+
+pub mod llama;
+pub mod vit;

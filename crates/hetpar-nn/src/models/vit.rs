@@ -1,0 +1,187 @@
+//! A ViT encoder (Dosovitskiy et al. 2020) with a 2-layer MLP projector into the LLM width
+//! (LLaVA), with SigLIP/CLIP-style names: `vision_model.embeddings.patch_embedding`,
+//! `vision_model.embeddings.position_embedding`, `vision_model.encoder.layers.{i}.
+//! {layer_norm1,self_attn.{q,k,v,out}_proj,layer_norm2,mlp.fc1,mlp.fc2}`,
+//! `vision_model.post_layernorm`, `multi_modal_projector.linear_{1,2}`.
+//!
+//! Each image is its own bidirectional sequence of patches. Under context parallelism a rank
+//! holds a contiguous part of every image's patches (`cp` equal parts, cut again over `tp`
+//! under SP), the same split the boundary plans assume (`ownership::item_owner`), so the
+//! projector's output rows are exactly the rows this rank holds.
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+
+use crate::ctx::ParallelCtx;
+use crate::error::{NnError, Result};
+use crate::init::Init;
+use crate::layers::attention::{Attention, AttentionSpec, CpMode, CpPositions};
+use crate::layers::linear::{Build, matmul_t};
+use crate::layers::mlp::GeluMlp;
+use crate::layers::norm::LayerNorm;
+use crate::params::{HasParams, Param};
+
+/// Sizes and options of a ViT.
+#[derive(Clone, Copy, Debug)]
+pub struct VitConfig {
+    /// Image side in pixels.
+    pub image_size: usize,
+    /// Patch side in pixels.
+    pub patch_size: usize,
+    /// Width.
+    pub hidden: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Heads.
+    pub heads: usize,
+    /// MLP width.
+    pub ffn: usize,
+    /// Output width: the LLM's hidden size.
+    pub out_hidden: usize,
+    /// LayerNorm epsilon.
+    pub ln_eps: f64,
+    /// Context-parallel attention mode.
+    pub cp_mode: CpMode,
+}
+
+impl VitConfig {
+    /// Patches (and output rows) per image.
+    pub fn patches(&self) -> usize {
+        (self.image_size / self.patch_size).pow(2)
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    ln1: LayerNorm,
+    attn: Attention,
+    ln2: LayerNorm,
+    mlp: GeluMlp,
+}
+
+/// The encoder and projector on one rank.
+#[derive(Debug)]
+pub struct Vit {
+    ctx: Arc<ParallelCtx>,
+    cfg: VitConfig,
+    patch_w: Param,
+    patch_b: Param,
+    pos: Param,
+    layers: Vec<Layer>,
+    post_ln: LayerNorm,
+    projector: GeluMlp,
+}
+
+impl Vit {
+    /// The model; every rank of the module builds its shard.
+    pub fn new(b: &Build, cfg: VitConfig) -> Result<Vit> {
+        let p = cfg.patch_size;
+        let std = 0.02;
+        let out_std = std / (2.0 * cfg.layers as f64).sqrt();
+        let e = "vision_model.embeddings";
+        let spec = AttentionSpec {
+            hidden: cfg.hidden,
+            heads: cfg.heads,
+            kv_heads: cfg.heads,
+            causal: false,
+            rope_theta: None,
+            bias: true,
+            cp_mode: cfg.cp_mode,
+        };
+        let layers = (0..cfg.layers)
+            .map(|i| {
+                let n = format!("vision_model.encoder.layers.{i}");
+                Ok(Layer {
+                    ln1: LayerNorm::new(b, &format!("{n}.layer_norm1"), cfg.hidden, cfg.ln_eps)?,
+                    attn: Attention::new(b, &format!("{n}.self_attn"), "out_proj", spec, std, out_std)?,
+                    ln2: LayerNorm::new(b, &format!("{n}.layer_norm2"), cfg.hidden, cfg.ln_eps)?,
+                    mlp: GeluMlp::new(b, &format!("{n}.mlp.fc1"), &format!("{n}.mlp.fc2"), (cfg.hidden, cfg.ffn, cfg.hidden), std, out_std)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Vit {
+            ctx: b.ctx.clone(),
+            cfg,
+            // The conv patch embedding `[hidden, 3, p, p]` as a linear map over flattened
+            // (channel, row, column) patches.
+            patch_w: b.replicated(format!("{e}.patch_embedding.weight"), &[cfg.hidden, 3, p, p], Init::Normal(std))?,
+            patch_b: b.replicated(format!("{e}.patch_embedding.bias"), &[cfg.hidden], Init::Const(0.0))?,
+            pos: b.replicated(format!("{e}.position_embedding.weight"), &[cfg.patches(), cfg.hidden], Init::Normal(std))?,
+            layers,
+            post_ln: LayerNorm::new(b, "vision_model.post_layernorm", cfg.hidden, cfg.ln_eps)?,
+            projector: GeluMlp::new(
+                b,
+                "multi_modal_projector.linear_1",
+                "multi_modal_projector.linear_2",
+                (cfg.hidden, cfg.out_hidden, cfg.out_hidden),
+                std,
+                std,
+            )?,
+        })
+    }
+
+    /// Patch positions of every cp rank (contiguous equal parts) and this rank's slot.
+    pub fn cp_positions(&self) -> Result<CpPositions> {
+        let (n, cp) = (self.cfg.patches(), self.ctx.cp.size());
+        let parts = cp * if self.ctx.sp() { self.ctx.tp.size() } else { 1 };
+        if !n.is_multiple_of(parts) {
+            return Err(NnError::Input(format!("{n} patches per image do not split into cp x sp-tp = {parts} equal parts")));
+        }
+        let per = n / cp;
+        Ok(CpPositions { ranks: (0..cp).map(|j| (j * per..(j + 1) * per).collect()).collect(), me: self.ctx.cp.rank })
+    }
+
+    /// Patch positions this rank's tokens hold (its cp part, cut again over tp under SP).
+    pub fn local_positions(&self) -> Result<Vec<usize>> {
+        let own = self.cp_positions()?.own().to_vec();
+        if !self.ctx.sp() {
+            return Ok(own);
+        }
+        let part = own.len() / self.ctx.tp.size();
+        Ok(own[self.ctx.tp.rank * part..(self.ctx.tp.rank + 1) * part].to_vec())
+    }
+
+    /// `pixels` `[images, 3, size, size]` to projected rows `[images, local_patches,
+    /// out_hidden]` (this rank's patches of every image, in patch order).
+    pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+        let (n, c, hgt, wid) = pixels.dims4()?;
+        let p = self.cfg.patch_size;
+        if c != 3 || hgt != self.cfg.image_size || wid != self.cfg.image_size {
+            return Err(NnError::Input(format!(
+                "images are {c}x{hgt}x{wid}, the encoder takes 3x{0}x{0}",
+                self.cfg.image_size
+            )));
+        }
+        let g = hgt / p;
+        // [n, 3, g, p, g, p] -> [n, g, g, 3, p, p] -> [n, patches, 3*p*p]
+        let patches = pixels.reshape((n, 3, g, p, g, p))?.permute((0, 2, 4, 1, 3, 5))?.contiguous()?.reshape((n, g * g, 3 * p * p))?;
+        let local = self.local_positions()?;
+        let idx = Tensor::from_vec(local.iter().map(|&i| i as u32).collect::<Vec<_>>(), local.len(), &Device::Cpu)?;
+        let patches = patches.index_select(&idx, 1)?.to_dtype(self.patch_w.tensor().dtype())?;
+        let w = self.patch_w.tensor().reshape((self.cfg.hidden, 3 * p * p))?;
+        let x = matmul_t(&patches, &w)?.broadcast_add(self.patch_b.tensor())?;
+        let mut x = x.broadcast_add(&self.pos.tensor().index_select(&idx, 0)?.unsqueeze(0)?)?;
+        let positions = self.cp_positions()?;
+        for l in &self.layers {
+            x = (&x + l.attn.forward(&l.ln1.forward(&x)?, &positions)?)?;
+            x = (&x + l.mlp.forward(&l.ln2.forward(&x)?)?)?;
+        }
+        self.projector.forward(&self.post_ln.forward(&x)?)
+    }
+}
+
+impl HasParams for Vit {
+    fn params(&self) -> Vec<&Param> {
+        let mut v = vec![&self.patch_w, &self.patch_b, &self.pos];
+        for l in &self.layers {
+            v.extend(l.ln1.params());
+            v.extend(l.attn.params());
+            v.extend(l.ln2.params());
+            v.extend(l.mlp.params());
+        }
+        v.extend(self.post_ln.params());
+        v.extend(self.projector.params());
+        v
+    }
+}

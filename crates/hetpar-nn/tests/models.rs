@@ -1,0 +1,228 @@
+//! Whole models sharded over tp (with and without SP), cp, dp and ep match the world-size-1
+//! run: the loss, every parameter gradient and the gradient of the encoder rows placed into
+//! the LLM's embedding (read from the canonical replica), in f32 and f64.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor, Var};
+use common::*;
+use hetpar_comm::{LocalOptions, launch};
+use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
+use hetpar_nn::layers::attention::CpMode;
+use hetpar_nn::models::llama::{Boundary, Llama, LlamaBatch, LlamaConfig};
+use hetpar_nn::models::vit::{Vit, VitConfig};
+use hetpar_nn::testing::{RankReport, assemble, compare_params, flat, rel_err, snapshot};
+use hetpar_nn::{Build, HasParams, ParallelCtx};
+
+const B: usize = 4;
+const S: usize = 16;
+
+fn llama(experts: usize, cp_mode: CpMode) -> LlamaConfig {
+    LlamaConfig {
+        vocab: 64,
+        hidden: 32,
+        layers: 2,
+        heads: 8,
+        kv_heads: 4,
+        ffn: 48,
+        experts,
+        top_k: 2,
+        rms_eps: 1e-5,
+        rope_theta: 10_000.0,
+        aux_coef: 0.05,
+        cp_mode,
+    }
+}
+
+fn layout(n: usize, tp: usize, cp: usize, ep: usize, sp: bool) -> ModuleLayout {
+    let spec = LayoutSpec { tp, cp, ep, etp: Some(1), sp, ..LayoutSpec::default() };
+    ModuleLayout::new("llm", Span::new(0, n), spec).unwrap()
+}
+
+/// Encoder rows: (sample, first position, rows). They cross CP chunks and SP parts.
+const ROWS: [(usize, usize, usize); 3] = [(0, 2, 4), (1, 6, 5), (3, 11, 3)];
+
+fn row_count() -> usize {
+    ROWS.iter().map(|r| r.2).sum()
+}
+
+/// Global position of every encoder row, with its (sample, position).
+fn row_positions() -> Vec<(usize, usize)> {
+    ROWS.iter().flat_map(|&(s, p, n)| (p..p + n).map(move |q| (s, q))).collect()
+}
+
+fn tokens() -> Vec<u32> {
+    (0..B * S).map(|i| ((i * 37 + 11) % 64) as u32).collect()
+}
+
+/// Next-token targets; none at the last position and none where an encoder row sits.
+fn targets() -> Vec<i64> {
+    let t = tokens();
+    let rows = row_positions();
+    (0..B * S)
+        .map(|i| {
+            let (s, p) = (i / S, i % S);
+            if p + 1 == S || rows.contains(&(s, p + 1)) || rows.contains(&(s, p)) { -1 } else { i64::from(t[i + 1]) }
+        })
+        .collect()
+}
+
+fn run_llama(l: &ModuleLayout, cfg: LlamaConfig, dtype: DType) -> Vec<RankReport> {
+    let n_targets = targets().iter().filter(|&&t| t >= 0).count() as f64;
+    launch(l.span().len(), LocalOptions { timeout: Duration::from_secs(60) }, |c| {
+        let ctx = ParallelCtx::new(c, l).unwrap();
+        let b = Build { ctx: ctx.clone(), seed: 7, dtype };
+        let model = Llama::new(&b, cfg).unwrap();
+        let coords = ctx.coords;
+        let per = B / l.dp();
+        let samples = coords.dp_idx * per..(coords.dp_idx + 1) * per;
+        let cp_pos = cp_positions(l, ctx.rank, S);
+        let local = local_positions(l, ctx.rank, S);
+        let (all_tokens, all_targets) = (tokens(), targets());
+        let mut toks = Vec::new();
+        let mut tgts = Vec::new();
+        for s in samples.clone() {
+            for &p in cp_pos.own() {
+                toks.push(all_tokens[s * S + p]);
+                tgts.push(all_targets[s * S + p]);
+            }
+        }
+        // Encoder rows this rank needs, in local order, and their slots.
+        let rows = Var::from_tensor(&global("rows", &[row_count(), cfg.hidden], dtype)).unwrap();
+        let mut needed = Vec::new();
+        let mut slots = Vec::new();
+        for (bi, s) in samples.clone().enumerate() {
+            for (i, &p) in local.iter().enumerate() {
+                if let Some(r) = row_positions().iter().position(|&x| x == (s, p)) {
+                    needed.push(r as u32);
+                    slots.push(bi * local.len() + i);
+                }
+            }
+        }
+        let idx = Tensor::from_vec(needed.clone(), needed.len(), &Device::Cpu).unwrap();
+        let boundary = Boundary { rows: rows.as_tensor().index_select(&idx, 0).unwrap(), slots };
+        let batch = LlamaBatch { tokens: toks, batch: per, positions: cp_pos, boundary: Some(boundary), targets: Arc::new(tgts) };
+        let out = model.forward(&batch).unwrap();
+        let loss = ((&out.loss_sum / n_targets).unwrap() + &out.aux).unwrap();
+        let grads = loss.backward().unwrap();
+        let mut values = BTreeMap::new();
+        values.insert("loss_sum".to_string(), flat(&out.loss_sum).unwrap());
+        values.insert("aux".to_string(), flat(&out.aux).unwrap());
+        let rg = grads.get(rows.as_tensor()).map(|g| flat(g).unwrap()).unwrap_or_else(|| vec![0.0; row_count() * cfg.hidden]);
+        values.insert("row_grad".to_string(), rg);
+        values.insert("needed".to_string(), needed.iter().map(|&r| r as f64).collect());
+        snapshot(&ctx, &model.params(), &grads, values).unwrap()
+    })
+    .unwrap()
+}
+
+/// The loss of a run: losses of tp rank 0 of every (dp, cp) position, plus every rank's
+/// aux part.
+fn total_loss(runs: &[RankReport]) -> f64 {
+    let n = targets().iter().filter(|&&t| t >= 0).count() as f64;
+    let ce: f64 = runs.iter().filter(|r| r.coords.tp_idx == 0).map(|r| r.values["loss_sum"][0]).sum::<f64>() / n;
+    ce + runs.iter().map(|r| r.values["aux"][0]).sum::<f64>()
+}
+
+/// Gradient of every encoder row from its canonical holder (lowest tp among its needers).
+fn row_grads(runs: &[RankReport], hidden: usize) -> Vec<f64> {
+    let mut out = vec![None; row_count()];
+    let mut holders: Vec<&RankReport> = runs.iter().collect();
+    holders.sort_by_key(|r| (r.coords.tp_idx, r.rank));
+    for r in holders {
+        for &row in &r.values["needed"] {
+            let row = row as usize;
+            if out[row].is_none() {
+                out[row] = Some(r.values["row_grad"][row * hidden..(row + 1) * hidden].to_vec());
+            }
+        }
+    }
+    out.into_iter().flat_map(|r| r.expect("every row has a needer")).collect()
+}
+
+fn check_llama(n: usize, tp: usize, cp: usize, ep: usize, sp: bool, cfg: LlamaConfig, reference: &[RankReport], dtype: DType) {
+    let tol = tolerance(dtype);
+    let what = format!("llama experts {} world {n} tp {tp} cp {cp} ep {ep} sp {sp} {:?} {dtype:?}", cfg.experts, cfg.cp_mode);
+    let runs = run_llama(&layout(n, tp, cp, ep, sp), cfg, dtype);
+    compare_params(&assemble(reference, tol).unwrap(), &assemble(&runs, tol).unwrap(), tol).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let (got, want) = (total_loss(&runs), total_loss(reference));
+    assert!(rel_err(&[got], &[want]) <= tol, "{what}: loss {got} vs {want}");
+    let e = rel_err(&row_grads(&runs, cfg.hidden), &row_grads(reference, cfg.hidden));
+    assert!(e <= tol, "{what}: encoder row gradients differ by {e:e}");
+}
+
+#[test]
+fn dense_llama_matches_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        let cfg = llama(0, CpMode::AllGather);
+        let reference = run_llama(&layout(1, 1, 1, 1, false), cfg, dtype);
+        for (n, tp, cp, sp) in [(2, 2, 1, false), (2, 2, 1, true), (4, 4, 1, false), (4, 4, 1, true), (2, 1, 2, false), (4, 1, 4, false), (4, 2, 2, true), (4, 2, 1, true)] {
+            check_llama(n, tp, cp, 1, sp, cfg, &reference, dtype);
+        }
+        check_llama(4, 1, 4, 1, false, llama(0, CpMode::Ring), &reference, dtype);
+    }
+}
+
+#[test]
+fn moe_llama_matches_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        let cfg = llama(4, CpMode::AllGather);
+        let reference = run_llama(&layout(1, 1, 1, 1, false), cfg, dtype);
+        for (n, tp, cp, ep, sp) in [(2, 1, 1, 2, false), (4, 1, 1, 4, false), (2, 2, 1, 2, true), (4, 2, 1, 2, false), (4, 1, 2, 2, false)] {
+            check_llama(n, tp, cp, ep, sp, cfg, &reference, dtype);
+        }
+    }
+}
+
+const VIT: VitConfig = VitConfig { image_size: 16, patch_size: 4, hidden: 32, layers: 2, heads: 4, ffn: 48, out_hidden: 24, ln_eps: 1e-6, cp_mode: CpMode::AllGather };
+
+fn run_vit(l: &ModuleLayout, cfg: VitConfig, dtype: DType) -> Vec<RankReport> {
+    let images = 4;
+    launch(l.span().len(), LocalOptions { timeout: Duration::from_secs(60) }, |c| {
+        let ctx = ParallelCtx::new(c, l).unwrap();
+        let b = Build { ctx: ctx.clone(), seed: 9, dtype };
+        let vit = Vit::new(&b, cfg).unwrap();
+        let per = images / l.dp();
+        let mine = ctx.coords.dp_idx * per;
+        let pixels = global("pixels", &[images, 3, 16, 16], dtype).narrow(0, mine, per).unwrap();
+        let y = vit.forward(&pixels).unwrap();
+        let local = vit.local_positions().unwrap();
+        let probe_all = global("probe", &[images, cfg.patches(), cfg.out_hidden], dtype).narrow(0, mine, per).unwrap();
+        let idx = Tensor::from_vec(local.iter().map(|&p| p as u32).collect::<Vec<_>>(), local.len(), &Device::Cpu).unwrap();
+        let probe = probe_all.index_select(&idx, 1).unwrap();
+        let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut values = BTreeMap::new();
+        values.insert("out".to_string(), flat(&y).unwrap());
+        snapshot(&ctx, &vit.params(), &grads, values).unwrap()
+    })
+    .unwrap()
+}
+
+#[test]
+fn vit_matches_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = tolerance(dtype);
+        let reference = run_vit(&layout(1, 1, 1, 1, false), VIT, dtype);
+        for (n, tp, cp, sp, mode) in [
+            (2, 2, 1, false, CpMode::AllGather),
+            (2, 2, 1, true, CpMode::AllGather),
+            (4, 4, 1, true, CpMode::AllGather),
+            (2, 1, 2, false, CpMode::AllGather),
+            (4, 1, 4, false, CpMode::Ring),
+            (4, 2, 2, true, CpMode::AllGather),
+            (4, 1, 1, false, CpMode::AllGather),
+        ] {
+            let cfg = VitConfig { cp_mode: mode, ..VIT };
+            let what = format!("vit world {n} tp {tp} cp {cp} sp {sp} {mode:?} {dtype:?}");
+            let runs = run_vit(&layout(n, tp, cp, 1, sp), cfg, dtype);
+            compare_params(&assemble(&reference, tol).unwrap(), &assemble(&runs, tol).unwrap(), tol)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+    }
+}
