@@ -2,7 +2,7 @@
 //! run: the loss, every parameter gradient and the gradient of the encoder rows placed into
 //! the LLM's embedding (read from the canonical replica), in f32 and f64.
 
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, clippy::too_many_arguments)]
 
 mod common;
 
@@ -68,7 +68,11 @@ fn targets() -> Vec<i64> {
     (0..B * S)
         .map(|i| {
             let (s, p) = (i / S, i % S);
-            if p + 1 == S || rows.contains(&(s, p + 1)) || rows.contains(&(s, p)) { -1 } else { i64::from(t[i + 1]) }
+            if p + 1 == S || rows.contains(&(s, p + 1)) || rows.contains(&(s, p)) {
+                -1
+            } else {
+                i64::from(t[i + 1])
+            }
         })
         .collect()
 }
@@ -107,14 +111,23 @@ fn run_llama(l: &ModuleLayout, cfg: LlamaConfig, dtype: DType) -> Vec<RankReport
         }
         let idx = Tensor::from_vec(needed.clone(), needed.len(), &Device::Cpu).unwrap();
         let boundary = Boundary { rows: rows.as_tensor().index_select(&idx, 0).unwrap(), slots };
-        let batch = LlamaBatch { tokens: toks, batch: per, positions: cp_pos, boundary: Some(boundary), targets: Arc::new(tgts) };
+        let batch = LlamaBatch {
+            tokens: toks,
+            batch: per,
+            positions: cp_pos,
+            boundary: Some(boundary),
+            targets: Arc::new(tgts),
+        };
         let out = model.forward(&batch).unwrap();
         let loss = ((&out.loss_sum / n_targets).unwrap() + &out.aux).unwrap();
         let grads = loss.backward().unwrap();
         let mut values = BTreeMap::new();
         values.insert("loss_sum".to_string(), flat(&out.loss_sum).unwrap());
         values.insert("aux".to_string(), flat(&out.aux).unwrap());
-        let rg = grads.get(rows.as_tensor()).map(|g| flat(g).unwrap()).unwrap_or_else(|| vec![0.0; row_count() * cfg.hidden]);
+        let rg = grads
+            .get(rows.as_tensor())
+            .map(|g| flat(g).unwrap())
+            .unwrap_or_else(|| vec![0.0; row_count() * cfg.hidden]);
         values.insert("row_grad".to_string(), rg);
         values.insert("needed".to_string(), needed.iter().map(|&r| r as f64).collect());
         snapshot(&ctx, &model.params(), &grads, values).unwrap()
@@ -126,7 +139,9 @@ fn run_llama(l: &ModuleLayout, cfg: LlamaConfig, dtype: DType) -> Vec<RankReport
 /// aux part.
 fn total_loss(runs: &[RankReport]) -> f64 {
     let n = targets().iter().filter(|&&t| t >= 0).count() as f64;
-    let ce: f64 = runs.iter().filter(|r| r.coords.tp_idx == 0).map(|r| r.values["loss_sum"][0]).sum::<f64>() / n;
+    let ce: f64 =
+        runs.iter().filter(|r| r.coords.tp_idx == 0).map(|r| r.values["loss_sum"][0]).sum::<f64>()
+            / n;
     ce + runs.iter().map(|r| r.values["aux"][0]).sum::<f64>()
 }
 
@@ -146,11 +161,24 @@ fn row_grads(runs: &[RankReport], hidden: usize) -> Vec<f64> {
     out.into_iter().flat_map(|r| r.expect("every row has a needer")).collect()
 }
 
-fn check_llama(n: usize, tp: usize, cp: usize, ep: usize, sp: bool, cfg: LlamaConfig, reference: &[RankReport], dtype: DType) {
+fn check_llama(
+    n: usize,
+    tp: usize,
+    cp: usize,
+    ep: usize,
+    sp: bool,
+    cfg: LlamaConfig,
+    reference: &[RankReport],
+    dtype: DType,
+) {
     let tol = tolerance(dtype);
-    let what = format!("llama experts {} world {n} tp {tp} cp {cp} ep {ep} sp {sp} {:?} {dtype:?}", cfg.experts, cfg.cp_mode);
+    let what = format!(
+        "llama experts {} world {n} tp {tp} cp {cp} ep {ep} sp {sp} {:?} {dtype:?}",
+        cfg.experts, cfg.cp_mode
+    );
     let runs = run_llama(&layout(n, tp, cp, ep, sp), cfg, dtype);
-    compare_params(&assemble(reference, tol).unwrap(), &assemble(&runs, tol).unwrap(), tol).unwrap_or_else(|e| panic!("{what}: {e}"));
+    compare_params(&assemble(reference, tol).unwrap(), &assemble(&runs, tol).unwrap(), tol)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
     let (got, want) = (total_loss(&runs), total_loss(reference));
     assert!(rel_err(&[got], &[want]) <= tol, "{what}: loss {got} vs {want}");
     let e = rel_err(&row_grads(&runs, cfg.hidden), &row_grads(reference, cfg.hidden));
@@ -162,7 +190,16 @@ fn dense_llama_matches_one_rank() {
     for dtype in [DType::F32, DType::F64] {
         let cfg = llama(0, CpMode::AllGather);
         let reference = run_llama(&layout(1, 1, 1, 1, false), cfg, dtype);
-        for (n, tp, cp, sp) in [(2, 2, 1, false), (2, 2, 1, true), (4, 4, 1, false), (4, 4, 1, true), (2, 1, 2, false), (4, 1, 4, false), (4, 2, 2, true), (4, 2, 1, true)] {
+        for (n, tp, cp, sp) in [
+            (2, 2, 1, false),
+            (2, 2, 1, true),
+            (4, 4, 1, false),
+            (4, 4, 1, true),
+            (2, 1, 2, false),
+            (4, 1, 4, false),
+            (4, 2, 2, true),
+            (4, 2, 1, true),
+        ] {
             check_llama(n, tp, cp, 1, sp, cfg, &reference, dtype);
         }
         check_llama(4, 1, 4, 1, false, llama(0, CpMode::Ring), &reference, dtype);
@@ -174,13 +211,29 @@ fn moe_llama_matches_one_rank() {
     for dtype in [DType::F32, DType::F64] {
         let cfg = llama(4, CpMode::AllGather);
         let reference = run_llama(&layout(1, 1, 1, 1, false), cfg, dtype);
-        for (n, tp, cp, ep, sp) in [(2, 1, 1, 2, false), (4, 1, 1, 4, false), (2, 2, 1, 2, true), (4, 2, 1, 2, false), (4, 1, 2, 2, false)] {
+        for (n, tp, cp, ep, sp) in [
+            (2, 1, 1, 2, false),
+            (4, 1, 1, 4, false),
+            (2, 2, 1, 2, true),
+            (4, 2, 1, 2, false),
+            (4, 1, 2, 2, false),
+        ] {
             check_llama(n, tp, cp, ep, sp, cfg, &reference, dtype);
         }
     }
 }
 
-const VIT: VitConfig = VitConfig { image_size: 16, patch_size: 4, hidden: 32, layers: 2, heads: 4, ffn: 48, out_hidden: 24, ln_eps: 1e-6, cp_mode: CpMode::AllGather };
+const VIT: VitConfig = VitConfig {
+    image_size: 16,
+    patch_size: 4,
+    hidden: 32,
+    layers: 2,
+    heads: 4,
+    ffn: 48,
+    out_hidden: 24,
+    ln_eps: 1e-6,
+    cp_mode: CpMode::AllGather,
+};
 
 fn run_vit(l: &ModuleLayout, cfg: VitConfig, dtype: DType) -> Vec<RankReport> {
     let images = 4;
@@ -193,8 +246,15 @@ fn run_vit(l: &ModuleLayout, cfg: VitConfig, dtype: DType) -> Vec<RankReport> {
         let pixels = global("pixels", &[images, 3, 16, 16], dtype).narrow(0, mine, per).unwrap();
         let y = vit.forward(&pixels).unwrap();
         let local = vit.local_positions().unwrap();
-        let probe_all = global("probe", &[images, cfg.patches(), cfg.out_hidden], dtype).narrow(0, mine, per).unwrap();
-        let idx = Tensor::from_vec(local.iter().map(|&p| p as u32).collect::<Vec<_>>(), local.len(), &Device::Cpu).unwrap();
+        let probe_all = global("probe", &[images, cfg.patches(), cfg.out_hidden], dtype)
+            .narrow(0, mine, per)
+            .unwrap();
+        let idx = Tensor::from_vec(
+            local.iter().map(|&p| p as u32).collect::<Vec<_>>(),
+            local.len(),
+            &Device::Cpu,
+        )
+        .unwrap();
         let probe = probe_all.index_select(&idx, 1).unwrap();
         let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
         let mut values = BTreeMap::new();
@@ -221,8 +281,12 @@ fn vit_matches_one_rank() {
             let cfg = VitConfig { cp_mode: mode, ..VIT };
             let what = format!("vit world {n} tp {tp} cp {cp} sp {sp} {mode:?} {dtype:?}");
             let runs = run_vit(&layout(n, tp, cp, 1, sp), cfg, dtype);
-            compare_params(&assemble(&reference, tol).unwrap(), &assemble(&runs, tol).unwrap(), tol)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            compare_params(
+                &assemble(&reference, tol).unwrap(),
+                &assemble(&runs, tol).unwrap(),
+                tol,
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
         }
     }
 }

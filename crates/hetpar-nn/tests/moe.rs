@@ -47,7 +47,9 @@ fn run(l: &ModuleLayout, dtype: DType, log: Option<&Log>) -> Vec<RankReport> {
         let b = Build { ctx: ctx.clone(), seed: 11, dtype };
         let moe = Moe::new(&b, "moe", SPEC, 0.4, 0.3).unwrap();
         let (samples, pos) = mine(l, ctx.rank);
-        let pick = |t: candle_core::Tensor| at_positions(&t.narrow(0, samples.start, samples.len()).unwrap(), &pos);
+        let pick = |t: candle_core::Tensor| {
+            at_positions(&t.narrow(0, samples.start, samples.len()).unwrap(), &pos)
+        };
         let x = Var::from_tensor(&pick(global("x", &[B, S, SPEC.hidden], dtype))).unwrap();
         let probe = pick(global("probe", &[B, S, SPEC.hidden], dtype));
         let (y, aux) = moe.forward(x.as_tensor()).unwrap();
@@ -88,11 +90,20 @@ fn moe_matches_one_rank_under_ep_tp_and_edp() {
         let tol = tolerance(dtype);
         let reference = run(&layout(1, 1, 1, false), dtype, None);
         let ref_params = assemble(&reference, tol).unwrap();
-        for (tp, dp, ep, sp) in [(1, 2, 1, false), (1, 2, 2, false), (1, 4, 4, false), (1, 4, 2, false), (2, 1, 2, false), (2, 1, 2, true), (2, 2, 4, true)] {
+        for (tp, dp, ep, sp) in [
+            (1, 2, 1, false),
+            (1, 2, 2, false),
+            (1, 4, 4, false),
+            (1, 4, 2, false),
+            (2, 1, 2, false),
+            (2, 1, 2, true),
+            (2, 2, 4, true),
+        ] {
             let l = layout(tp, dp, ep, sp);
             let what = format!("tp {tp} dp {dp} ep {ep} sp {sp} {dtype:?}");
             let runs = run(&l, dtype, None);
-            compare_params(&ref_params, &assemble(&runs, tol).unwrap(), tol).unwrap_or_else(|e| panic!("{what}: {e}"));
+            compare_params(&ref_params, &assemble(&runs, tol).unwrap(), tol)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
             for key in ["out", "x_grad"] {
                 let e = rel_err(&reassemble(&l, &runs, key, tol), &reference[0].values[key]);
                 assert!(e <= tol, "{what}: {key} differs by {e:e}");
@@ -109,6 +120,11 @@ fn all_to_all_only_under_ep() {
     for (ep, expect) in [(1, false), (2, true)] {
         let log = Log::new();
         run(&layout(1, 2, ep, false), DType::F32, Some(&log));
-        assert_eq!(log.count_by_kind().contains_key(&OpKind::AllToAllV), expect, "ep {ep}: {:?}", log.count_by_kind());
+        assert_eq!(
+            log.count_by_kind().contains_key(&OpKind::AllToAllV),
+            expect,
+            "ep {ep}: {:?}",
+            log.count_by_kind()
+        );
     }
 }

@@ -75,7 +75,10 @@ impl Moe {
         let ctx = b.ctx.clone();
         let ep = ctx.ep.size();
         if !spec.experts.is_multiple_of(ep) {
-            return Err(NnError::Input(format!("ep({ep}) does not divide experts({})", spec.experts)));
+            return Err(NnError::Input(format!(
+                "ep({ep}) does not divide experts({})",
+                spec.experts
+            )));
         }
         // The router sees distinct tokens on every rank of the stage: its gradient is partial
         // over tp too, with or without sequence parallelism.
@@ -91,7 +94,15 @@ impl Moe {
         let per = spec.experts / ep;
         let first = ctx.ep.rank * per;
         let expert_param = |e: usize, w: &str, shape: [usize; 2], s: f64| {
-            Param::new(format!("{name}.experts.{e}.{w}.weight"), &shape, None, vec![Axis::Edp], Init::Normal(s), b.seed, b.dtype)
+            Param::new(
+                format!("{name}.experts.{e}.{w}.weight"),
+                &shape,
+                None,
+                vec![Axis::Edp],
+                Init::Normal(s),
+                b.seed,
+                b.dtype,
+            )
         };
         let experts = (first..first + per)
             .map(|e| {
@@ -181,7 +192,12 @@ impl Moe {
     /// Sends each assignment row to the ep rank owning its expert. Returns the received
     /// rows (grouped by source, then local expert) and the per-source, per-local-expert
     /// counts.
-    fn exchange(&self, disp: &Tensor, per_expert: &[i64], per: usize) -> Result<(Tensor, Vec<Vec<i64>>)> {
+    fn exchange(
+        &self,
+        disp: &Tensor,
+        per_expert: &[i64],
+        per: usize,
+    ) -> Result<(Tensor, Vec<Vec<i64>>)> {
         let Some(comm) = self.ctx.ep.comm() else {
             return Ok((disp.clone(), vec![per_expert.to_vec()]));
         };
@@ -189,20 +205,38 @@ impl Moe {
         let mut counts = vec![0i64; ep * per];
         comm.all_to_all_v(per_expert, &vec![per; ep], &mut counts, &vec![per; ep])?;
         let recv_counts: Vec<Vec<i64>> = counts.chunks(per).map(<[i64]>::to_vec).collect();
-        let send_rows: Vec<usize> = per_expert.chunks(per).map(|c| c.iter().sum::<i64>() as usize).collect();
-        let recv_rows: Vec<usize> = recv_counts.iter().map(|c| c.iter().sum::<i64>() as usize).collect();
-        let op = AllToAllRows { comm: comm.clone(), send: Arc::new(send_rows), recv: Arc::new(recv_rows) };
+        let send_rows: Vec<usize> =
+            per_expert.chunks(per).map(|c| c.iter().sum::<i64>() as usize).collect();
+        let recv_rows: Vec<usize> =
+            recv_counts.iter().map(|c| c.iter().sum::<i64>() as usize).collect();
+        let op = AllToAllRows {
+            comm: comm.clone(),
+            send: Arc::new(send_rows),
+            recv: Arc::new(recv_rows),
+        };
         Ok((disp.contiguous()?.apply_op1(op)?, recv_counts))
     }
 
     /// The inverse of [`Self::exchange`]: expert outputs back to the ranks that sent them.
-    fn exchange_back(&self, rows: &Tensor, per_expert: &[i64], recv_counts: &[Vec<i64>], per: usize) -> Result<Tensor> {
+    fn exchange_back(
+        &self,
+        rows: &Tensor,
+        per_expert: &[i64],
+        recv_counts: &[Vec<i64>],
+        per: usize,
+    ) -> Result<Tensor> {
         let Some(comm) = self.ctx.ep.comm() else {
             return Ok(rows.clone());
         };
-        let send_rows: Vec<usize> = recv_counts.iter().map(|c| c.iter().sum::<i64>() as usize).collect();
-        let recv_rows: Vec<usize> = per_expert.chunks(per).map(|c| c.iter().sum::<i64>() as usize).collect();
-        let op = AllToAllRows { comm: comm.clone(), send: Arc::new(send_rows), recv: Arc::new(recv_rows) };
+        let send_rows: Vec<usize> =
+            recv_counts.iter().map(|c| c.iter().sum::<i64>() as usize).collect();
+        let recv_rows: Vec<usize> =
+            per_expert.chunks(per).map(|c| c.iter().sum::<i64>() as usize).collect();
+        let op = AllToAllRows {
+            comm: comm.clone(),
+            send: Arc::new(send_rows),
+            recv: Arc::new(recv_rows),
+        };
         Ok(rows.contiguous()?.apply_op1(op)?)
     }
 
@@ -223,6 +257,8 @@ impl Moe {
 
 impl HasParams for Moe {
     fn params(&self) -> Vec<&Param> {
-        std::iter::once(&self.gate).chain(self.experts.iter().flat_map(|(_, x)| [&x.w1, &x.w3, &x.w2])).collect()
+        std::iter::once(&self.gate)
+            .chain(self.experts.iter().flat_map(|(_, x)| [&x.w1, &x.w3, &x.w2]))
+            .collect()
     }
 }

@@ -91,8 +91,8 @@ pub struct LlamaOutput {
 
 #[derive(Debug)]
 enum Ffn {
-    Dense(SwiGlu),
-    Moe(Moe),
+    Dense(Box<SwiGlu>),
+    Moe(Box<Moe>),
 }
 
 #[derive(Debug)]
@@ -121,7 +121,13 @@ impl Llama {
     }
 
     /// Layers `layers`, the embedding if `first`, the norm and head if `last`.
-    pub fn stage(b: &Build, cfg: LlamaConfig, layers: Range<usize>, first: bool, last: bool) -> Result<Llama> {
+    pub fn stage(
+        b: &Build,
+        cfg: LlamaConfig,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> Result<Llama> {
         let std = 0.02;
         // Output projections scaled down with depth (Megatron's scaled init).
         let out_std = std / (2.0 * cfg.layers as f64).sqrt();
@@ -138,15 +144,51 @@ impl Llama {
             .map(|i| {
                 let p = format!("model.layers.{i}");
                 let ffn = if cfg.experts > 0 {
-                    let moe = MoeSpec { hidden: cfg.hidden, ffn: cfg.ffn, experts: cfg.experts, top_k: cfg.top_k, aux_coef: cfg.aux_coef };
-                    Ffn::Moe(Moe::new(b, &format!("{p}.block_sparse_moe"), moe, std, out_std)?)
+                    let moe = MoeSpec {
+                        hidden: cfg.hidden,
+                        ffn: cfg.ffn,
+                        experts: cfg.experts,
+                        top_k: cfg.top_k,
+                        aux_coef: cfg.aux_coef,
+                    };
+                    Ffn::Moe(Box::new(Moe::new(
+                        b,
+                        &format!("{p}.block_sparse_moe"),
+                        moe,
+                        std,
+                        out_std,
+                    )?))
                 } else {
-                    Ffn::Dense(SwiGlu::new(b, &format!("{p}.mlp"), cfg.hidden, cfg.ffn, std, out_std)?)
+                    Ffn::Dense(Box::new(SwiGlu::new(
+                        b,
+                        &format!("{p}.mlp"),
+                        cfg.hidden,
+                        cfg.ffn,
+                        std,
+                        out_std,
+                    )?))
                 };
                 Ok(Layer {
-                    input_norm: RmsNorm::new(b, &format!("{p}.input_layernorm"), cfg.hidden, cfg.rms_eps)?,
-                    attn: Attention::new(b, &format!("{p}.self_attn"), "o_proj", spec, std, out_std)?,
-                    post_norm: RmsNorm::new(b, &format!("{p}.post_attention_layernorm"), cfg.hidden, cfg.rms_eps)?,
+                    input_norm: RmsNorm::new(
+                        b,
+                        &format!("{p}.input_layernorm"),
+                        cfg.hidden,
+                        cfg.rms_eps,
+                    )?,
+                    attn: Attention::new(
+                        b,
+                        &format!("{p}.self_attn"),
+                        "o_proj",
+                        spec,
+                        std,
+                        out_std,
+                    )?,
+                    post_norm: RmsNorm::new(
+                        b,
+                        &format!("{p}.post_attention_layernorm"),
+                        cfg.hidden,
+                        cfg.rms_eps,
+                    )?,
                     ffn,
                 })
             })
@@ -154,16 +196,37 @@ impl Llama {
         Ok(Llama {
             ctx: b.ctx.clone(),
             cfg,
-            embed: if first { Some(VocabParallelEmbedding::new(b, "model.embed_tokens", cfg.vocab, cfg.hidden, std)?) } else { None },
+            embed: if first {
+                Some(VocabParallelEmbedding::new(
+                    b,
+                    "model.embed_tokens",
+                    cfg.vocab,
+                    cfg.hidden,
+                    std,
+                )?)
+            } else {
+                None
+            },
             layers,
-            norm: if last { Some(RmsNorm::new(b, "model.norm", cfg.hidden, cfg.rms_eps)?) } else { None },
-            head: if last { Some(ColumnParallel::new(b, "lm_head", cfg.hidden, cfg.vocab, false, std)?) } else { None },
+            norm: if last {
+                Some(RmsNorm::new(b, "model.norm", cfg.hidden, cfg.rms_eps)?)
+            } else {
+                None
+            },
+            head: if last {
+                Some(ColumnParallel::new(b, "lm_head", cfg.hidden, cfg.vocab, false, std)?)
+            } else {
+                None
+            },
         })
     }
 
     /// Token embeddings with the boundary rows in their slots: `[batch, local_seq, hidden]`.
     pub fn embed(&self, batch: &LlamaBatch) -> Result<Tensor> {
-        let embed = self.embed.as_ref().ok_or_else(|| NnError::Input("this stage has no embedding".into()))?;
+        let embed = self
+            .embed
+            .as_ref()
+            .ok_or_else(|| NnError::Input("this stage has no embedding".into()))?;
         let x = embed.forward(&batch.tokens, batch.batch)?;
         let Some(bnd) = &batch.boundary else { return Ok(x) };
         let (b, s, h) = x.dims3()?;
@@ -176,11 +239,21 @@ impl Llama {
         }
         let mut keep = vec![1.0f64; b * s];
         for &slot in &bnd.slots {
-            *keep.get_mut(slot).ok_or_else(|| NnError::Input(format!("boundary slot {slot} is outside {b} x {s} local tokens")))? = 0.0;
+            *keep.get_mut(slot).ok_or_else(|| {
+                NnError::Input(format!("boundary slot {slot} is outside {b} x {s} local tokens"))
+            })? = 0.0;
         }
         let keep = Tensor::from_vec(keep, (b * s, 1), &Device::Cpu)?.to_dtype(x.dtype())?;
-        let idx = Tensor::from_vec(bnd.slots.iter().map(|&s| s as u32).collect::<Vec<_>>(), bnd.slots.len(), &Device::Cpu)?;
-        let flat = x.reshape((b * s, h))?.broadcast_mul(&keep)?.index_add(&idx, &bnd.rows.to_dtype(x.dtype())?, 0)?;
+        let idx = Tensor::from_vec(
+            bnd.slots.iter().map(|&s| s as u32).collect::<Vec<_>>(),
+            bnd.slots.len(),
+            &Device::Cpu,
+        )?;
+        let flat = x.reshape((b * s, h))?.broadcast_mul(&keep)?.index_add(
+            &idx,
+            &bnd.rows.to_dtype(x.dtype())?,
+            0,
+        )?;
         Ok(flat.reshape((b, s, h))?)
     }
 
@@ -220,7 +293,11 @@ impl Llama {
         let x = self.embed(batch)?;
         let (x, aux) = self.layers(&x, &batch.positions)?;
         let losses = cross_entropy(&self.ctx, &self.logits(&x)?, batch.targets.clone())?;
-        Ok(LlamaOutput { loss_sum: losses.sum_all()?, aux, tokens: batch.targets.iter().filter(|&&t| t >= 0).count() })
+        Ok(LlamaOutput {
+            loss_sum: losses.sum_all()?,
+            aux,
+            tokens: batch.targets.iter().filter(|&&t| t >= 0).count(),
+        })
     }
 
     /// The configuration.

@@ -94,9 +94,23 @@ impl Vit {
                 let n = format!("vision_model.encoder.layers.{i}");
                 Ok(Layer {
                     ln1: LayerNorm::new(b, &format!("{n}.layer_norm1"), cfg.hidden, cfg.ln_eps)?,
-                    attn: Attention::new(b, &format!("{n}.self_attn"), "out_proj", spec, std, out_std)?,
+                    attn: Attention::new(
+                        b,
+                        &format!("{n}.self_attn"),
+                        "out_proj",
+                        spec,
+                        std,
+                        out_std,
+                    )?,
                     ln2: LayerNorm::new(b, &format!("{n}.layer_norm2"), cfg.hidden, cfg.ln_eps)?,
-                    mlp: GeluMlp::new(b, &format!("{n}.mlp.fc1"), &format!("{n}.mlp.fc2"), (cfg.hidden, cfg.ffn, cfg.hidden), std, out_std)?,
+                    mlp: GeluMlp::new(
+                        b,
+                        &format!("{n}.mlp.fc1"),
+                        &format!("{n}.mlp.fc2"),
+                        (cfg.hidden, cfg.ffn, cfg.hidden),
+                        std,
+                        out_std,
+                    )?,
                 })
             })
             .collect::<Result<_>>()?;
@@ -105,9 +119,21 @@ impl Vit {
             cfg,
             // The conv patch embedding `[hidden, 3, p, p]` as a linear map over flattened
             // (channel, row, column) patches.
-            patch_w: b.replicated(format!("{e}.patch_embedding.weight"), &[cfg.hidden, 3, p, p], Init::Normal(std))?,
-            patch_b: b.replicated(format!("{e}.patch_embedding.bias"), &[cfg.hidden], Init::Const(0.0))?,
-            pos: b.replicated(format!("{e}.position_embedding.weight"), &[cfg.patches(), cfg.hidden], Init::Normal(std))?,
+            patch_w: b.replicated(
+                format!("{e}.patch_embedding.weight"),
+                &[cfg.hidden, 3, p, p],
+                Init::Normal(std),
+            )?,
+            patch_b: b.replicated(
+                format!("{e}.patch_embedding.bias"),
+                &[cfg.hidden],
+                Init::Const(0.0),
+            )?,
+            pos: b.replicated(
+                format!("{e}.position_embedding.weight"),
+                &[cfg.patches(), cfg.hidden],
+                Init::Normal(std),
+            )?,
             layers,
             post_ln: LayerNorm::new(b, "vision_model.post_layernorm", cfg.hidden, cfg.ln_eps)?,
             projector: GeluMlp::new(
@@ -126,10 +152,15 @@ impl Vit {
         let (n, cp) = (self.cfg.patches(), self.ctx.cp.size());
         let parts = cp * if self.ctx.sp() { self.ctx.tp.size() } else { 1 };
         if !n.is_multiple_of(parts) {
-            return Err(NnError::Input(format!("{n} patches per image do not split into cp x sp-tp = {parts} equal parts")));
+            return Err(NnError::Input(format!(
+                "{n} patches per image do not split into cp x sp-tp = {parts} equal parts"
+            )));
         }
         let per = n / cp;
-        Ok(CpPositions { ranks: (0..cp).map(|j| (j * per..(j + 1) * per).collect()).collect(), me: self.ctx.cp.rank })
+        Ok(CpPositions {
+            ranks: (0..cp).map(|j| (j * per..(j + 1) * per).collect()).collect(),
+            me: self.ctx.cp.rank,
+        })
     }
 
     /// Patch positions this rank's tokens hold (its cp part, cut again over tp under SP).
@@ -155,9 +186,17 @@ impl Vit {
         }
         let g = hgt / p;
         // [n, 3, g, p, g, p] -> [n, g, g, 3, p, p] -> [n, patches, 3*p*p]
-        let patches = pixels.reshape((n, 3, g, p, g, p))?.permute((0, 2, 4, 1, 3, 5))?.contiguous()?.reshape((n, g * g, 3 * p * p))?;
+        let patches = pixels
+            .reshape((n, 3, g, p, g, p))?
+            .permute((0, 2, 4, 1, 3, 5))?
+            .contiguous()?
+            .reshape((n, g * g, 3 * p * p))?;
         let local = self.local_positions()?;
-        let idx = Tensor::from_vec(local.iter().map(|&i| i as u32).collect::<Vec<_>>(), local.len(), &Device::Cpu)?;
+        let idx = Tensor::from_vec(
+            local.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+            local.len(),
+            &Device::Cpu,
+        )?;
         let patches = patches.index_select(&idx, 1)?.to_dtype(self.patch_w.tensor().dtype())?;
         let w = self.patch_w.tensor().reshape((self.cfg.hidden, 3 * p * p))?;
         let x = matmul_t(&patches, &w)?.broadcast_add(self.patch_b.tensor())?;
