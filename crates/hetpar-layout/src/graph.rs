@@ -87,7 +87,11 @@ impl Module {
 
     /// Boundary rows one input item (an image, an audio clip) produces; `None` for the LLM.
     pub fn rows_per_item(&self) -> Option<usize> {
-        match self.spec {
+        Self::item_rows(&self.spec)
+    }
+
+    fn item_rows(spec: &ModuleSpec) -> Option<usize> {
+        match *spec {
             ModuleSpec::Vit { image_size, patch_size } => Some((image_size / patch_size).pow(2)),
             // The conv stem has stride 2 over frames.
             ModuleSpec::Audio { frames, .. } => Some(frames / 2),
@@ -318,7 +322,14 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
     };
     let p = &m.parallel;
     let span = Span::new(p.ranks[0], p.ranks[1]);
-    let layout_spec = LayoutSpec { tp: p.tp, cp: p.cp, pp: p.pp, ep: p.ep, etp: p.etp, sp: p.sp };
+    let experts = match spec {
+        ModuleSpec::Llama { experts, .. } => experts,
+        _ => 0,
+    };
+    // Experts are whole on their ep rank (no expert tensor parallelism yet), so a MoE
+    // module's expert view is etp 1 unless the config says otherwise (and then it is refused).
+    let etp = if experts > 0 { Some(p.etp.unwrap_or(1)) } else { p.etp };
+    let layout_spec = LayoutSpec { tp: p.tp, cp: p.cp, pp: p.pp, ep: p.ep, etp, sp: p.sp };
     let layout = ModuleLayout::new(name, span, layout_spec)?;
     let pfield = format!("{field}.parallel");
     let perr = |message: String| Err(ConfigError::new(pfield.clone(), message));
@@ -368,18 +379,27 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
                 .to_string(),
         );
     }
-    let experts = match spec {
-        ModuleSpec::Llama { experts, .. } => experts,
-        _ => 0,
-    };
     if layout.ep() > 1 && experts == 0 {
         return perr(format!("ep({}) needs a MoE module (experts > 0)", layout.ep()));
     }
     if experts > 0 && experts % layout.ep() != 0 {
         return perr(format!("ep({}) does not divide experts({experts})", layout.ep()));
     }
-    if experts > 0 && !m.ffn.is_multiple_of(layout.etp()) {
-        return perr(format!("etp({}) does not divide ffn({})", layout.etp(), m.ffn));
+    if experts > 0 && layout.etp() > 1 {
+        return perr(format!(
+            "etp({}): expert tensor parallelism is not supported yet; experts stay whole on their ep rank (etp = 1)",
+            layout.etp()
+        ));
+    }
+    if let Some(rows) = Module::item_rows(&spec) {
+        let parts = layout.cp() * if layout.sp() { tp } else { 1 };
+        if !rows.is_multiple_of(parts) {
+            return perr(format!(
+                "{rows} rows per item do not split into cp({}) x sequence-parallel tp({}) = {parts} equal parts",
+                layout.cp(),
+                if layout.sp() { tp } else { 1 }
+            ));
+        }
     }
     if m.kind == ModuleKind::Llama {
         let (cp, seq) = (layout.cp(), train.seq_len);

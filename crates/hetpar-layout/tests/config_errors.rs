@@ -252,3 +252,25 @@ fn pipeline_options() {
         "modules.llm.parallel: interleaved 1F1B needs train.microbatches(3) divisible by pp(2)"
     );
 }
+
+#[test]
+fn expert_and_encoder_sharding_limits() {
+    let moe = GOOD.replacen("kv_heads = 4", "kv_heads = 4\nexperts = 8\ntop_k = 2", 1);
+    let g = validate(&moe).expect("MoE with the default etp");
+    let llm = g.module_id("llm").expect("llm");
+    assert_eq!(g.modules[llm].layout.etp(), 1);
+    let text = moe.replacen("sp = true", "sp = true\netp = 2", 1);
+    assert_eq!(
+        validate(&text).expect_err("etp 2"),
+        "modules.llm.parallel: etp(2): expert tensor parallelism is not supported yet; experts stay whole on their ep rank (etp = 1)"
+    );
+    let text = GOOD.replacen("image_size = 32", "image_size = 24", 1).replacen(
+        "ranks = [0, 8]\n\n[modules.llm]",
+        "ranks = [0, 8]\ncp = 2\n\n[modules.llm]",
+        1,
+    );
+    assert_eq!(
+        validate(&text).expect_err("9 patches over cp 2"),
+        "modules.vision.parallel: 9 rows per item do not split into cp(2) x sequence-parallel tp(1) = 2 equal parts"
+    );
+}

@@ -4,6 +4,7 @@
 //! Llama-style LLM, dense or MoE). A layer never decides a layout: it receives its shard
 //! description and communicators in a [`ParallelCtx`].
 
+pub mod bench;
 pub mod ctx;
 pub mod error;
 pub mod init;

@@ -20,6 +20,21 @@ enum What {
         after_help = "Examples:\n  hetpar bench comm\n  hetpar bench comm --ranks 2,4 --sizes-mib 4\n  mpirun -n 4 hetpar bench comm --backend mpi   (build with --features mpi)"
     )]
     Comm(CommArgs),
+    /// Forward+backward throughput of a transformer layer and of the models on one rank.
+    #[command(
+        after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench nn\n  hetpar bench nn --dtype f64 --iters 2"
+    )]
+    Nn(NnArgs),
+}
+
+#[derive(clap::Args)]
+struct NnArgs {
+    /// Element type: f32 or f64.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Timed iterations per measurement (the best is reported, after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    iters: usize,
 }
 
 #[derive(clap::Args)]
@@ -60,7 +75,10 @@ fn say(s: &str) {
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let What::Comm(a) = &args.what;
+    let a = match &args.what {
+        What::Comm(a) => a,
+        What::Nn(a) => return run_nn(a),
+    };
     if a.iters == 0 || a.sizes_mib.is_empty() || a.sizes_mib.contains(&0) {
         bail!(
             "--iters and every --sizes-mib must be at least 1 (got iters {}, sizes {:?})",
@@ -140,4 +158,88 @@ fn run_mpi(_: &[usize], _: usize, _: &str) -> anyhow::Result<()> {
     bail!(
         "this hetpar was built without MPI: rebuild with `cargo build --release --features mpi` and run under mpirun"
     )
+}
+
+fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
+    use candle_core::DType;
+    use hetpar_nn::bench::{NnBench, bench_llama, bench_llama_layer, bench_vit, matmul_gflops};
+    use hetpar_nn::layers::attention::CpMode;
+    use hetpar_nn::models::llama::LlamaConfig;
+    use hetpar_nn::models::vit::VitConfig;
+
+    let dtype = match a.dtype.as_str() {
+        "f32" => DType::F32,
+        "f64" => DType::F64,
+        other => bail!("--dtype {other:?}: use f32 or f64 (bf16 runs on the GPU build)"),
+    };
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
+    // The reference rate: the best of many square matmuls (one measurement is noisy on a
+    // shared machine).
+    let peak = [512, 1024]
+        .iter()
+        .map(|&n| matmul_gflops(n, 10 * a.iters.max(1), dtype))
+        .collect::<Result<Vec<f64>, _>>()?
+        .into_iter()
+        .fold(0.0, f64::max);
+    say(&format!(
+        "matmul (best of 512^3 and 1024^3) {}: {peak:.1} GFLOP/s (threads: {threads})",
+        a.dtype
+    ));
+    say(&format!(
+        "{:<58} {:>10} {:>12} {:>12} {:>9}",
+        "what (forward+backward)", "time", "tokens/s", "GFLOP/s", "of matmul"
+    ));
+    let llama = LlamaConfig {
+        vocab: 4096,
+        hidden: 512,
+        layers: 4,
+        heads: 8,
+        kv_heads: 2,
+        ffn: 1408,
+        experts: 0,
+        top_k: 2,
+        rms_eps: 1e-5,
+        rope_theta: 10_000.0,
+        aux_coef: 0.01,
+        cp_mode: CpMode::AllGather,
+    };
+    let moe = LlamaConfig { experts: 8, ffn: 704, ..llama };
+    let vit = VitConfig {
+        image_size: 224,
+        patch_size: 16,
+        hidden: 384,
+        layers: 4,
+        heads: 6,
+        ffn: 1536,
+        out_hidden: 512,
+        ln_eps: 1e-6,
+        cp_mode: CpMode::AllGather,
+    };
+    let iters = a.iters;
+    let show = |r: NnBench| {
+        say(&format!(
+            "{:<58} {:>8.1}ms {:>12.0} {:>12.2} {:>8.0}%",
+            r.name,
+            r.seconds * 1e3,
+            r.tokens_per_s(),
+            r.gflops(),
+            100.0 * r.gflops() / peak
+        ))
+    };
+    let runs: Vec<anyhow::Result<NnBench>> = launch(1, LocalOptions::default(), |c| {
+        vec![
+            bench_llama_layer(c, llama, 1, 512, iters, dtype).map_err(anyhow::Error::from),
+            bench_llama_layer(c, moe, 1, 512, iters, dtype).map_err(anyhow::Error::from),
+            bench_llama(c, llama, 2, 256, iters, dtype).map_err(anyhow::Error::from),
+            bench_llama(c, moe, 2, 256, iters, dtype).map_err(anyhow::Error::from),
+            bench_vit(c, vit, 4, iters, dtype).map_err(anyhow::Error::from),
+        ]
+    })
+    .context("local world")?
+    .pop()
+    .expect("one rank");
+    for r in runs {
+        show(r?);
+    }
+    Ok(())
 }

@@ -1,0 +1,208 @@
+//! Compute benchmarks on one rank: forward+backward throughput of a transformer layer and of
+//! the models, with the model FLOPs they achieve, next to a plain matmul's rate.
+//!
+//! Training FLOPs per token (forward + backward = 3x forward; Megatron, Narayanan et al.
+//! 2021), with `q` the query width, `kv` the key/value width, `s` the sequence length:
+//! attention projections `6*(h*(q + 2*kv) + q*h)`; core attention `6*q*s` under a causal
+//! mask (half the score matrix counts) and `12*q*s` bidirectional; SwiGLU MLP `18*h*ffn`,
+//! GELU MLP `12*h*ffn`; logits `6*h*V`. A MoE layer counts `top_k` experts and the router.
+//! Our attention computes the full masked score matrix, so causal layers do more arithmetic
+//! than they are credited with: the convention of the published numbers we compare to.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use hetpar_comm::Communicator;
+use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
+
+use crate::ctx::ParallelCtx;
+use crate::error::Result;
+use crate::init::Init;
+use crate::layers::attention::CpPositions;
+use crate::layers::linear::Build;
+use crate::models::llama::{Llama, LlamaBatch, LlamaConfig};
+use crate::models::vit::{Vit, VitConfig};
+
+/// One measurement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NnBench {
+    /// What ran.
+    pub name: String,
+    /// Tokens per iteration.
+    pub tokens: usize,
+    /// Seconds per forward+backward (best of the timed iterations).
+    pub seconds: f64,
+    /// Model FLOPs per iteration.
+    pub flops: f64,
+}
+
+impl NnBench {
+    /// Tokens per second.
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.seconds
+    }
+
+    /// Achieved model GFLOP/s.
+    pub fn gflops(&self) -> f64 {
+        self.flops / self.seconds / 1e9
+    }
+}
+
+/// GFLOP/s of an `n x n` by `n x n` matmul in `dtype` (best of `iters`).
+pub fn matmul_gflops(n: usize, iters: usize, dtype: DType) -> Result<f64> {
+    let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?.to_dtype(dtype)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?.to_dtype(dtype)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..iters.max(1) + 1 {
+        let t = Instant::now();
+        let c = a.matmul(&b)?;
+        c.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (n as f64).powi(3) / best / 1e9)
+}
+
+/// Training FLOPs per token of one decoder layer of `cfg` at sequence length `s`.
+pub fn llama_layer_flops(cfg: &LlamaConfig, s: usize) -> f64 {
+    let (h, d) = (cfg.hidden as f64, (cfg.hidden / cfg.heads) as f64);
+    let (q, kv) = (cfg.heads as f64 * d, cfg.kv_heads as f64 * d);
+    let attn = 6.0 * (h * (q + 2.0 * kv) + q * h) + 6.0 * q * s as f64;
+    let mlp = if cfg.experts > 0 {
+        18.0 * h * cfg.ffn as f64 * cfg.top_k as f64 + 6.0 * h * cfg.experts as f64
+    } else {
+        18.0 * h * cfg.ffn as f64
+    };
+    attn + mlp
+}
+
+/// Training FLOPs per token of the whole LLM.
+pub fn llama_flops(cfg: &LlamaConfig, s: usize) -> f64 {
+    cfg.layers as f64 * llama_layer_flops(cfg, s) + 6.0 * cfg.hidden as f64 * cfg.vocab as f64
+}
+
+/// Training FLOPs per patch of the ViT with its projector.
+pub fn vit_flops(cfg: &VitConfig) -> f64 {
+    let (h, s, p) = (cfg.hidden as f64, cfg.patches() as f64, cfg.patch_size as f64);
+    let layer = 6.0 * 4.0 * h * h + 12.0 * h * s + 12.0 * h * cfg.ffn as f64;
+    let out = cfg.out_hidden as f64;
+    cfg.layers as f64 * layer + 6.0 * 3.0 * p * p * h + 6.0 * (h * out + out * out)
+}
+
+fn one_rank(comm: &dyn Communicator) -> Result<Arc<ParallelCtx>> {
+    let l = ModuleLayout::new("bench", Span::new(0, 1), LayoutSpec::default())
+        .map_err(|e| crate::NnError::Input(e.to_string()))?;
+    ParallelCtx::new(comm, &l)
+}
+
+fn time(iters: usize, mut step: impl FnMut() -> Result<()>) -> Result<f64> {
+    step()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..iters.max(1) {
+        let t = Instant::now();
+        step()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// One decoder layer of `cfg` (`cfg.layers` ignored) on `batch x seq` tokens.
+pub fn bench_llama_layer(
+    comm: &dyn Communicator,
+    cfg: LlamaConfig,
+    batch: usize,
+    seq: usize,
+    iters: usize,
+    dtype: DType,
+) -> Result<NnBench> {
+    let b = Build { ctx: one_rank(comm)?, seed: 1, dtype };
+    let model = Llama::stage(&b, cfg, 0..1, false, false)?;
+    let x = random(&[batch, seq, cfg.hidden], dtype)?;
+    let positions = CpPositions::single(seq);
+    let seconds = time(iters, || {
+        let (y, aux) = model.layers(&x, &positions)?;
+        (y.sum_all()? + aux)?.backward()?;
+        Ok(())
+    })?;
+    let kind = if cfg.experts > 0 { "MoE" } else { "dense" };
+    Ok(NnBench {
+        name: format!("llama layer ({kind}, h {} ffn {} s {seq})", cfg.hidden, cfg.ffn),
+        tokens: batch * seq,
+        seconds,
+        flops: llama_layer_flops(&cfg, seq) * (batch * seq) as f64,
+    })
+}
+
+/// The whole LLM with its loss on `batch x seq` tokens.
+pub fn bench_llama(
+    comm: &dyn Communicator,
+    cfg: LlamaConfig,
+    batch: usize,
+    seq: usize,
+    iters: usize,
+    dtype: DType,
+) -> Result<NnBench> {
+    let b = Build { ctx: one_rank(comm)?, seed: 1, dtype };
+    let model = Llama::new(&b, cfg)?;
+    let n = batch * seq;
+    let tokens: Vec<u32> = (0..n).map(|i| ((i * 7919) % cfg.vocab) as u32).collect();
+    let targets: Vec<i64> = (0..n).map(|i| ((i * 104_729) % cfg.vocab) as i64).collect();
+    let input = LlamaBatch {
+        tokens,
+        batch,
+        positions: CpPositions::single(seq),
+        boundary: None,
+        targets: Arc::new(targets),
+    };
+    let seconds = time(iters, || {
+        let out = model.forward(&input)?;
+        ((out.loss_sum / n as f64)? + out.aux)?.backward()?;
+        Ok(())
+    })?;
+    let kind = if cfg.experts > 0 {
+        format!("MoE {}x top-{}", cfg.experts, cfg.top_k)
+    } else {
+        "dense".into()
+    };
+    Ok(NnBench {
+        name: format!("llama model ({kind}, {} layers, h {}, s {seq})", cfg.layers, cfg.hidden),
+        tokens: n,
+        seconds,
+        flops: llama_flops(&cfg, seq) * n as f64,
+    })
+}
+
+/// The ViT with its projector on `images` images.
+pub fn bench_vit(
+    comm: &dyn Communicator,
+    cfg: VitConfig,
+    images: usize,
+    iters: usize,
+    dtype: DType,
+) -> Result<NnBench> {
+    let b = Build { ctx: one_rank(comm)?, seed: 1, dtype };
+    let vit = Vit::new(&b, cfg)?;
+    let pixels = random(&[images, 3, cfg.image_size, cfg.image_size], dtype)?;
+    let seconds = time(iters, || {
+        vit.forward(&pixels)?.sum_all()?.backward()?;
+        Ok(())
+    })?;
+    let n = images * cfg.patches();
+    Ok(NnBench {
+        name: format!(
+            "vit + projector ({} layers, h {}, {} patches)",
+            cfg.layers,
+            cfg.hidden,
+            cfg.patches()
+        ),
+        tokens: n,
+        seconds,
+        flops: vit_flops(&cfg) * n as f64,
+    })
+}
+
+fn random(shape: &[usize], dtype: DType) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|i| Init::Normal(1.0).value(3, "bench-input", i as u64)).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?)
+}
