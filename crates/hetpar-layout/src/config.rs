@@ -261,21 +261,28 @@ impl Config {
     /// Parses a config from TOML text. Errors are one line: the line number, the enclosing
     /// table and the parser's reason.
     pub fn from_toml(text: &str) -> Result<Config> {
-        toml::from_str(text).map_err(|e| {
-            let offset = e.span().map(|s| s.start).unwrap_or(0).min(text.len());
-            let line = text[..offset].matches('\n').count() + 1;
-            let field = match enclosing_table(text, offset) {
-                Some(table) => format!("line {line}, in {table}"),
-                None => format!("line {line}"),
-            };
-            ConfigError::new(field, e.message().trim().replace('\n', " "))
-        })
+        parse_toml(text)
     }
 
     /// Serializes back to TOML (used by `plan --emit-config`).
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a Config always serializes")
     }
+}
+
+/// Parses any TOML file format of hetpar (configs, planner workloads) with unknown keys
+/// rejected by the target type. Errors are one line: the line number, the enclosing table
+/// and the parser's reason.
+pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
+    toml::from_str(text).map_err(|e| {
+        let offset = e.span().map(|s| s.start).unwrap_or(0).min(text.len());
+        let line = text[..offset].matches('\n').count() + 1;
+        let field = match enclosing_table(text, offset) {
+            Some(table) => format!("line {line}, in {table}"),
+            None => format!("line {line}"),
+        };
+        ConfigError::new(field, e.message().trim().replace('\n', " "))
+    })
 }
 
 /// The last `[table]` or `[[array]]` header at or before byte `offset`.

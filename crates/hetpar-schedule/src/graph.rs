@@ -69,7 +69,8 @@ pub struct PipelineGraph {
 
 impl PipelineGraph {
     /// Checks that the edges form a DAG with exactly one sink (the module every other feeds,
-    /// directly or not) and that there is at least one microbatch.
+    /// directly or not), that there is at least one microbatch, and that interleaved modules
+    /// get a multiple of their pipeline size.
     pub fn new(
         modules: Vec<PipeModule>,
         edges: Vec<(ModuleId, ModuleId)>,
@@ -78,6 +79,16 @@ impl PipelineGraph {
         let bad = |m: String| Err(ScheduleError::Graph(m));
         if microbatches == 0 {
             return bad("a schedule needs at least one microbatch".into());
+        }
+        if let Some(m) =
+            modules.iter().find(|m| m.vpp > 1 && !microbatches.is_multiple_of(m.layout.pp()))
+        {
+            return bad(format!(
+                "{}: interleaved 1F1B (vpp {}) needs microbatches({microbatches}) divisible by pp({})",
+                m.name,
+                m.vpp,
+                m.layout.pp()
+            ));
         }
         let order = match topo_sort(modules.len(), &edges) {
             Ok(o) => o,

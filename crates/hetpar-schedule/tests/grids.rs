@@ -111,6 +111,19 @@ fn interleaving_shrinks_the_bubble() {
 }
 
 #[test]
+fn interleaving_refuses_microbatches_not_divisible_by_pp() {
+    let plain = llm_only(4, 8);
+    let mut modules = plain.modules().to_vec();
+    modules[0].vpp = 2;
+    let err = PipelineGraph::new(modules, vec![], 6).expect_err("6 microbatches over pp 4");
+    assert!(
+        err.to_string()
+            .contains("interleaved 1F1B (vpp 2) needs microbatches(6) divisible by pp(4)"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_dropped_receive_names_both_ranks() {
     let mut s = Schedule::build(&llm_only(4, 8), Options::default()).expect("builds");
     // Rank 1's first action receives stage 0's activation of microbatch 0; drop it.
