@@ -1,0 +1,180 @@
+//! Boundary transfer time of an edge, read from the routing plans `hetpar-layout` builds for
+//! the candidate's layouts and spans.
+//!
+//! Plans are built for a scaled-down microbatch that keeps what decides who sends what to
+//! whom: the two layouts and spans, items per sample, and where items sit relative to the
+//! LLM's CP and SP chunks. It has `lcm(dp_src, dp_dst)` samples (so every replica of both
+//! modules owns whole samples) and `lcm(cp*tp of the encoder, 4)` rows per item. Each
+//! rank's time is the sum over its plan operations of the rows it sends or receives, scaled
+//! to the real rows and width, over the bandwidth of the operation's group (or of the
+//! point-to-point link); the edge takes its slowest rank.
+
+use std::collections::{BTreeMap, HashMap};
+
+use hetpar_layout::config::{
+    Config, DataConfig, EdgeConfig, ModuleConfig, ModuleKind, ParallelConfig, StrategyName,
+    TrainConfig,
+};
+use hetpar_layout::plan::Op;
+use hetpar_layout::{BatchManifest, Direction, EdgePlan, Item, ModelGraph, Sample};
+
+use crate::candidate::{Candidate, Choice, Kind};
+use crate::cost::ACT_BYTES;
+use crate::error::{PlanError, Result};
+use crate::hardware::Hardware;
+use crate::workload::Workload;
+
+type Key = (usize, Kind, [usize; 5], [usize; 5]);
+
+/// Per-sample boundary seconds (forward, backward) of plans already built.
+#[derive(Debug, Default)]
+pub struct BoundaryCache {
+    per_row: HashMap<Key, [f64; 2]>,
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    a / gcd(a, b) * b
+}
+
+fn sizes(c: &Choice) -> [usize; 5] {
+    [c.tp, c.cp, c.pp, c.ranks(), c.start]
+}
+
+impl BoundaryCache {
+    /// Forward and backward seconds of encoder `i`'s edge for one microbatch of `c`.
+    pub fn times(
+        &mut self,
+        wl: &Workload,
+        hw: &Hardware,
+        i: usize,
+        c: &Candidate,
+    ) -> Result<[f64; 2]> {
+        let key = (i, c.kind, sizes(&c.encoders[i]), sizes(&c.llm));
+        let per_row = match self.per_row.get(&key) {
+            Some(t) => *t,
+            None => {
+                let t = per_row_times(wl, hw, i, c)?;
+                self.per_row.insert(key, t);
+                t
+            }
+        };
+        let rows =
+            wl.encoders[i].rows_per_sample() * wl.global_batch as f64 / c.microbatches as f64;
+        Ok([per_row[0] * rows, per_row[1] * rows])
+    }
+}
+
+/// Seconds per boundary row of one microbatch (forward, backward), from the scaled-down plan.
+fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Result<[f64; 2]> {
+    let e = &wl.encoders[i];
+    let (ec, lc) = (&c.encoders[i], &c.llm);
+    let samples = lcm(ec.dp(), lc.dp());
+    let rows = lcm(ec.cp * ec.tp, 4);
+    let items = (e.items_per_sample.round() as usize).max(1);
+    let fraction = e.rows_per_sample() / wl.seq_len as f64;
+    let unit = 2 * lc.cp * lc.tp;
+    let mut seq = ((items * rows) as f64 / fraction).ceil() as usize;
+    seq = seq.max(items * (rows + 1) + 1).div_ceil(unit) * unit;
+    // One island after the other; colocated modules share the LLM's span.
+    let (espan, lspan) = match c.kind {
+        Kind::NonColocated => ([0, ec.ranks()], [ec.ranks(), ec.ranks() + lc.ranks()]),
+        _ => ([0, lc.ranks()], [0, lc.ranks()]),
+    };
+    let parallel = |ch: &Choice, ranks: [usize; 2]| ParallelConfig {
+        ranks,
+        tp: ch.tp,
+        cp: ch.cp,
+        pp: ch.pp,
+        ep: 1,
+        etp: None,
+        sp: ch.tp > 1,
+        vpp: 1,
+        offload: false,
+    };
+    let small = |kind: ModuleKind, layers: usize, p: ParallelConfig| ModuleConfig {
+        kind,
+        image_size: None,
+        patch_size: None,
+        n_mels: (kind == ModuleKind::Audio).then_some(1),
+        frames: (kind == ModuleKind::Audio).then_some(2 * rows),
+        vocab: (kind == ModuleKind::Llama).then_some(64),
+        hidden: 64,
+        layers,
+        heads: 8,
+        kv_heads: None,
+        ffn: 64,
+        experts: None,
+        top_k: None,
+        parallel: p,
+    };
+    let cfg = Config {
+        name: "boundary".into(),
+        train: TrainConfig {
+            seed: 0,
+            steps: 1,
+            global_batch: samples,
+            microbatches: 1,
+            seq_len: seq,
+            lr: 1e-3,
+            dtype: hetpar_layout::Dtype::default(),
+        },
+        data: DataConfig::default(),
+        modules: BTreeMap::from([
+            ("enc".to_string(), small(ModuleKind::Audio, ec.pp, parallel(ec, espan))),
+            ("llm".to_string(), small(ModuleKind::Llama, lc.pp, parallel(lc, lspan))),
+        ]),
+        edges: vec![EdgeConfig {
+            from: "enc".into(),
+            to: "llm".into(),
+            strategy: StrategyName::Auto,
+            stripes: 1,
+        }],
+    };
+    let graph = ModelGraph::from_config(&cfg)
+        .map_err(|e| PlanError(format!("boundary plan: {}: {}", e.field, e.message)))?;
+    let slot = seq / items;
+    let sample = Sample {
+        len: seq,
+        items: (0..items).map(|k| Item { edge: 0, pos: k * slot + 1, rows }).collect(),
+    };
+    let manifest = BatchManifest::new(seq, 1, 1, vec![sample; samples])
+        .map_err(|e| PlanError(format!("boundary plan: {}: {}", e.field, e.message)))?;
+    let plan = EdgePlan::for_edge(&graph, 0, &manifest, 0);
+    let planned_rows = (samples * items * rows) as f64;
+    let row_bytes = wl.llm.hidden as f64 * ACT_BYTES;
+    let mut out = [0.0; 2];
+    for (d, dir) in [Direction::Forward, Direction::Backward].into_iter().enumerate() {
+        let prog = plan.program(dir);
+        let mut worst: f64 = 0.0;
+        for (&rank, ops) in &prog.ops {
+            let mut t = 0.0;
+            for op in ops {
+                let (sent, recv) = op.traffic(rank);
+                let moved = sent.max(recv) as f64;
+                if moved == 0.0 {
+                    continue;
+                }
+                let bw = match op {
+                    Op::Send { peer, .. } | Op::Recv { peer, .. } => {
+                        let same_node = rank / hw.gpus_per_node == peer / hw.gpus_per_node;
+                        hw.group_bandwidth(if same_node { 1 } else { usize::MAX })
+                    }
+                    _ => {
+                        let g = op.group().unwrap_or(&[]);
+                        let span = g.iter().max().unwrap_or(&0) - g.iter().min().unwrap_or(&0) + 1;
+                        hw.group_bandwidth(span)
+                    }
+                };
+                // Per planned row: the real microbatch scales `moved` by real rows / planned.
+                t += moved / planned_rows * row_bytes / bw;
+            }
+            worst = worst.max(t);
+        }
+        out[d] = worst;
+    }
+    Ok(out)
+}

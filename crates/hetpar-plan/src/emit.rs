@@ -1,0 +1,115 @@
+//! `hetpar plan --emit-config`: a candidate as a config `hetpar train` accepts
+//! (INTERFACES.md), validated by [`ModelGraph::from_config`] before it is returned.
+//!
+//! A homogeneous candidate is written as every module on the LLM's grid (same tp, cp, pp and
+//! so dp), which hetpar runs with the three-phase schedule.
+
+use std::collections::BTreeMap;
+
+use hetpar_layout::config::{
+    Config, DataConfig, EdgeConfig, ModuleConfig, ModuleKind, ParallelConfig, StrategyName,
+    TrainConfig,
+};
+use hetpar_layout::{Dtype, ModelGraph};
+
+use crate::candidate::{Candidate, Choice, Kind};
+use crate::error::{PlanError, Result};
+use crate::workload::Workload;
+
+fn parallel(c: &Choice) -> ParallelConfig {
+    ParallelConfig {
+        ranks: [c.start, c.end],
+        tp: c.tp,
+        cp: c.cp,
+        pp: c.pp,
+        ep: c.ep,
+        etp: None,
+        sp: c.tp > 1,
+        vpp: c.vpp,
+        offload: c.offload,
+    }
+}
+
+/// The config of `c` for workload `wl`.
+pub fn config(wl: &Workload, c: &Candidate) -> Result<Config> {
+    let mut modules = BTreeMap::new();
+    let l = &wl.llm;
+    let llm_parallel = ParallelConfig { etp: (l.experts > 0).then_some(1), ..parallel(&c.llm) };
+    modules.insert(
+        wl.llm_name.clone(),
+        ModuleConfig {
+            kind: ModuleKind::Llama,
+            image_size: None,
+            patch_size: None,
+            n_mels: None,
+            frames: None,
+            vocab: Some(l.vocab),
+            hidden: l.hidden,
+            layers: l.layers,
+            heads: l.heads,
+            kv_heads: Some(l.kv_heads),
+            ffn: l.ffn,
+            experts: Some(l.experts),
+            top_k: (l.experts > 0).then_some(l.top_k),
+            parallel: llm_parallel,
+        },
+    );
+    let mut edges = Vec::new();
+    for (e, ch) in wl.encoders.iter().zip(&c.encoders) {
+        let ch = match c.kind {
+            Kind::Homogeneous => {
+                Choice { tp: c.llm.tp, cp: c.llm.cp, pp: c.llm.pp, vpp: 1, offload: false, ..*ch }
+            }
+            _ => *ch,
+        };
+        let (image_size, patch_size, n_mels, frames) = match e.kind {
+            ModuleKind::Vit => (Some(e.input.0), Some(e.input.1), None, None),
+            _ => (None, None, Some(e.input.0), Some(e.input.1)),
+        };
+        let s = &e.shape;
+        modules.insert(
+            s.name.clone(),
+            ModuleConfig {
+                kind: e.kind,
+                image_size,
+                patch_size,
+                n_mels,
+                frames,
+                vocab: None,
+                hidden: s.hidden,
+                layers: s.layers,
+                heads: s.heads,
+                kv_heads: None,
+                ffn: s.ffn,
+                experts: None,
+                top_k: None,
+                parallel: ParallelConfig { vpp: 1, ep: 1, ..parallel(&ch) },
+            },
+        );
+        edges.push(EdgeConfig {
+            from: s.name.clone(),
+            to: wl.llm_name.clone(),
+            strategy: StrategyName::Auto,
+            stripes: 1,
+        });
+    }
+    let cfg = Config {
+        name: format!("{}-{}", wl.name, c.kind.name().replace('_', "-")),
+        train: TrainConfig {
+            seed: 1234,
+            steps: 20,
+            global_batch: wl.global_batch,
+            microbatches: c.microbatches,
+            seq_len: wl.seq_len,
+            lr: 1e-4,
+            dtype: Dtype::Bf16,
+        },
+        data: DataConfig::default(),
+        modules,
+        edges,
+    };
+    ModelGraph::from_config(&cfg).map_err(|e| {
+        PlanError(format!("the emitted config does not validate: {}: {}", e.field, e.message))
+    })?;
+    Ok(cfg)
+}

@@ -1,0 +1,152 @@
+//! Accelerators as data (`hardware.toml`): peak rate, memory, HBM bandwidth and the two
+//! network tiers (inside a node, across nodes). `hetpar calibrate` writes the same format
+//! for the machine it runs on.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{PlanError, Result};
+
+/// One accelerator and its network.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hardware {
+    /// What it is.
+    pub description: String,
+    /// Dense peak of the training dtype, TFLOP/s.
+    pub peak_tflops: f64,
+    /// Device memory, GiB.
+    pub memory_gib: f64,
+    /// Memory bandwidth, GB/s.
+    pub hbm_gbps: f64,
+    /// Devices per node.
+    pub gpus_per_node: usize,
+    /// Collective bus bandwidth inside a node, GB/s per device.
+    pub intra_node_gbps: f64,
+    /// Collective bus bandwidth across nodes, GB/s per device.
+    pub inter_node_gbps: f64,
+    /// Fixed cost per collective step, microseconds.
+    pub latency_us: f64,
+    /// Host <-> device bandwidth (offload), GB/s.
+    #[serde(default = "default_host")]
+    pub host_gbps: f64,
+    /// Efficiency factors of the cost model.
+    #[serde(default)]
+    pub efficiency: Efficiency,
+}
+
+fn default_host() -> f64 {
+    50.0
+}
+
+/// The few factors the cost model cannot derive from a datasheet. The defaults are fitted
+/// to the H100 measurements in PUBLISHED.md (the LLM-only Megatron-Core table and the
+/// multimodal 8K table); `hetpar calibrate` measures its own for the machine it runs on.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Efficiency {
+    /// Fraction of peak a large GEMM reaches.
+    pub gemm: f64,
+    /// Per-GPU GEMM width (hidden / tp) at which GEMMs run at half of `gemm`: the rate is
+    /// `gemm * w / (w + gemm_half_width)`.
+    pub gemm_half_width: f64,
+    /// Fraction of peak the attention core (flash attention) reaches in the forward pass;
+    /// its backward takes 2.5 times the forward time.
+    pub attention: f64,
+    /// Bytes of HBM traffic per token and hidden unit that a layer's element-wise work
+    /// (norms, residuals, activations, rotary, dropout) moves in the forward pass.
+    pub elementwise_bytes: f64,
+    /// Fraction of a layer's GEMM time that can hide its tensor-parallel communication
+    /// (overlapped chunks); communication beyond it is exposed. Wide layers hide nearly all
+    /// of it, narrow ones (a small encoder split over many ranks) little.
+    pub tp_overlap: f64,
+    /// Share of data-parallel gradient reduction and parameter gathering not hidden behind
+    /// the backward pass.
+    pub dp_exposed: f64,
+    /// Fraction of the bus bandwidth an all-to-all (expert dispatch) reaches.
+    pub all_to_all: f64,
+    /// Memory per GPU no model state accounts for (runtime context, communication buffers,
+    /// allocator fragmentation), GiB.
+    pub overhead_gib: f64,
+}
+
+impl Default for Efficiency {
+    fn default() -> Self {
+        Efficiency {
+            gemm: 0.670,
+            gemm_half_width: 161.0,
+            attention: 0.80,
+            elementwise_bytes: 58.2,
+            tp_overlap: 0.106,
+            dp_exposed: 0.0,
+            all_to_all: 0.6,
+            overhead_gib: 5.0,
+        }
+    }
+}
+
+/// Bytes in a GiB.
+pub const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+const BUILTIN: &str = include_str!("hardware.toml");
+
+/// Every accelerator in `text` (a TOML table per name).
+pub fn parse(text: &str) -> Result<BTreeMap<String, Hardware>> {
+    toml::from_str(text).map_err(|e| PlanError(format!("hardware table: {}", e.message())))
+}
+
+/// A built-in accelerator by name (`h100`, `h200`, `a100`).
+pub fn builtin(name: &str) -> Result<Hardware> {
+    let table = parse(BUILTIN).expect("the built-in hardware table parses");
+    let names: Vec<&String> = table.keys().collect();
+    table.get(name).cloned().ok_or_else(|| {
+        PlanError(format!(
+            "unknown hardware {name:?}: built in are {names:?}, or `local` after `hetpar calibrate`"
+        ))
+    })
+}
+
+impl Hardware {
+    /// Bus bandwidth (bytes/s) of a group that spans `span` consecutive ranks: inside a node
+    /// if the span fits one, across nodes otherwise.
+    pub fn group_bandwidth(&self, span: usize) -> f64 {
+        if span <= self.gpus_per_node {
+            self.intra_node_gbps * 1e9
+        } else {
+            self.inter_node_gbps * 1e9
+        }
+    }
+
+    /// Time of a ring collective (all-gather, reduce-scatter; an all-reduce is both) moving
+    /// `bytes` (the full tensor) over `n` members spanning `span` ranks, nccl-tests' bus
+    /// bandwidth convention.
+    pub fn ring_time(&self, bytes: f64, n: usize, span: usize) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let n_f = n as f64;
+        bytes * (n_f - 1.0) / n_f / self.group_bandwidth(span)
+            + (n_f - 1.0) * self.latency_us * 1e-6
+    }
+
+    /// Time of a point-to-point transfer of `bytes` between ranks `distance` apart.
+    pub fn p2p_time(&self, bytes: f64, distance: usize) -> f64 {
+        if bytes <= 0.0 {
+            return 0.0;
+        }
+        let same_node = distance < self.gpus_per_node;
+        bytes / self.group_bandwidth(if same_node { 1 } else { usize::MAX })
+            + self.latency_us * 1e-6
+    }
+
+    /// Peak rate in FLOP/s.
+    pub fn peak(&self) -> f64 {
+        self.peak_tflops * 1e12
+    }
+
+    /// Memory in bytes.
+    pub fn memory_bytes(&self) -> f64 {
+        self.memory_gib * GIB
+    }
+}

@@ -1,0 +1,354 @@
+//! The search: every valid layout of every module, colocated and non-colocated placements
+//! (island sizes), microbatch counts, recomputation and offload; pruned by memory; ranked
+//! by simulated step time (which orders TFLOPS/GPU and tokens/s the same way for one
+//! workload).
+//!
+//! Candidates are enumerated so that every module's `dp` divides the samples of a global
+//! microbatch (SEMANTICS.md section 3), so each one is a config hetpar can run. Each is
+//! first costed without simulation; its busiest rank's work bounds its step time from below.
+//! Per placement family, candidates are simulated in order of that bound until the bound
+//! passes the `top`-th best simulated step: the answer is the same as simulating them all.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::candidate::{Candidate, Choice, Kind, Prediction};
+use crate::error::{PlanError, Result};
+use crate::evaluate::{Evaluator, Prepared};
+use crate::hardware::Hardware;
+use crate::workload::{Pinned, Workload};
+
+/// Tensor-parallel sizes tried (within a node).
+const TP: [usize; 4] = [1, 2, 4, 8];
+/// LLM context-parallel sizes tried.
+const CP: [usize; 5] = [1, 2, 4, 8, 16];
+/// Fewest LLM tokens per CP rank the search considers.
+const MIN_CP_CHUNK: usize = 4096;
+/// Pipeline sizes tried.
+const PP: [usize; 9] = [1, 2, 3, 4, 6, 8, 12, 16, 32];
+/// Virtual stages per rank tried when pp > 1.
+const VPP: [usize; 3] = [1, 2, 4];
+/// LLM samples per replica per microbatch tried.
+const MBS: [usize; 3] = [1, 2, 4];
+/// Encoder pipeline sizes tried on islands.
+const ENC_PP: [usize; 3] = [1, 2, 4];
+
+/// A simulated candidate.
+#[derive(Clone, Debug, Serialize)]
+pub struct Ranked {
+    /// Layouts.
+    pub candidate: Candidate,
+    /// Prediction.
+    pub prediction: Prediction,
+}
+
+/// What a search found.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Plan {
+    /// Per placement family, the best candidates, fastest first (empty when none fits).
+    pub best: BTreeMap<Kind, Vec<Ranked>>,
+    /// Valid layouts enumerated (a colocated or island encoder counts once keeping and once
+    /// recomputing its activations).
+    pub considered: usize,
+    /// Of them, those that fit the GPU memory with some recomputation of the LLM.
+    pub fitting: usize,
+    /// Of those, the ones simulated.
+    pub simulated: usize,
+}
+
+impl Plan {
+    /// The fastest candidate of any family.
+    pub fn winner(&self) -> Option<&Ranked> {
+        self.best
+            .values()
+            .filter_map(|v| v.first())
+            .min_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s))
+    }
+
+    /// The fastest of `kind`.
+    pub fn best_of(&self, kind: Kind) -> Option<&Ranked> {
+        self.best.get(&kind).and_then(|v| v.first())
+    }
+}
+
+fn divisors(n: usize) -> impl Iterator<Item = usize> {
+    (1..=n).filter(move |d| n.is_multiple_of(*d))
+}
+
+fn allowed(pin: Option<usize>, v: usize) -> bool {
+    pin.is_none_or(|p| p == v)
+}
+
+/// Searches `wl` on `hw`, keeping the `top` best of each family.
+pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
+    let top = top.max(1);
+    let mut eval = Evaluator::new(wl, hw);
+    let mut plan = Plan::default();
+    let mut pools: BTreeMap<Kind, Vec<Prepared>> = BTreeMap::new();
+    // Per layout, only the least recomputation that fits is worth simulating (more is
+    // slower): LLM quarters 0 to 4 for each encoder setting (keep or recompute all).
+    let consider = |eval: &Evaluator<'_>,
+                    mut c: Candidate,
+                    plan: &mut Plan,
+                    pools: &mut BTreeMap<Kind, Vec<Prepared>>| {
+        let enc_levels: &[u8] =
+            if c.encoders.is_empty() || c.kind == Kind::Homogeneous { &[0] } else { &[0, 4] };
+        for &enc in enc_levels {
+            for e in &mut c.encoders {
+                e.recompute = enc;
+            }
+            let (mut valid, mut fits) = (false, false);
+            for llm in 0..=4u8 {
+                c.llm.recompute = llm;
+                let Ok(p) = eval.prepare(&c) else { break };
+                valid = true;
+                if p.memory.total() <= hw.memory_bytes() {
+                    fits = true;
+                    pools.entry(c.kind).or_default().push(p);
+                    break;
+                }
+            }
+            plan.considered += usize::from(valid);
+            plan.fitting += usize::from(fits);
+        }
+    };
+    let n = wl.gpus;
+    let kinds: &[Kind] = if wl.encoders.is_empty() { &[Kind::Homogeneous] } else { &Kind::ALL };
+    for &kind in kinds {
+        match kind {
+            Kind::Homogeneous | Kind::Colocated => {
+                for (llm, m) in llm_choices(wl, 0, n, None) {
+                    let mb = wl.global_batch / m;
+                    if kind == Kind::Homogeneous {
+                        let encoders = wl
+                            .encoders
+                            .iter()
+                            .map(|e| Choice { offload: false, ..enc_base(&llm, e.pinned) })
+                            .collect();
+                        consider(
+                            &eval,
+                            Candidate { kind, llm, encoders, microbatches: m },
+                            &mut plan,
+                            &mut pools,
+                        );
+                        continue;
+                    }
+                    for encoders in colocated_encoders(wl, &llm, mb) {
+                        consider(
+                            &eval,
+                            Candidate { kind, llm, encoders, microbatches: m },
+                            &mut plan,
+                            &mut pools,
+                        );
+                    }
+                }
+            }
+            Kind::NonColocated => {
+                for m in divisors(wl.global_batch) {
+                    let mb = wl.global_batch / m;
+                    for (enc, used) in island_encoders(wl, mb, n) {
+                        if used >= n {
+                            continue;
+                        }
+                        for (llm, lm) in llm_choices(wl, used, n, Some(m)) {
+                            debug_assert_eq!(lm, m);
+                            consider(
+                                &eval,
+                                Candidate { kind, llm, encoders: enc.clone(), microbatches: m },
+                                &mut plan,
+                                &mut pools,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (kind, mut pool) in pools {
+        pool.sort_by(|a, b| a.lower_bound.total_cmp(&b.lower_bound));
+        let mut best: Vec<Ranked> = Vec::new();
+        for p in pool {
+            if best.len() >= top && p.lower_bound >= best[top - 1].prediction.step_time_s {
+                break;
+            }
+            let candidate = p.candidate.clone();
+            plan.simulated += 1;
+            let prediction = match eval.finish(p) {
+                Ok(pr) => pr,
+                Err(_) => continue,
+            };
+            best.push(Ranked { candidate, prediction });
+            best.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
+            best.truncate(top);
+        }
+        plan.best.insert(kind, best);
+    }
+    if plan.best.values().all(Vec::is_empty) {
+        return Err(PlanError(format!(
+            "no layout of {} fits {} GPUs of {:.0} GiB ({} layouts considered): add GPUs or use a larger-memory accelerator",
+            wl.name, wl.gpus, hw.memory_gib, plan.considered
+        )));
+    }
+    Ok(plan)
+}
+
+/// LLM layouts on ranks `[start, end)`, each with its microbatch count (`m` fixed when
+/// given): every tp, cp, pp, vpp, ep the shapes allow, samples per replica per microbatch in
+/// [`MBS`].
+fn llm_choices(wl: &Workload, start: usize, end: usize, m: Option<usize>) -> Vec<(Choice, usize)> {
+    let n = end - start;
+    let pin = wl.llm_pinned;
+    let mut out = Vec::new();
+    let eps: Vec<usize> =
+        if wl.llm.experts > 0 { divisors(wl.llm.experts).collect() } else { vec![1] };
+    for tp in TP.into_iter().filter(|&t| allowed(pin.tp, t)) {
+        // Context parallelism only where each rank keeps a long sequence (no published
+        // measurement calibrates it on short chunks).
+        for cp in CP
+            .into_iter()
+            .filter(|&c| allowed(pin.cp, c) && (pin.cp.is_some() || wl.seq_len / c >= MIN_CP_CHUNK))
+        {
+            for pp in PP.into_iter().filter(|&p| allowed(pin.pp, p) && p <= wl.llm.layers) {
+                let block = tp * cp * pp;
+                if !n.is_multiple_of(block) {
+                    continue;
+                }
+                let dp = n / block;
+                for mbs in MBS {
+                    if !wl.global_batch.is_multiple_of(dp * mbs) {
+                        continue;
+                    }
+                    let micro = wl.global_batch / (dp * mbs);
+                    if m.is_some_and(|m| m != micro) {
+                        continue;
+                    }
+                    for vpp in VPP.into_iter().filter(|&v| allowed(pin.vpp, v)) {
+                        if vpp > 1 && (pp == 1 || !micro.is_multiple_of(pp))
+                            || pp * vpp > wl.llm.layers
+                        {
+                            continue;
+                        }
+                        for &ep in eps
+                            .iter()
+                            .filter(|&&e| allowed(pin.ep, e) && (tp * cp * dp).is_multiple_of(e))
+                        {
+                            let c = Choice {
+                                start,
+                                end,
+                                tp,
+                                cp,
+                                pp,
+                                vpp,
+                                ep,
+                                recompute: 0,
+                                offload: false,
+                            };
+                            out.push((c, micro));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn enc_base(llm: &Choice, pin: Pinned) -> Choice {
+    Choice {
+        start: llm.start,
+        end: llm.end,
+        tp: llm.tp,
+        cp: 1,
+        pp: 1,
+        vpp: 1,
+        ep: 1,
+        recompute: 0,
+        offload: pin.offload.unwrap_or(false),
+    }
+}
+
+/// Encoder context-parallel sizes worth trying: only for long items.
+fn enc_cp(seq: usize, pin: Option<usize>) -> Vec<usize> {
+    let all: &[usize] = if seq >= 4096 { &[1, 2, 4] } else { &[1] };
+    match pin {
+        Some(p) => vec![p],
+        None => all.to_vec(),
+    }
+}
+
+/// Every combination of colocated encoder layouts on the LLM's ranks whose `dp` divides
+/// the microbatch `mb`.
+fn colocated_encoders(wl: &Workload, llm: &Choice, mb: usize) -> Vec<Vec<Choice>> {
+    let mut combos: Vec<Vec<Choice>> = vec![Vec::new()];
+    for e in &wl.encoders {
+        let pin = e.pinned;
+        let mut options = Vec::new();
+        for tp in TP.into_iter().filter(|&t| allowed(pin.tp, t)) {
+            for cp in enc_cp(e.seq, pin.cp) {
+                let ranks = llm.ranks();
+                if !ranks.is_multiple_of(tp * cp) || !mb.is_multiple_of(ranks / (tp * cp)) {
+                    continue;
+                }
+                for offload in
+                    [false, true].into_iter().filter(|&o| pin.offload.is_none_or(|p| p == o))
+                {
+                    options.push(Choice { tp, cp, offload, ..enc_base(llm, pin) });
+                }
+            }
+        }
+        combos = combos
+            .into_iter()
+            .flat_map(|prefix| {
+                options.iter().map(move |o| {
+                    let mut v = prefix.clone();
+                    v.push(*o);
+                    v
+                })
+            })
+            .collect();
+    }
+    combos
+}
+
+/// Every combination of encoder islands (layout and size, one after the other from rank 0)
+/// whose `dp` divides the microbatch `mb`, with the ranks they use.
+fn island_encoders(wl: &Workload, mb: usize, n: usize) -> Vec<(Vec<Choice>, usize)> {
+    let mut combos: Vec<(Vec<Choice>, usize)> = vec![(Vec::new(), 0)];
+    for e in &wl.encoders {
+        let pin = e.pinned;
+        let mut next = Vec::new();
+        for (prefix, used) in &combos {
+            for tp in TP.into_iter().filter(|&t| allowed(pin.tp, t)) {
+                for cp in enc_cp(e.seq, pin.cp) {
+                    for pp in
+                        ENC_PP.into_iter().filter(|&p| allowed(pin.pp, p) && p <= e.shape.layers)
+                    {
+                        for dp in divisors(mb) {
+                            let size = dp * tp * cp * pp;
+                            if used + size >= n {
+                                break;
+                            }
+                            let c = Choice {
+                                start: *used,
+                                end: used + size,
+                                tp,
+                                cp,
+                                pp,
+                                vpp: 1,
+                                ep: 1,
+                                recompute: 0,
+                                offload: false,
+                            };
+                            let mut v = prefix.clone();
+                            v.push(c);
+                            next.push((v, used + size));
+                        }
+                    }
+                }
+            }
+        }
+        combos = next;
+    }
+    combos
+}

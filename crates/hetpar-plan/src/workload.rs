@@ -1,0 +1,383 @@
+//! Planner workloads (INTERFACES.md): the `[modules.*]` and `[[edges]]` of a config with real
+//! sizes, `[workload]` (sequence, batch, how much of the sequence the encoders fill) and
+//! `[cluster]` (GPUs and hardware). Parallel sections are optional; where one is written, the
+//! search keeps the sizes it names.
+//!
+//! Parsing is pure: the caller reads the file and passes its text.
+
+use std::collections::BTreeMap;
+
+use hetpar_layout::config::{EdgeConfig, ModuleKind, parse_toml};
+use serde::Deserialize;
+
+use crate::error::{PlanError, Result};
+use crate::model::{Mlp, ModuleShape};
+
+/// The file as written.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WorkloadFile {
+    name: String,
+    workload: WorkloadSection,
+    cluster: ClusterSection,
+    modules: BTreeMap<String, ModuleFile>,
+    #[serde(default)]
+    edges: Vec<EdgeConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WorkloadSection {
+    seq_len: usize,
+    global_batch: usize,
+    #[serde(default)]
+    vision_token_fraction: f64,
+    #[serde(default)]
+    tokens_per_image: Option<usize>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterSection {
+    gpus: usize,
+    #[serde(default)]
+    gpus_per_node: Option<usize>,
+    #[serde(default = "default_hardware")]
+    hardware: String,
+}
+
+fn default_hardware() -> String {
+    "h100".into()
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModuleFile {
+    kind: ModuleKind,
+    image_size: Option<usize>,
+    patch_size: Option<usize>,
+    n_mels: Option<usize>,
+    frames: Option<usize>,
+    vocab: Option<usize>,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: Option<usize>,
+    ffn: usize,
+    experts: Option<usize>,
+    top_k: Option<usize>,
+    /// Planner only: MLP flavour (default: swiglu for llama, gelu for encoders).
+    mlp: Option<Mlp>,
+    /// Planner only: share of the LLM sequence this encoder's rows fill (default: the
+    /// workload's `vision_token_fraction` for vit modules).
+    token_fraction: Option<f64>,
+    parallel: Option<ParallelFile>,
+}
+
+/// `[modules.NAME.parallel]` in a workload: every size optional.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ParallelFile {
+    ranks: Option<[usize; 2]>,
+    tp: Option<usize>,
+    cp: Option<usize>,
+    pp: Option<usize>,
+    ep: Option<usize>,
+    sp: Option<bool>,
+    vpp: Option<usize>,
+    offload: Option<bool>,
+}
+
+/// Sizes a workload pins for one module; the search keeps them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pinned {
+    /// Tensor-parallel size.
+    pub tp: Option<usize>,
+    /// Context-parallel size.
+    pub cp: Option<usize>,
+    /// Pipeline-parallel size.
+    pub pp: Option<usize>,
+    /// Expert-parallel size.
+    pub ep: Option<usize>,
+    /// Virtual stages per rank.
+    pub vpp: Option<usize>,
+    /// Encoder offload.
+    pub offload: Option<bool>,
+}
+
+/// An encoder of the workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Encoder {
+    /// Shape.
+    pub shape: ModuleShape,
+    /// The config module as `--emit-config` writes it (size fields only).
+    pub kind: ModuleKind,
+    /// Kind-specific input sizes (`image_size`, `patch_size` or `n_mels`, `frames`).
+    pub input: (usize, usize),
+    /// Encoder sequence per item (patches of an image, frames / 2 of a clip).
+    pub seq: usize,
+    /// LLM rows per item.
+    pub rows_per_item: usize,
+    /// Average items per sample (the token fraction of the LLM sequence over rows per item).
+    pub items_per_sample: f64,
+    /// Pinned sizes.
+    pub pinned: Pinned,
+}
+
+impl Encoder {
+    /// Encoder tokens per sample.
+    pub fn tokens_per_sample(&self) -> f64 {
+        self.items_per_sample * self.seq as f64
+    }
+
+    /// LLM rows per sample.
+    pub fn rows_per_sample(&self) -> f64 {
+        self.items_per_sample * self.rows_per_item as f64
+    }
+}
+
+/// A validated workload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Workload {
+    /// Name.
+    pub name: String,
+    /// LLM sequence per sample.
+    pub seq_len: usize,
+    /// Samples per step.
+    pub global_batch: usize,
+    /// GPUs in the cluster.
+    pub gpus: usize,
+    /// GPUs per node, if the workload overrides the hardware's.
+    pub gpus_per_node: Option<usize>,
+    /// Hardware name (`h100`, `h200`, `a100`, `local`).
+    pub hardware: String,
+    /// The LLM's config name.
+    pub llm_name: String,
+    /// The LLM.
+    pub llm: ModuleShape,
+    /// Its pinned sizes.
+    pub llm_pinned: Pinned,
+    /// Encoders in name order.
+    pub encoders: Vec<Encoder>,
+}
+
+impl Workload {
+    /// Parses and validates a workload file. Errors name the field and say what to write.
+    pub fn from_toml(text: &str) -> Result<Workload> {
+        let file: WorkloadFile =
+            parse_toml(text).map_err(|e| PlanError(format!("{}: {}", e.field, e.message)))?;
+        file.validate()
+    }
+
+    /// Model FLOPs of one step (the TFLOPS/GPU numerator): every module's training FLOPs per
+    /// token times its tokens, causal attention counted as half the score matrix.
+    pub fn step_flops(&self) -> f64 {
+        let b = self.global_batch as f64;
+        let llm = self.llm.flops_per_token(self.seq_len) * self.seq_len as f64 * b;
+        let enc: f64 = self
+            .encoders
+            .iter()
+            .map(|e| {
+                let layers = e.shape.layers as f64
+                    * (e.shape.layer_gemm_flops() + e.shape.layer_attention_flops(e.seq))
+                    * e.tokens_per_sample();
+                (layers + e.shape.end_flops() * e.rows_per_sample()) * b
+            })
+            .sum();
+        llm + enc
+    }
+
+    /// LLM tokens per step.
+    pub fn step_tokens(&self) -> f64 {
+        (self.seq_len * self.global_batch) as f64
+    }
+}
+
+impl WorkloadFile {
+    fn validate(self) -> Result<Workload> {
+        let err = |field: &str, m: String| Err(PlanError(format!("{field}: {m}")));
+        let w = &self.workload;
+        if w.seq_len == 0 || w.global_batch == 0 {
+            return err("workload", "seq_len and global_batch must be at least 1".into());
+        }
+        if !(0.0..1.0).contains(&w.vision_token_fraction) {
+            return err(
+                "workload.vision_token_fraction",
+                format!("{} is not in [0, 1)", w.vision_token_fraction),
+            );
+        }
+        if self.cluster.gpus == 0 {
+            return err("cluster.gpus", "must be at least 1".into());
+        }
+        let llms: Vec<&String> = self
+            .modules
+            .iter()
+            .filter(|(_, m)| m.kind == ModuleKind::Llama)
+            .map(|(n, _)| n)
+            .collect();
+        if llms.len() != 1 {
+            return err(
+                "modules",
+                format!("a workload needs exactly one llama module, found {}", llms.len()),
+            );
+        }
+        let llm_name = llms[0].clone();
+        let llm_file = &self.modules[&llm_name];
+        let llm = shape(&llm_name, llm_file, 0)?;
+        if llm.vocab == 0 {
+            return err(&format!("modules.{llm_name}"), "llama needs vocab".into());
+        }
+        let mut encoders = Vec::new();
+        let mut fraction_sum = 0.0;
+        for (name, m) in &self.modules {
+            if *name == llm_name {
+                continue;
+            }
+            let field = format!("modules.{name}");
+            let into: Vec<&EdgeConfig> = self.edges.iter().filter(|e| e.from == *name).collect();
+            if into.len() != 1 || into[0].to != llm_name {
+                return err(
+                    "edges",
+                    format!(
+                        "encoder {name} needs exactly one edge, to {llm_name}: add [[edges]] from = \"{name}\", to = \"{llm_name}\""
+                    ),
+                );
+            }
+            let (input, seq) = match m.kind {
+                ModuleKind::Vit => {
+                    let (Some(i), Some(p)) = (m.image_size, m.patch_size) else {
+                        return err(&field, "vit needs image_size and patch_size".into());
+                    };
+                    if p == 0 || i % p != 0 {
+                        return err(&field, format!("patch_size({p}) must divide image_size({i})"));
+                    }
+                    ((i, p), (i / p) * (i / p))
+                }
+                ModuleKind::Audio => {
+                    let (Some(n), Some(f)) = (m.n_mels, m.frames) else {
+                        return err(&field, "audio needs n_mels and frames".into());
+                    };
+                    ((n, f), f / 2)
+                }
+                ModuleKind::Llama => unreachable!("one llama module"),
+            };
+            let fraction = match (m.token_fraction, m.kind) {
+                (Some(f), _) => f,
+                (None, ModuleKind::Vit) => w.vision_token_fraction,
+                (None, _) => {
+                    return err(&field, "audio encoders need token_fraction (share of the LLM sequence their rows fill)".into());
+                }
+            };
+            if !(0.0..1.0).contains(&fraction) || fraction == 0.0 {
+                return err(&field, format!("token fraction {fraction} is not in (0, 1)"));
+            }
+            fraction_sum += fraction;
+            let rows_per_item = match m.kind {
+                ModuleKind::Vit => w.tokens_per_image.unwrap_or(seq),
+                _ => seq,
+            };
+            if rows_per_item == 0 || rows_per_item >= w.seq_len {
+                return err(
+                    "workload.tokens_per_image",
+                    format!("{rows_per_item} rows per item do not fit seq_len({})", w.seq_len),
+                );
+            }
+            let items_per_sample = fraction * w.seq_len as f64 / rows_per_item as f64;
+            let mut shape = shape(name, m, llm.hidden)?;
+            shape.out_hidden = llm.hidden;
+            encoders.push(Encoder {
+                shape,
+                kind: m.kind,
+                input,
+                seq,
+                rows_per_item,
+                items_per_sample,
+                pinned: pinned(name, m)?,
+            });
+        }
+        if fraction_sum >= 1.0 {
+            return err(
+                "modules",
+                format!("encoder token fractions sum to {fraction_sum}, leaving no text"),
+            );
+        }
+        if let Some(e) =
+            self.edges.iter().find(|e| !self.modules.contains_key(&e.from) || e.to != llm_name)
+        {
+            return err(
+                "edges",
+                format!("edge {} -> {} does not join an encoder to {llm_name}", e.from, e.to),
+            );
+        }
+        Ok(Workload {
+            name: self.name,
+            seq_len: w.seq_len,
+            global_batch: w.global_batch,
+            gpus: self.cluster.gpus,
+            gpus_per_node: self.cluster.gpus_per_node,
+            hardware: self.cluster.hardware,
+            llm_pinned: pinned(&llm_name, llm_file)?,
+            llm_name,
+            llm,
+            encoders,
+        })
+    }
+}
+
+fn shape(name: &str, m: &ModuleFile, out_hidden: usize) -> Result<ModuleShape> {
+    let field = format!("modules.{name}");
+    let err = |msg: String| Err(PlanError(format!("{field}: {msg}")));
+    for (key, v) in [("hidden", m.hidden), ("layers", m.layers), ("heads", m.heads), ("ffn", m.ffn)]
+    {
+        if v == 0 {
+            return err(format!("{key} must be at least 1"));
+        }
+    }
+    if !m.hidden.is_multiple_of(m.heads) {
+        return err(format!("heads({}) must divide hidden({})", m.heads, m.hidden));
+    }
+    let kv_heads = m.kv_heads.unwrap_or(m.heads);
+    if kv_heads == 0 || !m.heads.is_multiple_of(kv_heads) {
+        return err(format!("kv_heads({kv_heads}) must divide heads({})", m.heads));
+    }
+    let experts = m.experts.unwrap_or(0);
+    let top_k = if experts > 0 { m.top_k.unwrap_or(2) } else { 0 };
+    if experts > 0 && (top_k == 0 || top_k > experts) {
+        return err(format!("top_k({top_k}) must be in 1..=experts({experts})"));
+    }
+    let encoder = m.kind.is_encoder();
+    Ok(ModuleShape {
+        name: name.to_string(),
+        encoder,
+        hidden: m.hidden,
+        layers: m.layers,
+        heads: m.heads,
+        kv_heads,
+        ffn: m.ffn,
+        mlp: m.mlp.unwrap_or(if encoder { Mlp::Gelu } else { Mlp::Swiglu }),
+        vocab: m.vocab.unwrap_or(0),
+        experts,
+        top_k,
+        out_hidden,
+    })
+}
+
+fn pinned(name: &str, m: &ModuleFile) -> Result<Pinned> {
+    let Some(p) = &m.parallel else { return Ok(Pinned::default()) };
+    if p.ranks.is_some() {
+        return Err(PlanError(format!(
+            "modules.{name}.parallel.ranks: the planner chooses placements; remove ranks (tp, cp, pp, ep, vpp and offload may be pinned)"
+        )));
+    }
+    if p.sp == Some(false) {
+        return Err(PlanError(format!(
+            "modules.{name}.parallel.sp: the planner always uses sequence parallelism with tp > 1"
+        )));
+    }
+    for (key, v) in [("tp", p.tp), ("cp", p.cp), ("pp", p.pp), ("ep", p.ep), ("vpp", p.vpp)] {
+        if v == Some(0) {
+            return Err(PlanError(format!("modules.{name}.parallel.{key} must be at least 1")));
+        }
+    }
+    Ok(Pinned { tp: p.tp, cp: p.cp, pp: p.pp, ep: p.ep, vpp: p.vpp, offload: p.offload })
+}

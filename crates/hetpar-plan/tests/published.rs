@@ -1,0 +1,130 @@
+//! Validation on PUBLISHED.md: the LLM-only H100 table, the multimodal 8K table, and the two
+//! regimes (colocated gain grows with context; non-colocated wins next to a 120B MoE LLM).
+//! Run with `--nocapture` to see every prediction next to its measurement.
+
+#![allow(clippy::print_stderr)]
+
+use hetpar_plan::hardware::{GIB, builtin};
+use hetpar_plan::validation::{llm_only, multimodal, workload};
+use hetpar_plan::{Kind, Workload, search};
+
+#[test]
+fn llm_only_table_median_error_at_most_10_percent() {
+    let hw = builtin("h100").expect("h100");
+    let mut errors = Vec::new();
+    for (name, best, measured) in llm_only(&hw).expect("predictions") {
+        let predicted = best.prediction.tflops_per_gpu;
+        let err = (predicted - measured).abs() / measured;
+        eprintln!(
+            "{name:>9}: predicted {predicted:6.1} measured {measured:6.1} error {:5.1}%  ({}, {} microbatches, idle {:.1}%, {:.1} GiB)",
+            err * 100.0,
+            best.candidate.llm.describe(),
+            best.candidate.microbatches,
+            best.prediction.bubble * 100.0,
+            best.prediction.memory.total() / GIB
+        );
+        errors.push(err);
+    }
+    errors.sort_by(f64::total_cmp);
+    let median = errors[errors.len() / 2];
+    eprintln!("median absolute error {:.1}%", median * 100.0);
+    assert!(median <= 0.10, "median error {:.1}% > 10%", median * 100.0);
+}
+
+#[test]
+fn multimodal_table_heterogeneous_above_homogeneous_within_10_percent() {
+    let hw = builtin("h100").expect("h100");
+    for (row, (_, ph), (hc, pt)) in multimodal(&hw).expect("predictions") {
+        let (m_homo, m_het) = row.measured;
+        let (a, b) = (ph.tflops_per_gpu, pt.tflops_per_gpu);
+        let gain = b / a - 1.0;
+        let measured_gain = m_het / m_homo - 1.0;
+        eprintln!(
+            "{}: homogeneous {a:6.1} (measured {m_homo}, {:.1} GiB), heterogeneous {b:6.1} (measured {m_het}, {:.1} GiB, encoder recompute {}), gain {:+.1}% (measured {:+.1}%)",
+            row.name,
+            ph.memory.total() / GIB,
+            pt.memory.total() / GIB,
+            hc.encoders[0].recompute,
+            gain * 100.0,
+            measured_gain * 100.0
+        );
+        assert!(b > a, "{}: heterogeneous {b:.1} not above homogeneous {a:.1}", row.name);
+        assert!(
+            (a - m_homo).abs() / m_homo <= 0.10,
+            "{}: homogeneous {a:.1} vs {m_homo}",
+            row.name
+        );
+        assert!((b - m_het).abs() / m_het <= 0.10, "{}: heterogeneous {b:.1} vs {m_het}", row.name);
+        assert!(
+            (gain - measured_gain).abs() <= 0.05,
+            "{}: gain {:.1}% vs measured {:.1}%",
+            row.name,
+            gain * 100.0,
+            measured_gain * 100.0
+        );
+    }
+}
+
+/// Best TFLOPS/GPU of `kind` from a search, and the homogeneous one.
+fn best(wl: &Workload, kind: Kind) -> (f64, f64) {
+    let hw = builtin(&wl.hardware).expect("hardware");
+    let plan = search(wl, &hw, 1).expect("a plan");
+    for (k, v) in &plan.best {
+        if let Some(r) = v.first() {
+            eprintln!(
+                "{}: {} {:.1} TFLOPS/GPU, {:.3} s, {:.1} GiB: {}",
+                wl.name,
+                k.name(),
+                r.prediction.tflops_per_gpu,
+                r.prediction.step_time_s,
+                r.prediction.memory.total() / GIB,
+                hetpar_plan::explain::layouts(wl, &r.candidate)
+            );
+        }
+    }
+    let get = |k: Kind| plan.best_of(k).map_or(0.0, |r| r.prediction.tflops_per_gpu);
+    (get(kind), get(Kind::Homogeneous))
+}
+
+#[test]
+fn colocated_gain_grows_with_context_length() {
+    let (het8, homo8) = best(&workload("mm-1b-7b-8k").expect("workload"), Kind::Colocated);
+    let (het64, homo64) = best(&workload("mm-1b-7b-64k").expect("workload"), Kind::Colocated);
+    let (g8, g64) = (het8 / homo8 - 1.0, het64 / homo64 - 1.0);
+    eprintln!("colocated gain: 8K {:+.1}%, 64K {:+.1}%", g8 * 100.0, g64 * 100.0);
+    assert!(g64 > g8, "gain at 64K {g64} not above gain at 8K {g8}");
+    assert!(g64 > 0.0);
+}
+
+#[test]
+fn non_colocated_wins_next_to_a_120b_moe() {
+    for name in ["mm-6b-gptoss120b", "mm-12b-gptoss120b"] {
+        let wl = workload(name).expect("workload");
+        let (non, homo) = best(&wl, Kind::NonColocated);
+        let (colo, _) = best(&wl, Kind::Colocated);
+        eprintln!("{name}: non-colocated {non:.1}, colocated {colo:.1}, homogeneous {homo:.1}");
+        assert!(non > colo && non > homo, "{name}: non-colocated does not win");
+    }
+}
+
+#[test]
+fn every_workload_file_is_built_in_and_answers() {
+    let dir = format!("{}/../../examples/workloads", env!("CARGO_MANIFEST_DIR"));
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .expect("examples/workloads")
+        .map(|e| {
+            e.expect("entry").file_name().to_string_lossy().trim_end_matches(".toml").to_string()
+        })
+        .collect();
+    files.sort();
+    let mut built_in: Vec<String> =
+        hetpar_plan::validation::WORKLOADS.iter().map(|(n, _)| n.to_string()).collect();
+    built_in.sort();
+    assert_eq!(files, built_in, "examples/workloads and validation::WORKLOADS differ");
+    for name in files {
+        let wl = workload(&name).expect("parses");
+        let hw = builtin(&wl.hardware).expect("hardware");
+        let plan = search(&wl, &hw, 1).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(plan.winner().is_some(), "{name}");
+    }
+}
