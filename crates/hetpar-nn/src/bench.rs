@@ -63,6 +63,30 @@ pub fn matmul_gflops(n: usize, iters: usize, dtype: DType) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) / best / 1e9)
 }
 
+/// GFLOP/s of a bidirectional attention core (`softmax(q k^T / sqrt(d)) v` over `heads`
+/// heads of `s x d`) in `dtype`, forward only, best of `iters`: `4 * heads * s^2 * d` FLOPs.
+pub fn attention_gflops(
+    s: usize,
+    d: usize,
+    heads: usize,
+    iters: usize,
+    dtype: DType,
+) -> Result<f64> {
+    let make = || Tensor::randn(0f32, 1.0, (heads, s, d), &Device::Cpu)?.to_dtype(dtype);
+    let (q, k, v) = (make()?, make()?, make()?);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut best = f64::INFINITY;
+    for _ in 0..iters.max(1) + 1 {
+        let t = Instant::now();
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let p = crate::layers::attention::softmax(&scores)?;
+        let out = p.matmul(&v)?;
+        out.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(4.0 * heads as f64 * (s * s * d) as f64 / best / 1e9)
+}
+
 /// Training FLOPs per token of one decoder layer of `cfg` at sequence length `s`.
 pub fn llama_layer_flops(cfg: &LlamaConfig, s: usize) -> f64 {
     let (h, d) = (cfg.hidden as f64, (cfg.hidden / cfg.heads) as f64);

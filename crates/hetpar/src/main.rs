@@ -3,6 +3,7 @@
 
 mod bench_cmd;
 mod layout_cmd;
+mod plan_cmd;
 mod schedule_cmd;
 
 use std::path::Path;
@@ -36,7 +37,17 @@ enum Command {
         after_help = "Examples:\n  hetpar schedule examples/two-encoders-islands.toml\n  hetpar schedule examples/colocated-cp-sp.toml --svg schedule.svg"
     )]
     Schedule(schedule_cmd::Args),
-    /// Benchmarks: `hetpar bench comm`.
+    /// Rank layouts and placements for a workload: best homogeneous, colocated and
+    /// non-colocated, with predicted step time, TFLOPS/GPU, tokens/s and memory, and why.
+    #[command(
+        after_help = "Examples:\n  hetpar plan examples/workloads/mm-1b-14b-8k.toml\n  hetpar plan examples/workloads/mm-1b-7b-64k.toml --top 3\n  hetpar plan examples/workloads/mm-6b-gptoss120b.toml --gpus 1024 --json\n  hetpar plan examples/workloads/mm-3b-32b-8k.toml --emit-config runs/mm-3b-32b.toml"
+    )]
+    Plan(plan_cmd::Args),
+    /// Measure this machine (matmul, attention, memcpy, collectives) into a hardware spec
+    /// for `hetpar plan --hardware local`.
+    #[command(after_help = "Example:\n  RAYON_NUM_THREADS=1 hetpar calibrate")]
+    Calibrate(plan_cmd::CalibrateArgs),
+    /// Benchmarks: `hetpar bench comm`, `hetpar bench nn`.
     Bench(bench_cmd::Args),
 }
 
@@ -52,6 +63,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Layout(args) => layout_cmd::run(&args),
         Command::Schedule(args) => schedule_cmd::run(&args),
+        Command::Plan(args) => plan_cmd::run(&args),
+        Command::Calibrate(args) => plan_cmd::calibrate(&args),
         Command::Bench(args) => bench_cmd::run(&args),
     }
 }

@@ -168,3 +168,95 @@ fn bench_comm_runs_a_small_case() {
         "error: --backend \"tcp\": use local or mpi"
     );
 }
+
+/// `hetpar plan` text with the search's wall time masked.
+fn plan_text(args: &[&str]) -> String {
+    let text = stdout(&hetpar(args));
+    text.lines()
+        .map(|l| match l.find(" schedules in ") {
+            Some(i) => format!("{} schedules in <time>", &l[..i]),
+            None => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
+}
+
+#[test]
+fn plan_text_of_a_published_workload() {
+    let text = plan_text(&["plan", "examples/workloads/mm-3b-14b-8k.toml", "--top", "2"]);
+    expect_file!["snapshots/plan-mm-3b-14b-8k.txt"].assert_eq(&text);
+}
+
+#[test]
+fn plan_json_has_the_interface_fields_and_emits_a_config_layout_accepts() {
+    let dir = std::env::temp_dir().join(format!("hetpar-plan-{}", std::process::id()));
+    let cfg = dir.join("emitted.toml");
+    let out = hetpar(&[
+        "plan",
+        "examples/workloads/mm-6b-gptoss120b.toml",
+        "--json",
+        "--emit-config",
+        cfg.to_str().expect("utf-8"),
+    ]);
+    let v: Value = serde_json::from_str(&stdout(&out)).expect("json");
+    let candidates = v["candidates"].as_array().expect("candidates");
+    let kinds: Vec<&str> = candidates.iter().map(|c| c["kind"].as_str().expect("kind")).collect();
+    assert_eq!(kinds, ["homogeneous", "colocated", "non_colocated"]);
+    for c in candidates {
+        for key in ["step_time_s", "tflops_per_gpu", "tokens_per_s", "mem_gib_per_gpu"] {
+            assert!(c[key].as_f64().expect(key) > 0.0, "{key}: {c}");
+        }
+        let modules = c["modules"].as_array().expect("modules");
+        assert_eq!(modules.len(), 2);
+        assert!(modules.iter().all(|m| m["tp"].as_u64().is_some() && m["ranks"].is_array()));
+    }
+    assert!(v["why"].as_array().is_some_and(|w| !w.is_empty()));
+    let text = std::fs::read_to_string(&cfg).expect("emitted");
+    assert!(text.starts_with("# Written by `hetpar plan`"), "{text}");
+    let layout = stdout(&hetpar(&["layout", cfg.to_str().expect("utf-8")]));
+    assert!(layout.contains("llm"), "{layout}");
+}
+
+#[test]
+fn plan_errors_are_one_line() {
+    let out = hetpar(&["plan", "examples/workloads/mm-3b-70b-8k.toml", "--gpus", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("no layout of mm-3b-70b-8k fits 2 GPUs"), "{err}");
+    let out = hetpar(&["plan", "examples/colocated-fanin.toml"]);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    // A training config is not a workload: the error names the first key that differs.
+    assert!(
+        err.starts_with("error: examples/colocated-fanin.toml: ")
+            && err.contains("unknown field `train`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn calibrate_writes_a_spec_that_plan_reads_as_local() {
+    let dir = std::env::temp_dir().join(format!("hetpar-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_hetpar"))
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("hetpar runs")
+    };
+    let workload = root().join("examples/workloads/gpt-1.7b.toml");
+    let workload = workload.to_str().expect("utf-8");
+    let before = run(&["plan", workload, "--hardware", "local"]);
+    assert!(String::from_utf8_lossy(&before.stderr).contains("run `hetpar calibrate`"));
+    let spec = stdout(&run(&["calibrate", "--iters", "1"]));
+    let table = hetpar_plan::hardware::parse(&spec).expect("a hardware table");
+    let local = &table["local"];
+    assert!(local.peak_tflops > 0.0 && local.hbm_gbps > 0.0 && local.intra_node_gbps > 0.0);
+    // A 1.7B model at TP1 PP1 pinned does not fit a CPU core's share of memory: the planner
+    // says so instead of inventing a layout.
+    let out = run(&["plan", workload, "--hardware", "local", "--gpus", "48"]);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success() || err.contains("no layout"), "{err}");
+}

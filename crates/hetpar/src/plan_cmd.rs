@@ -1,0 +1,345 @@
+//! `hetpar plan WORKLOAD` (best homogeneous, colocated and non-colocated layouts, and why)
+//! and `hetpar calibrate` (this machine as a hardware spec for `--hardware local`).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use hetpar_plan::explain::{explain, layouts};
+use hetpar_plan::hardware::{GIB, Hardware, builtin, parse};
+use hetpar_plan::{Efficiency, Kind, Plan, Ranked, Workload, search};
+use serde_json::json;
+
+/// Where `hetpar calibrate` writes and `--hardware local` reads.
+const LOCAL_SPEC: &str = ".hetpar/hardware-local.toml";
+
+/// Arguments of `hetpar plan`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Workload file (modules with real sizes, [workload], [cluster]).
+    workload: PathBuf,
+    /// GPUs in the cluster (default: the workload's cluster.gpus).
+    #[arg(long)]
+    gpus: Option<usize>,
+    /// Accelerator: h100, h200, a100, or local (measured by `hetpar calibrate`).
+    #[arg(long)]
+    hardware: Option<String>,
+    /// Candidates shown per placement family.
+    #[arg(long, default_value_t = 1)]
+    top: usize,
+    /// One JSON object on stdout instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Write the winner as a config `hetpar train` accepts.
+    #[arg(long, value_name = "FILE")]
+    emit_config: Option<PathBuf>,
+}
+
+#[allow(clippy::print_stdout)]
+fn say(s: &str) {
+    println!("{s}");
+}
+
+#[allow(clippy::print_stderr)]
+fn note(s: &str) {
+    eprintln!("{s}");
+}
+
+/// The hardware spec `name` (`local` reads what `hetpar calibrate` wrote).
+fn hardware(name: &str) -> anyhow::Result<Hardware> {
+    if name != "local" {
+        return Ok(builtin(name)?);
+    }
+    let text = std::fs::read_to_string(LOCAL_SPEC).with_context(|| {
+        format!("cannot read {LOCAL_SPEC}: run `hetpar calibrate` on this machine first")
+    })?;
+    let mut table = parse(&text).with_context(|| LOCAL_SPEC.to_string())?;
+    table.remove("local").with_context(|| format!("{LOCAL_SPEC} has no [local] table"))
+}
+
+fn row(r: &Ranked, wl: &Workload) -> String {
+    let p = &r.prediction;
+    format!(
+        "{:<14} {:>9.3} {:>11.1} {:>11.0} {:>8.1}  {}",
+        r.candidate.kind.name(),
+        p.step_time_s,
+        p.tflops_per_gpu,
+        p.tokens_per_s,
+        p.memory.total() / GIB,
+        layouts(wl, &r.candidate)
+    )
+}
+
+fn candidate_json(r: &Ranked, wl: &Workload) -> serde_json::Value {
+    let c = &r.candidate;
+    let p = &r.prediction;
+    let mut modules = Vec::new();
+    for (e, ch) in wl.encoders.iter().zip(&c.encoders) {
+        let ch = match c.kind {
+            Kind::Homogeneous => hetpar_plan::Choice { tp: c.llm.tp, cp: c.llm.cp, pp: 1, ..*ch },
+            _ => *ch,
+        };
+        modules.push(module_json(&e.shape.name, &ch, c.kind == Kind::Homogeneous));
+    }
+    modules.push(module_json(&wl.llm_name, &c.llm, false));
+    json!({
+        "kind": c.kind.name(),
+        "modules": modules,
+        "microbatches": c.microbatches,
+        "step_time_s": p.step_time_s,
+        "tflops_per_gpu": p.tflops_per_gpu,
+        "tokens_per_s": p.tokens_per_s,
+        "mem_gib_per_gpu": p.memory.total() / GIB,
+        "memory_gib": {
+            "states": p.memory.states / GIB,
+            "activations": p.memory.activations / GIB,
+            "buffers": p.memory.buffers / GIB,
+            "overhead": p.memory.overhead / GIB,
+        },
+        "idle_fraction": p.bubble,
+        "boundary_s": p.boundary_s,
+    })
+}
+
+fn module_json(name: &str, c: &hetpar_plan::Choice, on_llm_first_stage: bool) -> serde_json::Value {
+    json!({
+        "name": name,
+        "ranks": [c.start, c.end],
+        "tp": c.tp,
+        "cp": c.cp,
+        "dp": if on_llm_first_stage { serde_json::Value::Null } else { c.dp().into() },
+        "pp": c.pp,
+        "vpp": c.vpp,
+        "ep": c.ep,
+        "recompute_quarters": c.recompute,
+        "offload": c.offload,
+    })
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&a.workload)
+        .with_context(|| format!("cannot read workload {}", a.workload.display()))?;
+    let mut wl = Workload::from_toml(&text).with_context(|| a.workload.display().to_string())?;
+    if let Some(n) = a.gpus {
+        if n == 0 {
+            bail!("--gpus must be at least 1");
+        }
+        wl.gpus = n;
+    }
+    if let Some(h) = &a.hardware {
+        wl.hardware = h.clone();
+    }
+    if a.top == 0 {
+        bail!("--top must be at least 1");
+    }
+    let mut hw = hardware(&wl.hardware)?;
+    if let Some(g) = wl.gpus_per_node {
+        hw.gpus_per_node = g;
+    }
+    let start = Instant::now();
+    let plan = search(&wl, &hw, a.top).with_context(|| a.workload.display().to_string())?;
+    let elapsed = start.elapsed();
+    let why = explain(&wl, &hw, &plan);
+    if let Some(path) = &a.emit_config {
+        emit(&wl, &plan, path)?;
+    }
+    if a.json {
+        let candidates: Vec<serde_json::Value> = Kind::ALL
+            .iter()
+            .flat_map(|k| plan.best.get(k).into_iter().flatten())
+            .map(|r| candidate_json(r, &wl))
+            .collect();
+        let out = json!({
+            "workload": wl.name,
+            "gpus": wl.gpus,
+            "hardware": wl.hardware,
+            "searched": plan.considered,
+            "fitting": plan.fitting,
+            "simulated": plan.simulated,
+            "search_s": elapsed.as_secs_f64(),
+            "candidates": candidates,
+            "winner": plan.winner().map(|r| r.candidate.kind.name()),
+            "why": why,
+        });
+        say(&(serde_json::to_string_pretty(&out)? + ""));
+        return Ok(());
+    }
+    print_table(&wl, &hw, &plan, elapsed, &why);
+    Ok(())
+}
+
+fn print_table(wl: &Workload, hw: &Hardware, plan: &Plan, elapsed: Duration, why: &[String]) {
+    say(&format!(
+        "{}: {} x {} ({}), sequence {}, global batch {}",
+        wl.name, wl.gpus, wl.hardware, hw.description, wl.seq_len, wl.global_batch
+    ));
+    say(&format!(
+        "searched {} layouts, {} fit {:.0} GiB, simulated {} schedules in {:.2} s",
+        plan.considered,
+        plan.fitting,
+        hw.memory_gib,
+        plan.simulated,
+        elapsed.as_secs_f64()
+    ));
+    say("");
+    say(&format!(
+        "{:<14} {:>9} {:>11} {:>11} {:>8}  layouts",
+        "placement", "step (s)", "TFLOPS/GPU", "tokens/s", "GiB/GPU"
+    ));
+    for kind in Kind::ALL {
+        match plan.best.get(&kind) {
+            Some(v) if !v.is_empty() => {
+                for r in v {
+                    say(&row(r, wl));
+                }
+            }
+            _ if kind != Kind::Homogeneous && wl.encoders.is_empty() => {}
+            _ => say(&format!("{:<14} no layout fits", kind.name())),
+        }
+    }
+    say("");
+    for line in why {
+        say(line);
+    }
+}
+
+fn emit(wl: &Workload, plan: &Plan, path: &Path) -> anyhow::Result<()> {
+    let w = plan.winner().context("no candidate to emit")?;
+    let cfg = hetpar_plan::emit::config(wl, &w.candidate)?;
+    let mut text = format!(
+        "# Written by `hetpar plan` for workload {} on {} x {}: the {} candidate,\n# predicted {:.3} s per step, {:.1} TFLOPS/GPU, {:.1} GiB per GPU.\n",
+        wl.name,
+        wl.gpus,
+        wl.hardware,
+        w.candidate.kind.name(),
+        w.prediction.step_time_s,
+        w.prediction.tflops_per_gpu,
+        w.prediction.memory.total() / GIB
+    );
+    let recomputed: Vec<String> = wl
+        .encoders
+        .iter()
+        .map(|e| e.shape.name.clone())
+        .zip(w.candidate.encoders.iter().map(|c| c.recompute))
+        .chain(std::iter::once((wl.llm_name.clone(), w.candidate.llm.recompute)))
+        .filter(|(_, q)| *q > 0)
+        .map(|(n, q)| format!("{n} {q}/4 of its layers"))
+        .collect();
+    if !recomputed.is_empty() {
+        text += &format!(
+            "# The prediction assumes activation recomputation ({}); configs have no\n# recomputation setting yet.\n",
+            recomputed.join(", ")
+        );
+    }
+    text += &cfg.to_toml();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    note(&format!("wrote {} ({} candidate)", path.display(), w.candidate.kind.name()));
+    Ok(())
+}
+
+/// Arguments of `hetpar calibrate`.
+#[derive(clap::Args)]
+pub struct CalibrateArgs {
+    /// Where to write the spec.
+    #[arg(long, default_value = LOCAL_SPEC)]
+    out: PathBuf,
+    /// Timed repetitions per measurement (the best is kept).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+}
+
+/// Measures this machine: one rank is one core's share (memory, bandwidth).
+pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
+    use candle_core::DType;
+    use hetpar_comm::bench::{BenchOp, bench, memcpy_bandwidth};
+    use hetpar_comm::{LocalOptions, launch};
+    use hetpar_nn::bench::{attention_gflops, matmul_gflops};
+
+    if a.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
+    note(&format!(
+        "calibrating: matmul, attention, memcpy and local collectives (threads: {threads})"
+    ));
+    // GEMM rate at two widths gives the peak and the half-rate width of `rate = peak * w / (w + w0)`.
+    let (w1, w2) = (128.0f64, 1024.0f64);
+    let r1 = matmul_gflops(w1 as usize, 20 * a.iters, DType::F32)?;
+    let r2 = matmul_gflops(w2 as usize, 2 * a.iters, DType::F32)?;
+    // r1 / r2 = w1 (w2 + w0) / (w2 (w1 + w0))  =>  w0 = w1 w2 (r2 - r1) / (r1 w2 - r2 w1)
+    let w0 = (w1 * w2 * (r2 - r1) / (r1 * w2 - r2 * w1)).max(0.0);
+    let peak = r2 * (w2 + w0) / w2;
+    note(&format!(
+        "  matmul: {r1:.1} GFLOP/s at 128, {r2:.1} at 1024: peak {peak:.1}, half rate at width {w0:.0}"
+    ));
+    let attn = attention_gflops(512, 64, 4, a.iters, DType::F32)?;
+    note(&format!("  attention core (512 x 64, 4 heads): {attn:.1} GFLOP/s"));
+    let memcpy = memcpy_bandwidth(256 << 20, a.iters);
+    note(&format!("  memcpy: {:.2} GB/s", memcpy / 1e9));
+    let opts = LocalOptions { timeout: Duration::from_secs(600) };
+    let measure = |op: BenchOp, bytes: usize| -> anyhow::Result<f64> {
+        let out = launch(2, opts, |c| bench(c, op, bytes, a.iters)).context("local world")?;
+        let r = out.into_iter().next().context("one rank")?.context("benchmark")?;
+        Ok(if bytes <= 64 { r.seconds } else { r.busbw })
+    };
+    let all_reduce = measure(BenchOp::AllReduce, 64 << 20)?;
+    let all_to_all = measure(BenchOp::AllToAllV, 64 << 20)?;
+    let latency = measure(BenchOp::AllReduce, 8)?;
+    note(&format!(
+        "  local 2-rank all-reduce: {:.2} GB/s bus bandwidth, all-to-all-v {:.2} GB/s, 8-byte all-reduce {:.1} us",
+        all_reduce / 1e9,
+        all_to_all / 1e9,
+        latency * 1e6
+    ));
+    let mem_total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<f64>().ok()))
+        })
+        .map(|kib| kib * 1024.0)
+        .context("cannot read MemTotal from /proc/meminfo")?;
+    let defaults = Efficiency::default();
+    let hw = Hardware {
+        description: format!(
+            "this machine ({cores} cores, one rank per core), measured by hetpar calibrate"
+        ),
+        peak_tflops: peak / 1e3,
+        memory_gib: mem_total / cores as f64 / GIB,
+        hbm_gbps: 2.0 * memcpy / 1e9,
+        gpus_per_node: cores,
+        intra_node_gbps: all_reduce / 1e9,
+        inter_node_gbps: all_reduce / 1e9,
+        latency_us: latency * 1e6 / 2.0,
+        host_gbps: memcpy / 1e9,
+        efficiency: Efficiency {
+            gemm: 1.0,
+            gemm_half_width: w0,
+            attention: attn / peak,
+            // hetpar's collectives block inside autograd, and gradients are reduced after
+            // the backward: nothing overlaps.
+            tp_overlap: 0.0,
+            dp_exposed: 1.0,
+            all_to_all: (all_to_all / all_reduce).min(1.0),
+            overhead_gib: 0.0,
+            // Not measured: a property of the layers' kernels, kept from the fit.
+            elementwise_bytes: defaults.elementwise_bytes,
+        },
+    };
+    let mut text = String::from(
+        "# This machine as a planner hardware spec: `hetpar plan WORKLOAD --hardware local`.\n",
+    );
+    text += &toml::to_string_pretty(&std::collections::BTreeMap::from([("local", &hw)]))?;
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    std::fs::write(&a.out, &text).with_context(|| format!("cannot write {}", a.out.display()))?;
+    say(&text);
+    note(&format!("wrote {}", a.out.display()));
+    Ok(())
+}
