@@ -189,6 +189,70 @@ pub struct ModuleConfig {
     pub parallel: ParallelConfig,
 }
 
+impl ModuleConfig {
+    /// The architecture fields, without the layout.
+    pub fn sizes(&self) -> ModuleSizes {
+        ModuleSizes {
+            kind: self.kind,
+            image_size: self.image_size,
+            patch_size: self.patch_size,
+            n_mels: self.n_mels,
+            frames: self.frames,
+            vocab: self.vocab,
+            hidden: self.hidden,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            ffn: self.ffn,
+            experts: self.experts,
+            top_k: self.top_k,
+        }
+    }
+}
+
+/// The architecture fields of `[modules.NAME]` as written (everything but `parallel`).
+/// Planner workloads write the same fields; both are checked by `ModuleSizes::validate`
+/// (in `graph`), so the planner accepts exactly the modules a config accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(missing_docs)] // The fields are those of `ModuleConfig`, documented there.
+pub struct ModuleSizes {
+    pub kind: ModuleKind,
+    pub image_size: Option<usize>,
+    pub patch_size: Option<usize>,
+    pub n_mels: Option<usize>,
+    pub frames: Option<usize>,
+    pub vocab: Option<usize>,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: Option<usize>,
+    pub ffn: usize,
+    pub experts: Option<usize>,
+    pub top_k: Option<usize>,
+}
+
+impl ModuleSizes {
+    /// The module with `parallel` as its layout.
+    pub fn with_parallel(self, parallel: ParallelConfig) -> ModuleConfig {
+        ModuleConfig {
+            kind: self.kind,
+            image_size: self.image_size,
+            patch_size: self.patch_size,
+            n_mels: self.n_mels,
+            frames: self.frames,
+            vocab: self.vocab,
+            hidden: self.hidden,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            ffn: self.ffn,
+            experts: self.experts,
+            top_k: self.top_k,
+            parallel,
+        }
+    }
+}
+
 /// `[modules.NAME.parallel]`.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]

@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::config::{Config, DataConfig, ModuleConfig, ModuleKind, StrategyName, TrainConfig};
+use crate::config::{
+    Config, DataConfig, ModuleConfig, ModuleKind, ModuleSizes, StrategyName, TrainConfig,
+};
 use crate::error::{ConfigError, Result};
 use crate::layout::{LayoutSpec, ModuleLayout, Span};
 use crate::plan::Strategy;
@@ -87,11 +89,15 @@ impl Module {
 
     /// Boundary rows one input item (an image, an audio clip) produces; `None` for the LLM.
     pub fn rows_per_item(&self) -> Option<usize> {
-        Self::item_rows(&self.spec)
+        self.spec.rows_per_item()
     }
+}
 
-    fn item_rows(spec: &ModuleSpec) -> Option<usize> {
-        match *spec {
+impl ModuleSpec {
+    /// Boundary rows one input item produces (an encoder's sequence per item: patches of an
+    /// image, frames / 2 of a clip); `None` for the LLM.
+    pub fn rows_per_item(&self) -> Option<usize> {
+        match *self {
             ModuleSpec::Vit { image_size, patch_size } => Some((image_size / patch_size).pow(2)),
             // The conv stem has stride 2 over frames.
             ModuleSpec::Audio { frames, .. } => Some(frames / 2),
@@ -250,76 +256,92 @@ impl ModelGraph {
     }
 }
 
+impl ModuleSizes {
+    /// Checks a module's architecture: fields that belong to another kind are rejected,
+    /// missing ones named, sizes positive and divisible as the layers need. Errors name
+    /// `modules.NAME` and the values.
+    pub fn validate(&self, name: &str) -> Result<(ModuleSpec, Dims)> {
+        let m = self;
+        let field = format!("modules.{name}");
+        let err = |message: String| Err(ConfigError::new(field.clone(), message));
+        let kind = m.kind.name();
+        // Fields that belong to other kinds are rejected, missing ones named.
+        let present: [(&str, bool, &[ModuleKind]); 8] = [
+            ("image_size", m.image_size.is_some(), &[ModuleKind::Vit]),
+            ("patch_size", m.patch_size.is_some(), &[ModuleKind::Vit]),
+            ("n_mels", m.n_mels.is_some(), &[ModuleKind::Audio]),
+            ("frames", m.frames.is_some(), &[ModuleKind::Audio]),
+            ("vocab", m.vocab.is_some(), &[ModuleKind::Llama]),
+            ("kv_heads", m.kv_heads.is_some(), &[ModuleKind::Llama]),
+            ("experts", m.experts.is_some(), &[ModuleKind::Llama]),
+            ("top_k", m.top_k.is_some(), &[ModuleKind::Llama]),
+        ];
+        for (key, is_set, kinds) in present {
+            if is_set && !kinds.contains(&m.kind) {
+                return err(format!("`{key}` does not apply to kind \"{kind}\""));
+            }
+        }
+        let need = |key: &str, v: Option<usize>| -> Result<usize> {
+            v.ok_or_else(|| {
+                ConfigError::new(field.clone(), format!("kind \"{kind}\" needs `{key}`"))
+            })
+        };
+        let dims = Dims { hidden: m.hidden, layers: m.layers, heads: m.heads, ffn: m.ffn };
+        for (key, v) in
+            [("hidden", m.hidden), ("layers", m.layers), ("heads", m.heads), ("ffn", m.ffn)]
+        {
+            if v == 0 {
+                return err(format!("{key} must be at least 1, got 0"));
+            }
+        }
+        if !m.hidden.is_multiple_of(m.heads) {
+            return err(format!("hidden({}) is not divisible by heads({})", m.hidden, m.heads));
+        }
+        let spec = match m.kind {
+            ModuleKind::Vit => {
+                let (image_size, patch_size) =
+                    (need("image_size", m.image_size)?, need("patch_size", m.patch_size)?);
+                if patch_size == 0 || image_size == 0 || image_size % patch_size != 0 {
+                    return err(format!(
+                        "image_size({image_size}) is not a positive multiple of patch_size({patch_size})"
+                    ));
+                }
+                ModuleSpec::Vit { image_size, patch_size }
+            }
+            ModuleKind::Audio => {
+                let (n_mels, frames) = (need("n_mels", m.n_mels)?, need("frames", m.frames)?);
+                if n_mels == 0 || frames < 2 || frames % 2 != 0 {
+                    return err(format!(
+                        "needs n_mels >= 1 and an even frames >= 2 (stride-2 stem), got n_mels({n_mels}) frames({frames})"
+                    ));
+                }
+                ModuleSpec::Audio { n_mels, frames }
+            }
+            ModuleKind::Llama => {
+                let vocab = need("vocab", m.vocab)?;
+                let kv_heads = m.kv_heads.unwrap_or(m.heads);
+                if vocab == 0 || kv_heads == 0 || !m.heads.is_multiple_of(kv_heads) {
+                    return err(format!(
+                        "heads({}) must be a multiple of kv_heads({kv_heads}) and vocab({vocab}) positive",
+                        m.heads
+                    ));
+                }
+                let experts = m.experts.unwrap_or(0);
+                let top_k = m.top_k.unwrap_or(if experts == 0 { 0 } else { 2.min(experts) });
+                if experts > 0 && (top_k == 0 || top_k > experts) {
+                    return err(format!("top_k({top_k}) must be in 1..=experts({experts})"));
+                }
+                ModuleSpec::Llama { vocab, kv_heads, experts, top_k }
+            }
+        };
+        Ok((spec, dims))
+    }
+}
+
 fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Module> {
     let field = format!("modules.{name}");
-    let err = |message: String| Err(ConfigError::new(field.clone(), message));
     let kind = m.kind.name();
-    // Fields that belong to other kinds are rejected, missing ones named.
-    let present: [(&str, bool, &[ModuleKind]); 8] = [
-        ("image_size", m.image_size.is_some(), &[ModuleKind::Vit]),
-        ("patch_size", m.patch_size.is_some(), &[ModuleKind::Vit]),
-        ("n_mels", m.n_mels.is_some(), &[ModuleKind::Audio]),
-        ("frames", m.frames.is_some(), &[ModuleKind::Audio]),
-        ("vocab", m.vocab.is_some(), &[ModuleKind::Llama]),
-        ("kv_heads", m.kv_heads.is_some(), &[ModuleKind::Llama]),
-        ("experts", m.experts.is_some(), &[ModuleKind::Llama]),
-        ("top_k", m.top_k.is_some(), &[ModuleKind::Llama]),
-    ];
-    for (key, is_set, kinds) in present {
-        if is_set && !kinds.contains(&m.kind) {
-            return err(format!("`{key}` does not apply to kind \"{kind}\""));
-        }
-    }
-    let need = |key: &str, v: Option<usize>| -> Result<usize> {
-        v.ok_or_else(|| ConfigError::new(field.clone(), format!("kind \"{kind}\" needs `{key}`")))
-    };
-    let dims = Dims { hidden: m.hidden, layers: m.layers, heads: m.heads, ffn: m.ffn };
-    for (key, v) in [("hidden", m.hidden), ("layers", m.layers), ("heads", m.heads), ("ffn", m.ffn)]
-    {
-        if v == 0 {
-            return err(format!("{key} must be at least 1, got 0"));
-        }
-    }
-    if !m.hidden.is_multiple_of(m.heads) {
-        return err(format!("hidden({}) is not divisible by heads({})", m.hidden, m.heads));
-    }
-    let spec = match m.kind {
-        ModuleKind::Vit => {
-            let (image_size, patch_size) =
-                (need("image_size", m.image_size)?, need("patch_size", m.patch_size)?);
-            if patch_size == 0 || image_size == 0 || image_size % patch_size != 0 {
-                return err(format!(
-                    "image_size({image_size}) is not a positive multiple of patch_size({patch_size})"
-                ));
-            }
-            ModuleSpec::Vit { image_size, patch_size }
-        }
-        ModuleKind::Audio => {
-            let (n_mels, frames) = (need("n_mels", m.n_mels)?, need("frames", m.frames)?);
-            if n_mels == 0 || frames < 2 || frames % 2 != 0 {
-                return err(format!(
-                    "needs n_mels >= 1 and an even frames >= 2 (stride-2 stem), got n_mels({n_mels}) frames({frames})"
-                ));
-            }
-            ModuleSpec::Audio { n_mels, frames }
-        }
-        ModuleKind::Llama => {
-            let vocab = need("vocab", m.vocab)?;
-            let kv_heads = m.kv_heads.unwrap_or(m.heads);
-            if vocab == 0 || kv_heads == 0 || !m.heads.is_multiple_of(kv_heads) {
-                return err(format!(
-                    "heads({}) must be a multiple of kv_heads({kv_heads}) and vocab({vocab}) positive",
-                    m.heads
-                ));
-            }
-            let experts = m.experts.unwrap_or(0);
-            let top_k = m.top_k.unwrap_or(if experts == 0 { 0 } else { 2.min(experts) });
-            if experts > 0 && (top_k == 0 || top_k > experts) {
-                return err(format!("top_k({top_k}) must be in 1..=experts({experts})"));
-            }
-            ModuleSpec::Llama { vocab, kv_heads, experts, top_k }
-        }
-    };
+    let (spec, dims) = m.sizes().validate(name)?;
     let p = &m.parallel;
     let span = Span::new(p.ranks[0], p.ranks[1]);
     let experts = match spec {
@@ -391,7 +413,7 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
             layout.etp()
         ));
     }
-    if let Some(rows) = Module::item_rows(&spec) {
+    if let Some(rows) = spec.rows_per_item() {
         let parts = layout.cp() * if layout.sp() { tp } else { 1 };
         if !rows.is_multiple_of(parts) {
             return perr(format!(

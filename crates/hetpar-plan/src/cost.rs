@@ -186,16 +186,8 @@ impl Run<'_> {
         let layers: f64 = (0..self.vpp)
             .map(|c| stage_layers(s.layers, self.pp * self.vpp, c * self.pp + stage) as f64)
             .sum();
-        let per_layer_total = s.layer_params();
-        let expert_per_layer = if s.experts > 0 {
-            s.experts as f64
-                * h
-                * s.ffn as f64
-                * if matches!(s.mlp, crate::model::Mlp::Swiglu) { 3.0 } else { 2.0 }
-        } else {
-            0.0
-        };
-        let dense_per_layer = per_layer_total - expert_per_layer;
+        let expert_per_layer = s.expert_layer_params();
+        let dense_per_layer = s.layer_params() - expert_per_layer;
         let mut dense = layers * dense_per_layer;
         let last = stage + 1 == self.pp;
         if s.encoder {

@@ -7,8 +7,7 @@
 use std::collections::BTreeMap;
 
 use hetpar_layout::config::{
-    Config, DataConfig, EdgeConfig, ModuleConfig, ModuleKind, ParallelConfig, StrategyName,
-    TrainConfig,
+    Config, DataConfig, EdgeConfig, ParallelConfig, StrategyName, TrainConfig,
 };
 use hetpar_layout::{Dtype, ModelGraph};
 
@@ -33,27 +32,9 @@ fn parallel(c: &Choice) -> ParallelConfig {
 /// The config of `c` for workload `wl`.
 pub fn config(wl: &Workload, c: &Candidate) -> Result<Config> {
     let mut modules = BTreeMap::new();
-    let l = &wl.llm;
-    let llm_parallel = ParallelConfig { etp: (l.experts > 0).then_some(1), ..parallel(&c.llm) };
-    modules.insert(
-        wl.llm_name.clone(),
-        ModuleConfig {
-            kind: ModuleKind::Llama,
-            image_size: None,
-            patch_size: None,
-            n_mels: None,
-            frames: None,
-            vocab: Some(l.vocab),
-            hidden: l.hidden,
-            layers: l.layers,
-            heads: l.heads,
-            kv_heads: Some(l.kv_heads),
-            ffn: l.ffn,
-            experts: Some(l.experts),
-            top_k: (l.experts > 0).then_some(l.top_k),
-            parallel: llm_parallel,
-        },
-    );
+    let moe = wl.llm.experts > 0;
+    let llm_parallel = ParallelConfig { etp: moe.then_some(1), ..parallel(&c.llm) };
+    modules.insert(wl.llm_name.clone(), wl.llm_sizes.with_parallel(llm_parallel));
     let mut edges = Vec::new();
     for (e, ch) in wl.encoders.iter().zip(&c.encoders) {
         let ch = match c.kind {
@@ -62,30 +43,9 @@ pub fn config(wl: &Workload, c: &Candidate) -> Result<Config> {
             }
             _ => *ch,
         };
-        let (image_size, patch_size, n_mels, frames) = match e.kind {
-            ModuleKind::Vit => (Some(e.input.0), Some(e.input.1), None, None),
-            _ => (None, None, Some(e.input.0), Some(e.input.1)),
-        };
         let s = &e.shape;
-        modules.insert(
-            s.name.clone(),
-            ModuleConfig {
-                kind: e.kind,
-                image_size,
-                patch_size,
-                n_mels,
-                frames,
-                vocab: None,
-                hidden: s.hidden,
-                layers: s.layers,
-                heads: s.heads,
-                kv_heads: None,
-                ffn: s.ffn,
-                experts: None,
-                top_k: None,
-                parallel: ParallelConfig { vpp: 1, ep: 1, ..parallel(&ch) },
-            },
-        );
+        let parallel = ParallelConfig { vpp: 1, ep: 1, ..parallel(&ch) };
+        modules.insert(s.name.clone(), e.sizes.with_parallel(parallel));
         edges.push(EdgeConfig {
             from: s.name.clone(),
             to: wl.llm_name.clone(),

@@ -301,6 +301,24 @@ impl<'a> Evaluator<'a> {
         Ok(Prepared { candidate: c.clone(), modules, memory, lower_bound })
     }
 
+    /// `c` prepared with the least LLM recomputation (quarters 0 to 4) that fits memory,
+    /// its encoders recomputing `enc` quarters; more recomputation only costs time, so no
+    /// other level is worth simulating. `Ok(None)` when even full recomputation does not
+    /// fit; an error when `c` is not a valid layout.
+    pub fn least_recompute(&self, mut c: Candidate, enc: u8) -> Result<Option<Prepared>> {
+        for e in &mut c.encoders {
+            e.recompute = enc;
+        }
+        for llm in 0..=4u8 {
+            c.llm.recompute = llm;
+            let p = self.prepare(&c)?;
+            if p.memory.total() <= self.hw.memory_bytes() {
+                return Ok(Some(p));
+            }
+        }
+        Ok(None)
+    }
+
     /// Predicts `c`: step time from the simulated schedule, memory, throughput.
     pub fn evaluate(&mut self, c: &Candidate) -> Result<Prediction> {
         let p = self.prepare(c)?;
@@ -488,9 +506,8 @@ fn check_choice(
             ch.ranks()
         ));
     }
-    if !shape.heads.is_multiple_of(ch.tp)
-        || !(shape.kv_heads.is_multiple_of(ch.tp) || ch.tp.is_multiple_of(shape.kv_heads))
-    {
+    // As a config requires (hetpar-layout): tp splits whole query and key/value heads.
+    if !shape.heads.is_multiple_of(ch.tp) || !shape.kv_heads.is_multiple_of(ch.tp) {
         return bad(format!(
             "tp({}) does not split {} heads ({} kv)",
             ch.tp, shape.heads, shape.kv_heads

@@ -91,9 +91,10 @@ pub const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
 const BUILTIN: &str = include_str!("hardware.toml");
 
-/// Every accelerator in `text` (a TOML table per name).
+/// Every accelerator in `text` (a TOML table per name). Errors name the line and table.
 pub fn parse(text: &str) -> Result<BTreeMap<String, Hardware>> {
-    toml::from_str(text).map_err(|e| PlanError(format!("hardware table: {}", e.message())))
+    hetpar_layout::config::parse_toml(text)
+        .map_err(|e| PlanError(format!("hardware table, {}: {}", e.field, e.message)))
 }
 
 /// A built-in accelerator by name (`h100`, `h200`, `a100`).

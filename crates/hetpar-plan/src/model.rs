@@ -86,14 +86,18 @@ impl ModuleShape {
         self.layers as f64 * self.layer_params() + h + ends
     }
 
+    /// Parameters of one layer's experts (0 for a dense layer).
+    pub fn expert_layer_params(&self) -> f64 {
+        self.experts as f64 * self.mlp_mats() * self.hidden as f64 * self.ffn as f64
+    }
+
     /// Parameters active for one token (top-k experts instead of all).
     pub fn active_layer_params(&self) -> f64 {
         if self.experts == 0 {
             return self.layer_params();
         }
-        let h = self.hidden as f64;
-        self.layer_params()
-            - (self.experts - self.top_k) as f64 * self.mlp_mats() * h * self.ffn as f64
+        let inactive = (self.experts - self.top_k) as f64 / self.experts as f64;
+        self.layer_params() - inactive * self.expert_layer_params()
     }
 
     /// Training FLOPs per token of one layer's matmuls (projections, MLP, router).

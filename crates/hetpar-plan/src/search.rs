@@ -86,31 +86,21 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
     let mut eval = Evaluator::new(wl, hw);
     let mut plan = Plan::default();
     let mut pools: BTreeMap<Kind, Vec<Prepared>> = BTreeMap::new();
-    // Per layout, only the least recomputation that fits is worth simulating (more is
-    // slower): LLM quarters 0 to 4 for each encoder setting (keep or recompute all).
+    // Per layout, the least LLM recomputation that fits, for each encoder setting (keep
+    // its activations, or recompute them all).
     let consider = |eval: &Evaluator<'_>,
-                    mut c: Candidate,
+                    c: Candidate,
                     plan: &mut Plan,
                     pools: &mut BTreeMap<Kind, Vec<Prepared>>| {
         let enc_levels: &[u8] =
             if c.encoders.is_empty() || c.kind == Kind::Homogeneous { &[0] } else { &[0, 4] };
         for &enc in enc_levels {
-            for e in &mut c.encoders {
-                e.recompute = enc;
+            let Ok(fit) = eval.least_recompute(c.clone(), enc) else { continue };
+            plan.considered += 1;
+            if let Some(p) = fit {
+                plan.fitting += 1;
+                pools.entry(p.candidate.kind).or_default().push(p);
             }
-            let (mut valid, mut fits) = (false, false);
-            for llm in 0..=4u8 {
-                c.llm.recompute = llm;
-                let Ok(p) = eval.prepare(&c) else { break };
-                valid = true;
-                if p.memory.total() <= hw.memory_bytes() {
-                    fits = true;
-                    pools.entry(c.kind).or_default().push(p);
-                    break;
-                }
-            }
-            plan.considered += usize::from(valid);
-            plan.fitting += usize::from(fits);
         }
     };
     let n = wl.gpus;
@@ -174,10 +164,9 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
             }
             let candidate = p.candidate.clone();
             plan.simulated += 1;
-            let prediction = match eval.finish(p) {
-                Ok(pr) => pr,
-                Err(_) => continue,
-            };
+            // Every prepared candidate passed the checks its schedule and boundary plans
+            // rely on, so a failure here is a planner bug, not a layout to skip.
+            let prediction = eval.finish(p)?;
             best.push(Ranked { candidate, prediction });
             best.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
             best.truncate(top);

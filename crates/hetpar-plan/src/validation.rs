@@ -4,7 +4,7 @@
 
 use crate::candidate::{Candidate, Choice, Kind, Prediction};
 use crate::error::{PlanError, Result};
-use crate::evaluate::Evaluator;
+use crate::evaluate::{Evaluator, Prepared};
 use crate::hardware::Hardware;
 use crate::search::{Ranked, search};
 use crate::workload::Workload;
@@ -122,27 +122,33 @@ fn choice(n: usize, tp: usize, pp: usize) -> Choice {
     Choice { start: 0, end: n, tp, cp: 1, pp, vpp: 1, ep: 1, recompute: 0, offload: false }
 }
 
-/// `c` with the least recomputation that fits memory: LLM quarters 0 to 4, a colocated
-/// encoder none or all (a homogeneous encoder follows the LLM); the last try if none fits.
-pub fn least_recompute(
-    ev: &mut Evaluator<'_>,
-    mut c: Candidate,
-) -> Result<(Candidate, Prediction)> {
-    let mut last = None;
-    for llm in 0..=4u8 {
-        for enc in [0u8, 4] {
-            c.llm.recompute = llm;
-            for e in &mut c.encoders {
-                e.recompute = if c.kind == Kind::Homogeneous { llm } else { enc };
+/// `c` with the least recomputation that fits memory, simulated: LLM quarters 0 to 4 first,
+/// then a colocated encoder keeping its activations before recomputing them (a homogeneous
+/// encoder follows the LLM); everything recomputed if nothing fits.
+pub fn least_recompute(ev: &mut Evaluator<'_>, c: Candidate) -> Result<(Candidate, Prediction)> {
+    let levels: &[u8] = if c.kind == Kind::Homogeneous { &[0] } else { &[0, 4] };
+    let mut best: Option<Prepared> = None;
+    for &enc in levels {
+        if let Some(p) = ev.least_recompute(c.clone(), enc)? {
+            let fewer = |b: &Prepared| p.candidate.llm.recompute < b.candidate.llm.recompute;
+            if best.as_ref().is_none_or(fewer) {
+                best = Some(p);
             }
-            let p = ev.evaluate(&c)?;
-            if p.fits {
-                return Ok((c, p));
-            }
-            last = Some((c.clone(), p));
         }
     }
-    last.ok_or_else(|| PlanError("no candidate".into()))
+    let p = match best {
+        Some(p) => p,
+        None => {
+            let mut all = c;
+            all.llm.recompute = 4;
+            for e in &mut all.encoders {
+                e.recompute = *levels.last().expect("a level");
+            }
+            ev.prepare(&all)?
+        }
+    };
+    let c = p.candidate.clone();
+    Ok((c, ev.finish(p)?))
 }
 
 /// A multimodal row with the homogeneous and the heterogeneous prediction.

@@ -7,7 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use hetpar_layout::config::{EdgeConfig, ModuleKind, parse_toml};
+use hetpar_layout::config::{EdgeConfig, ModuleKind, ModuleSizes, parse_toml};
+use hetpar_layout::graph::ModuleSpec;
 use serde::Deserialize;
 
 use crate::error::{PlanError, Result};
@@ -74,6 +75,26 @@ struct ModuleFile {
     parallel: Option<ParallelFile>,
 }
 
+impl ModuleFile {
+    fn sizes(&self) -> ModuleSizes {
+        ModuleSizes {
+            kind: self.kind,
+            image_size: self.image_size,
+            patch_size: self.patch_size,
+            n_mels: self.n_mels,
+            frames: self.frames,
+            vocab: self.vocab,
+            hidden: self.hidden,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            ffn: self.ffn,
+            experts: self.experts,
+            top_k: self.top_k,
+        }
+    }
+}
+
 /// `[modules.NAME.parallel]` in a workload: every size optional.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -110,10 +131,8 @@ pub struct Pinned {
 pub struct Encoder {
     /// Shape.
     pub shape: ModuleShape,
-    /// The config module as `--emit-config` writes it (size fields only).
-    pub kind: ModuleKind,
-    /// Kind-specific input sizes (`image_size`, `patch_size` or `n_mels`, `frames`).
-    pub input: (usize, usize),
+    /// The architecture fields as written (what `--emit-config` writes back).
+    pub sizes: ModuleSizes,
     /// Encoder sequence per item (patches of an image, frames / 2 of a clip).
     pub seq: usize,
     /// LLM rows per item.
@@ -155,6 +174,8 @@ pub struct Workload {
     pub llm_name: String,
     /// The LLM.
     pub llm: ModuleShape,
+    /// Its architecture fields as written.
+    pub llm_sizes: ModuleSizes,
     /// Its pinned sizes.
     pub llm_pinned: Pinned,
     /// Encoders in name order.
@@ -223,10 +244,7 @@ impl WorkloadFile {
         }
         let llm_name = llms[0].clone();
         let llm_file = &self.modules[&llm_name];
-        let llm = shape(&llm_name, llm_file, 0)?;
-        if llm.vocab == 0 {
-            return err(&format!("modules.{llm_name}"), "llama needs vocab".into());
-        }
+        let llm = shape(&llm_name, llm_file, 0)?.0;
         let mut encoders = Vec::new();
         let mut fraction_sum = 0.0;
         for (name, m) in &self.modules {
@@ -243,24 +261,8 @@ impl WorkloadFile {
                     ),
                 );
             }
-            let (input, seq) = match m.kind {
-                ModuleKind::Vit => {
-                    let (Some(i), Some(p)) = (m.image_size, m.patch_size) else {
-                        return err(&field, "vit needs image_size and patch_size".into());
-                    };
-                    if p == 0 || i % p != 0 {
-                        return err(&field, format!("patch_size({p}) must divide image_size({i})"));
-                    }
-                    ((i, p), (i / p) * (i / p))
-                }
-                ModuleKind::Audio => {
-                    let (Some(n), Some(f)) = (m.n_mels, m.frames) else {
-                        return err(&field, "audio needs n_mels and frames".into());
-                    };
-                    ((n, f), f / 2)
-                }
-                ModuleKind::Llama => unreachable!("one llama module"),
-            };
+            let (mut shape, spec) = shape(name, m, llm.hidden)?;
+            let seq = spec.rows_per_item().expect("an encoder");
             let fraction = match (m.token_fraction, m.kind) {
                 (Some(f), _) => f,
                 (None, ModuleKind::Vit) => w.vision_token_fraction,
@@ -283,12 +285,10 @@ impl WorkloadFile {
                 );
             }
             let items_per_sample = fraction * w.seq_len as f64 / rows_per_item as f64;
-            let mut shape = shape(name, m, llm.hidden)?;
             shape.out_hidden = llm.hidden;
             encoders.push(Encoder {
                 shape,
-                kind: m.kind,
-                input,
+                sizes: m.sizes(),
                 seq,
                 rows_per_item,
                 items_per_sample,
@@ -317,6 +317,7 @@ impl WorkloadFile {
             gpus_per_node: self.cluster.gpus_per_node,
             hardware: self.cluster.hardware,
             llm_pinned: pinned(&llm_name, llm_file)?,
+            llm_sizes: llm_file.sizes(),
             llm_name,
             llm,
             encoders,
@@ -324,42 +325,30 @@ impl WorkloadFile {
     }
 }
 
-fn shape(name: &str, m: &ModuleFile, out_hidden: usize) -> Result<ModuleShape> {
-    let field = format!("modules.{name}");
-    let err = |msg: String| Err(PlanError(format!("{field}: {msg}")));
-    for (key, v) in [("hidden", m.hidden), ("layers", m.layers), ("heads", m.heads), ("ffn", m.ffn)]
-    {
-        if v == 0 {
-            return err(format!("{key} must be at least 1"));
-        }
-    }
-    if !m.hidden.is_multiple_of(m.heads) {
-        return err(format!("heads({}) must divide hidden({})", m.heads, m.hidden));
-    }
-    let kv_heads = m.kv_heads.unwrap_or(m.heads);
-    if kv_heads == 0 || !m.heads.is_multiple_of(kv_heads) {
-        return err(format!("kv_heads({kv_heads}) must divide heads({})", m.heads));
-    }
-    let experts = m.experts.unwrap_or(0);
-    let top_k = if experts > 0 { m.top_k.unwrap_or(2) } else { 0 };
-    if experts > 0 && (top_k == 0 || top_k > experts) {
-        return err(format!("top_k({top_k}) must be in 1..=experts({experts})"));
-    }
+/// The planner's shape of a module, after the checks a config's module gets.
+fn shape(name: &str, m: &ModuleFile, out_hidden: usize) -> Result<(ModuleShape, ModuleSpec)> {
+    let (spec, dims) =
+        m.sizes().validate(name).map_err(|e| PlanError(format!("{}: {}", e.field, e.message)))?;
+    let (vocab, kv_heads, experts, top_k) = match spec {
+        ModuleSpec::Llama { vocab, kv_heads, experts, top_k } => (vocab, kv_heads, experts, top_k),
+        _ => (0, dims.heads, 0, 0),
+    };
     let encoder = m.kind.is_encoder();
-    Ok(ModuleShape {
+    let shape = ModuleShape {
         name: name.to_string(),
         encoder,
-        hidden: m.hidden,
-        layers: m.layers,
-        heads: m.heads,
+        hidden: dims.hidden,
+        layers: dims.layers,
+        heads: dims.heads,
         kv_heads,
-        ffn: m.ffn,
+        ffn: dims.ffn,
         mlp: m.mlp.unwrap_or(if encoder { Mlp::Gelu } else { Mlp::Swiglu }),
-        vocab: m.vocab.unwrap_or(0),
+        vocab,
         experts,
         top_k,
         out_hidden,
-    })
+    };
+    Ok((shape, spec))
 }
 
 fn pinned(name: &str, m: &ModuleFile) -> Result<Pinned> {

@@ -121,7 +121,7 @@ fn hardware_table_is_data_and_h100_matches_the_datasheet() {
     // Across nodes the same transfer is ten times slower.
     assert!(h.ring_time(478e9, 2, 16) > 5.0);
     let bad = parse("[x]\npeak_tflops = 1.0\n").expect_err("missing fields");
-    assert!(bad.0.contains("missing field"), "{bad}");
+    assert!(bad.0.contains("line 1, in [x]") && bad.0.contains("missing field"), "{bad}");
 }
 
 fn workload_err(text: &str) -> String {
@@ -167,7 +167,14 @@ fn workloads_parse_and_bad_ones_say_what_to_fix() {
         workload_err(&BASE.replace("gpus = 8", "gpus = 8\nnodes = 1")).contains("unknown field")
     );
     assert!(
-        workload_err(&BASE.replace("patch_size = 14", "patch_size = 15")).contains("must divide")
+        workload_err(&BASE.replace("patch_size = 14", "patch_size = 15")).contains(
+            "modules.vision: image_size(224) is not a positive multiple of patch_size(15)"
+        )
+    );
+    // The module checks are a config's: a field of another kind is refused.
+    assert!(
+        workload_err(&BASE.replace("patch_size = 14", "patch_size = 14\nvocab = 10"))
+            .contains("modules.vision: `vocab` does not apply to kind \"vit\"")
     );
     assert!(
         workload_err(&BASE.replace("[[edges]]\nfrom = \"vision\"\nto = \"llm\"\n", ""))

@@ -161,7 +161,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             "winner": plan.winner().map(|r| r.candidate.kind.name()),
             "why": why,
         });
-        say(&(serde_json::to_string_pretty(&out)? + ""));
+        say(&serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     print_table(&wl, &hw, &plan, elapsed, &why);
@@ -254,7 +254,7 @@ pub struct CalibrateArgs {
 /// Measures this machine: one rank is one core's share (memory, bandwidth).
 pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
     use candle_core::DType;
-    use hetpar_comm::bench::{BenchOp, bench, memcpy_bandwidth};
+    use hetpar_comm::bench::{BenchOp, BenchResult, bench, memcpy_bandwidth};
     use hetpar_comm::{LocalOptions, launch};
     use hetpar_nn::bench::{attention_gflops, matmul_gflops};
 
@@ -281,14 +281,13 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
     let memcpy = memcpy_bandwidth(256 << 20, a.iters);
     note(&format!("  memcpy: {:.2} GB/s", memcpy / 1e9));
     let opts = LocalOptions { timeout: Duration::from_secs(600) };
-    let measure = |op: BenchOp, bytes: usize| -> anyhow::Result<f64> {
+    let measure = |op: BenchOp, bytes: usize| -> anyhow::Result<BenchResult> {
         let out = launch(2, opts, |c| bench(c, op, bytes, a.iters)).context("local world")?;
-        let r = out.into_iter().next().context("one rank")?.context("benchmark")?;
-        Ok(if bytes <= 64 { r.seconds } else { r.busbw })
+        out.into_iter().next().context("one rank")?.context("benchmark")
     };
-    let all_reduce = measure(BenchOp::AllReduce, 64 << 20)?;
-    let all_to_all = measure(BenchOp::AllToAllV, 64 << 20)?;
-    let latency = measure(BenchOp::AllReduce, 8)?;
+    let all_reduce = measure(BenchOp::AllReduce, 64 << 20)?.busbw;
+    let all_to_all = measure(BenchOp::AllToAllV, 64 << 20)?.busbw;
+    let latency = measure(BenchOp::AllReduce, 8)?.seconds;
     note(&format!(
         "  local 2-rank all-reduce: {:.2} GB/s bus bandwidth, all-to-all-v {:.2} GB/s, 8-byte all-reduce {:.1} us",
         all_reduce / 1e9,
