@@ -76,8 +76,9 @@ fn divisors(n: usize) -> impl Iterator<Item = usize> {
     (1..=n).filter(move |d| n.is_multiple_of(*d))
 }
 
-fn allowed(pin: Option<usize>, v: usize) -> bool {
-    pin.is_none_or(|p| p == v)
+/// The sizes to try for one axis: the pinned one, or every size of `searched`.
+fn tried(pin: Option<usize>, searched: &[usize]) -> Vec<usize> {
+    pin.map_or_else(|| searched.to_vec(), |p| vec![p])
 }
 
 /// Searches `wl` on `hw`, keeping the `top` best of each family.
@@ -173,6 +174,14 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
         }
         plan.best.insert(kind, best);
     }
+    if plan.considered == 0 {
+        return Err(PlanError(format!(
+            "no valid layout of {} on {} GPUs{}: tp (searched {TP:?}), cp ({CP:?}, at least {MIN_CP_CHUNK} tokens per CP rank) and pp ({PP:?}) must split the heads, sequence, layers and GPUs, and every dp must divide a microbatch",
+            wl.name,
+            wl.gpus,
+            pins(wl)
+        )));
+    }
     if plan.best.values().all(Vec::is_empty) {
         return Err(PlanError(format!(
             "no layout of {} fits {} GPUs of {:.0} GiB ({} layouts considered): add GPUs or use a larger-memory accelerator",
@@ -182,6 +191,23 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
     Ok(plan)
 }
 
+/// The workload's pins, as ` (llm pinned to tp 3 pp 2)` (empty without pins).
+fn pins(wl: &Workload) -> String {
+    let one = |name: &str, p: &Pinned| {
+        let sizes: Vec<String> =
+            [("tp", p.tp), ("cp", p.cp), ("pp", p.pp), ("ep", p.ep), ("vpp", p.vpp)]
+                .into_iter()
+                .filter_map(|(k, v)| v.map(|v| format!("{k} {v}")))
+                .collect();
+        (!sizes.is_empty()).then(|| format!("{name} pinned to {}", sizes.join(" ")))
+    };
+    let all: Vec<String> = std::iter::once(one(&wl.llm_name, &wl.llm_pinned))
+        .chain(wl.encoders.iter().map(|e| one(&e.shape.name, &e.pinned)))
+        .flatten()
+        .collect();
+    if all.is_empty() { String::new() } else { format!(" ({})", all.join(", ")) }
+}
+
 /// LLM layouts on ranks `[start, end)`, each with its microbatch count (`m` fixed when
 /// given): every tp, cp, pp, vpp, ep the shapes allow, samples per replica per microbatch in
 /// [`MBS`].
@@ -189,16 +215,19 @@ fn llm_choices(wl: &Workload, start: usize, end: usize, m: Option<usize>) -> Vec
     let n = end - start;
     let pin = wl.llm_pinned;
     let mut out = Vec::new();
-    let eps: Vec<usize> =
-        if wl.llm.experts > 0 { divisors(wl.llm.experts).collect() } else { vec![1] };
-    for tp in TP.into_iter().filter(|&t| allowed(pin.tp, t)) {
+    let eps: Vec<usize> = match pin.ep {
+        Some(e) => vec![e],
+        None if wl.llm.experts > 0 => divisors(wl.llm.experts).collect(),
+        None => vec![1],
+    };
+    for tp in tried(pin.tp, &TP) {
         // Context parallelism only where each rank keeps a long sequence (no published
         // measurement calibrates it on short chunks).
-        for cp in CP
+        for cp in tried(pin.cp, &CP)
             .into_iter()
-            .filter(|&c| allowed(pin.cp, c) && (pin.cp.is_some() || wl.seq_len / c >= MIN_CP_CHUNK))
+            .filter(|&c| pin.cp.is_some() || wl.seq_len / c >= MIN_CP_CHUNK)
         {
-            for pp in PP.into_iter().filter(|&p| allowed(pin.pp, p) && p <= wl.llm.layers) {
+            for pp in tried(pin.pp, &PP).into_iter().filter(|&p| p <= wl.llm.layers) {
                 let block = tp * cp * pp;
                 if !n.is_multiple_of(block) {
                     continue;
@@ -212,16 +241,13 @@ fn llm_choices(wl: &Workload, start: usize, end: usize, m: Option<usize>) -> Vec
                     if m.is_some_and(|m| m != micro) {
                         continue;
                     }
-                    for vpp in VPP.into_iter().filter(|&v| allowed(pin.vpp, v)) {
+                    for vpp in tried(pin.vpp, &VPP) {
                         if vpp > 1 && (pp == 1 || !micro.is_multiple_of(pp))
                             || pp * vpp > wl.llm.layers
                         {
                             continue;
                         }
-                        for &ep in eps
-                            .iter()
-                            .filter(|&&e| allowed(pin.ep, e) && (tp * cp * dp).is_multiple_of(e))
-                        {
+                        for &ep in eps.iter().filter(|&&e| (tp * cp * dp).is_multiple_of(e)) {
                             let c = Choice {
                                 start,
                                 end,
@@ -273,7 +299,7 @@ fn colocated_encoders(wl: &Workload, llm: &Choice, mb: usize) -> Vec<Vec<Choice>
     for e in &wl.encoders {
         let pin = e.pinned;
         let mut options = Vec::new();
-        for tp in TP.into_iter().filter(|&t| allowed(pin.tp, t)) {
+        for tp in tried(pin.tp, &TP) {
             for cp in enc_cp(e.seq, pin.cp) {
                 let ranks = llm.ranks();
                 if !ranks.is_multiple_of(tp * cp) || !mb.is_multiple_of(ranks / (tp * cp)) {
@@ -308,11 +334,9 @@ fn island_encoders(wl: &Workload, mb: usize, n: usize) -> Vec<(Vec<Choice>, usiz
         let pin = e.pinned;
         let mut next = Vec::new();
         for (prefix, used) in &combos {
-            for tp in TP.into_iter().filter(|&t| allowed(pin.tp, t)) {
+            for tp in tried(pin.tp, &TP) {
                 for cp in enc_cp(e.seq, pin.cp) {
-                    for pp in
-                        ENC_PP.into_iter().filter(|&p| allowed(pin.pp, p) && p <= e.shape.layers)
-                    {
+                    for pp in tried(pin.pp, &ENC_PP).into_iter().filter(|&p| p <= e.shape.layers) {
                         for dp in divisors(mb) {
                             let size = dp * tp * cp * pp;
                             if used + size >= n {

@@ -160,3 +160,15 @@ fn the_explanation_names_what_holds_back_the_loser() {
     assert!(lines[1].starts_with("colocated wins by +"), "{lines:?}");
     assert!(lines[1].contains("the LLM runs tp"), "{lines:?}");
 }
+
+#[test]
+fn a_pin_nothing_can_satisfy_is_named() {
+    let mut wl = small();
+    wl.llm_pinned.tp = Some(3);
+    let hw = builtin("h100").expect("h100");
+    let err = search(&wl, &hw, 1).expect_err("tp 3 splits neither 40 heads nor 64 GPUs");
+    assert!(
+        err.0.contains("no valid layout of mm-1b-14b-8k on 64 GPUs (llm pinned to tp 3)"),
+        "{err}"
+    );
+}
