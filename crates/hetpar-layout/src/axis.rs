@@ -14,7 +14,7 @@ pub enum Axis {
     Tp,
     /// Context parallelism: the sequence split into `2*cp` load-balanced chunks.
     Cp,
-    /// Data parallelism: replicas that own disjoint samples.
+    /// Data parallelism: replicas that own disjoint samples (the LLM) or items (encoders).
     Dp,
     /// Pipeline parallelism: consecutive layer stages.
     Pp,

@@ -93,7 +93,7 @@ impl Dtype {
 }
 
 /// `[data]`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
     /// Where samples come from.
@@ -105,6 +105,16 @@ pub struct DataConfig {
     /// Directory that image paths in the JSON are relative to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_root: Option<String>,
+    /// Synthetic source: each sample draws `0..=max_items` items per encoder edge (none
+    /// with probability 1/4, else uniformly `1..=max_items`).
+    #[serde(default = "one")]
+    pub max_items: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig { source: DataSource::default(), path: None, image_root: None, max_items: 1 }
+    }
 }
 
 /// Data sources.
@@ -116,6 +126,16 @@ pub enum DataSource {
     Synthetic,
     /// LLaVA-format conversations with images.
     Llava,
+}
+
+impl DataSource {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataSource::Synthetic => "synthetic",
+            DataSource::Llava => "llava",
+        }
+    }
 }
 
 /// Module kinds.
@@ -388,6 +408,8 @@ tp = 2
         assert_eq!(c.train.seed, 1234);
         assert_eq!(c.train.dtype, Dtype::F32);
         assert_eq!(c.data.source, DataSource::Synthetic);
+        assert_eq!(c.data, DataConfig::default());
+        assert_eq!(c.data.max_items, 1);
         let p = &c.modules["llm"].parallel;
         assert_eq!((p.tp, p.cp, p.pp, p.ep, p.etp, p.sp), (2, 1, 1, 1, None, false));
         assert!(c.edges.is_empty());

@@ -1,14 +1,16 @@
 //! The rows of one edge in one microbatch: for every row, which ranks hold it after the
 //! source forward and which ranks need it before the destination forward (SEMANTICS.md
-//! section 4). Routing strategies only read this; it is the single derivation of "who has
-//! what" that plans, lower bounds and tests share.
+//! sections 3-4). The source's replicas own the microbatch's items (contiguous ranges in
+//! canonical order), the destination's replicas own its samples. Routing strategies only
+//! read this; it is the single derivation of "who has what" that plans, lower bounds and
+//! tests share.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::graph::EdgeId;
+use crate::edge::EdgeId;
 use crate::layout::ModuleLayout;
-use crate::manifest::BatchManifest;
+use crate::manifest::{BatchManifest, item_replica};
 use crate::ownership::{SeqSplit, item_owner};
 
 /// A boundary row: token `token` (counting the sample's rows on this edge in position
@@ -34,7 +36,10 @@ pub struct Row {
     pub id: RowId,
     /// Its position in the destination sequence.
     pub pos: usize,
-    /// Source replica that produces it.
+    /// The item it belongs to: its index in the microbatch's items on this edge, in
+    /// canonical order (`BatchManifest::microbatch_items`).
+    pub item: usize,
+    /// Source replica that produces it (the owner of its item).
     pub src_replica: usize,
     /// Destination replica that consumes it.
     pub dst_replica: usize,
@@ -71,35 +76,40 @@ impl EdgeGeometry {
         k: usize,
     ) -> EdgeGeometry {
         let split = SeqSplit::new(manifest.seq_len(), dst);
+        let items = manifest.microbatch_items(edge, k);
         let mut rows = Vec::new();
-        for sample in manifest.microbatch(k) {
-            let src_replica = manifest.replica_of(src.dp(), sample);
+        // Rows count per sample across its items on this edge.
+        let mut token = 0;
+        for (j, &r) in items.iter().enumerate() {
+            if j > 0 && items[j - 1].sample != r.sample {
+                token = 0;
+            }
+            let (sample, item) = (r.sample, manifest.item(r));
+            let src_replica = item_replica(items.len(), src.dp(), j);
             let dst_replica = manifest.replica_of(dst.dp(), sample);
-            let mut token = 0;
-            for item in manifest.edge_items(sample, edge) {
-                for u in 0..item.rows {
-                    let pos = item.pos + u;
-                    let holders = holders_of(src, src_replica, item.rows, u);
-                    let needers = needers_of(dst, &split, dst_replica, pos);
-                    let canonical = *needers
-                        .iter()
-                        .min_by_key(|&&r| {
-                            let c = dst.coords(r).expect("needer inside dst");
-                            (c.tp_idx, c.cp_idx)
-                        })
-                        .expect("every row has a needer");
-                    let id = RowId { sample, token };
-                    rows.push(Row {
-                        id,
-                        pos,
-                        src_replica,
-                        dst_replica,
-                        holders,
-                        needers,
-                        canonical,
-                    });
-                    token += 1;
-                }
+            for u in 0..item.rows {
+                let pos = item.pos + u;
+                let holders = holders_of(src, src_replica, item.rows, u);
+                let needers = needers_of(dst, &split, dst_replica, pos);
+                let canonical = *needers
+                    .iter()
+                    .min_by_key(|&&r| {
+                        let c = dst.coords(r).expect("needer inside dst");
+                        (c.tp_idx, c.cp_idx)
+                    })
+                    .expect("every row has a needer");
+                let id = RowId { sample, token };
+                rows.push(Row {
+                    id,
+                    pos,
+                    item: j,
+                    src_replica,
+                    dst_replica,
+                    holders,
+                    needers,
+                    canonical,
+                });
+                token += 1;
             }
         }
         let mut held: BTreeMap<usize, Vec<usize>> = BTreeMap::new();

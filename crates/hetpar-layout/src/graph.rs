@@ -3,19 +3,14 @@
 //! every rejection is one line naming the field and the arithmetic (RELIABILITY.md row 7).
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use crate::config::{
-    Config, DataConfig, ModuleConfig, ModuleKind, ModuleSizes, StrategyName, TrainConfig,
+    Config, DataConfig, DataSource, ModuleConfig, ModuleKind, ModuleSizes, StrategyName,
+    TrainConfig,
 };
+use crate::edge::{DpRelation, EdgeId, ModuleId, PlacementMode, Strategy};
 use crate::error::{ConfigError, Result};
 use crate::layout::{LayoutSpec, ModuleLayout, Span};
-use crate::plan::Strategy;
-
-/// Index of a module in [`ModelGraph::modules`].
-pub type ModuleId = usize;
-/// Index of an edge in [`ModelGraph::edges`].
-pub type EdgeId = usize;
 
 /// Architecture sizes of a module, by kind.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,72 +101,6 @@ impl ModuleSpec {
     }
 }
 
-/// How the two ends of an edge are placed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PlacementMode {
-    /// Same span, different grids.
-    Colocated,
-    /// Disjoint spans (rank islands).
-    NonColocated,
-}
-
-impl PlacementMode {
-    /// `colocated` or `non_colocated`.
-    pub fn name(self) -> &'static str {
-        match self {
-            PlacementMode::Colocated => "colocated",
-            PlacementMode::NonColocated => "non_colocated",
-        }
-    }
-}
-
-/// The DP relation between the ends of an edge (SEMANTICS.md section 4).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DpRelation {
-    /// `dp_src == dp_dst`.
-    EqualDp,
-    /// `dp_src == k * dp_dst`, `k > 1`.
-    FanIn(usize),
-    /// `dp_dst == k * dp_src`, `k > 1`.
-    FanOut(usize),
-    /// Neither divides the other.
-    General,
-}
-
-impl DpRelation {
-    /// Classifies `dp_src -> dp_dst`.
-    pub fn of(dp_src: usize, dp_dst: usize) -> DpRelation {
-        if dp_src == dp_dst {
-            DpRelation::EqualDp
-        } else if dp_src.is_multiple_of(dp_dst) {
-            DpRelation::FanIn(dp_src / dp_dst)
-        } else if dp_dst.is_multiple_of(dp_src) {
-            DpRelation::FanOut(dp_dst / dp_src)
-        } else {
-            DpRelation::General
-        }
-    }
-
-    /// `equal-dp`, `fan-in`, `fan-out` or `general`.
-    pub fn name(self) -> &'static str {
-        match self {
-            DpRelation::EqualDp => "equal-dp",
-            DpRelation::FanIn(_) => "fan-in",
-            DpRelation::FanOut(_) => "fan-out",
-            DpRelation::General => "general",
-        }
-    }
-}
-
-impl fmt::Display for DpRelation {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            DpRelation::FanIn(k) | DpRelation::FanOut(k) => write!(f, "{} x{k}", self.name()),
-            _ => f.write_str(self.name()),
-        }
-    }
-}
-
 /// A validated edge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Edge {
@@ -223,7 +152,8 @@ impl ModelGraph {
             modules.iter().enumerate().map(|(i, m)| (m.name.as_str(), i)).collect();
         let edges = build_edges(cfg, &modules, &ids)?;
         check_batch(&cfg.train, &modules)?;
-        check_sequence(&cfg.train, &modules, &edges)?;
+        check_data(&cfg.data)?;
+        check_sequence(&cfg.train, &cfg.data, &modules, &edges)?;
         Ok(ModelGraph {
             name: cfg.name.clone(),
             train: cfg.train.clone(),
@@ -627,7 +557,9 @@ fn check_batch(train: &TrainConfig, modules: &[Module]) -> Result<()> {
         ));
     }
     let mb = b / m;
-    for module in modules {
+    // The LLM splits the samples of a microbatch over its replicas; encoders split items
+    // (SEMANTICS.md section 3), so any encoder dp works with any microbatch.
+    for module in modules.iter().filter(|m| m.kind() == ModuleKind::Llama) {
         let dp = module.layout.dp();
         if mb % dp != 0 {
             return Err(ConfigError::new(
@@ -645,8 +577,32 @@ fn check_batch(train: &TrainConfig, modules: &[Module]) -> Result<()> {
     Ok(())
 }
 
-/// One sample must fit one item of every encoder feeding the LLM plus a text token.
-fn check_sequence(train: &TrainConfig, modules: &[Module], edges: &[Edge]) -> Result<()> {
+fn check_data(data: &DataConfig) -> Result<()> {
+    if data.max_items == 0 {
+        return Err(ConfigError::new(
+            "data.max_items",
+            "must be at least 1 (each sample draws 0..=max_items items per encoder), got 0",
+        ));
+    }
+    if data.max_items != 1 && data.source != DataSource::Synthetic {
+        return Err(ConfigError::new(
+            "data.max_items",
+            format!(
+                "applies to source = \"synthetic\" only; source \"{}\" takes its items from the data",
+                data.source.name()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One sample must fit `max_items` items of every encoder feeding the LLM plus a text token.
+fn check_sequence(
+    train: &TrainConfig,
+    data: &DataConfig,
+    modules: &[Module],
+    edges: &[Edge],
+) -> Result<()> {
     let parts: Vec<String> = edges
         .iter()
         .map(|e| {
@@ -655,14 +611,20 @@ fn check_sequence(train: &TrainConfig, modules: &[Module], edges: &[Edge]) -> Re
         })
         .collect();
     let rows: usize = edges.iter().filter_map(|e| modules[e.src].rows_per_item()).sum();
-    if rows + 1 > train.seq_len {
+    let k = data.max_items;
+    if k * rows + 1 > train.seq_len {
+        let items = if k == 1 {
+            format!("one item per encoder ({} rows)", parts.join(" + "))
+        } else {
+            format!(
+                "data.max_items({k}) items per encoder ({k} x ({} rows) = {})",
+                parts.join(" + "),
+                k * rows
+            )
+        };
         return Err(ConfigError::new(
             "train.seq_len",
-            format!(
-                "seq_len({}) cannot hold one item per encoder ({} rows) plus a text token",
-                train.seq_len,
-                parts.join(" + ")
-            ),
+            format!("seq_len({}) cannot hold {items} plus a text token", train.seq_len),
         ));
     }
     Ok(())

@@ -10,6 +10,7 @@
 
 pub mod axis;
 pub mod config;
+pub mod edge;
 pub mod error;
 pub mod geometry;
 pub mod graph;
@@ -24,12 +25,11 @@ pub mod testing;
 
 pub use axis::{Axis, View};
 pub use config::{Config, Dtype};
+pub use edge::{Direction, DpRelation, EdgeId, ModuleId, PlacementMode, Strategy};
 pub use error::ConfigError;
 pub use geometry::{EdgeGeometry, Row, RowId};
-pub use graph::{
-    DpRelation, Edge, EdgeId, ModelGraph, Module, ModuleId, ModuleSpec, PlacementMode,
-};
+pub use graph::{Edge, ModelGraph, Module, ModuleSpec};
 pub use layout::{Coords, ExpertCoords, LayoutSpec, ModuleLayout, Span};
-pub use manifest::{BatchManifest, Item, Sample};
-pub use plan::{Direction, EdgePlan, Strategy};
-pub use report::{EdgeReport, Leaders, StepTraffic};
+pub use manifest::{BatchManifest, Item, ItemRef, Sample};
+pub use plan::EdgePlan;
+pub use report::{EdgeReport, Leaders, MicrobatchItems, StepTraffic};

@@ -3,11 +3,13 @@
 //! `hetpar layout` prints this; the planner reads the same numbers.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
-use crate::graph::{DpRelation, EdgeId, ModelGraph, PlacementMode};
+use crate::edge::{DpRelation, EdgeId, PlacementMode, Strategy};
+use crate::graph::ModelGraph;
 use crate::layout::Span;
-use crate::manifest::BatchManifest;
-use crate::plan::{EdgePlan, Op, Program, Strategy, leader_ranks};
+use crate::manifest::{BatchManifest, item_range};
+use crate::plan::{EdgePlan, Op, Program, leader_ranks};
 
 /// Rows moved by one direction of an edge over a step, per rank.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -65,6 +67,15 @@ pub struct Leaders {
     pub dst: Vec<Vec<usize>>,
 }
 
+/// Which items of one microbatch each source replica owns (SEMANTICS.md section 3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MicrobatchItems {
+    /// The sample of each item, in canonical order.
+    pub samples: Vec<usize>,
+    /// Per source replica, its range of positions in `samples` (empty when it owns none).
+    pub replicas: Vec<Range<usize>>,
+}
+
 /// One edge over one step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EdgeReport {
@@ -86,6 +97,8 @@ pub struct EdgeReport {
     pub rows: usize,
     /// Samples with no row on this edge (text-only for this encoder).
     pub empty_samples: usize,
+    /// Per microbatch, the items and the source replica owning each.
+    pub items: Vec<MicrobatchItems>,
     /// Boundary leaders, for the `leaders` strategy.
     pub leaders: Option<Leaders>,
     /// Forward traffic of the configured strategy.
@@ -136,6 +149,15 @@ impl EdgeReport {
         };
         let empty_samples =
             (0..manifest.samples().len()).filter(|&s| manifest.edge_rows(s, edge) == 0).count();
+        let dp = src.layout.dp();
+        let items = (0..manifest.n_microbatches())
+            .map(|k| {
+                let samples: Vec<usize> =
+                    manifest.microbatch_items(edge, k).iter().map(|r| r.sample).collect();
+                let replicas = (0..dp).map(|d| item_range(samples.len(), dp, d)).collect();
+                MicrobatchItems { samples, replicas }
+            })
+            .collect();
         EdgeReport {
             edge,
             src: src.name.clone(),
@@ -146,6 +168,7 @@ impl EdgeReport {
             row_bytes: dst.dims.hidden * graph.train.dtype.size(),
             rows,
             empty_samples,
+            items,
             leaders,
             forward,
             backward,

@@ -8,8 +8,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::edge::Direction;
 use crate::geometry::RowId;
-use crate::plan::{Buf, Direction, EdgePlan, Op, Program, Segs};
+use crate::plan::{Buf, EdgePlan, Op, Program, Segs};
 
 /// What a slot holds: row `row`, as produced on rank `origin` (the holder in a forward, the
 /// destination rank whose gradient it is in a backward).

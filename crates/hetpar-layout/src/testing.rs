@@ -6,11 +6,11 @@ use std::collections::BTreeMap;
 use proptest::prelude::{Just, any, prop};
 use proptest::strategy::Strategy as Gen;
 
+use crate::edge::{Direction, PlacementMode, Strategy};
 use crate::geometry::EdgeGeometry;
-use crate::graph::PlacementMode;
 use crate::layout::{LayoutSpec, ModuleLayout, Span};
 use crate::manifest::{BatchManifest, Item, Sample};
-use crate::plan::{Direction, EdgePlan, Strategy};
+use crate::plan::EdgePlan;
 use crate::symbolic::{Buffers, execute, initial_state};
 
 /// A random world: an LLM fed by one or two encoders, each colocated with it or on its own
@@ -64,13 +64,12 @@ fn layout(name: &str, span: Span, (tp, cp, pp, sp): (usize, usize, usize, bool))
     ModuleLayout::new(name, span, spec).expect("factorization divides the span")
 }
 
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
-/// Random worlds of at most 64 ranks with random manifests of `0..=max_rows` rows per item.
+/// Random worlds of at most 64 ranks with random manifests: every sample draws 0..=4 items
+/// over the edges, each of `0..=max_rows` rows. Only the LLM's dp divides the samples of a
+/// microbatch; encoders (dp 1 up to 32) split items, so microbatches often hold fewer items
+/// than an encoder has replicas.
 pub fn arb_world(max_rows: usize) -> impl Gen<Value = World> {
-    let shape = (1usize..=32, prop::collection::vec((any::<bool>(), 1usize..=16), 1..=2));
+    let shape = (1usize..=32, prop::collection::vec((any::<bool>(), 1usize..=32), 1..=2));
     shape
         .prop_flat_map(|(n_llm, encoders)| {
             let llm = prop::sample::select(factorizations(n_llm));
@@ -93,17 +92,17 @@ pub fn arb_world(max_rows: usize) -> impl Gen<Value = World> {
                 }
                 layouts.push(layout(&format!("enc{i}"), span, f));
             }
-            let lcm = layouts.iter().fold(1, |acc, l| acc * l.dp() / gcd(acc, l.dp()));
-            (next <= 64 && lcm <= 24).then_some((layouts, lcm))
+            let llm_dp = layouts[0].dp();
+            (next <= 64 && llm_dp <= 24).then_some((layouts, llm_dp))
         })
-        .prop_flat_map(move |(layouts, lcm)| {
+        .prop_flat_map(move |(layouts, llm_dp)| {
             let n_edges = layouts.len() - 1;
             let item = (0..n_edges, 0..=max_rows, 0usize..=3);
-            let sample = (prop::collection::vec(item, 0..=3), 0usize..=3);
-            let per_mb = 1..=(48 / lcm).clamp(1, 2);
-            (Just(layouts), Just(lcm), per_mb, 1usize..=2).prop_flat_map(
-                move |(layouts, lcm, f, m)| {
-                    let samples = prop::collection::vec(sample.clone(), lcm * f * m);
+            let sample = (prop::collection::vec(item, 0..=4), 0usize..=3);
+            let per_mb = 1..=(48 / llm_dp).clamp(1, 2);
+            (Just(layouts), Just(llm_dp), per_mb, 1usize..=2).prop_flat_map(
+                move |(layouts, llm_dp, f, m)| {
+                    let samples = prop::collection::vec(sample.clone(), llm_dp * f * m);
                     (Just(layouts), Just(m), samples)
                 },
             )

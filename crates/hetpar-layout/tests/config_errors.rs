@@ -160,16 +160,48 @@ fn missing_modules() {
 }
 
 #[test]
+fn encoders_split_items_so_any_encoder_dp_is_accepted() {
+    // vision is tp 1 dp 8 and audio dp 2 next to one sample per microbatch.
+    let g = validate(&GOOD.replace("global_batch = 32", "global_batch = 4")).expect("valid");
+    assert_eq!(g.microbatch_size(), 1);
+    assert_eq!(g.modules[g.module_id("vision").expect("vision")].layout.dp(), 8);
+}
+
+#[test]
+fn max_items_must_fit_and_apply() {
+    let with = |data: &str| {
+        GOOD.replace("\n[modules.vision]", &format!("\n[data]\n{data}\n[modules.vision]"))
+    };
+    assert_eq!(validate(&with("max_items = 3")).expect("fits").data.max_items, 3);
+    assert_eq!(
+        validate(&with("max_items = 0")).expect_err("zero"),
+        "data.max_items: must be at least 1 (each sample draws 0..=max_items items per encoder), got 0"
+    );
+    assert_eq!(
+        validate(&with("max_items = 4")).expect_err("too long"),
+        "train.seq_len: seq_len(128) cannot hold data.max_items(4) items per encoder (4 x (16 vision + 16 audio rows) = 128) plus a text token"
+    );
+    assert_eq!(
+        validate(&with("source = \"llava\"\nmax_items = 2")).expect_err("not synthetic"),
+        "data.max_items: applies to source = \"synthetic\" only; source \"llava\" takes its items from the data"
+    );
+}
+
+#[test]
 fn a_cycle_in_the_graph() {
     let text = format!("{GOOD}\n[[edges]]\nfrom = \"llm\"\nto = \"vision\"\n");
     assert_eq!(validate(&text).expect_err("cycle"), "edges: form a cycle: vision -> llm -> vision");
 }
 
 #[test]
-fn batch_not_divisible_by_microbatches_times_dp() {
+fn batch_not_divisible_by_microbatches_times_llm_dp() {
+    // The LLM splits samples: tp 2 cp 2 on 8 ranks is dp 2, which 3 samples do not split.
+    let text = GOOD
+        .replace("tp = 4\ncp = 2", "tp = 2\ncp = 2")
+        .replace("global_batch = 32", "global_batch = 12");
     assert_eq!(
-        error_after("global_batch = 32", "global_batch = 16"),
-        "train.global_batch: global_batch(16) / microbatches(4) = 4 samples per microbatch is not divisible by modules.vision dp(8)"
+        validate(&text).expect_err("3 samples over dp 2"),
+        "train.global_batch: global_batch(12) / microbatches(4) = 3 samples per microbatch is not divisible by modules.llm dp(2)"
     );
     assert_eq!(
         error_after("global_batch = 32", "global_batch = 30"),

@@ -2,7 +2,8 @@
 //! each strategy emits for them.
 
 use expect_test::expect;
-use hetpar_layout::plan::{Direction, Program};
+use hetpar_layout::Direction;
+use hetpar_layout::plan::Program;
 use hetpar_layout::testing::check_plan;
 use hetpar_layout::{
     BatchManifest, EdgeGeometry, EdgePlan, Item, LayoutSpec, ModuleLayout, RowId, Sample, Span,
@@ -165,6 +166,67 @@ fn case5_dp3_into_dp2_splits_the_middle_replica() {
         ops(3, Direction::Forward)[..2],
         ["recv 4 rows from 0 into N[0..4]", "recv 2 rows from 1 into N[4..6]"]
     );
+}
+
+/// One sample of `images` items of 4 rows at positions 1, 5, 9, ... in a 64-token sequence.
+fn one_sample_with(images: usize) -> BatchManifest {
+    let items = (0..images).map(|i| Item { edge: 0, pos: 1 + 4 * i, rows: 4 }).collect();
+    BatchManifest::new(64, 1, 1, vec![Sample { len: 64, items }]).expect("valid manifest")
+}
+
+#[test]
+fn case6_encoder_replicas_split_one_samples_items() {
+    let enc = layout("vision", (0, 8), 1, 1, 1, false);
+    let llm = layout("llm", (0, 8), 4, 2, 1, false);
+    // Which items (by index in the sample) each encoder rank holds rows of.
+    let items_of = |geo: &EdgeGeometry, rank: usize| -> Vec<usize> {
+        let mut v: Vec<usize> = geo.held[&rank].iter().map(|&i| geo.rows[i].item).collect();
+        v.dedup();
+        v
+    };
+    let m = one_sample_with(12);
+    let owned: Vec<_> = (0..8).map(|d| m.replica_items(0, 8, d, 0)).collect();
+    assert_eq!(owned, [0..1, 1..3, 3..4, 4..6, 6..7, 7..9, 9..10, 10..12]);
+    let geo = EdgeGeometry::new(&enc, &llm, &m, 0, 0);
+    assert_eq!(geo.rows.len(), 48);
+    assert_eq!(items_of(&geo, 1), [1, 2]);
+    assert_eq!(items_of(&geo, 2), [3]);
+    // Rank 1 holds rows 4..12 of sample 0 (images 1 and 2), in order.
+    let held: Vec<RowId> = geo.held[&1].iter().map(|&i| geo.rows[i].id).collect();
+    assert_eq!(held, (4..12).map(|token| RowId { sample: 0, token }).collect::<Vec<_>>());
+    // Each LLM rank needs the rows at the positions its CP rank owns (chunks of 16: CP rank 0
+    // owns 0-15 and 48-63, which touch images 0-3 and the last row of image 11; CP rank 1
+    // owns 16-47); TP replicas need the same rows; each collects from several encoder ranks.
+    let sources = |rank: usize| -> Vec<usize> {
+        let mut v: Vec<usize> =
+            geo.needed[&rank].iter().map(|&i| geo.rows[i].src_replica).collect();
+        v.dedup();
+        v
+    };
+    assert_eq!(sources(0), [0, 1, 2, 7]);
+    assert_eq!(sources(4), [2, 3, 4, 5, 6, 7]);
+    assert_eq!(geo.needed[&0], geo.needed[&3]);
+    for s in [Strategy::Exact, Strategy::Gather] {
+        plan(&enc, &llm, &m, s);
+    }
+
+    // Three images: replicas 2, 5 and 7 encode one each, the other five own nothing.
+    let m = one_sample_with(3);
+    let owned: Vec<_> = (0..8).map(|d| m.replica_items(0, 8, d, 0)).collect();
+    assert_eq!(owned, [0..0, 0..0, 0..1, 1..1, 1..1, 1..2, 2..2, 2..3]);
+    let geo = EdgeGeometry::new(&enc, &llm, &m, 0, 0);
+    let busy: Vec<usize> = (0..8).filter(|&r| !geo.held[&r].is_empty()).collect();
+    assert_eq!(busy, [2, 5, 7]);
+    for s in [Strategy::Exact, Strategy::Gather] {
+        let p = plan(&enc, &llm, &m, s);
+        // The idle replicas still take part: every rank of the span has a program.
+        assert_eq!(p.forward.ops.len(), 8, "{s}");
+    }
+    // Across islands too: the same encoder on its own ranks, its empty replicas send nothing.
+    let island = layout("vision", (8, 16), 1, 1, 1, false);
+    let p = plan(&island, &llm, &m, Strategy::Leaders { stripes: 1 });
+    let senders: Vec<usize> = (8..16).filter(|r| !p.forward.ops[r].is_empty()).collect();
+    assert_eq!(senders, [10, 13, 15]);
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! Property tests: every strategy on random worlds (up to 64 ranks, one or two encoders,
-//! colocated and non-colocated, random TP/SP/CP/PP, any DP ratio, random manifests with
-//! text-only samples) satisfies the boundary contract under the symbolic executor.
+//! colocated and non-colocated, random TP/SP/CP/PP, any DP ratio, encoder dp 1 to 32
+//! splitting items, random manifests of 0-4 items per sample with text-only samples and
+//! microbatches holding fewer items than an encoder has replicas) satisfies the boundary
+//! contract under the symbolic executor, in both directions.
 
 use hetpar_layout::EdgePlan;
 use hetpar_layout::testing::{arb_world, check_plan};

@@ -3,7 +3,8 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use hetpar_layout::plan::{Direction, rank_list};
+use hetpar_layout::Direction;
+use hetpar_layout::plan::rank_list;
 use hetpar_layout::{BatchManifest, EdgePlan, EdgeReport, ModelGraph, Module, StepTraffic};
 use serde_json::json;
 
@@ -162,6 +163,7 @@ fn render_edge(out: &mut String, graph: &ModelGraph, r: &EdgeReport) {
         )
         .expect("string");
     }
+    render_items(out, r);
     writeln!(out, "{}", traffic_line("forward", &r.forward, r.row_bytes)).expect("string");
     writeln!(out, "{}", traffic_line("backward", &r.backward, r.row_bytes)).expect("string");
     writeln!(
@@ -202,6 +204,41 @@ fn render_edge(out: &mut String, graph: &ModelGraph, r: &EdgeReport) {
         })
         .collect();
     writeln!(out, "  strategies (forward/backward): {}", alts.join(", ")).expect("string");
+}
+
+/// Which items each source replica owns, per microbatch: `mb 0, 3 items (samples 0 0 1):
+/// dp0 -, dp1 0, dp2 1-2` (item positions in canonical order).
+fn render_items(out: &mut String, r: &EdgeReport) {
+    writeln!(out, "  items per {} replica (canonical order: by sample, then position):", r.src)
+        .expect("string");
+    for (k, mb) in r.items.iter().enumerate() {
+        let owners: Vec<String> = mb
+            .replicas
+            .iter()
+            .enumerate()
+            .map(|(d, range)| {
+                let own = match range.len() {
+                    0 => "-".to_string(),
+                    1 => range.start.to_string(),
+                    _ => format!("{}-{}", range.start, range.end - 1),
+                };
+                format!("dp{d} {own}")
+            })
+            .collect();
+        let samples: Vec<String> = mb.samples.iter().map(ToString::to_string).collect();
+        let of = if samples.is_empty() {
+            String::new()
+        } else {
+            format!(" (samples {})", samples.join(" "))
+        };
+        writeln!(
+            out,
+            "    mb {k}, {}{of}: {}",
+            plural(mb.samples.len(), "item"),
+            owners.join(", ")
+        )
+        .expect("string");
+    }
 }
 
 fn render_programs(out: &mut String, graph: &ModelGraph, manifest: &BatchManifest, edge: usize) {
@@ -300,8 +337,19 @@ fn to_json(graph: &ModelGraph, reports: &[EdgeReport]) -> serde_json::Value {
                     })
                 })
                 .collect();
+            let items: Vec<_> = r
+                .items
+                .iter()
+                .enumerate()
+                .map(|(k, mb)| {
+                    let replicas: Vec<[usize; 2]> =
+                        mb.replicas.iter().map(|x| [x.start, x.end]).collect();
+                    json!({ "microbatch": k, "samples": mb.samples, "replicas": replicas })
+                })
+                .collect();
             json!({
                 "src": r.src, "dst": r.dst,
+                "items": items,
                 "mode": r.mode.name(), "relation": r.relation.name(), "strategy": r.strategy.to_string(),
                 "rows": r.rows, "row_bytes": b,
                 "bytes_fwd": r.forward.total() * b, "bytes_bwd": r.backward.total() * b,

@@ -102,7 +102,7 @@ fn bad_input_is_one_line_and_a_nonzero_exit() {
             "cp = 3",
             "modules.llm.parallel: tp(2) * cp(3) * pp(1) = 6 does not divide span [0, 8) of 8 ranks",
         ),
-        ("global_batch = 16", "global_batch = 12", "is not divisible by modules.vision dp(8)"),
+        ("global_batch = 16", "global_batch = 14", "is not divisible by modules.llm dp(2)"),
         ("sp = true", "sp = true\nspp = 1", "unknown field `spp`"),
     ];
     for (i, (from, to, want)) in cases.iter().enumerate() {

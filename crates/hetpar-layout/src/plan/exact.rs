@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use super::{Movement, Op, Program, Segs};
-use crate::graph::PlacementMode;
+use crate::edge::PlacementMode;
 
 pub(super) fn plan(mv: &Movement<'_>, mode: PlacementMode) -> Program {
     let mut prog = mv.empty_program();

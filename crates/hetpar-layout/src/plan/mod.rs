@@ -18,72 +18,13 @@ mod gather;
 mod leaders;
 mod program;
 
-use std::fmt;
-
 pub use program::{Buf, Op, Program, Seg, Segs, Traffic, rank_list};
 
+use crate::edge::{Direction, EdgeId, PlacementMode, Strategy};
 use crate::geometry::EdgeGeometry;
-use crate::graph::{EdgeId, ModelGraph, PlacementMode};
+use crate::graph::ModelGraph;
 use crate::layout::ModuleLayout;
 use crate::manifest::BatchManifest;
-
-/// How an edge moves its rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Strategy {
-    /// Exactly the missing rows, directly from a holder.
-    Exact,
-    /// Colocated all-gather and local selection.
-    Gather,
-    /// Non-colocated boundary leaders; `stripes > 1` spreads a replica pair over that many
-    /// leader pairs.
-    Leaders {
-        /// Leader pairs per replica pair.
-        stripes: usize,
-    },
-}
-
-impl Strategy {
-    /// The strategies that apply to `mode`, with `stripes` for leaders.
-    pub fn all_for(mode: PlacementMode, max_stripes: usize) -> Vec<Strategy> {
-        match mode {
-            PlacementMode::Colocated => vec![Strategy::Exact, Strategy::Gather],
-            PlacementMode::NonColocated => {
-                let mut v = vec![Strategy::Exact, Strategy::Leaders { stripes: 1 }];
-                if max_stripes > 1 {
-                    v.push(Strategy::Leaders { stripes: max_stripes });
-                }
-                v
-            }
-        }
-    }
-
-    /// Config spelling: `exact`, `gather`, `leaders`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::Exact => "exact",
-            Strategy::Gather => "gather",
-            Strategy::Leaders { .. } => "leaders",
-        }
-    }
-}
-
-impl fmt::Display for Strategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Strategy::Leaders { stripes } if *stripes > 1 => write!(f, "leaders x{stripes}"),
-            _ => f.write_str(self.name()),
-        }
-    }
-}
-
-/// Forward (activations, source to destination) or backward (gradients, back).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Direction {
-    /// Activations: `Held` to `Needed`.
-    Forward,
-    /// Gradients: `Needed` to `Held`.
-    Backward,
-}
 
 /// A direction of an edge seen abstractly: rows live in a "from" buffer on some ranks and
 /// must reach a "to" buffer on others. Strategies are written once against this.
