@@ -4,7 +4,9 @@
 //! SVG timelines. Pure: no threads, no IO, no communicator.
 //!
 //! Flow: [`PipelineGraph`] (from a validated model graph) -> [`Schedule::build`] ->
-//! [`validate`] (static checks + [`simulate`] with [`Durations`]) -> [`text_grid`] / [`svg`].
+//! [`validate`] (static checks + [`simulate`] with [`Durations`], or [`WorkDurations`] for
+//! a step's manifest, where encoder replicas without items pass empty) -> [`text_grid`] /
+//! [`svg`].
 
 pub mod action;
 pub mod build;
@@ -16,6 +18,7 @@ pub mod render;
 pub mod testing;
 pub mod validate;
 mod warmup;
+pub mod work;
 
 pub use action::{Action, Compute, Labels, MsgId, Pass, Post, Role};
 pub use build::{Options, Schedule};
@@ -23,3 +26,4 @@ pub use error::ScheduleError;
 pub use graph::{PipeModule, PipelineGraph, ScheduleKind};
 pub use render::{svg, text_grid};
 pub use validate::{Durations, Timeline, UnitDurations, check, simulate, validate};
+pub use work::{Work, WorkDurations};

@@ -2,11 +2,14 @@
 //! 1-16 microbatches, colocated or island placements, chains and branches between encoders,
 //! and interleaving and offload where they apply.
 
-use proptest::prelude::{Strategy, any, prop};
+use std::collections::BTreeMap;
+
+use proptest::prelude::{Just, Strategy, any, prop};
 
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
 
 use crate::graph::{PipeModule, PipelineGraph};
+use crate::work::Work;
 
 /// Raw choices for one encoder, mapped onto a valid layout by [`arb_graph`].
 type EncoderChoice = (bool, usize, usize, usize, bool, bool, usize);
@@ -29,6 +32,28 @@ pub fn arb_graph() -> impl Strategy<Value = PipelineGraph> {
         .prop_map(|(m, (pp, tp_sel, dp_sel, interleave), encoders)| {
             build(m, pp, tp_sel, dp_sel, interleave, &encoders)
         })
+}
+
+/// A random graph with random items per encoder replica and microbatch (0, 1 or 2, about
+/// half of them 0), so that replicas without items occur in every kind of schedule.
+pub fn arb_graph_with_work() -> impl Strategy<Value = (PipelineGraph, Work)> {
+    arb_graph().prop_flat_map(|g| {
+        let sink = g.sink();
+        let shapes: Vec<(usize, usize)> = (0..g.modules().len())
+            .filter(|&m| m != sink)
+            .map(|m| (m, g.modules()[m].layout.dp()))
+            .collect();
+        let m = g.microbatches();
+        let counts: Vec<_> = shapes
+            .iter()
+            .map(|&(module, dp)| {
+                let n = prop::sample::select(vec![0usize, 0, 1, 2]);
+                (Just(module), prop::collection::vec(prop::collection::vec(n, dp), m))
+            })
+            .collect();
+        (Just(g), counts)
+            .prop_map(|(g, counts)| (g, Work::new(counts.into_iter().collect::<BTreeMap<_, _>>())))
+    })
 }
 
 fn build(

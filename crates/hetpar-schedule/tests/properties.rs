@@ -1,8 +1,12 @@
-//! Property tests: every schedule built for a random graph validates; mutated schedules (a
-//! dropped receive, two swapped sends) are rejected with a message naming rank and action.
+//! Property tests: every schedule built for a random graph validates, also with encoder
+//! replicas that own no item in some microbatches; mutated schedules (a dropped receive, two
+//! swapped sends, an empty replica skipping its turn) are rejected with a message naming
+//! rank and action.
 
-use hetpar_schedule::testing::arb_graph;
-use hetpar_schedule::{Action, MsgId, Options, Role, Schedule, UnitDurations, validate};
+use hetpar_schedule::testing::{arb_graph, arb_graph_with_work};
+use hetpar_schedule::{
+    Action, MsgId, Options, Role, Schedule, UnitDurations, WorkDurations, validate,
+};
 use proptest::prelude::*;
 use proptest::sample::Index;
 
@@ -105,5 +109,58 @@ proptest! {
         actions[i2] = Action::Comm(second);
         let err = validate(&s, &UnitDurations).expect_err("swapped sends must be caught");
         prop_assert!(err.to_string().starts_with("deadlock: ") && err.to_string().contains(&format!("rank {r} ")), "{err}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Encoder replicas with no item in a microbatch pass empty (no time) but keep their
+    /// place in every boundary transform and reduction: the schedule still validates.
+    #[test]
+    fn replicas_without_items_keep_the_schedule_valid((g, work) in arb_graph_with_work()) {
+        let s = Schedule::build(&g, Options::default()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let d = WorkDurations { inner: UnitDurations, work: &work, graph: &g };
+        let t = validate(&s, &d).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        // Empty passes take no time: the step is never longer than with unit work.
+        let full = validate(&s, &UnitDurations).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert!(t.makespan <= full.makespan + 1e-9);
+    }
+
+    /// A runtime that skipped an empty replica's turn in a microbatch (its passes, pipeline
+    /// messages and boundary transforms) would hang the ranks that wait for it in those
+    /// collectives: the validator rejects that schedule, naming a rank of the replica. (A
+    /// replica that shares its transforms with no other rank, a one-rank world, may skip.)
+    #[test]
+    fn skipping_an_empty_replica_is_rejected((g, work) in arb_graph_with_work(), pick in any::<Index>()) {
+        let empty = work.empty();
+        prop_assume!(!empty.is_empty());
+        let (module, mb, replica) = empty[pick.index(empty.len())];
+        let mut s = Schedule::build(&g, Options::default()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let layout = &g.modules()[module].layout;
+        let ranks: Vec<usize> = (0..layout.pp()).flat_map(|p| layout.stage_ranks(replica, p)).collect();
+        let out_edges: Vec<usize> = (0..g.edges().len()).filter(|&e| g.edges()[e].0 == module).collect();
+        prop_assume!(out_edges.iter().any(|&e| g.boundary_participants(e).iter().any(|r| !ranks.contains(r))));
+        let skipped = |msg: &MsgId| match *msg {
+            MsgId::Act { module: m, mb: k, .. } | MsgId::Grad { module: m, mb: k, .. } => m == module && k == mb,
+            MsgId::Boundary { edge, mb: k, .. } => k == mb && out_edges.contains(&edge),
+            MsgId::Reduce { .. } => false,
+        };
+        for r in &ranks {
+            let actions = s.ranks.get_mut(r).expect("rank");
+            actions.retain_mut(|a| match a {
+                Action::Compute(c) => !(c.module == module && c.mb == mb),
+                Action::Comm(posts) => {
+                    posts.retain(|p| !skipped(&p.msg));
+                    !posts.is_empty()
+                }
+                Action::Boundary(p) => !skipped(&p.msg),
+                _ => true,
+            });
+        }
+        let err = validate(&s, &WorkDurations { inner: UnitDurations, work: &work, graph: &g })
+            .expect_err("skipping an empty replica must be caught");
+        let text = err.to_string();
+        prop_assert!(ranks.iter().any(|r| text.contains(&format!("rank {r}"))), "{text} (replica ranks {ranks:?})");
     }
 }

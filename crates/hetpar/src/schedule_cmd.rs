@@ -3,7 +3,11 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use hetpar_schedule::{Options, PipelineGraph, Schedule, UnitDurations, svg, text_grid, validate};
+use hetpar_layout::BatchManifest;
+use hetpar_layout::plan::rank_list;
+use hetpar_schedule::{
+    Options, PipelineGraph, Schedule, UnitDurations, Work, WorkDurations, svg, text_grid, validate,
+};
 
 /// Arguments of `hetpar schedule`.
 #[derive(clap::Args)]
@@ -13,6 +17,9 @@ pub struct Args {
     /// Also write an SVG timeline to this file.
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
+    /// Which step's synthetic manifest decides the encoder replicas without items.
+    #[arg(long, default_value_t = 0)]
+    step: u64,
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
@@ -20,7 +27,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let pipeline = PipelineGraph::from_model(&graph);
     let schedule = Schedule::build(&pipeline, Options::default())
         .with_context(|| format!("{}: cannot schedule", args.config.display()))?;
-    let timeline = validate(&schedule, &UnitDurations).with_context(|| {
+    // Encoder replicas that own no item in a microbatch pass empty (no time) but keep
+    // their place in every transform and reduction.
+    let work = Work::from_manifest(&pipeline, &BatchManifest::synthetic(&graph, args.step));
+    let durations = WorkDurations { inner: UnitDurations, work: &work, graph: &pipeline };
+    let timeline = validate(&schedule, &durations).with_context(|| {
         format!("{}: the {} schedule is invalid", args.config.display(), schedule.kind.name())
     })?;
     let n_ranks = schedule.ranks.len();
@@ -34,6 +45,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         schedule.microbatches
     );
     out.push_str(&text_grid(&schedule, &timeline));
+    out.push_str(&empty_replicas(&pipeline, &work, args.step));
     out.push_str(&format!(
         "\nvalid: every message matched, no deadlock, every forward before its backward, every boundary forward with its backward\nstep {slots} slots, bubble {:.1}% ({idle:.0} idle of {:.0} rank-slots)\n",
         100.0 * timeline.bubble_fraction(),
@@ -55,4 +67,28 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         print!("{out}");
     }
     Ok(())
+}
+
+/// One line per encoder whose replicas own no item in some microbatch of the step.
+fn empty_replicas(pipeline: &PipelineGraph, work: &Work, step: u64) -> String {
+    let mut out = String::new();
+    for (id, m) in pipeline.modules().iter().enumerate() {
+        let per_mb: Vec<String> = (0..pipeline.microbatches())
+            .filter_map(|mb| {
+                let idle: Vec<usize> = (0..m.layout.dp())
+                    .filter(|&d| work.items(id, d, mb) == Some(0))
+                    .flat_map(|d| (0..m.layout.pp()).flat_map(move |p| m.layout.stage_ranks(d, p)))
+                    .collect();
+                (!idle.is_empty()).then(|| format!("mb {mb} on ranks {}", rank_list(&idle)))
+            })
+            .collect();
+        if !per_mb.is_empty() {
+            out.push_str(&format!(
+                "\n{}: replicas with no item in step {step} pass empty (idle) but take part in every transform and reduction: {}\n",
+                m.name,
+                per_mb.join("; ")
+            ));
+        }
+    }
+    out
 }

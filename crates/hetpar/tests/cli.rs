@@ -87,7 +87,29 @@ fn text_output_for_every_example() {
         let text = stdout(&hetpar(&["layout", &example]));
         assert!(text.contains("lower bound"), "{example}:\n{text}");
         assert!(text.contains("stage 0"), "{example}:\n{text}");
+        assert!(text.contains("items per "), "{example}:\n{text}");
+        let text = stdout(&hetpar(&["schedule", &example]));
+        assert!(text.contains("\nvalid: every message matched"), "{example}:\n{text}");
     }
+}
+
+#[test]
+fn an_encoder_at_tp1_next_to_one_sample_per_microbatch_plans_and_schedules() {
+    // EXAMPLES.md case 6 in microbatch 0: 12 images of one sample over 8 replicas.
+    let example = "examples/encoder-tp1-one-sample.toml";
+    let text = stdout(&hetpar(&["layout", example]));
+    assert!(
+        text.contains("mb 0, 12 items (samples 0 0 0 0 0 0 0 0 0 0 0 0): dp0 0, dp1 1-2, dp2 3, dp3 4-5, dp4 6, dp5 7-8, dp6 9, dp7 10-11"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "mb 2, 3 items (samples 2 2 2): dp0 -, dp1 -, dp2 0, dp3 -, dp4 -, dp5 1, dp6 -, dp7 2"
+        ),
+        "{text}"
+    );
+    let text = stdout(&hetpar(&["schedule", example]));
+    assert!(text.contains("vision: replicas with no item in step 0 pass empty (idle) but take part in every transform and reduction: mb 1 on ranks 0-2,4-6;"), "{text}");
 }
 
 #[test]
