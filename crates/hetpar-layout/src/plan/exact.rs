@@ -28,16 +28,19 @@ pub(super) fn plan(mv: &Movement<'_>, mode: PlacementMode) -> Program {
     }
     match mode {
         PlacementMode::Colocated => {
-            let group: Vec<usize> = mv.geo.src.span().ranks().collect();
-            for &r in &group {
-                let send = group
-                    .iter()
-                    .map(|&p| msgs.get(&(r, p)).map_or_else(Segs::default, |m| m.0.clone()))
-                    .collect();
-                let recv = group
-                    .iter()
-                    .map(|&p| msgs.get(&(p, r)).map_or_else(Segs::default, |m| m.1.clone()))
-                    .collect();
+            // Every member's per-peer lists, filled from the messages in one pass (a
+            // lookup per member pair is quadratic in map probes on wide spans).
+            let span = mv.geo.src.span();
+            let group: Vec<usize> = span.ranks().collect();
+            let n = group.len();
+            let mut send = vec![vec![Segs::default(); n]; n];
+            let mut recv = vec![vec![Segs::default(); n]; n];
+            for ((s, t), (from, to)) in msgs {
+                let (si, ti) = (s - span.start, t - span.start);
+                send[si][ti] = from;
+                recv[ti][si] = to;
+            }
+            for ((&r, send), recv) in group.iter().zip(send).zip(recv) {
                 prog.push(r, Op::AllToAllV { group: group.clone(), send, recv });
             }
         }
