@@ -108,17 +108,12 @@ impl Candidate {
         wl.global_batch as f64 / (self.microbatches * self.llm.dp()) as f64
     }
 
-    /// Whether hetpar's runtime accepts the candidate as a config: every module's `dp`
-    /// divides the samples of a global microbatch (SEMANTICS.md section 3).
+    /// Whether hetpar's runtime accepts the candidate as a config: the LLM's `dp` divides
+    /// the samples of a global microbatch. Encoders split items (SEMANTICS.md section 3), so
+    /// any encoder `dp` runs.
     pub fn runnable(&self, wl: &Workload) -> bool {
         let b = wl.global_batch;
-        if !b.is_multiple_of(self.microbatches) {
-            return false;
-        }
-        let mb = b / self.microbatches;
-        // Homogeneous encoders share the LLM's replicas.
-        let encoders = if self.kind == Kind::Homogeneous { &[][..] } else { &self.encoders[..] };
-        std::iter::once(&self.llm).chain(encoders).all(|c| mb.is_multiple_of(c.dp()))
+        b.is_multiple_of(self.microbatches) && (b / self.microbatches).is_multiple_of(self.llm.dp())
     }
 }
 

@@ -5,28 +5,42 @@
 //! spends
 //! - GEMMs: `t * gemm_flops / 3 / tp` at `peak * gemm * w / (w + w0)` with `w = hidden / tp`
 //!   (narrow shards run below peak);
-//! - attention core: `t * attention_flops / 3 / tp` at `peak * attention`;
-//! - element-wise work: `t / tp * elementwise_bytes * hidden` bytes of HBM traffic
-//!   (sequence parallelism shards it over `tp`);
-//! - tensor parallelism (SP): two all-gathers and two reduce-scatters of the `t x hidden`
-//!   activation per layer, hidden behind up to `tp_overlap` of the layer's GEMM time;
-//! - context parallelism (ring): `cp - 1` key/value chunk exchanges, hidden behind the
-//!   attention core as far as it lasts;
+//! - attention core: `t * attention_flops / 3 / tp` at `peak * attention`; under context
+//!   parallelism (ring attention, Transformer Engine's p2p CP as Megatron runs it) at that
+//!   rate over `cp_attention * (1 + cp_step * (cp - 2))`: each pass becomes `cp` partial
+//!   kernels on half chunks, merged by online-softmax corrections, synchronized with the
+//!   key/value exchange at every step. The two factors are fitted to the published
+//!   long-context rows, the only context-parallel measurements of that stack we have;
+//! - element-wise work: `t * elementwise_bytes * hidden` bytes of HBM traffic, split over
+//!   `tp` by sequence parallelism (without it, Korthikanti's `h`-wide part stays whole);
+//! - tensor parallelism: two all-gathers and two reduce-scatters (or two all-reduces) of
+//!   the `t x hidden` activation per layer, hidden behind up to `tp_overlap` of the layer's
+//!   GEMM time under sequence parallelism and not at all without;
+//! - context parallelism: `cp - 1` ring steps, each sending the local key/value chunk (and
+//!   in the backward also its gradient) to the next CP rank at the slowest hop's speed (the
+//!   network when the `tp * cp` ranks span more than a node), hidden behind `cp_overlap` of
+//!   that step's attention;
 //! - expert parallelism: dispatch and combine all-to-alls of `t * top_k` rows.
+//!
+//! An encoder in a homogeneous layout runs Megatron's vision model: the LLM's tp without
+//! sequence parallelism or communication overlap (`Run::sp`), its work repeated on every CP
+//! rank. Data-parallel reduction streams with the last microbatch's backward and the
+//! parameter gather with the first forward ([`Run::reduce`]).
 //!
 //! The backward pass takes twice the forward GEMM, element-wise and communication time and
 //! 2.5 times the attention time (flash attention's backward); recomputing a share of the
-//! layers adds that share of a forward. The last LLM stage adds the LM head and the cross-entropy over the vocabulary,
-//! an encoder's last stage its projector.
+//! layers adds that share of a forward. The last LLM stage adds the LM head and the
+//! cross-entropy over the vocabulary, an encoder's last stage its projector.
 
 use crate::hardware::Hardware;
 use crate::model::ModuleShape;
 
 /// Bytes of an activation element (bf16).
 pub const ACT_BYTES: f64 = 2.0;
-/// Bytes per parameter moved by the gradient reduce-scatter (fp32) and the parameter
-/// all-gather (bf16) of the distributed optimizer.
-pub const DP_BYTES_PER_PARAM: f64 = 6.0;
+/// Bytes per parameter of the distributed optimizer's gradient reduce-scatter (fp32).
+pub const GRAD_BYTES: f64 = 4.0;
+/// Bytes per parameter of its parameter all-gather (bf16).
+pub const PARAM_BYTES: f64 = 2.0;
 /// Backward over forward time of the attention core.
 pub const ATTENTION_BWD: f64 = 2.5;
 
@@ -58,6 +72,34 @@ pub struct Run<'a> {
     /// Whether `cp` splits the tokens (false: an encoder in a homogeneous layout, whose work
     /// every CP rank repeats).
     pub cp_split: bool,
+    /// Sequence parallelism inside tp: element-wise work and activations split over `tp`,
+    /// tensor-parallel communication overlapped with GEMMs. False for an encoder in a
+    /// homogeneous layout, which runs Megatron's vision model: tensor parallel without
+    /// sequence parallelism or communication overlap (Megatron-LM
+    /// `examples/multimodal/model.py`: "Vision model and projection do not use SP/CP").
+    pub sp: bool,
+}
+
+/// One layer's time on one rank for one microbatch by term, seconds. Communication terms
+/// are what stays exposed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LayerParts {
+    /// Forward GEMMs (the backward runs twice their FLOPs at the same rate).
+    pub gemm: f64,
+    /// Forward attention core.
+    pub attn_fwd: f64,
+    /// Backward attention core.
+    pub attn_bwd: f64,
+    /// Forward element-wise work.
+    pub elem: f64,
+    /// Forward tensor-parallel communication not hidden behind GEMMs.
+    pub tp_comm: f64,
+    /// Forward context-parallel key/value exchange not hidden behind attention.
+    pub cp_fwd: f64,
+    /// Backward context-parallel exchange (key/value and their gradients).
+    pub cp_bwd: f64,
+    /// Forward expert dispatch and combine.
+    pub ep_comm: f64,
 }
 
 /// Time of one virtual stage's passes for one microbatch, seconds.
@@ -90,6 +132,18 @@ impl Run<'_> {
         if self.cp_split { self.tokens / self.cp as f64 } else { self.tokens }
     }
 
+    /// Of `bytes` per token split into `h`-wide tensors and tp-sharded ones as a layer's
+    /// activations are, the part one rank holds: all of it over `tp` under sequence
+    /// parallelism, else the wide part whole.
+    pub fn per_rank(&self, bytes: f64) -> f64 {
+        let tp = self.tp as f64;
+        if self.sp {
+            return bytes / tp;
+        }
+        let (wide, sharded) = self.shape.layer_activation_split();
+        bytes * (wide + sharded / tp) / (wide + sharded)
+    }
+
     /// Ranks of one pipeline stage of one replica (the TP x CP block).
     fn block(&self) -> usize {
         self.tp * self.cp
@@ -100,8 +154,8 @@ impl Run<'_> {
         hw.peak() * e.gemm * width / (width + e.gemm_half_width)
     }
 
-    /// One layer's forward and backward for one microbatch.
-    pub fn layer(&self, hw: &Hardware) -> PassTime {
+    /// One layer's time for one microbatch on one rank, term by term.
+    pub fn layer_parts(&self, hw: &Hardware) -> LayerParts {
         let s = self.shape;
         let e = &hw.efficiency;
         let t = self.local_tokens();
@@ -114,17 +168,36 @@ impl Run<'_> {
             gemm_rate *= per_expert / (per_expert + 256.0);
         }
         let gemm = t * s.layer_gemm_flops() / 3.0 / tp / gemm_rate;
-        let attn = t * s.layer_attention_flops(self.seq) / 3.0 / tp / (hw.peak() * e.attention);
-        let elem = t / tp * e.elementwise_bytes * h / (hw.hbm_gbps * 1e9);
+        let ring = self.cp > 1 && self.cp_split;
+        let slow =
+            if ring { e.cp_attention * (1.0 + e.cp_step * (self.cp - 2) as f64) } else { 1.0 };
+        let attn_rate = hw.peak() * e.attention / slow;
+        let attn_fwd = t * s.layer_attention_flops(self.seq) / 3.0 / tp / attn_rate;
+        let attn_bwd = ATTENTION_BWD * attn_fwd;
+        let elem = t * self.per_rank(e.elementwise_bytes * h) / (hw.hbm_gbps * 1e9);
         let act = t * h * ACT_BYTES;
-        let tp_comm = (4.0 * hw.ring_time(act, self.tp, self.tp) - e.tp_overlap * gemm).max(0.0);
-        let cp_comm = if self.cp > 1 && self.cp_split {
+        let overlap = if self.sp { e.tp_overlap } else { 0.0 };
+        let tp_comm = (4.0 * hw.ring_time(act, self.tp, self.tp) - overlap * gemm).max(0.0);
+        // Context parallelism (ring attention, as Transformer Engine's p2p CP): cp - 1 steps,
+        // each sending this rank's key/value chunk to the next CP rank (forward) or the
+        // chunk and its gradient (backward) while computing the attention of the chunk it
+        // holds. A step's transfer hides behind that step's attention only. CP peers are
+        // `tp` ranks apart, so a group of `tp * cp` ranks wider than a node crosses the
+        // network on some hop, and the ring moves at that hop's point-to-point speed.
+        let (cp_fwd, cp_bwd) = if ring {
             let kv = (s.kv_heads * (s.hidden / s.heads)) as f64;
             let chunk = t * 2.0 * kv * ACT_BYTES / tp;
-            let ring = (self.cp - 1) as f64 * hw.p2p_time(chunk, self.tp);
-            (ring - attn).max(0.0)
+            let bw = hw.group_bandwidth(self.tp * self.cp);
+            let hop = |bytes: f64| bytes / bw + hw.latency_us * 1e-6;
+            let steps = (self.cp - 1) as f64;
+            let per = self.cp as f64;
+            let hidden = e.cp_overlap;
+            (
+                steps * (hop(chunk) - hidden * attn_fwd / per).max(0.0),
+                steps * (hop(2.0 * chunk) - hidden * attn_bwd / per).max(0.0),
+            )
         } else {
-            0.0
+            (0.0, 0.0)
         };
         let ep_comm = if s.experts > 0 && self.ep > 1 {
             let rows = t / tp * s.top_k as f64 * h * ACT_BYTES;
@@ -133,10 +206,18 @@ impl Run<'_> {
         } else {
             0.0
         };
-        let comm = tp_comm + cp_comm + ep_comm;
-        let fwd = gemm + attn + elem + comm;
-        let bwd = 2.0 * (gemm + elem + comm) + ATTENTION_BWD * attn + self.recompute * fwd;
-        PassTime { fwd, bwd, comm: 3.0 * comm }
+        LayerParts { gemm, attn_fwd, attn_bwd, elem, tp_comm, cp_fwd, cp_bwd, ep_comm }
+    }
+
+    /// One layer's forward and backward for one microbatch.
+    pub fn layer(&self, hw: &Hardware) -> PassTime {
+        let p = self.layer_parts(hw);
+        // Backward: twice the forward's GEMMs, element-wise work and TP/EP communication.
+        let twice = p.gemm + p.elem + p.tp_comm + p.ep_comm;
+        let fwd = twice + p.attn_fwd + p.cp_fwd;
+        let bwd = 2.0 * twice + p.attn_bwd + p.cp_bwd + self.recompute * fwd;
+        let comm = 3.0 * (p.tp_comm + p.ep_comm) + p.cp_fwd + p.cp_bwd;
+        PassTime { fwd, bwd, comm: comm + self.recompute * (p.tp_comm + p.ep_comm + p.cp_fwd) }
     }
 
     /// The work after the last layer: LM head and cross-entropy (LLM), projector (encoder).
@@ -157,10 +238,15 @@ impl Run<'_> {
         PassTime { fwd, bwd, comm: 0.0 }
     }
 
+    /// Layers of virtual stage `v` (of `pp * vpp`).
+    pub fn vstage_layers(&self, v: usize) -> usize {
+        stage_layers(self.shape.layers, self.pp * self.vpp, v)
+    }
+
     /// Forward and backward of virtual stage `v` (of `pp * vpp`) for one microbatch.
     pub fn vstage(&self, hw: &Hardware, v: usize) -> PassTime {
         let n = self.pp * self.vpp;
-        let layers = stage_layers(self.shape.layers, n, v) as f64;
+        let layers = self.vstage_layers(v) as f64;
         let l = self.layer(hw);
         let mut t = PassTime { fwd: layers * l.fwd, bwd: layers * l.bwd, comm: layers * l.comm };
         if v + 1 == n {
@@ -183,9 +269,8 @@ impl Run<'_> {
     pub fn stage_params(&self, stage: usize) -> (f64, f64) {
         let s = self.shape;
         let h = s.hidden as f64;
-        let layers: f64 = (0..self.vpp)
-            .map(|c| stage_layers(s.layers, self.pp * self.vpp, c * self.pp + stage) as f64)
-            .sum();
+        let layers: f64 =
+            (0..self.vpp).map(|c| self.vstage_layers(c * self.pp + stage) as f64).sum();
         let expert_per_layer = s.expert_layer_params();
         let dense_per_layer = s.layer_params() - expert_per_layer;
         let mut dense = layers * dense_per_layer;
@@ -209,15 +294,28 @@ impl Run<'_> {
     }
 
     /// Exposed gradient reduction and parameter gathering of stage `stage` (distributed
-    /// optimizer over `dp * cp`; experts over their own data-parallel group).
+    /// optimizer over `dp * cp`; experts over their own data-parallel group). Gradients are
+    /// accumulated over the step's microbatches and reduced as the last microbatch's
+    /// backward produces them, parameters gathered as the first forward needs them
+    /// (Megatron's `overlap_grad_reduce` and `overlap_param_gather`): the fp32
+    /// reduce-scatter hides behind up to `dp_overlap` of one backward of the stage, the
+    /// bf16 all-gather behind one forward, and the rest is exposed. Few microbatches per
+    /// step (long context) expose more of it than many.
     pub fn reduce(&self, hw: &Hardware, stage: usize) -> f64 {
         let (params, experts) = self.stage_params(stage);
         let d = self.dp * self.cp;
         let span = d * self.block();
-        let dense_t = hw.ring_time((params - experts) * DP_BYTES_PER_PARAM, d, span);
         let edp = (d * self.tp / self.ep).max(1);
-        let expert_t = hw.ring_time(experts * DP_BYTES_PER_PARAM, edp, span);
-        (dense_t + expert_t) * hw.efficiency.dp_exposed
+        let gather = |bytes_per_param: f64| {
+            hw.ring_time((params - experts) * bytes_per_param, d, span)
+                + hw.ring_time(experts * bytes_per_param, edp, span)
+        };
+        let (rs, ag) = (gather(GRAD_BYTES), gather(PARAM_BYTES));
+        let pass = (0..self.vpp)
+            .map(|c| self.vstage(hw, c * self.pp + stage))
+            .fold(PassTime::default(), |a, b| a + b);
+        let overlap = hw.efficiency.dp_overlap;
+        (rs - overlap * pass.bwd).max(0.0) + (ag - overlap * pass.fwd).max(0.0)
     }
 
     /// Optimizer step of stage `stage`: read and write of the shard's fp32 master weights,

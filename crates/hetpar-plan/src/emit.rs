@@ -2,7 +2,8 @@
 //! (INTERFACES.md), validated by [`ModelGraph::from_config`] before it is returned.
 //!
 //! A homogeneous candidate is written as every module on the LLM's grid (same tp, cp, pp and
-//! so dp), which hetpar runs with the three-phase schedule.
+//! so dp), which hetpar runs with the three-phase schedule. The synthetic data draws up to
+//! the workload's items per sample (`[data] max_items`, as many as the sequence holds).
 
 use std::collections::BTreeMap;
 
@@ -27,6 +28,15 @@ fn parallel(c: &Choice) -> ParallelConfig {
         vpp: c.vpp,
         offload: c.offload,
     }
+}
+
+/// The workload's items per sample, rounded, at most what one sequence holds next to a text
+/// token.
+fn max_items(wl: &Workload) -> usize {
+    let per_sample = wl.encoders.iter().map(|e| e.items_per_sample.round() as usize).max();
+    let rows: usize = wl.encoders.iter().map(|e| e.seq).sum();
+    let fits = (wl.seq_len - 1) / rows.max(1);
+    per_sample.unwrap_or(1).min(fits).max(1)
 }
 
 /// The config of `c` for workload `wl`.
@@ -64,7 +74,7 @@ pub fn config(wl: &Workload, c: &Candidate) -> Result<Config> {
             lr: 1e-4,
             dtype: Dtype::Bf16,
         },
-        data: DataConfig::default(),
+        data: DataConfig { max_items: max_items(wl), ..DataConfig::default() },
         modules,
         edges,
     };

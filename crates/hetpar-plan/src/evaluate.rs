@@ -16,7 +16,7 @@ use hetpar_schedule::{
 
 use crate::boundary::BoundaryCache;
 use crate::candidate::{Candidate, Choice, Kind, Memory, Prediction};
-use crate::cost::{ACT_BYTES, PassTime, Run, stage_layers};
+use crate::cost::{ACT_BYTES, PassTime, Run};
 use crate::error::{PlanError, Result};
 use crate::hardware::{GIB, Hardware};
 use crate::workload::Workload;
@@ -104,7 +104,8 @@ impl<'a> Evaluator<'a> {
         Evaluator { wl, hw, boundary: BoundaryCache::default() }
     }
 
-    /// The LLM's run in `c`.
+    /// The LLM's run in `c`, its layers split evenly over the virtual stages (a homogeneous
+    /// LLM's first stage also runs the encoders, which overloads it, as in Megatron).
     pub fn llm_run(&self, c: &Candidate) -> Run<'a> {
         let l = &c.llm;
         Run {
@@ -120,11 +121,14 @@ impl<'a> Evaluator<'a> {
             seq: self.wl.seq_len,
             rows: 0.0,
             cp_split: true,
+            sp: true,
         }
     }
 
     /// Encoder `i`'s run in `c` (in a homogeneous candidate: with the LLM's tp and cp, on
-    /// its first stage, every CP rank repeating the work).
+    /// its first stage, every CP rank repeating the work). Its replicas split the items of a
+    /// microbatch in contiguous ranges (SEMANTICS.md section 3), so the busiest replica,
+    /// which every collective after it waits for, encodes `ceil(n / dp)` of the `n` items.
     pub fn encoder_run(&self, c: &Candidate, i: usize) -> Run<'a> {
         let e = &self.wl.encoders[i];
         let ch = &c.encoders[i];
@@ -133,7 +137,8 @@ impl<'a> Evaluator<'a> {
             Kind::Homogeneous => (c.llm.tp, c.llm.cp, c.llm.dp(), 1, false),
             _ => (ch.tp, ch.cp, ch.dp(), ch.pp, true),
         };
-        let samples = mb / dp as f64;
+        let n_items = (e.items_per_sample * mb).round() as usize;
+        let items = n_items.div_ceil(dp) as f64;
         Run {
             shape: &e.shape,
             tp,
@@ -146,10 +151,11 @@ impl<'a> Evaluator<'a> {
                 Kind::Homogeneous => c.llm.recompute,
                 _ => ch.recompute,
             }) / 4.0,
-            tokens: samples * e.tokens_per_sample(),
+            tokens: items * e.seq as f64,
             seq: e.seq,
-            rows: samples * e.rows_per_sample(),
+            rows: items * e.rows_per_item as f64,
             cp_split: split,
+            sp: split,
         }
     }
 
@@ -534,19 +540,19 @@ fn states(r: &Run<'_>, s: usize) -> f64 {
 /// Tensors one microbatch leaves saved on stage `s` of one rank (all its virtual stages):
 /// every layer's activations, or for recomputed layers only their input.
 fn saved(r: &Run<'_>, s: usize) -> f64 {
-    let n = r.pp * r.vpp;
-    let layers: f64 =
-        (0..r.vpp).map(|c| stage_layers(r.shape.layers, n, c * r.pp + s) as f64).sum();
-    let tokens = r.local_tokens() / r.tp as f64;
-    let full = tokens * r.shape.layer_activation_bytes();
-    let input = tokens * r.shape.hidden as f64 * ACT_BYTES;
+    let layers: f64 = (0..r.vpp).map(|c| r.vstage_layers(c * r.pp + s) as f64).sum();
+    let tokens = r.local_tokens();
+    let full = tokens * r.per_rank(r.shape.layer_activation_bytes());
+    // A recomputed layer keeps its input, split over tp only under sequence parallelism.
+    let h = r.shape.hidden as f64 * ACT_BYTES;
+    let input = tokens * if r.sp { h / r.tp as f64 } else { h };
     layers * (r.recompute * input + (1.0 - r.recompute) * full)
 }
 
 /// One layer's activations, live while a recomputed layer runs its backward.
 fn working(r: &Run<'_>) -> f64 {
     if r.recompute > 0.0 {
-        r.local_tokens() / r.tp as f64 * r.shape.layer_activation_bytes()
+        r.local_tokens() * r.per_rank(r.shape.layer_activation_bytes())
     } else {
         0.0
     }

@@ -150,24 +150,6 @@ fn differences(ev: &Evaluator<'_>, from: &Ranked, to: &Ranked) -> Vec<String> {
     why
 }
 
-/// Why a colocated encoder could not take tp 1 on every rank (the layout that splits its
-/// GEMMs least): its `dp` would not divide the samples of a microbatch (SEMANTICS.md
-/// section 3). `None` when it could, or when it did.
-fn colocated_tp1_blocked(wl: &Workload, c: &Candidate) -> Option<String> {
-    if c.kind != Kind::Colocated || c.encoders.iter().all(|e| e.tp == 1) {
-        return None;
-    }
-    let mb = wl.global_batch / c.microbatches;
-    let dp = c.llm.ranks();
-    (!mb.is_multiple_of(dp)).then(|| {
-        format!(
-            "its encoder at tp1 on all {dp} ranks would need dp{dp}, which does not divide \
-             the {mb} samples of each of its {} microbatches",
-            c.microbatches
-        )
-    })
-}
-
 /// The explanation printed by `hetpar plan`.
 pub fn explain(wl: &Workload, hw: &Hardware, plan: &Plan) -> Vec<String> {
     let ev = Evaluator::new(wl, hw);
@@ -215,8 +197,7 @@ pub fn explain(wl: &Workload, hw: &Hardware, plan: &Plan) -> Vec<String> {
                     &format!(" ({} -> homogeneous: {})", r.candidate.kind.name(), why.join("; "));
             }
             out.push(line);
-            let mut held = limits(&ev, r);
-            held.extend(colocated_tp1_blocked(wl, &r.candidate));
+            let held = limits(&ev, r);
             out.push(format!("{} is limited by: {}", r.candidate.kind.name(), held.join("; ")));
         }
         None => out

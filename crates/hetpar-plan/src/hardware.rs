@@ -41,8 +41,10 @@ fn default_host() -> f64 {
 }
 
 /// The few factors the cost model cannot derive from a datasheet. The defaults are fitted
-/// to the H100 measurements in PUBLISHED.md (the LLM-only Megatron-Core table and the
-/// multimodal 8K table); `hetpar calibrate` measures its own for the machine it runs on.
+/// to the H100 measurements in PUBLISHED.md (the LLM-only Megatron-Core table, the
+/// multimodal 8K table) and the three long-context rows of the same heterogeneous-parallelism
+/// sweep (`validation::MULTIMODAL`); `hetpar calibrate` measures its own for the machine it
+/// runs on.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Efficiency {
@@ -54,6 +56,15 @@ pub struct Efficiency {
     /// Fraction of peak the attention core (flash attention) reaches in the forward pass;
     /// its backward takes 2.5 times the forward time.
     pub attention: f64,
+    /// Slowdown of the attention core under context parallelism at `cp = 2` (ring
+    /// attention: partial kernels on half chunks, online-softmax merges, a synchronization
+    /// with the key/value exchange per step).
+    pub cp_attention: f64,
+    /// Further slowdown per ring step beyond two: the attention runs at
+    /// `attention / (cp_attention * (1 + cp_step * (cp - 2)))` of peak.
+    pub cp_step: f64,
+    /// Share of a ring step's attention that hides the step's key/value transfer.
+    pub cp_overlap: f64,
     /// Bytes of HBM traffic per token and hidden unit that a layer's element-wise work
     /// (norms, residuals, activations, rotary, dropout) moves in the forward pass.
     pub elementwise_bytes: f64,
@@ -61,9 +72,10 @@ pub struct Efficiency {
     /// (overlapped chunks); communication beyond it is exposed. Wide layers hide nearly all
     /// of it, narrow ones (a small encoder split over many ranks) little.
     pub tp_overlap: f64,
-    /// Share of data-parallel gradient reduction and parameter gathering not hidden behind
-    /// the backward pass.
-    pub dp_exposed: f64,
+    /// Share of one microbatch's backward (forward) that the data-parallel gradient
+    /// reduce-scatter (parameter all-gather) can hide behind: 1 when the reduction streams
+    /// with the last backward (Megatron's overlap options), 0 when it runs after it.
+    pub dp_overlap: f64,
     /// Fraction of the bus bandwidth an all-to-all (expert dispatch) reaches.
     pub all_to_all: f64,
     /// Memory per GPU no model state accounts for (runtime context, communication buffers,
@@ -73,15 +85,20 @@ pub struct Efficiency {
 
 impl Default for Efficiency {
     fn default() -> Self {
+        // Fitted by `examples/fit_published.rs --minimax` to the LLM-only table, the 8K
+        // multimodal table and the three long-context rows (PUBLISHED.md, issue rows).
         Efficiency {
-            gemm: 0.670,
-            gemm_half_width: 161.0,
+            gemm: 0.847,
+            gemm_half_width: 103.0,
             attention: 0.80,
-            elementwise_bytes: 58.2,
-            tp_overlap: 0.106,
-            dp_exposed: 0.0,
+            cp_attention: 5.0,
+            cp_step: 0.19,
+            cp_overlap: 1.0,
+            elementwise_bytes: 197.0,
+            tp_overlap: 0.136,
+            dp_overlap: 1.0,
             all_to_all: 0.6,
-            overhead_gib: 5.0,
+            overhead_gib: 7.7,
         }
     }
 }

@@ -139,6 +139,15 @@ impl ModuleShape {
     /// score term that flash attention removes. A MoE layer keeps `top_k` expert MLPs.
     /// With sequence parallelism all of it divides by `tp`.
     pub fn layer_activation_bytes(&self) -> f64 {
+        let (wide, sharded) = self.layer_activation_split();
+        wide + sharded
+    }
+
+    /// [`Self::layer_activation_bytes`] in two parts: the `h`-wide tensors (the inputs of
+    /// both norms and both column-parallel blocks, the two dropout masks: Korthikanti's
+    /// `10h`), which tensor parallelism without sequence parallelism keeps whole on every
+    /// rank, and the rest, which it splits over `tp`.
+    pub fn layer_activation_split(&self) -> (f64, f64) {
         let (h, d) = (self.hidden as f64, self.head_dim() as f64);
         let (q, kv) = (self.heads as f64 * d, self.kv_heads as f64 * d);
         let f = self.ffn as f64;
@@ -148,7 +157,9 @@ impl ModuleShape {
             Mlp::Swiglu => 6.0 * f,
         };
         let k = if self.experts > 0 { self.top_k as f64 } else { 1.0 };
-        attention + 3.0 * h + k * per_mlp + 4.0 * h
+        let all = attention + 3.0 * h + k * per_mlp + 4.0 * h;
+        let wide = 10.0 * h;
+        (wide, all - wide)
     }
 
     /// Training FLOPs per token of the whole module over sequences of `s`.

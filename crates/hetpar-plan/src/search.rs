@@ -3,9 +3,12 @@
 //! by simulated step time (which orders TFLOPS/GPU and tokens/s the same way for one
 //! workload).
 //!
-//! Candidates are enumerated so that every module's `dp` divides the samples of a global
-//! microbatch (SEMANTICS.md section 3), so each one is a config hetpar can run. Each is
-//! first costed without simulation; its busiest rank's work bounds its step time from below.
+//! Candidates are enumerated so that the LLM's `dp` divides the samples of a global
+//! microbatch (encoders split items, SEMANTICS.md section 3), so each one is a config hetpar
+//! can run: colocated encoders take every tp and cp on the LLM's ranks, down to tp 1 on
+//! every rank; encoder islands take every size that is a power of two, a multiple of a node
+//! or a divisor of the microbatch. Each is first costed without simulation; its busiest
+//! rank's work bounds its step time from below.
 //! Per placement family, candidates are simulated in order of that bound until the bound
 //! passes the `top`-th best simulated step: the answer is the same as simulating them all.
 
@@ -110,7 +113,6 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
         match kind {
             Kind::Homogeneous | Kind::Colocated => {
                 for (llm, m) in llm_choices(wl, 0, n, None) {
-                    let mb = wl.global_batch / m;
                     if kind == Kind::Homogeneous {
                         let encoders = wl
                             .encoders
@@ -125,7 +127,7 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
                         );
                         continue;
                     }
-                    for encoders in colocated_encoders(wl, &llm, mb) {
+                    for encoders in colocated_encoders(wl, &llm) {
                         consider(
                             &eval,
                             Candidate { kind, llm, encoders, microbatches: m },
@@ -138,7 +140,7 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
             Kind::NonColocated => {
                 for m in divisors(wl.global_batch) {
                     let mb = wl.global_batch / m;
-                    for (enc, used) in island_encoders(wl, mb, n) {
+                    for (enc, used) in island_encoders(wl, mb, n, hw.gpus_per_node) {
                         if used >= n {
                             continue;
                         }
@@ -176,7 +178,7 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
     }
     if plan.considered == 0 {
         return Err(PlanError(format!(
-            "no valid layout of {} on {} GPUs{}: tp (searched {TP:?}), cp ({CP:?}, at least {MIN_CP_CHUNK} tokens per CP rank) and pp ({PP:?}) must split the heads, sequence, layers and GPUs, and every dp must divide a microbatch",
+            "no valid layout of {} on {} GPUs{}: tp (searched {TP:?}), cp ({CP:?}, at least {MIN_CP_CHUNK} tokens per CP rank) and pp ({PP:?}) must split the heads, sequence, layers and GPUs, and the LLM's dp must divide a microbatch",
             wl.name,
             wl.gpus,
             pins(wl)
@@ -292,17 +294,15 @@ fn enc_cp(seq: usize, pin: Option<usize>) -> Vec<usize> {
     }
 }
 
-/// Every combination of colocated encoder layouts on the LLM's ranks whose `dp` divides
-/// the microbatch `mb`.
-fn colocated_encoders(wl: &Workload, llm: &Choice, mb: usize) -> Vec<Vec<Choice>> {
+/// Every combination of colocated encoder layouts on the LLM's ranks.
+fn colocated_encoders(wl: &Workload, llm: &Choice) -> Vec<Vec<Choice>> {
     let mut combos: Vec<Vec<Choice>> = vec![Vec::new()];
     for e in &wl.encoders {
         let pin = e.pinned;
         let mut options = Vec::new();
         for tp in tried(pin.tp, &TP) {
             for cp in enc_cp(e.seq, pin.cp) {
-                let ranks = llm.ranks();
-                if !ranks.is_multiple_of(tp * cp) || !mb.is_multiple_of(ranks / (tp * cp)) {
+                if !llm.ranks().is_multiple_of(tp * cp) {
                     continue;
                 }
                 for offload in
@@ -326,9 +326,26 @@ fn colocated_encoders(wl: &Workload, llm: &Choice, mb: usize) -> Vec<Vec<Choice>
     combos
 }
 
-/// Every combination of encoder islands (layout and size, one after the other from rank 0)
-/// whose `dp` divides the microbatch `mb`, with the ranks they use.
-fn island_encoders(wl: &Workload, mb: usize, n: usize) -> Vec<(Vec<Choice>, usize)> {
+/// Island sizes worth trying for a block of `block` ranks (one replica's tp x cp x pp) out of
+/// `n`: every `dp` whose island is a power of two or a whole number of nodes, or divides the
+/// microbatch `mb` (islands of other sizes only split nodes unevenly).
+fn island_dps(block: usize, n: usize, mb: usize, per_node: usize) -> Vec<usize> {
+    (1..n.div_ceil(block))
+        .filter(|&dp| {
+            let size = dp * block;
+            size.is_power_of_two() || size.is_multiple_of(per_node) || mb.is_multiple_of(dp)
+        })
+        .collect()
+}
+
+/// Every combination of encoder islands (layout and size, one after the other from rank 0),
+/// with the ranks they use.
+fn island_encoders(
+    wl: &Workload,
+    mb: usize,
+    n: usize,
+    per_node: usize,
+) -> Vec<(Vec<Choice>, usize)> {
     let mut combos: Vec<(Vec<Choice>, usize)> = vec![(Vec::new(), 0)];
     for e in &wl.encoders {
         let pin = e.pinned;
@@ -337,7 +354,7 @@ fn island_encoders(wl: &Workload, mb: usize, n: usize) -> Vec<(Vec<Choice>, usiz
             for tp in tried(pin.tp, &TP) {
                 for cp in enc_cp(e.seq, pin.cp) {
                     for pp in tried(pin.pp, &ENC_PP).into_iter().filter(|&p| p <= e.shape.layers) {
-                        for dp in divisors(mb) {
+                        for dp in island_dps(tp * cp * pp, n, mb, per_node) {
                             let size = dp * tp * cp * pp;
                             if used + size >= n {
                                 break;

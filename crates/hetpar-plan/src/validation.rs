@@ -16,7 +16,7 @@ macro_rules! workload {
 }
 
 /// Every workload in `examples/workloads/`, by name.
-pub const WORKLOADS: [(&str, &str); 17] = [
+pub const WORKLOADS: [(&str, &str); 19] = [
     workload!("gpt-1.7b"),
     workload!("gpt-7.1b"),
     workload!("gpt-16b"),
@@ -31,6 +31,8 @@ pub const WORKLOADS: [(&str, &str); 17] = [
     workload!("mm-3b-32b-8k"),
     workload!("mm-3b-70b-8k"),
     workload!("mm-1b-7b-8k"),
+    workload!("mm-1b-7b-16k"),
+    workload!("mm-1b-14b-32k"),
     workload!("mm-1b-7b-64k"),
     workload!("mm-6b-gptoss120b"),
     workload!("mm-12b-gptoss120b"),
@@ -59,48 +61,94 @@ pub const LLM_ONLY: [(&str, f64); 9] = [
     ("gpt-462b", 459.9),
 ];
 
-/// One row of the multimodal 8K table.
+/// One row of a published multimodal table: homogeneous against colocated heterogeneous.
 #[derive(Clone, Copy, Debug)]
 pub struct MultimodalRow {
     /// Workload.
     pub name: &'static str,
-    /// Homogeneous (tp, pp) over 64 GPUs.
-    pub homogeneous: (usize, usize),
-    /// Heterogeneous LLM (tp, pp); the encoder is tp1 dp64 with offload.
-    pub llm: (usize, usize),
+    /// Homogeneous LLM (tp, cp, pp); its encoders share the LLM's tp (and repeat on every
+    /// CP rank).
+    pub homogeneous: (usize, usize, usize),
+    /// Heterogeneous LLM (tp, cp, pp).
+    pub llm: (usize, usize, usize),
+    /// Heterogeneous encoder tp (cp 1, on every rank, with offload).
+    pub encoder_tp: usize,
     /// Measured TFLOPS/GPU, homogeneous and heterogeneous.
     pub measured: (f64, f64),
 }
 
-/// The multimodal 8K table (NVIDIA's heterogeneous-parallelism article). The 3B+70B row's
-/// homogeneous layout is written 8/4/1, which covers 32 GPUs; on 64 it is read as TP8 DP4
-/// PP2.
-pub const MULTIMODAL: [MultimodalRow; 4] = [
+/// The published multimodal rows: the 8K table of NVIDIA's heterogeneous-parallelism
+/// article (64 GPUs, encoder tp 1 with offload, LLM pp 2) and three long-context rows of the
+/// same sweep (H100, 75% image rows, 1024 rows per image). The 3B+70B row's homogeneous
+/// layout is written 8/4/1, which covers 32 GPUs; on 64 it is read as TP8 DP4 PP2.
+pub const MULTIMODAL: [MultimodalRow; 7] = [
     MultimodalRow {
         name: "mm-1b-14b-8k",
-        homogeneous: (4, 1),
-        llm: (2, 2),
+        homogeneous: (4, 1, 1),
+        llm: (2, 1, 2),
+        encoder_tp: 1,
         measured: (415.1, 473.3),
     },
     MultimodalRow {
         name: "mm-3b-14b-8k",
-        homogeneous: (4, 1),
-        llm: (2, 2),
+        homogeneous: (4, 1, 1),
+        llm: (2, 1, 2),
+        encoder_tp: 1,
         measured: (441.4, 498.3),
     },
     MultimodalRow {
         name: "mm-3b-32b-8k",
-        homogeneous: (4, 1),
-        llm: (4, 2),
+        homogeneous: (4, 1, 1),
+        llm: (4, 1, 2),
+        encoder_tp: 1,
         measured: (432.0, 486.9),
     },
     MultimodalRow {
         name: "mm-3b-70b-8k",
-        homogeneous: (8, 2),
-        llm: (8, 2),
+        homogeneous: (8, 1, 2),
+        llm: (8, 1, 2),
+        encoder_tp: 1,
         measured: (408.0, 467.4),
     },
+    MultimodalRow {
+        name: "mm-1b-7b-16k",
+        homogeneous: (2, 2, 1),
+        llm: (2, 2, 1),
+        encoder_tp: 1,
+        measured: (266.9, 290.1),
+    },
+    MultimodalRow {
+        name: "mm-1b-14b-32k",
+        homogeneous: (8, 2, 1),
+        llm: (4, 2, 1),
+        encoder_tp: 2,
+        measured: (208.1, 267.2),
+    },
+    MultimodalRow {
+        name: "mm-1b-7b-64k",
+        homogeneous: (4, 8, 1),
+        llm: (2, 8, 1),
+        encoder_tp: 1,
+        measured: (71.3, 100.0),
+    },
 ];
+
+/// Published numbers the cost model does not reproduce within the acceptance bounds (10% per
+/// row, 5 points per gain), with what is known about why. The validation tests hold every
+/// other number to the bounds and check that each miss here is still a miss, so a model
+/// that fixes one must drop it from this list.
+pub const KNOWN_MISSES: [(&str, &str); 1] = [(
+    "mm-1b-7b-64k",
+    "the homogeneous tp4 cp8 layout runs at 71.3 TFLOPS/GPU, about 19% below the model: its \
+     per-GPU rate on executed work (the encoder repeated on all 8 CP ranks included) equals \
+     the heterogeneous layout's, so the difference is in neither encoder nor attention cost \
+     as modeled; the gain is predicted at about +26% against +40% measured",
+)];
+
+/// Whether `row`'s homogeneous prediction is a known miss.
+pub fn homogeneous_miss(row: &str) -> bool {
+    KNOWN_MISSES.iter().any(|(name, _)| *name == row)
+}
 
 /// The best homogeneous candidate of each LLM-only row with its measurement.
 pub fn llm_only(hw: &Hardware) -> Result<Vec<(&'static str, Ranked, f64)>> {
@@ -118,8 +166,8 @@ pub fn llm_only(hw: &Hardware) -> Result<Vec<(&'static str, Ranked, f64)>> {
         .collect()
 }
 
-fn choice(n: usize, tp: usize, pp: usize) -> Choice {
-    Choice { start: 0, end: n, tp, cp: 1, pp, vpp: 1, ep: 1, recompute: 0, offload: false }
+fn choice(n: usize, (tp, cp, pp): (usize, usize, usize)) -> Choice {
+    Choice { start: 0, end: n, tp, cp, pp, vpp: 1, ep: 1, recompute: 0, offload: false }
 }
 
 /// `c` with the least recomputation that fits memory, simulated: LLM quarters 0 to 4 first,
@@ -154,8 +202,31 @@ pub fn least_recompute(ev: &mut Evaluator<'_>, c: Candidate) -> Result<(Candidat
 /// A multimodal row with the homogeneous and the heterogeneous prediction.
 pub type MultimodalPrediction = (MultimodalRow, (Candidate, Prediction), (Candidate, Prediction));
 
-/// The published homogeneous and heterogeneous layouts of every multimodal row, each with
-/// one sample per replica per microbatch (see [`least_recompute`]).
+/// `c` with the microbatch count (1, 2 or 4 LLM samples per replica and microbatch) and
+/// the least recomputation that give the shortest step (the published tables give the
+/// layouts, not the microbatch size).
+fn best_microbatching(ev: &mut Evaluator<'_>, c: Candidate) -> Result<(Candidate, Prediction)> {
+    let wl = ev.wl;
+    let mut best: Option<(Candidate, Prediction)> = None;
+    for mbs in [1, 2, 4] {
+        let per_step = c.llm.dp() * mbs;
+        if !wl.global_batch.is_multiple_of(per_step) {
+            continue;
+        }
+        let trial = Candidate { microbatches: wl.global_batch / per_step, ..c.clone() };
+        let (tc, tp) = least_recompute(ev, trial)?;
+        let better =
+            |b: &(Candidate, Prediction)| (tp.fits, -tp.step_time_s) > (b.1.fits, -b.1.step_time_s);
+        if best.as_ref().is_none_or(better) {
+            best = Some((tc, tp));
+        }
+    }
+    best.ok_or_else(|| PlanError(format!("{}: no microbatch count splits the batch", wl.name)))
+}
+
+/// The published homogeneous and heterogeneous layouts of every multimodal row as
+/// published (the heterogeneous encoder with its tp and cp 1 on every GPU, with offload),
+/// each with its best microbatching and least recomputation (see [`best_microbatching`]).
 pub fn multimodal(hw: &Hardware) -> Result<Vec<MultimodalPrediction>> {
     MULTIMODAL
         .iter()
@@ -163,22 +234,19 @@ pub fn multimodal(hw: &Hardware) -> Result<Vec<MultimodalPrediction>> {
             let wl = workload(row.name)?;
             let mut ev = Evaluator::new(&wl, hw);
             let n = wl.gpus;
-            let per_replica = |tp: usize, pp: usize| wl.global_batch / (n / (tp * pp));
-            let (htp, hpp) = row.homogeneous;
             let homo = Candidate {
                 kind: Kind::Homogeneous,
-                llm: choice(n, htp, hpp),
-                encoders: vec![choice(n, htp, 1)],
-                microbatches: per_replica(htp, hpp),
+                llm: choice(n, row.homogeneous),
+                encoders: vec![choice(n, (row.homogeneous.0, 1, 1))],
+                microbatches: 1,
             };
-            let (ltp, lpp) = row.llm;
             let het = Candidate {
                 kind: Kind::Colocated,
-                llm: choice(n, ltp, lpp),
-                encoders: vec![Choice { offload: true, ..choice(n, 1, 1) }],
-                microbatches: per_replica(ltp, lpp),
+                llm: choice(n, row.llm),
+                encoders: vec![Choice { offload: true, ..choice(n, (row.encoder_tp, 1, 1)) }],
+                microbatches: 1,
             };
-            Ok((*row, least_recompute(&mut ev, homo)?, least_recompute(&mut ev, het)?))
+            Ok((*row, best_microbatching(&mut ev, homo)?, best_microbatching(&mut ev, het)?))
         })
         .collect()
 }

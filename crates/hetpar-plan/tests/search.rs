@@ -54,7 +54,8 @@ proptest! {
         };
         let mut ev = Evaluator::new(&wl, &hw);
         if let Ok(p) = ev.prepare(&c) {
-            // Whatever the cost model accepts (and dp divides the microbatch), hetpar runs.
+            // Whatever the cost model accepts (and the LLM's dp divides the microbatch),
+            // hetpar runs.
             if c.runnable(&wl) {
                 let cfg = emit::config(&wl, &c);
                 prop_assert!(cfg.is_ok(), "{:?}: {}", c, cfg.expect_err("checked"));
@@ -139,26 +140,29 @@ fn a_workload_too_big_for_the_cluster_says_so() {
 #[test]
 fn the_explanation_names_what_holds_back_the_loser() {
     let hw = builtin("h100").expect("h100");
-    // 1B + 14B at 8K on 64 GPUs: the colocated encoder cannot take tp 1 (dp 64 does not
-    // divide a 16-sample microbatch), so homogeneous wins; the explanation must say so.
+    // 1B + 14B at 8K on 64 GPUs: the colocated encoder takes tp 1 on all 64 ranks (its
+    // replicas split the items of 16-sample microbatches), as published, and wins.
     let wl = small();
     let plan = search(&wl, &hw, 1).expect("a plan");
     let winner = plan.winner().expect("a winner");
-    assert_eq!(winner.candidate.kind, Kind::Homogeneous);
+    assert_eq!(winner.candidate.kind, Kind::Colocated);
+    assert_eq!((winner.candidate.encoders[0].tp, winner.candidate.encoders[0].dp()), (1, 64));
+    assert!(winner.candidate.runnable(&wl));
     let lines = hetpar_plan::explain::explain(&wl, &hw, &plan);
     assert!(lines[0].starts_with("homogeneous is limited by: "), "{lines:?}");
-    assert!(lines[1].starts_with("homogeneous wins by +"), "{lines:?}");
-    assert!(lines[2].starts_with("colocated is limited by: "), "{lines:?}");
-    assert!(
-        lines[2].contains("would need dp64, which does not divide the 16 samples"),
-        "{lines:?}"
-    );
-    // 1B + 7B at 64K: colocated wins and says which layouts changed.
+    assert!(lines[1].starts_with("colocated wins by +"), "{lines:?}");
+    assert!(lines[1].contains("vision runs tp1 cp1 dp64"), "{lines:?}");
+    // 1B + 7B at 64K: colocated wins and says which layouts changed (the encoder leaves the
+    // LLM's tp 8 for tp 1 on all 32 ranks) and what that saves.
     let wl = workload("mm-1b-7b-64k").expect("workload");
     let plan = search(&wl, &hw, 1).expect("a plan");
     let lines = hetpar_plan::explain::explain(&wl, &hw, &plan);
     assert!(lines[1].starts_with("colocated wins by +"), "{lines:?}");
-    assert!(lines[1].contains("the LLM runs tp"), "{lines:?}");
+    assert!(
+        lines[1].contains("vision runs tp1 cp1 dp32 pp1 instead of the LLM's tp8"),
+        "{lines:?}"
+    );
+    assert!(lines[1].contains("encoder time on the busiest rank"), "{lines:?}");
 }
 
 #[test]
