@@ -24,22 +24,38 @@ fn sources(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
     }
 }
 
-/// `crate::name` occurrences outside comments.
+fn ident(s: &str) -> String {
+    s.trim_start().chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
+}
+
+/// Modules named after `crate::` outside comments, grouped imports (`crate::{a::X, b}`)
+/// included.
 fn crate_refs(text: &str) -> BTreeSet<String> {
+    let code: String =
+        text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
     let mut out = BTreeSet::new();
-    for line in text.lines() {
-        let code = line.split("//").next().unwrap_or("");
-        let mut rest = code;
-        while let Some(i) = rest.find("crate::") {
-            rest = &rest[i + "crate::".len()..];
-            let name: String =
-                rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+    let mut rest = code.as_str();
+    while let Some(i) = rest.find("crate::") {
+        rest = &rest[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let inner = &group[..group.find('}').unwrap_or(group.len())];
+            out.extend(inner.split(',').map(ident).filter(|n| !n.is_empty()));
+        } else {
+            let name = ident(rest);
             if !name.is_empty() {
                 out.insert(name);
             }
         }
     }
     out
+}
+
+#[test]
+fn grouped_imports_are_read() {
+    let refs = crate_refs(
+        "use crate::{graph::ModelGraph,\n    plan::Op};\nuse crate::edge::Strategy; // crate::manifest\n",
+    );
+    assert_eq!(refs.into_iter().collect::<Vec<_>>(), ["edge", "graph", "plan"]);
 }
 
 #[test]

@@ -5,6 +5,7 @@
 //! contract under the symbolic executor, in both directions.
 
 use hetpar_layout::EdgePlan;
+use hetpar_layout::manifest::item_replica;
 use hetpar_layout::testing::{arb_world, check_plan};
 use proptest::prelude::*;
 
@@ -15,6 +16,16 @@ proptest! {
     fn every_plan_keeps_the_contract(world in arb_world(6)) {
         for edge in 0..world.layouts.len() - 1 {
             for k in 0..world.manifest.n_microbatches() {
+                // The item rule from the manifest alone: every holder of a row belongs to the
+                // encoder replica that owns the row's item.
+                let src = &world.layouts[edge + 1];
+                let n = world.manifest.microbatch_items(edge, k).len();
+                for row in &world.geometry(edge, k).rows {
+                    let owner = item_replica(n, src.dp(), row.item);
+                    for &h in &row.holders {
+                        prop_assert_eq!(src.coords(h).expect("a source rank").dp_idx, owner);
+                    }
+                }
                 for strategy in world.strategies(edge) {
                     let plan = EdgePlan::new(world.geometry(edge, k), strategy);
                     if let Err(e) = check_plan(&plan) {

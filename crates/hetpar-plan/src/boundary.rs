@@ -3,9 +3,9 @@
 //!
 //! Plans are built for a scaled-down microbatch that keeps what decides who sends what to
 //! whom: the two layouts and spans, items per sample, and where items sit relative to the
-//! LLM's CP and SP chunks. Its samples are a multiple of the LLM's `dp` with at least one
-//! item per encoder replica (encoder replicas split items), and it has `lcm(cp*tp of the
-//! encoder, 4)` rows per item. Each
+//! LLM's CP and SP chunks. Its samples are the least multiple of the LLM's `dp` whose items
+//! split evenly over the encoder's replicas (encoder replicas split items), and it has
+//! `lcm(cp*tp of the encoder, 4)` rows per item. Each
 //! rank's time is the sum over its plan operations of the rows it sends or receives, scaled
 //! to the real rows and width, over the bandwidth of the operation's group (or of the
 //! point-to-point link); the edge takes its slowest rank.
@@ -75,7 +75,8 @@ fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Resul
     let (ec, lc) = (&c.encoders[i], &c.llm);
     let rows = lcm(ec.cp * ec.tp, 4);
     let items = (e.items_per_sample.round() as usize).max(1);
-    let samples = lc.dp() * ec.dp().div_ceil(lc.dp() * items);
+    // A multiple of the LLM's dp whose items split evenly over the encoder's replicas.
+    let samples = lcm(lc.dp(), ec.dp() / gcd(ec.dp(), items));
     let fraction = e.rows_per_sample() / wl.seq_len as f64;
     let unit = 2 * lc.cp * lc.tp;
     let mut seq = ((items * rows) as f64 / fraction).ceil() as usize;

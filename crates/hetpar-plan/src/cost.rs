@@ -7,10 +7,12 @@
 //!   (narrow shards run below peak);
 //! - attention core: `t * attention_flops / 3 / tp` at `peak * attention`; under context
 //!   parallelism (ring attention, Transformer Engine's p2p CP as Megatron runs it) at that
-//!   rate over `cp_attention * (1 + cp_step * (cp - 2))`: each pass becomes `cp` partial
-//!   kernels on half chunks, merged by online-softmax corrections, synchronized with the
-//!   key/value exchange at every step. The two factors are fitted to the published
-//!   long-context rows, the only context-parallel measurements of that stack we have;
+//!   rate over `cp_attention * (1 + cp_step * (cp - 2))`. The two factors are a fit, not a
+//!   derivation: they carry what the published long-context rows (the only
+//!   context-parallel measurements of that stack we have) lose against everything else the
+//!   model derives, attributed to ring attention (each pass as `cp` partial kernels on half
+//!   chunks merged by online-softmax corrections); the key/value exchange is the separate
+//!   term below;
 //! - element-wise work: `t * elementwise_bytes * hidden` bytes of HBM traffic, split over
 //!   `tp` by sequence parallelism (without it, Korthikanti's `h`-wide part stays whole);
 //! - tensor parallelism: two all-gathers and two reduce-scatters (or two all-reduces) of

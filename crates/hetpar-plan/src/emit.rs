@@ -2,8 +2,9 @@
 //! (INTERFACES.md), validated by [`ModelGraph::from_config`] before it is returned.
 //!
 //! A homogeneous candidate is written as every module on the LLM's grid (same tp, cp, pp and
-//! so dp), which hetpar runs with the three-phase schedule. The synthetic data draws up to
-//! the workload's items per sample (`[data] max_items`, as many as the sequence holds).
+//! so dp), which hetpar runs with the three-phase schedule. The synthetic data draws as many
+//! items per sample as the workload has on average (`[data] max_items`), or as many as the
+//! sequence holds when that is fewer.
 
 use std::collections::BTreeMap;
 
@@ -30,13 +31,15 @@ fn parallel(c: &Choice) -> ParallelConfig {
     }
 }
 
-/// The workload's items per sample, rounded, at most what one sequence holds next to a text
-/// token.
+/// The `max_items` whose synthetic draws (none with probability 1/4, else uniform in
+/// `1..=K`: `3(K+1)/8` items per sample on average) match the workload's items per sample,
+/// at most what one sequence holds next to a text token.
 fn max_items(wl: &Workload) -> usize {
-    let per_sample = wl.encoders.iter().map(|e| e.items_per_sample.round() as usize).max();
+    let mean = wl.encoders.iter().map(|e| e.items_per_sample).fold(0.0, f64::max);
+    let k = (8.0 * mean / 3.0 - 1.0).round().max(1.0) as usize;
     let rows: usize = wl.encoders.iter().map(|e| e.seq).sum();
     let fits = (wl.seq_len - 1) / rows.max(1);
-    per_sample.unwrap_or(1).min(fits).max(1)
+    k.min(fits).max(1)
 }
 
 /// The config of `c` for workload `wl`.

@@ -137,7 +137,8 @@ impl<'a> Evaluator<'a> {
             Kind::Homogeneous => (c.llm.tp, c.llm.cp, c.llm.dp(), 1, false),
             _ => (ch.tp, ch.cp, ch.dp(), ch.pp, true),
         };
-        let n_items = (e.items_per_sample * mb).round() as usize;
+        // Whole items per microbatch; a workload with items has at least one per microbatch.
+        let n_items = ((e.items_per_sample * mb).round() as usize).max(1);
         let items = n_items.div_ceil(dp) as f64;
         Run {
             shape: &e.shape,
@@ -442,8 +443,9 @@ impl<'a> Evaluator<'a> {
                     // received rows, each with its gradient.
                     let mut leaves = 0.0;
                     for (i, r) in encs.iter().enumerate() {
-                        let shard = (r.dp * r.tp * r.cp) as f64;
-                        leaves += step_rows[i] / shard * h_llm * ACT_BYTES * 2.0;
+                        // The busiest encoder replica's rows of every microbatch.
+                        let held = r.rows * m as f64 / (r.tp * r.cp) as f64;
+                        leaves += held * h_llm * ACT_BYTES * 2.0;
                         if s == 0 {
                             leaves += step_rows[i] / (llm.dp * llm.tp * llm.cp) as f64
                                 * h_llm

@@ -56,9 +56,9 @@ pub struct Efficiency {
     /// Fraction of peak the attention core (flash attention) reaches in the forward pass;
     /// its backward takes 2.5 times the forward time.
     pub attention: f64,
-    /// Slowdown of the attention core under context parallelism at `cp = 2` (ring
-    /// attention: partial kernels on half chunks, online-softmax merges, a synchronization
-    /// with the key/value exchange per step).
+    /// Slowdown of the attention core under context parallelism at `cp = 2`, fitted to the
+    /// published long-context rows (ring attention's partial kernels on half chunks and
+    /// online-softmax merges; the key/value exchange is costed apart, `cp_overlap`).
     pub cp_attention: f64,
     /// Further slowdown per ring step beyond two: the attention runs at
     /// `attention / (cp_attention * (1 + cp_step * (cp - 2)))` of peak.
@@ -110,8 +110,14 @@ const BUILTIN: &str = include_str!("hardware.toml");
 
 /// Every accelerator in `text` (a TOML table per name). Errors name the line and table.
 pub fn parse(text: &str) -> Result<BTreeMap<String, Hardware>> {
-    hetpar_layout::config::parse_toml(text)
-        .map_err(|e| PlanError(format!("hardware table, {}: {}", e.field, e.message)))
+    hetpar_layout::config::parse_toml(text).map_err(|e| {
+        let renamed = if e.message.contains("`dp_exposed`") {
+            " (`dp_exposed` became `dp_overlap`, its complement: dp_overlap = 1 - dp_exposed; rerun `hetpar calibrate` or edit the file)"
+        } else {
+            ""
+        };
+        PlanError(format!("hardware table, {}: {}{renamed}", e.field, e.message))
+    })
 }
 
 /// A built-in accelerator by name (`h100`, `h200`, `a100`).

@@ -6,9 +6,9 @@
 //! Candidates are enumerated so that the LLM's `dp` divides the samples of a global
 //! microbatch (encoders split items, SEMANTICS.md section 3), so each one is a config hetpar
 //! can run: colocated encoders take every tp and cp on the LLM's ranks, down to tp 1 on
-//! every rank; encoder islands take every size that is a power of two, a multiple of a node
-//! or a divisor of the microbatch. Each is first costed without simulation; its busiest
-//! rank's work bounds its step time from below.
+//! every rank; encoder islands take every size that is a power of two or a multiple of a
+//! node, or whose dp divides the microbatch. Each is first costed without simulation; its
+//! busiest rank's work bounds its step time from below.
 //! Per placement family, candidates are simulated in order of that bound until the bound
 //! passes the `top`-th best simulated step: the answer is the same as simulating them all.
 

@@ -221,7 +221,14 @@ fn best_microbatching(ev: &mut Evaluator<'_>, c: Candidate) -> Result<(Candidate
             best = Some((tc, tp));
         }
     }
-    best.ok_or_else(|| PlanError(format!("{}: no microbatch count splits the batch", wl.name)))
+    best.ok_or_else(|| {
+        PlanError(format!(
+            "{}: global_batch({}) splits into no microbatch count with 1, 2 or 4 samples per replica of the LLM's dp({})",
+            wl.name,
+            wl.global_batch,
+            c.llm.dp()
+        ))
+    })
 }
 
 /// The published homogeneous and heterogeneous layouts of every multimodal row as

@@ -82,9 +82,27 @@ fn the_search_runs_the_published_heterogeneous_layouts_and_puts_colocated_ahead(
     for (row, _, (het, _)) in multimodal(&hw).expect("predictions") {
         let wl = workload(row.name).expect("workload");
         // Encoders split items: the published encoder at tp 1 (or 2) on every GPU is a config
-        // hetpar accepts.
-        assert!(het.runnable(&wl), "{}: {:?}", row.name, het);
+        // hetpar accepts, and the search enumerates it (pinned to the published sizes, its
+        // best colocated candidate is that layout).
         hetpar_plan::emit::config(&wl, &het).unwrap_or_else(|e| panic!("{}: {e}", row.name));
+        let (ltp, lcp, lpp) = row.llm;
+        let mut pinned = wl.clone();
+        pinned.llm_pinned.tp = Some(ltp);
+        pinned.llm_pinned.cp = Some(lcp);
+        pinned.llm_pinned.pp = Some(lpp);
+        pinned.encoders[0].pinned.tp = Some(row.encoder_tp);
+        pinned.encoders[0].pinned.cp = Some(1);
+        let found = search(&pinned, &hw, 1).expect("a plan");
+        let best = &found.best_of(Kind::Colocated).expect("a colocated candidate").candidate;
+        let e = &best.encoders[0];
+        assert_eq!(
+            (e.tp, e.cp, e.dp()),
+            (row.encoder_tp, 1, wl.gpus / row.encoder_tp),
+            "{}",
+            row.name
+        );
+        assert_eq!((best.llm.tp, best.llm.cp, best.llm.pp), row.llm, "{}", row.name);
+        assert!(best.runnable(&pinned), "{}: {best:?}", row.name);
         let plan = search(&wl, &hw, 1).expect("a plan");
         let get = |k: Kind| plan.best_of(k).map_or(0.0, |r| r.prediction.tflops_per_gpu);
         let (colo, homo) = (get(Kind::Colocated), get(Kind::Homogeneous));

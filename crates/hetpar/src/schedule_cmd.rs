@@ -38,7 +38,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let slots = timeline.makespan;
     let idle = timeline.bubble_fraction() * n_ranks as f64 * slots;
     let mut out = format!(
-        "{}: {} schedule, {} ranks, {} microbatches (unit durations: a pass, a boundary transform, a reduction, a step = 1 slot)\n\n",
+        "{}: {} schedule, {} ranks, {} microbatches (unit durations: a pass, a boundary transform, a reduction, a step = 1 slot; a pass of an encoder replica with no item = 0)\n\n",
         graph.name,
         schedule.kind.name(),
         n_ranks,
@@ -47,7 +47,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     out.push_str(&text_grid(&schedule, &timeline));
     out.push_str(&empty_replicas(&pipeline, &work, args.step));
     out.push_str(&format!(
-        "\nvalid: every message matched, no deadlock, every forward before its backward, every boundary forward with its backward\nstep {slots} slots, bubble {:.1}% ({idle:.0} idle of {:.0} rank-slots)\n",
+        "\nvalid: every message matched, no deadlock, every forward before its backward, every boundary forward with its backward\nstep {slots} slots, bubble {:.1}% ({idle:.0} idle of {:.0} rank-slots, replicas without items included)\n",
         100.0 * timeline.bubble_fraction(),
         n_ranks as f64 * slots
     ));

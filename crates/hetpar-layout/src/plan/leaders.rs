@@ -1,7 +1,7 @@
 //! The `leaders` strategy (non-colocated): boundary leaders and local distribution.
 //!
-//! For each pair of a from-replica `a` and a to-replica `b` that share samples, the rows of
-//! those samples cross the island boundary once, between leaders. With `stripes = w` the
+//! For each pair of a from-replica `a` and a to-replica `b` that share rows (an encoder
+//! replica's items and an LLM replica's samples), those rows cross the island boundary once, between leaders. With `stripes = w` the
 //! pair's rows are cut into `w` contiguous parts, part `j` going from the `j`-th rank of
 //! `a`'s stage to the `j`-th rank of `b`'s stage (`j = 0` is the canonical `(tp 0, cp 0)`
 //! leader), so a replica pair uses `w` links. Three phases, each deadlock-free:
