@@ -147,7 +147,11 @@ fn show(hw: &Hardware) {
                     per(l.ep_comm),
                     pass.fwd * 1e3,
                     pass.bwd * 1e3,
-                    r.reduce(hw, 0) * 1e3,
+                    r.reduce(
+                        hw,
+                        0,
+                        &(0..r.pp * r.vpp).map(|v| r.vstage(hw, v)).collect::<Vec<_>>()
+                    ) * 1e3,
                     r.local_tokens()
                 );
             }

@@ -302,8 +302,9 @@ impl Run<'_> {
     /// (Megatron's `overlap_grad_reduce` and `overlap_param_gather`): the fp32
     /// reduce-scatter hides behind up to `dp_overlap` of one backward of the stage, the
     /// bf16 all-gather behind one forward, and the rest is exposed. Few microbatches per
-    /// step (long context) expose more of it than many.
-    pub fn reduce(&self, hw: &Hardware, stage: usize) -> f64 {
+    /// step (long context) expose more of it than many. `vstages` are this run's virtual
+    /// stage times ([`Self::vstage`] for every `v`), computed once by the caller.
+    pub fn reduce(&self, hw: &Hardware, stage: usize, vstages: &[PassTime]) -> f64 {
         let (params, experts) = self.stage_params(stage);
         let d = self.dp * self.cp;
         let span = d * self.block();
@@ -314,7 +315,7 @@ impl Run<'_> {
         };
         let (rs, ag) = (gather(GRAD_BYTES), gather(PARAM_BYTES));
         let pass = (0..self.vpp)
-            .map(|c| self.vstage(hw, c * self.pp + stage))
+            .map(|c| vstages[c * self.pp + stage])
             .fold(PassTime::default(), |a, b| a + b);
         let overlap = hw.efficiency.dp_overlap;
         (rs - overlap * pass.bwd).max(0.0) + (ag - overlap * pass.fwd).max(0.0)

@@ -231,21 +231,25 @@ impl<'a> Evaluator<'a> {
         let llm = self.llm_run(c);
         let encs: Vec<Run<'a>> = (0..c.encoders.len()).map(|i| self.encoder_run(c, i)).collect();
         let m = c.microbatches as f64;
-        let module_cost = |r: &Run<'_>, start: usize| ModCost {
-            start,
-            pp: r.pp,
-            vstage: (0..r.pp * r.vpp).map(|v| r.vstage(hw, v)).collect(),
-            p2p: r.p2p(hw),
-            reduce: (0..r.pp).map(|s| r.reduce(hw, s)).collect(),
-            step: (0..r.pp).map(|s| r.step(hw, s)).collect(),
+        let module_cost = |r: &Run<'_>, start: usize| {
+            let vstage: Vec<PassTime> = (0..r.pp * r.vpp).map(|v| r.vstage(hw, v)).collect();
+            ModCost {
+                start,
+                pp: r.pp,
+                p2p: r.p2p(hw),
+                reduce: (0..r.pp).map(|s| r.reduce(hw, s, &vstage)).collect(),
+                step: (0..r.pp).map(|s| r.step(hw, s)).collect(),
+                vstage,
+            }
         };
         let mut modules = Vec::new();
         match c.kind {
             Kind::Homogeneous => {
                 let mut mc = module_cost(&llm, 0);
                 for r in &encs {
-                    mc.vstage[0] = mc.vstage[0] + r.vstage(hw, 0);
-                    mc.reduce[0] += r.reduce(hw, 0);
+                    let pass = r.vstage(hw, 0);
+                    mc.vstage[0] = mc.vstage[0] + pass;
+                    mc.reduce[0] += r.reduce(hw, 0, &[pass]);
                     mc.step[0] += r.step(hw, 0);
                 }
                 modules.push(mc);

@@ -85,8 +85,8 @@ pub struct Efficiency {
 
 impl Default for Efficiency {
     fn default() -> Self {
-        // Fitted by `examples/fit_published.rs --minimax` to the LLM-only table, the 8K
-        // multimodal table and the three long-context rows (PUBLISHED.md, issue rows).
+        // Fitted by `examples/fit_published.rs -- --restarts 3` to the LLM-only table, the 8K
+        // multimodal table and the three long-context rows (`validation::MULTIMODAL`).
         Efficiency {
             gemm: 0.847,
             gemm_half_width: 103.0,
