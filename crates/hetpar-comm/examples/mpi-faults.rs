@@ -3,7 +3,8 @@
 //!
 //! `mpirun -n 4 target/release/examples/mpi-faults CASE` with CASE one of `hang` (rank 1
 //! never joins a barrier), `recv` (a receive with no send), `size` (a receive of the wrong
-//! size), `panic` (rank 2 panics mid-step).
+//! size), `batch` (a batched exchange one of whose receives is never sent), `panic` (rank 2
+//! panics mid-step).
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -11,7 +12,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use hetpar_comm::mpi::{MpiOptions, abort_job, abort_on_panic, init};
-use hetpar_comm::{CommExt, Communicator, ReduceOp};
+use hetpar_comm::{CommExt, Communicator, P2p, ReduceOp};
 
 fn main() -> ExitCode {
     let case = std::env::args().nth(1).unwrap_or_default();
@@ -42,6 +43,17 @@ fn main() -> ExitCode {
             1 => world.recv(&mut [0.0f64; 2], 0, 0),
             _ => Ok(()),
         },
+        "batch" => match rank {
+            0 => {
+                let (a, mut b) = ([1i64; 4], [0i64; 4]);
+                world.batch_p2p(&mut [P2p::send(&a, 1, 6), P2p::recv(&mut b, 2, 7)])
+            }
+            1 => world.recv(&mut [0i64; 4], 0, 6),
+            _ => {
+                std::thread::sleep(Duration::from_secs(5));
+                Ok(())
+            }
+        },
         "panic" => {
             if rank == 2 {
                 panic!("injected fault on rank 2");
@@ -50,7 +62,7 @@ fn main() -> ExitCode {
             world.all_reduce(&mut x, ReduceOp::Sum).and_then(|_| world.barrier())
         }
         other => {
-            eprintln!("unknown case {other:?}: use hang, recv, size or panic");
+            eprintln!("unknown case {other:?}: use hang, recv, size, batch or panic");
             return ExitCode::from(2);
         }
     };

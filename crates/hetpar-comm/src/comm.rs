@@ -72,10 +72,126 @@ pub trait Communicator: Send + Sync {
         src: usize,
         recv_tag: u32,
     ) -> Result<()>;
+    /// Posts every message of `ops` at once and returns when all of them have completed:
+    /// non-blocking sends and receives then a wait for all (MPI), one group call (NCCL).
+    /// It never deadlocks against peers' batches that post the matching messages, in
+    /// whatever order either side lists them. Messages between a pair with one tag match in
+    /// the order listed; a message to this rank itself is a local copy. A receive of another
+    /// length than its message is a [`CommError::Mismatch`]. Every peer is checked before
+    /// any byte moves.
+    fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()>;
     /// A communicator of the members listed (indices in this communicator, ascending, this
     /// rank among them). Only the listed members call it, with the same list; a member's
     /// `k`-th call with a given list matches the others' `k`-th call.
     fn subgroup(&self, ranks: &[usize]) -> Result<Box<dyn Communicator>>;
+}
+
+/// One message of a [`Communicator::batch_p2p`] call; peers are member indices.
+#[derive(Debug)]
+pub enum P2p<'a> {
+    /// Sends `data` to `peer` with `tag`.
+    Send {
+        /// The bytes.
+        data: &'a [u8],
+        /// Destination.
+        peer: usize,
+        /// Tag.
+        tag: u32,
+    },
+    /// Receives exactly `data.len()` bytes from `peer` with `tag`.
+    Recv {
+        /// Where the bytes land.
+        data: &'a mut [u8],
+        /// Source.
+        peer: usize,
+        /// Tag.
+        tag: u32,
+    },
+}
+
+impl<'a> P2p<'a> {
+    /// A typed send.
+    pub fn send<T: Element>(data: &'a [T], peer: usize, tag: u32) -> P2p<'a> {
+        P2p::Send { data: bytes(data), peer, tag }
+    }
+
+    /// A typed receive (`data.len()` elements).
+    pub fn recv<T: Element>(data: &'a mut [T], peer: usize, tag: u32) -> P2p<'a> {
+        P2p::Recv { data: bytes_mut(data), peer, tag }
+    }
+
+    /// The peer.
+    pub fn peer(&self) -> usize {
+        match self {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        }
+    }
+
+    /// The tag.
+    pub fn tag(&self) -> u32 {
+        match self {
+            P2p::Send { tag, .. } | P2p::Recv { tag, .. } => *tag,
+        }
+    }
+
+    /// Bytes this message moves.
+    pub fn len(&self) -> usize {
+        match self {
+            P2p::Send { data, .. } => data.len(),
+            P2p::Recv { data, .. } => data.len(),
+        }
+    }
+
+    /// Whether it moves no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Checks every peer of a batch, and returns a name for it in errors and status replies
+/// ("batch of 2 sends to ranks [1, 3] and 1 receive from ranks [2]", world ranks).
+pub fn check_batch(comm: &dyn Communicator, ops: &[P2p<'_>]) -> Result<String> {
+    let (mut to, mut from) = (Vec::new(), Vec::new());
+    for op in ops {
+        check_peer(comm, op.peer(), "batched point-to-point")?;
+        let world = comm.global_ranks()[op.peer()];
+        match op {
+            P2p::Send { .. } => to.push(world),
+            P2p::Recv { .. } => from.push(world),
+        }
+    }
+    let plural = |n: usize, one: &str| if n == 1 { one.to_string() } else { format!("{one}s") };
+    to.dedup();
+    from.dedup();
+    let (ns, nr) = (
+        ops.iter().filter(|o| matches!(o, P2p::Send { .. })).count(),
+        ops.iter().filter(|o| matches!(o, P2p::Recv { .. })).count(),
+    );
+    Ok(format!(
+        "batch of {ns} {} to ranks {to:?} and {nr} {} from ranks {from:?}",
+        plural(ns, "send"),
+        plural(nr, "receive")
+    ))
+}
+
+/// The mismatch error of a receive of `want` bytes by member `me` of `members` (world
+/// ranks) that found a message of `got` bytes from member `src`.
+pub(crate) fn length_mismatch(
+    members: &[usize],
+    me: usize,
+    src: usize,
+    tag: u32,
+    got: usize,
+    want: usize,
+) -> CommError {
+    CommError::Mismatch {
+        op: format!("recv from rank {} (tag {tag})", members[src]),
+        group: members.to_vec(),
+        detail: format!(
+            "rank {} sent {got} bytes, rank {} expects {want}",
+            members[src], members[me]
+        ),
+    }
 }
 
 impl std::fmt::Debug for dyn Communicator + '_ {
@@ -153,6 +269,9 @@ impl<C: Communicator + ?Sized> Communicator for &C {
         rt: u32,
     ) -> Result<()> {
         (**self).send_recv_bytes(send, dst, st, recv, src, rt)
+    }
+    fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        (**self).batch_p2p(ops)
     }
     fn subgroup(&self, ranks: &[usize]) -> Result<Box<dyn Communicator>> {
         (**self).subgroup(ranks)

@@ -4,7 +4,7 @@
 
 use half::bf16;
 
-use crate::comm::{CommExt, Communicator};
+use crate::comm::{CommExt, Communicator, P2p};
 use crate::dtype::{Element, ReduceOp};
 
 /// A conformance check: `Ok` or what went wrong on this rank.
@@ -23,6 +23,7 @@ pub const SUITE: &[(&str, Check)] = &[
     ("reduce_scatter", reduce_scatter),
     ("all_to_all_v", all_to_all_v),
     ("point_to_point", point_to_point),
+    ("batched_point_to_point", batched_point_to_point),
     ("overlapping_subgroups", overlapping_subgroups),
     ("many_groups_in_flight", many_groups_in_flight),
 ];
@@ -233,6 +234,82 @@ fn point_to_point(c: &dyn Communicator) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The content of message `tag` from `src` to `dst`, element `i`.
+fn message(src: usize, dst: usize, tag: u32, i: usize) -> i64 {
+    (src * 1000 + dst * 100 + tag as usize * 10 + i) as i64
+}
+
+fn batched_point_to_point(c: &dyn Communicator) -> Result<(), String> {
+    let (n, me) = (c.size(), c.rank());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let len = |tag: u32| [0, 1, 7, 1000, 4099][tag as usize % 5];
+    // Around the ring both ways, to itself, an empty message, two messages with one tag
+    // (which keep their order), and the receives listed in another order than the peer
+    // lists its sends: tags 1-4 go to `next`, tag 5 to `prev`, tag 6 to this rank.
+    let out: Vec<(usize, u32, Vec<i64>)> = [(next, 1), (next, 2), (next, 3), (next, 3), (next, 4)]
+        .into_iter()
+        .chain([(prev, 5), (me, 6)])
+        .enumerate()
+        .map(|(k, (dst, tag))| {
+            // The second tag-3 message differs from the first so order is visible.
+            let extra = if k == 3 { 500 } else { 0 };
+            (dst, tag, (0..len(tag)).map(|i| message(me, dst, tag, i) + extra).collect())
+        })
+        .collect();
+    let mut expect: Vec<(usize, u32, Vec<i64>)> = [(me, 6), (next, 5), (prev, 4)]
+        .into_iter()
+        .chain([(prev, 3), (prev, 3), (prev, 2), (prev, 1)])
+        .map(|(src, tag)| (src, tag, (0..len(tag)).map(|i| message(src, me, tag, i)).collect()))
+        .collect();
+    // Receives from prev with tag 3: the first as sent, the second with its offset.
+    for x in &mut expect[4].2 {
+        *x += 500;
+    }
+    let mut got: Vec<Vec<i64>> = expect.iter().map(|(_, _, v)| vec![-1; v.len()]).collect();
+    {
+        let mut ops: Vec<P2p<'_>> =
+            out.iter().map(|(dst, tag, v)| P2p::send(v, *dst, *tag)).collect();
+        for ((src, tag, _), buf) in expect.iter().zip(got.iter_mut()) {
+            ops.push(P2p::recv(buf, *src, *tag));
+        }
+        // Receives first on odd ranks, sends first on even ones.
+        if me % 2 == 1 {
+            ops.rotate_left(out.len());
+        }
+        ok(c, c.batch_p2p(&mut ops), "batched ring")?;
+    }
+    for ((src, tag, want), got) in expect.iter().zip(&got) {
+        if want != got {
+            let at = (0..want.len()).find(|&i| want[i] != got[i]).unwrap_or(0);
+            return Err(fail(
+                c,
+                format!(
+                    "batch: message with tag {tag} from rank {src}: element {at} is {:?}, expected {:?}",
+                    got.get(at),
+                    want.get(at)
+                ),
+            ));
+        }
+    }
+    // Everyone to everyone at once (blocking sends in this order would wait in a cycle),
+    // receives listed from the highest peer down.
+    let sends: Vec<Vec<f64>> = (0..n).map(|d| vec![(me * n + d) as f64; 64 + d]).collect();
+    let mut recvs: Vec<Vec<f64>> = (0..n).map(|_| vec![-1.0; 64 + me]).collect();
+    {
+        let mut ops: Vec<P2p<'_>> =
+            sends.iter().enumerate().map(|(d, v)| P2p::send(v, d, 8)).collect();
+        for (s, buf) in recvs.iter_mut().enumerate().rev() {
+            ops.push(P2p::recv(buf, s, 8));
+        }
+        ok(c, c.batch_p2p(&mut ops), "batched all-to-all")?;
+    }
+    if let Some(s) = (0..n).find(|&s| recvs[s].iter().any(|&x| x != (s * n + me) as f64)) {
+        return Err(fail(c, format!("batched all-to-all: message from rank {s} is wrong")));
+    }
+    // An empty batch is a no-op.
+    ok(c, c.batch_p2p(&mut []), "empty batch")
 }
 
 fn sum_of_ranks(c: &dyn Communicator, g: &dyn Communicator) -> Result<(), String> {

@@ -20,7 +20,7 @@ pub mod nccl;
 pub mod pool;
 pub mod recording;
 
-pub use comm::{CommExt, Communicator};
+pub use comm::{CommExt, Communicator, P2p};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use local::{LocalComm, LocalOptions, launch};

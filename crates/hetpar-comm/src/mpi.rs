@@ -26,7 +26,9 @@ use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::*;
 use ::mpi::{Rank, Threading};
 
-use crate::comm::{Communicator, args, check_peer, check_subgroup};
+use crate::comm::{
+    Communicator, P2p, args, check_batch, check_peer, check_subgroup, length_mismatch,
+};
 use crate::dtype::{DType, ReduceOp, reduce_onto, typed};
 use crate::engine::EngineHandle;
 use crate::error::{CommError, Result, ranks};
@@ -501,16 +503,9 @@ impl MpiEngine {
         let data = receive_all(&self.pool, msg, &status);
         self.end();
         if data.len() != len {
-            return Err(CommError::Mismatch {
-                op: name,
-                group: e.members.clone(),
-                detail: format!(
-                    "rank {} sent {} bytes, rank {} expects {len}",
-                    e.members[src],
-                    data.len(),
-                    e.members[e.me]
-                ),
-            });
+            let got = data.len();
+            self.pool.give(data);
+            return Err(length_mismatch(&e.members, e.me, src, tag, got, len));
         }
         Ok(data)
     }
@@ -544,6 +539,85 @@ impl MpiEngine {
         });
         self.pool.give(send);
         got
+    }
+
+    /// A batch of messages: every send posted non-blocking, each receive then probed and
+    /// taken in list order (MPI keeps a pair's messages with one tag in order) while the
+    /// sends progress, every send completed last. One deadline for the whole batch.
+    fn batch(
+        &self,
+        id: usize,
+        name: String,
+        sends: &[(usize, u32, Vec<u8>)],
+        recvs: &[(usize, u32, usize)],
+    ) -> Result<Vec<Vec<u8>>> {
+        let e = &self.entries[id];
+        let name = self.begin_named(id, name);
+        let deadline = Instant::now() + self.timeout;
+        let out = scope(|s| {
+            let reqs: Vec<_> = sends
+                .iter()
+                .map(|(dst, tag, data)| {
+                    let p = e.comm.process_at_rank(*dst as Rank);
+                    (*dst, p.immediate_send_with_tag(s, &data[..], *tag as i32))
+                })
+                .collect();
+            let mut got = Vec::with_capacity(recvs.len());
+            let mut failed = None;
+            for &(src, tag, len) in recvs {
+                let found = loop {
+                    let p = e.comm.process_at_rank(src as Rank);
+                    if let Some(found) = p.immediate_matched_probe_with_tag(tag as i32) {
+                        break Some(found);
+                    }
+                    self.answer();
+                    if Instant::now() >= deadline {
+                        break None;
+                    }
+                    std::thread::yield_now();
+                };
+                let Some((msg, status)) = found else {
+                    let what = format!("{name}: recv from rank {} (tag {tag})", e.members[src]);
+                    failed = Some(self.timeout_error(id, &what, &[e.members[src]]));
+                    break;
+                };
+                let data = receive_all(&self.pool, msg, &status);
+                if data.len() != len {
+                    failed = Some(length_mismatch(&e.members, e.me, src, tag, data.len(), len));
+                    self.pool.give(data);
+                    break;
+                }
+                got.push(data);
+            }
+            let Some(err) = failed else {
+                for (dst, req) in reqs {
+                    self.wait(req, id, &name, &[e.members[dst]]);
+                }
+                return Ok(got);
+            };
+            // MPI owns the sends' buffers until they complete: give them until the batch's
+            // deadline, then the job cannot go on.
+            for (_, mut req) in reqs {
+                loop {
+                    match req.test() {
+                        Ok(_) => break,
+                        Err(r) => req = r,
+                    }
+                    self.answer();
+                    if Instant::now() >= deadline {
+                        (self.on_fatal)(&err);
+                        e.comm.abort(3);
+                    }
+                    std::thread::yield_now();
+                }
+            }
+            for data in got {
+                self.pool.give(data);
+            }
+            Err(err)
+        });
+        self.end();
+        out
     }
 
     fn subgroup(&mut self, id: usize, list: Vec<usize>) -> Result<(usize, Vec<usize>, usize)> {
@@ -692,6 +766,34 @@ impl Communicator for MpiComm {
         let out = self.engine.call(move |e| e.send_recv(id, input, dst, st, len, src, rt))?;
         recv.copy_from_slice(&out);
         self.pool.give(out);
+        Ok(())
+    }
+
+    fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let name = check_batch(self, ops)?;
+        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+        for op in ops.iter() {
+            match op {
+                P2p::Send { data, peer, tag } => sends.push((*peer, *tag, self.pool.copy_of(data))),
+                P2p::Recv { data, peer, tag } => recvs.push((*peer, *tag, data.len())),
+            }
+        }
+        let id = self.id;
+        let got = self.engine.call(move |e| {
+            let r = e.batch(id, name, &sends, &recvs);
+            for (_, _, data) in sends {
+                e.pool.give(data);
+            }
+            r
+        })?;
+        let recv_bufs = ops.iter_mut().filter_map(|op| match op {
+            P2p::Recv { data, .. } => Some(data),
+            P2p::Send { .. } => None,
+        });
+        for (data, got) in recv_bufs.zip(got) {
+            data.copy_from_slice(&got);
+            self.pool.give(got);
+        }
         Ok(())
     }
 

@@ -5,7 +5,8 @@
 //! device, runs the NCCL operation on the rank's stream and copies the result back, which is
 //! what the conformance suite and the boundary executor need. Variable-size exchanges
 //! (all-gather-v, all-to-all-v) are grouped sends and receives. NCCL has no tags: messages
-//! between a pair arrive in issue order, so tags must be used in a consistent order. A
+//! between a pair arrive in issue order, so tags must be used in a consistent order (a batched
+//! exchange orders each pair's messages by tag on both sides, so its callers need not). A
 //! timeout polls a CUDA event; NCCL knows nothing of arrivals, so the error says so.
 
 use std::sync::Arc;
@@ -14,7 +15,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
-use crate::comm::{CommExt, Communicator, args, check_peer, check_subgroup};
+use crate::comm::{
+    CommExt, Communicator, P2p, args, check_batch, check_peer, check_subgroup, length_mismatch,
+};
 use crate::dtype::{DType, ReduceOp, typed};
 use crate::engine::EngineHandle;
 use crate::error::{CommError, Result};
@@ -221,6 +224,48 @@ impl NcclState {
     }
 }
 
+impl NcclState {
+    /// One group of point-to-point calls: `sends` as (peer, bytes), `recvs` as (peer,
+    /// length), none to or from this rank, each pair's messages in the order both sides
+    /// agree on. Empty messages are not posted.
+    fn batch(
+        &self,
+        id: usize,
+        sends: &[(usize, Vec<u8>)],
+        recvs: &[(usize, usize)],
+    ) -> Result<Option<Vec<Vec<u8>>>> {
+        let send_bufs: Vec<CudaSlice<u8>> = sends
+            .iter()
+            .map(|(_, b)| self.stream.clone_htod(&b[..]).map_err(backend))
+            .collect::<Result<_>>()?;
+        let mut recv_bufs: Vec<CudaSlice<u8>> =
+            recvs.iter().map(|&(_, n)| self.zeros::<u8>(n.max(1))).collect::<Result<_>>()?;
+        {
+            let mut group = self.comms[id].group();
+            for ((peer, b), buf) in sends.iter().zip(&send_bufs) {
+                if !b.is_empty() {
+                    group.send(buf.as_view(), *peer as i32).map_err(backend)?;
+                }
+            }
+            for (&(peer, n), buf) in recvs.iter().zip(recv_bufs.iter_mut()) {
+                if n > 0 {
+                    group.recv(buf.as_view_mut(), peer as i32).map_err(backend)?;
+                }
+            }
+        }
+        if !self.wait()? {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(recvs.len());
+        for (&(_, n), buf) in recvs.iter().zip(&recv_bufs) {
+            let mut v = self.download(buf)?;
+            v.truncate(n);
+            out.push(v);
+        }
+        Ok(Some(out))
+    }
+}
+
 fn nccl_op(op: ReduceOp) -> NcclOp {
     match op {
         ReduceOp::Sum => NcclOp::Sum,
@@ -398,6 +443,54 @@ impl Communicator for NcclComm {
         lens[src] = recv.len();
         let got = self.exchange("send-recv", parts, lens)?;
         recv.copy_from_slice(&got[src]);
+        Ok(())
+    }
+
+    fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        check_batch(self, ops)?;
+        let me = self.rank();
+        // NCCL has no tags: both sides list a pair's messages by tag (stable, so one tag's
+        // messages keep their order), which makes any listing order of the caller match.
+        let mut order: Vec<usize> = (0..ops.len()).collect();
+        order.sort_by_key(|&i| (ops[i].peer(), ops[i].tag()));
+        let (mut sends, mut recvs, mut recv_at) = (Vec::new(), Vec::new(), Vec::new());
+        let mut local: Vec<(u32, Vec<u8>)> = Vec::new();
+        for &i in &order {
+            if let P2p::Send { data, peer, tag } = &ops[i] {
+                if *peer == me {
+                    local.push((*tag, data.to_vec()));
+                } else {
+                    sends.push((*peer, data.to_vec()));
+                }
+            }
+        }
+        for &i in &order {
+            if let P2p::Recv { data, peer, tag } = &mut ops[i] {
+                if *peer != me {
+                    recvs.push((*peer, data.len()));
+                    recv_at.push(i);
+                    continue;
+                }
+                let Some(k) = local.iter().position(|(t, _)| t == tag) else {
+                    return Err(CommError::Usage(format!(
+                        "batched point-to-point on rank {}: a receive from itself with tag {tag} and no matching send",
+                        self.global_rank()
+                    )));
+                };
+                let (_, bytes) = local.remove(k);
+                if bytes.len() != data.len() {
+                    let ranks = self.global_ranks();
+                    return Err(length_mismatch(ranks, me, me, *tag, bytes.len(), data.len()));
+                }
+                data.copy_from_slice(&bytes);
+            }
+        }
+        let got = self.run("batched point-to-point", move |s, id| s.batch(id, &sends, &recvs))?;
+        for (i, bytes) in recv_at.into_iter().zip(got) {
+            if let P2p::Recv { data, .. } = &mut ops[i] {
+                data.copy_from_slice(&bytes);
+            }
+        }
         Ok(())
     }
 

@@ -10,10 +10,11 @@
 //! per pass (two passes for all-reduce).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::comm::Communicator;
+use crate::comm::{Communicator, P2p};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 
@@ -53,6 +54,9 @@ pub struct OpRecord {
     pub sent: u64,
     /// Bytes this rank received.
     pub received: u64,
+    /// Point-to-point: the index of the batched call ([`Communicator::batch_p2p`]) this
+    /// rank posted the message in (counted from 0 per communicator handle); `None` for a lone call.
+    pub batch: Option<u64>,
 }
 
 /// A shared log; one per recorded world (every rank and subgroup appends to it).
@@ -124,6 +128,7 @@ impl Log {
 pub struct Recording<'a> {
     inner: Box<dyn Communicator + 'a>,
     log: Log,
+    batches: AtomicU64,
 }
 
 impl std::fmt::Debug for Recording<'_> {
@@ -141,10 +146,21 @@ impl std::fmt::Debug for Recording<'_> {
 impl<'a> Recording<'a> {
     /// Wraps `inner` (owned, or a reference: `&C` is a communicator too), logging to `log`.
     pub fn new(inner: Box<dyn Communicator + 'a>, log: Log) -> Recording<'a> {
-        Recording { inner, log }
+        Recording { inner, log, batches: AtomicU64::new(0) }
     }
 
     fn record(&self, kind: OpKind, peer: Option<usize>, sent: usize, received: usize) {
+        self.record_in(kind, peer, sent, received, None);
+    }
+
+    fn record_in(
+        &self,
+        kind: OpKind,
+        peer: Option<usize>,
+        sent: usize,
+        received: usize,
+        batch: Option<u64>,
+    ) {
         self.log.push(OpRecord {
             kind,
             rank: self.inner.global_ranks()[self.inner.rank()],
@@ -152,6 +168,7 @@ impl<'a> Recording<'a> {
             peer: peer.map(|p| self.inner.global_ranks()[p]),
             sent: sent as u64,
             received: received as u64,
+            batch,
         });
     }
 
@@ -257,6 +274,21 @@ impl Communicator for Recording<'_> {
         self.record(OpKind::Send, Some(dst), send.len(), 0);
         self.record(OpKind::Recv, Some(src), 0, recv.len());
         self.inner.send_recv_bytes(send, dst, st, recv, src, rt)
+    }
+
+    fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        let index = self.batches.fetch_add(1, Ordering::Relaxed);
+        for op in ops.iter() {
+            match op {
+                P2p::Send { data, peer, .. } => {
+                    self.record_in(OpKind::Send, Some(*peer), data.len(), 0, Some(index))
+                }
+                P2p::Recv { data, peer, .. } => {
+                    self.record_in(OpKind::Recv, Some(*peer), 0, data.len(), Some(index))
+                }
+            }
+        }
+        self.inner.batch_p2p(ops)
     }
 
     fn subgroup(&self, ranks: &[usize]) -> Result<Box<dyn Communicator>> {

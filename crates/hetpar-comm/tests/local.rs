@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use hetpar_comm::conformance::SUITE;
 use hetpar_comm::{
-    CommError, CommExt, Communicator, LocalOptions, Log, OpKind, Recording, ReduceOp, launch,
+    CommError, CommExt, Communicator, LocalOptions, Log, OpKind, P2p, Recording, ReduceOp, launch,
 };
 
 fn opts(secs: f64) -> LocalOptions {
@@ -186,4 +186,69 @@ fn recording_counts_what_moves() {
     assert_eq!(log.bytes_by_group()[&vec![0, 1, 2, 3]], 4 * 600);
     assert_eq!(log.bytes_by_peer()[&(0, 1)], 64);
     assert_eq!(log.bytes_by_rank()[&0], (600 + 64, 600 + 64));
+}
+
+#[test]
+fn batched_messages_report_mismatches_and_missing_peers() {
+    let out = launch(2, opts(2.0), |c| {
+        let (a, mut b) = ([1i64, 2, 3], [0i64; 2]);
+        let peer = 1 - c.rank();
+        let mut ops = if c.rank() == 0 {
+            vec![P2p::send(&a, peer, 4)]
+        } else {
+            vec![P2p::recv(&mut b, peer, 4)]
+        };
+        c.batch_p2p(&mut ops)
+    })
+    .expect("no panic");
+    assert_eq!(
+        out[1].clone().expect_err("size").to_string(),
+        "recv from rank 0 (tag 4) over ranks [0-1]: rank 0 sent 24 bytes, rank 1 expects 16"
+    );
+    // A receive nobody sends times out naming the peer; the sends of the batch went out.
+    let out = launch(2, opts(0.3), |c| {
+        let (a, mut b) = ([7.0f32; 3], [0.0f32; 3]);
+        if c.rank() == 0 {
+            c.batch_p2p(&mut [P2p::send(&a, 1, 1), P2p::recv(&mut b, 1, 2)])
+        } else {
+            c.recv(&mut b, 0, 1)?;
+            std::thread::sleep(Duration::from_millis(800));
+            Ok(())
+        }
+    })
+    .expect("no panic");
+    out[1].clone().expect("the batch's send arrived");
+    assert_eq!(
+        out[0].clone().expect_err("timeout").to_string(),
+        "recv from rank 1 (tag 2) over ranks [0-1] timed out after 300ms on rank 0: ranks [1] never sent it"
+    );
+    // A peer outside the communicator is refused before anything moves.
+    let out =
+        launch(2, opts(1.0), |c| c.batch_p2p(&mut [P2p::Send { data: &[1u8], peer: 5, tag: 0 }]))
+            .expect("launch");
+    assert!(
+        out[0]
+            .clone()
+            .expect_err("usage")
+            .to_string()
+            .contains("rank 5 is not in a communicator of 2")
+    );
+}
+
+#[test]
+fn recording_marks_batched_messages() {
+    let log = Log::new();
+    launch(2, opts(10.0), |c| {
+        let rec = Recording::new(Box::new(c), log.clone());
+        let peer = 1 - c.rank();
+        let (a, mut b) = ([1i64; 8], [0i64; 8]);
+        rec.batch_p2p(&mut [P2p::send(&a, peer, 0), P2p::recv(&mut b, peer, 0)]).expect("batch");
+        rec.send_recv(&a, peer, 1, &mut b, peer, 1).expect("exchange");
+        rec.batch_p2p(&mut [P2p::recv(&mut b, peer, 2), P2p::send(&a, peer, 2)]).expect("batch");
+    })
+    .expect("launch");
+    let mine: Vec<Option<u64>> =
+        log.records().iter().filter(|r| r.rank == 0).map(|r| r.batch).collect();
+    assert_eq!(mine, [Some(0), Some(0), None, None, Some(1), Some(1)]);
+    assert_eq!(log.bytes_by_peer()[&(0, 1)], 3 * 64);
 }

@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use self::state::{CallSite, Shared, Signature};
-use crate::comm::{Communicator, args, check_peer, check_subgroup};
+use crate::comm::{
+    Communicator, P2p, args, check_batch, check_peer, check_subgroup, length_mismatch,
+};
 use crate::dtype::{DType, ReduceOp, reduce_into, reduce_onto};
 use crate::error::{CommError, Result};
 
@@ -293,17 +295,9 @@ impl Communicator for LocalComm {
         check_peer(self, src, "recv")?;
         let msg = self.shared.take(self.group_id, &self.members, src, self.me, tag)?;
         if msg.len() != data.len() {
-            return Err(CommError::Mismatch {
-                op: format!("recv from rank {} (tag {tag})", self.members[src]),
-                group: self.members.clone(),
-                detail: format!(
-                    "rank {} sent {} bytes, rank {} expects {}",
-                    self.members[src],
-                    msg.len(),
-                    self.members[self.me],
-                    data.len()
-                ),
-            });
+            let (got, want) = (msg.len(), data.len());
+            self.shared.pool.give(msg);
+            return Err(length_mismatch(&self.members, self.me, src, tag, got, want));
         }
         data.copy_from_slice(&msg);
         self.shared.pool.give(msg);
@@ -321,6 +315,28 @@ impl Communicator for LocalComm {
     ) -> Result<()> {
         self.send_bytes(send, dst, st)?;
         self.recv_bytes(recv, src, rt)
+    }
+
+    fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        check_batch(self, ops)?;
+        // Sends are buffered here: post them all, then take each receive in turn.
+        for op in ops.iter() {
+            if let P2p::Send { data, peer, tag } = op {
+                self.shared.post(
+                    self.group_id,
+                    self.me,
+                    *peer,
+                    *tag,
+                    self.shared.pool.copy_of(data),
+                );
+            }
+        }
+        for op in ops.iter_mut() {
+            if let P2p::Recv { data, peer, tag } = op {
+                self.recv_bytes(data, *peer, *tag)?;
+            }
+        }
+        Ok(())
     }
 
     fn subgroup(&self, ranks: &[usize]) -> Result<Box<dyn Communicator>> {
