@@ -28,6 +28,7 @@ fn spec(causal: bool, cp_mode: CpMode) -> AttentionSpec {
             causal,
             rope_theta: Some(10_000.0),
             bias: false,
+            key_bias: false,
             cp_mode,
         }
     } else {
@@ -38,6 +39,7 @@ fn spec(causal: bool, cp_mode: CpMode) -> AttentionSpec {
             causal,
             rope_theta: None,
             bias: true,
+            key_bias: true,
             cp_mode,
         }
     }

@@ -15,6 +15,7 @@ use common::*;
 use hetpar_comm::{LocalOptions, launch};
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
 use hetpar_nn::layers::attention::CpMode;
+use hetpar_nn::models::audio::{AudioConfig, AudioEncoder};
 use hetpar_nn::models::llama::{Boundary, Llama, LlamaBatch, LlamaConfig};
 use hetpar_nn::models::vit::{Vit, VitConfig};
 use hetpar_nn::testing::{RankReport, assemble, compare_params, flat, rel_err, snapshot};
@@ -235,20 +236,32 @@ const VIT: VitConfig = VitConfig {
     cp_mode: CpMode::AllGather,
 };
 
-fn run_vit(l: &ModuleLayout, cfg: VitConfig, dtype: DType) -> Vec<RankReport> {
-    let images = 4;
+/// An encoder's run: `items` inputs of `shape` split over dp, each giving `rows` output
+/// rows of `out` wide; the loss probes every output row this rank holds.
+struct EncoderRun<'a> {
+    input: &'a str,
+    shape: &'a [usize],
+    rows: usize,
+    out: usize,
+}
+
+fn run_encoder<M: HasParams>(
+    l: &ModuleLayout,
+    dtype: DType,
+    run: &EncoderRun<'_>,
+    build: impl Fn(&Build) -> M + Sync,
+    forward: impl Fn(&M, &Tensor) -> (Tensor, Vec<usize>) + Sync,
+) -> Vec<RankReport> {
+    let items = run.shape[0];
     launch(l.span().len(), LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let ctx = ParallelCtx::new(c, l).unwrap();
-        let b = Build { ctx: ctx.clone(), seed: 9, dtype };
-        let vit = Vit::new(&b, cfg).unwrap();
-        let per = images / l.dp();
+        let model = build(&Build { ctx: ctx.clone(), seed: 9, dtype });
+        let per = items / l.dp();
         let mine = ctx.coords.dp_idx * per;
-        let pixels = global("pixels", &[images, 3, 16, 16], dtype).narrow(0, mine, per).unwrap();
-        let y = vit.forward(&pixels).unwrap();
-        let local = vit.local_positions().unwrap();
-        let probe_all = global("probe", &[images, cfg.patches(), cfg.out_hidden], dtype)
-            .narrow(0, mine, per)
-            .unwrap();
+        let input = global(run.input, run.shape, dtype).narrow(0, mine, per).unwrap();
+        let (y, local) = forward(&model, &input);
+        let probe_all =
+            global("probe", &[items, run.rows, run.out], dtype).narrow(0, mine, per).unwrap();
         let idx = Tensor::from_vec(
             local.iter().map(|&p| p as u32).collect::<Vec<_>>(),
             local.len(),
@@ -259,34 +272,103 @@ fn run_vit(l: &ModuleLayout, cfg: VitConfig, dtype: DType) -> Vec<RankReport> {
         let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
         let mut values = BTreeMap::new();
         values.insert("out".to_string(), flat(&y).unwrap());
-        snapshot(&ctx, &vit.params(), &grads, values).unwrap()
+        snapshot(&ctx, &model.params(), &grads, values).unwrap()
     })
     .unwrap()
 }
 
-#[test]
-fn vit_matches_one_rank() {
+/// The layouts both encoders must match one rank on: (world, tp, cp, sp, CP mode).
+const ENCODER_LAYOUTS: [(usize, usize, usize, bool, CpMode); 7] = [
+    (2, 2, 1, false, CpMode::AllGather),
+    (2, 2, 1, true, CpMode::AllGather),
+    (4, 4, 1, true, CpMode::AllGather),
+    (2, 1, 2, false, CpMode::AllGather),
+    (4, 1, 4, false, CpMode::Ring),
+    (4, 2, 2, true, CpMode::AllGather),
+    (4, 1, 1, false, CpMode::AllGather),
+];
+
+/// Runs `run(layout, mode, dtype)` on every encoder layout and compares with one rank.
+fn encoder_matches_one_rank(
+    what: &str,
+    run: impl Fn(&ModuleLayout, CpMode, DType) -> Vec<RankReport>,
+) {
     for dtype in [DType::F32, DType::F64] {
         let tol = tolerance(dtype);
-        let reference = run_vit(&layout(1, 1, 1, 1, false), VIT, dtype);
-        for (n, tp, cp, sp, mode) in [
-            (2, 2, 1, false, CpMode::AllGather),
-            (2, 2, 1, true, CpMode::AllGather),
-            (4, 4, 1, true, CpMode::AllGather),
-            (2, 1, 2, false, CpMode::AllGather),
-            (4, 1, 4, false, CpMode::Ring),
-            (4, 2, 2, true, CpMode::AllGather),
-            (4, 1, 1, false, CpMode::AllGather),
-        ] {
-            let cfg = VitConfig { cp_mode: mode, ..VIT };
-            let what = format!("vit world {n} tp {tp} cp {cp} sp {sp} {mode:?} {dtype:?}");
-            let runs = run_vit(&layout(n, tp, cp, 1, sp), cfg, dtype);
+        let reference = run(&layout(1, 1, 1, 1, false), CpMode::AllGather, dtype);
+        for (n, tp, cp, sp, mode) in ENCODER_LAYOUTS {
+            let runs = run(&layout(n, tp, cp, 1, sp), mode, dtype);
             compare_params(
                 &assemble(&reference, tol).unwrap(),
                 &assemble(&runs, tol).unwrap(),
                 tol,
             )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            .unwrap_or_else(|e| {
+                panic!("{what} world {n} tp {tp} cp {cp} sp {sp} {mode:?} {dtype:?}: {e}")
+            });
         }
     }
+}
+
+#[test]
+fn vit_matches_one_rank() {
+    let run = EncoderRun {
+        input: "pixels",
+        shape: &[4, 3, 16, 16],
+        rows: VIT.patches(),
+        out: VIT.out_hidden,
+    };
+    encoder_matches_one_rank("vit", |l, mode, dtype| {
+        let cfg = VitConfig { cp_mode: mode, ..VIT };
+        run_encoder(
+            l,
+            dtype,
+            &run,
+            |b| Vit::new(b, cfg).unwrap(),
+            |m, x| (m.forward(x).unwrap(), m.local_positions().unwrap()),
+        )
+    });
+}
+
+const AUDIO: AudioConfig = AudioConfig {
+    mels: 8,
+    frames: 15,
+    hidden: 32,
+    layers: 2,
+    heads: 4,
+    ffn: 48,
+    out_hidden: 24,
+    ln_eps: 1e-5,
+    cp_mode: CpMode::AllGather,
+};
+
+#[test]
+fn audio_encoder_matches_one_rank() {
+    // 15 frames give 8 rows per clip: whole on 1 rank, in 2 or 4 parts over sp-tp x cp.
+    let (shape, rows) = ([4, AUDIO.mels, AUDIO.frames], AUDIO.rows());
+    let run = EncoderRun { input: "features", shape: &shape, rows, out: AUDIO.out_hidden };
+    encoder_matches_one_rank("audio", |l, mode, dtype| {
+        let cfg = AudioConfig { cp_mode: mode, ..AUDIO };
+        run_encoder(
+            l,
+            dtype,
+            &run,
+            |b| AudioEncoder::new(b, cfg).unwrap(),
+            |m, x| (m.forward(x).unwrap(), m.local_positions().unwrap()),
+        )
+    });
+}
+
+#[test]
+fn audio_encoder_refuses_features_of_another_shape() {
+    let l = layout(1, 1, 1, 1, false);
+    let e = launch(1, LocalOptions { timeout: Duration::from_secs(10) }, |c| {
+        let ctx = ParallelCtx::new(c, &l).unwrap();
+        let enc = AudioEncoder::new(&Build { ctx, seed: 1, dtype: DType::F32 }, AUDIO).unwrap();
+        enc.forward(&Tensor::zeros((1, 8, 16), DType::F32, &Device::Cpu).unwrap())
+            .unwrap_err()
+            .to_string()
+    })
+    .unwrap();
+    assert!(e[0].contains("8 mels x 16 frames, the encoder takes 8 x 15"), "{}", e[0]);
 }

@@ -69,6 +69,9 @@ pub struct AttentionSpec {
     pub rope_theta: Option<f64>,
     /// Biases on the projections (ViT yes, Llama no).
     pub bias: bool,
+    /// With `bias`, a bias on the key projection too (Whisper has none: a key bias adds the
+    /// same score to every key of a query, which the softmax cancels).
+    pub key_bias: bool,
     /// Context-parallel communication.
     pub cp_mode: CpMode,
 }
@@ -96,15 +99,15 @@ impl Attention {
         out_std: f64,
     ) -> Result<Self> {
         let d = spec.hidden / spec.heads;
-        let col = |n: &str, out: usize| {
-            ColumnParallel::new(b, &format!("{name}.{n}"), spec.hidden, out, spec.bias, std)
+        let col = |n: &str, out: usize, bias: bool| {
+            ColumnParallel::new(b, &format!("{name}.{n}"), spec.hidden, out, bias, std)
         };
         Ok(Attention {
             ctx: b.ctx.clone(),
             spec,
-            q: col("q_proj", spec.heads * d)?,
-            k: col("k_proj", spec.kv_heads * d)?,
-            v: col("v_proj", spec.kv_heads * d)?,
+            q: col("q_proj", spec.heads * d, spec.bias)?,
+            k: col("k_proj", spec.kv_heads * d, spec.bias && spec.key_bias)?,
+            v: col("v_proj", spec.kv_heads * d, spec.bias)?,
             o: RowParallel::new(
                 b,
                 &format!("{name}.{o_name}"),

@@ -138,6 +138,7 @@ impl Llama {
             causal: true,
             rope_theta: Some(cfg.rope_theta),
             bias: false,
+            key_bias: false,
             cp_mode: cfg.cp_mode,
         };
         let layers = layers

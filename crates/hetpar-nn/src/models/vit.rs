@@ -16,10 +16,11 @@ use candle_core::{Device, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
-use crate::layers::attention::{Attention, AttentionSpec, CpMode, CpPositions};
+use crate::layers::attention::{CpMode, CpPositions};
 use crate::layers::linear::{Build, matmul_t};
 use crate::layers::mlp::GeluMlp;
 use crate::layers::norm::LayerNorm;
+use crate::models::encoder::{self, Layer, LayerNames, LayerShape};
 use crate::params::{HasParams, Param};
 
 /// Sizes and options of a ViT.
@@ -52,14 +53,6 @@ impl VitConfig {
     }
 }
 
-#[derive(Debug)]
-struct Layer {
-    ln1: LayerNorm,
-    attn: Attention,
-    ln2: LayerNorm,
-    mlp: GeluMlp,
-}
-
 /// The encoder and projector on one rank.
 #[derive(Debug)]
 pub struct Vit {
@@ -78,41 +71,25 @@ impl Vit {
     pub fn new(b: &Build, cfg: VitConfig) -> Result<Vit> {
         let p = cfg.patch_size;
         let std = 0.02;
-        let out_std = std / (2.0 * cfg.layers as f64).sqrt();
         let e = "vision_model.embeddings";
-        let spec = AttentionSpec {
+        let shape = LayerShape {
             hidden: cfg.hidden,
             heads: cfg.heads,
-            kv_heads: cfg.heads,
-            causal: false,
-            rope_theta: None,
-            bias: true,
+            ffn: cfg.ffn,
+            ln_eps: cfg.ln_eps,
+            layers: cfg.layers,
+            key_bias: true,
             cp_mode: cfg.cp_mode,
         };
+        let names = LayerNames {
+            ln1: "layer_norm1",
+            attn: "self_attn",
+            ln2: "layer_norm2",
+            fc1: "mlp.fc1",
+            fc2: "mlp.fc2",
+        };
         let layers = (0..cfg.layers)
-            .map(|i| {
-                let n = format!("vision_model.encoder.layers.{i}");
-                Ok(Layer {
-                    ln1: LayerNorm::new(b, &format!("{n}.layer_norm1"), cfg.hidden, cfg.ln_eps)?,
-                    attn: Attention::new(
-                        b,
-                        &format!("{n}.self_attn"),
-                        "out_proj",
-                        spec,
-                        std,
-                        out_std,
-                    )?,
-                    ln2: LayerNorm::new(b, &format!("{n}.layer_norm2"), cfg.hidden, cfg.ln_eps)?,
-                    mlp: GeluMlp::new(
-                        b,
-                        &format!("{n}.mlp.fc1"),
-                        &format!("{n}.mlp.fc2"),
-                        (cfg.hidden, cfg.ffn, cfg.hidden),
-                        std,
-                        out_std,
-                    )?,
-                })
-            })
+            .map(|i| Layer::new(b, &format!("vision_model.encoder.layers.{i}"), &names, shape))
             .collect::<Result<_>>()?;
         Ok(Vit {
             ctx: b.ctx.clone(),
@@ -149,28 +126,12 @@ impl Vit {
 
     /// Patch positions of every cp rank (contiguous equal parts) and this rank's slot.
     pub fn cp_positions(&self) -> Result<CpPositions> {
-        let (n, cp) = (self.cfg.patches(), self.ctx.cp.size());
-        let parts = cp * if self.ctx.sp() { self.ctx.tp.size() } else { 1 };
-        if !n.is_multiple_of(parts) {
-            return Err(NnError::Input(format!(
-                "{n} patches per image do not split into cp x sp-tp = {parts} equal parts"
-            )));
-        }
-        let per = n / cp;
-        Ok(CpPositions {
-            ranks: (0..cp).map(|j| (j * per..(j + 1) * per).collect()).collect(),
-            me: self.ctx.cp.rank,
-        })
+        encoder::cp_positions(&self.ctx, self.cfg.patches(), "patches per image")
     }
 
     /// Patch positions this rank's tokens hold (its cp part, cut again over tp under SP).
     pub fn local_positions(&self) -> Result<Vec<usize>> {
-        let own = self.cp_positions()?.own().to_vec();
-        if !self.ctx.sp() {
-            return Ok(own);
-        }
-        let part = own.len() / self.ctx.tp.size();
-        Ok(own[self.ctx.tp.rank * part..(self.ctx.tp.rank + 1) * part].to_vec())
+        encoder::local_positions(&self.ctx, self.cfg.patches(), "patches per image")
     }
 
     /// `pixels` `[images, 3, size, size]` to projected rows `[images, local_patches,
@@ -203,8 +164,7 @@ impl Vit {
         let mut x = x.broadcast_add(&self.pos.tensor().index_select(&idx, 0)?.unsqueeze(0)?)?;
         let positions = self.cp_positions()?;
         for l in &self.layers {
-            x = (&x + l.attn.forward(&l.ln1.forward(&x)?, &positions)?)?;
-            x = (&x + l.mlp.forward(&l.ln2.forward(&x)?)?)?;
+            x = l.forward(&x, &positions)?;
         }
         self.projector.forward(&self.post_ln.forward(&x)?)
     }
@@ -214,10 +174,7 @@ impl HasParams for Vit {
     fn params(&self) -> Vec<&Param> {
         let mut v = vec![&self.patch_w, &self.patch_b, &self.pos];
         for l in &self.layers {
-            v.extend(l.ln1.params());
-            v.extend(l.attn.params());
-            v.extend(l.ln2.params());
-            v.extend(l.mlp.params());
+            v.extend(l.params());
         }
         v.extend(self.post_ln.params());
         v.extend(self.projector.params());
