@@ -10,6 +10,8 @@ use hetpar_layout::{Axis, Coords, ExpertCoords};
 
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
+use crate::layers::attention::CpMode;
+use crate::models::vit::VitConfig;
 use crate::params::{Param, ShardSpec};
 
 /// One parameter of one rank: values and gradient, flattened, in f64.
@@ -236,3 +238,16 @@ pub fn compare_params(
     }
     Ok(())
 }
+
+/// A ViT small enough for equivalence tests: 16 patches of 16 pixels, 2 layers of width 32.
+pub const TINY_VIT: VitConfig = VitConfig {
+    image_size: 16,
+    patch_size: 4,
+    hidden: 32,
+    layers: 2,
+    heads: 4,
+    ffn: 48,
+    out_hidden: 24,
+    ln_eps: 1e-6,
+    cp_mode: CpMode::AllGather,
+};

@@ -18,7 +18,7 @@ use hetpar_nn::layers::attention::CpMode;
 use hetpar_nn::models::audio::{AudioConfig, AudioEncoder};
 use hetpar_nn::models::llama::{Boundary, Llama, LlamaBatch, LlamaConfig};
 use hetpar_nn::models::vit::{Vit, VitConfig};
-use hetpar_nn::testing::{RankReport, assemble, compare_params, flat, rel_err, snapshot};
+use hetpar_nn::testing::{RankReport, TINY_VIT, assemble, compare_params, flat, rel_err, snapshot};
 use hetpar_nn::{Build, HasParams, ParallelCtx};
 
 const B: usize = 4;
@@ -224,17 +224,7 @@ fn moe_llama_matches_one_rank() {
     }
 }
 
-const VIT: VitConfig = VitConfig {
-    image_size: 16,
-    patch_size: 4,
-    hidden: 32,
-    layers: 2,
-    heads: 4,
-    ffn: 48,
-    out_hidden: 24,
-    ln_eps: 1e-6,
-    cp_mode: CpMode::AllGather,
-};
+const VIT: VitConfig = TINY_VIT;
 
 /// An encoder's run: `items` inputs of `shape` split over dp, each giving `rows` output
 /// rows of `out` wide; the loss probes every output row this rank holds.

@@ -9,6 +9,17 @@ pub enum RuntimeError {
     /// A communication failed (timeout, failed peer, mismatch).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// Model code failed (a tensor operation, bad input to a stage).
+    #[error("{0}")]
+    Model(String),
+    /// A gradient held a NaN or an infinity (RELIABILITY.md row 6).
+    #[error("non-finite gradient in {module} parameter {param}")]
+    NonFinite {
+        /// Module.
+        module: String,
+        /// Parameter (HF name).
+        param: String,
+    },
     /// Boundary buffers disagree with the plan (RELIABILITY.md row 8), found before any
     /// byte moves.
     #[error("boundary {edge}: {message}")]
@@ -18,4 +29,19 @@ pub enum RuntimeError {
         /// What disagrees, with the numbers.
         message: String,
     },
+}
+
+impl From<hetpar_nn::NnError> for RuntimeError {
+    fn from(e: hetpar_nn::NnError) -> Self {
+        match e {
+            hetpar_nn::NnError::Comm(c) => RuntimeError::Comm(c),
+            other => RuntimeError::Model(other.to_string()),
+        }
+    }
+}
+
+impl From<candle_core::Error> for RuntimeError {
+    fn from(e: candle_core::Error) -> Self {
+        RuntimeError::Model(format!("tensor: {e}"))
+    }
 }

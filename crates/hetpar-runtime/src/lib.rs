@@ -1,10 +1,15 @@
 //! hetpar-runtime: runs what the pure crates decide. Today: the boundary executor, which
-//! walks an edge's routing plan forward and backward on row buffers over any communicator.
+//! walks an edge's routing plan forward and backward on row buffers over any communicator,
+//! and the gradient side of a step (reduction by `ShardSpec`, the global norm, AdamW).
 
 pub mod boundary;
 pub mod error;
+pub mod optim;
+pub mod step;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 pub use boundary::{Groups, run_boundary};
 pub use error::RuntimeError;
+pub use optim::{AdamState, AdamW, LrSchedule};
+pub use step::Grads;

@@ -69,8 +69,12 @@ pub struct AttentionSpec {
     pub rope_theta: Option<f64>,
     /// Biases on the projections (ViT yes, Llama no).
     pub bias: bool,
-    /// With `bias`, a bias on the key projection too (Whisper has none: a key bias adds the
-    /// same score to every key of a query, which the softmax cancels).
+    /// With `bias`, a bias on the key projection too (CLIP and SigLIP have one, Whisper
+    /// none). A key bias adds the same score to every key of a query, which the softmax
+    /// cancels: its gradient is zero in exact arithmetic and rounding noise in practice,
+    /// which Adam's normalization would turn into full-size steps of random sign that
+    /// differ between layouts. So the bias is applied outside autograd and never trained
+    /// (it keeps its loaded value).
     pub key_bias: bool,
     /// Context-parallel communication.
     pub cp_mode: CpMode,
@@ -106,7 +110,7 @@ impl Attention {
             ctx: b.ctx.clone(),
             spec,
             q: col("q_proj", spec.heads * d, spec.bias)?,
-            k: col("k_proj", spec.kv_heads * d, spec.bias && spec.key_bias)?,
+            k: col("k_proj", spec.kv_heads * d, spec.bias && spec.key_bias)?.with_detached_bias(),
             v: col("v_proj", spec.kv_heads * d, spec.bias)?,
             o: RowParallel::new(
                 b,

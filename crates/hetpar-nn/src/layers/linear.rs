@@ -70,6 +70,7 @@ pub struct ColumnParallel {
     ctx: Arc<ParallelCtx>,
     weight: Param,
     bias: Option<Param>,
+    bias_detached: bool,
 }
 
 impl ColumnParallel {
@@ -89,7 +90,12 @@ impl ColumnParallel {
         } else {
             None
         };
-        Ok(ColumnParallel { ctx: b.ctx.clone(), weight, bias })
+        Ok(ColumnParallel { ctx: b.ctx.clone(), weight, bias, bias_detached: false })
+    }
+
+    /// The same layer with its bias outside autograd: it is added but gets no gradient.
+    pub fn with_detached_bias(self) -> Self {
+        ColumnParallel { bias_detached: true, ..self }
     }
 
     /// `[b, s, in]` (sequence-sharded under SP) to `[b, s_full, out / tp]`.
@@ -103,6 +109,7 @@ impl ColumnParallel {
     pub fn local(&self, x: &Tensor) -> Result<Tensor> {
         let y = matmul_t(x, self.weight.tensor())?;
         Ok(match &self.bias {
+            Some(b) if self.bias_detached => y.broadcast_add(&b.tensor().detach())?,
             Some(b) => y.broadcast_add(b.tensor())?,
             None => y,
         })
