@@ -68,16 +68,21 @@ impl SeqSplit {
         (self.sp_tp > 1).then(|| self.local_index(pos) / (self.local_len() / self.sp_tp))
     }
 
+    /// Positions of CP rank `cp_idx` before any SP split (what its attention queries
+    /// cover): the whole sequence at cp 1, else chunks `cp_idx` and `2*cp - 1 - cp_idx`.
+    pub fn cp_owned(&self, cp_idx: usize) -> Vec<Range<usize>> {
+        if self.cp == 1 {
+            return std::iter::once(0..self.seq_len).collect();
+        }
+        let c = self.seq_len / (2 * self.cp);
+        let far = 2 * self.cp - 1 - cp_idx;
+        vec![cp_idx * c..(cp_idx + 1) * c, far * c..(far + 1) * c]
+    }
+
     /// Positions owned by CP rank `cp_idx` (and TP rank `tp_idx` under SP), as ascending
     /// ranges.
     pub fn owned(&self, cp_idx: usize, tp_idx: usize) -> Vec<Range<usize>> {
-        let runs: Vec<Range<usize>> = if self.cp == 1 {
-            std::iter::once(0..self.seq_len).collect()
-        } else {
-            let c = self.seq_len / (2 * self.cp);
-            let far = 2 * self.cp - 1 - cp_idx;
-            vec![cp_idx * c..(cp_idx + 1) * c, far * c..(far + 1) * c]
-        };
+        let runs = self.cp_owned(cp_idx);
         if self.sp_tp == 1 {
             return runs;
         }

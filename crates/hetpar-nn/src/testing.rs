@@ -68,6 +68,38 @@ pub fn snapshot(
     Ok(RankReport { rank: ctx.rank, coords: ctx.coords, expert: ctx.expert, params, values })
 }
 
+/// Snapshots `params` without gradients (their values after training steps, say).
+pub fn snapshot_values(ctx: &ParallelCtx, params: &[&Param]) -> Result<RankReport> {
+    let params = params
+        .iter()
+        .map(|p| {
+            let values = flat(p.tensor())?;
+            let grad = vec![0.0; values.len()];
+            Ok(ParamSnap { name: p.name.clone(), spec: p.spec.clone(), values, grad })
+        })
+        .collect::<Result<_>>()?;
+    Ok(RankReport {
+        rank: ctx.rank,
+        coords: ctx.coords,
+        expert: ctx.expert,
+        params,
+        values: BTreeMap::new(),
+    })
+}
+
+/// The norm of the difference over the norm of `b` (the parity measure for parameters);
+/// 0 when both are zero.
+pub fn norm_rel(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "compared tensors differ in size");
+    let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let n: f64 = b.iter().map(|y| y * y).sum();
+    match (n == 0.0, d == 0.0) {
+        (true, true) => 0.0,
+        (true, false) => f64::INFINITY,
+        _ => (d / n).sqrt(),
+    }
+}
+
 /// A reassembled global parameter.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Global {

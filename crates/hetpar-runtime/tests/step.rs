@@ -3,14 +3,15 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 use hetpar_comm::{LocalOptions, launch};
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
 use hetpar_nn::models::vit::{Vit, VitConfig};
-use hetpar_nn::testing::{ParamSnap, RankReport, TINY_VIT, assemble, flat, rel_err};
+use hetpar_nn::testing::{
+    RankReport, TINY_VIT, assemble, flat, norm_rel, rel_err, snapshot_values,
+};
 use hetpar_nn::{Build, HasParams, Init, ParallelCtx, Param};
 use hetpar_runtime::step::{clip_factor, global_norm, norm_sq_share, reduce};
 use hetpar_runtime::{AdamState, AdamW, Grads};
@@ -122,34 +123,12 @@ fn train(tp: usize, cp: usize, dp: usize, sp: bool, dtype: DType) -> (Vec<RankRe
             state.update(&opt, &params, &grads, 1e-2, clip_factor(norm, bound)).unwrap();
             norms.push(norm);
         }
-        let snaps = params
-            .iter()
-            .map(|p| {
-                let values = flat(p.tensor()).unwrap();
-                let grad = vec![0.0; values.len()];
-                ParamSnap { name: p.name.clone(), spec: p.spec.clone(), values, grad }
-            })
-            .collect();
-        let report = RankReport {
-            rank: ctx.rank,
-            coords: ctx.coords,
-            expert: ctx.expert,
-            params: snaps,
-            values: BTreeMap::new(),
-        };
-        (report, norms)
+        (snapshot_values(&ctx, &params).unwrap(), norms)
     })
     .unwrap();
     let norms = out[0].1.clone();
     assert!(out.iter().all(|(_, n)| *n == norms), "ranks disagree on the global norm");
     (out.into_iter().map(|(r, _)| r).collect(), norms)
-}
-
-/// The contract's measure for parameters: the norm of the difference over the norm.
-fn norm_rel(a: &[f64], b: &[f64]) -> f64 {
-    let d: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
-    let n: f64 = b.iter().map(|y| y * y).sum();
-    if n == 0.0 { if d == 0.0 { 0.0 } else { f64::INFINITY } } else { (d / n).sqrt() }
 }
 
 #[test]

@@ -13,6 +13,8 @@
 use std::sync::Arc;
 
 use candle_core::{D, Device, Tensor};
+use hetpar_layout::ModuleLayout;
+use hetpar_layout::ownership::SeqSplit;
 
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
@@ -46,6 +48,14 @@ impl CpPositions {
     /// Positions `0..n` on one rank (no context parallelism).
     pub fn single(n: usize) -> CpPositions {
         CpPositions { ranks: vec![(0..n).collect()], me: 0 }
+    }
+
+    /// The load-balanced CP split of a `seq`-token sequence under `layout` (each cp rank's
+    /// two chunks, SP ignored: attention covers whole CP chunks), seen from cp rank `me`.
+    pub fn sequence(layout: &ModuleLayout, seq: usize, me: usize) -> CpPositions {
+        let split = SeqSplit::new(seq, layout);
+        let ranks = (0..layout.cp()).map(|j| split.cp_owned(j).into_iter().flatten().collect());
+        CpPositions { ranks: ranks.collect(), me }
     }
 
     /// This rank's positions.

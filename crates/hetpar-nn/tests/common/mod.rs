@@ -30,26 +30,7 @@ pub fn local_positions(layout: &ModuleLayout, rank: usize, seq: usize) -> Vec<us
 
 /// The CP positions attention needs (whole CP chunks, SP ignored).
 pub fn cp_positions(layout: &ModuleLayout, rank: usize, seq: usize) -> CpPositions {
-    let c = layout.coords(rank).expect("rank");
-    let split = SeqSplit::new(seq, &no_sp(layout));
-    CpPositions {
-        ranks: (0..layout.cp())
-            .map(|j| split.owned(j, 0).into_iter().flatten().collect())
-            .collect(),
-        me: c.cp_idx,
-    }
-}
-
-fn no_sp(l: &ModuleLayout) -> ModuleLayout {
-    let spec = hetpar_layout::LayoutSpec {
-        tp: l.tp(),
-        cp: l.cp(),
-        pp: l.pp(),
-        ep: l.ep(),
-        etp: Some(l.etp()),
-        sp: false,
-    };
-    ModuleLayout::new(l.name(), l.span(), spec).expect("same layout without sp")
+    CpPositions::sequence(layout, seq, layout.coords(rank).expect("rank").cp_idx)
 }
 
 /// Rows of `t` `[b, seq, ...]` at `positions` along dim 1.

@@ -1,0 +1,217 @@
+//! The Llama LLM as a [`Stage`]: virtual stage `v` holds an even share of the layers (the
+//! earlier stages take the remainder), the embedding on stage 0, the final norm, head and
+//! loss on the last.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{DType, Tensor};
+use hetpar_layout::{BatchManifest, ModuleId, Sample};
+use hetpar_nn::layers::attention::CpPositions;
+use hetpar_nn::layers::loss::cross_entropy;
+use hetpar_nn::models::llama::{Llama, LlamaBatch, LlamaConfig};
+use hetpar_nn::{Build, HasParams, ParallelCtx, Param};
+
+use crate::error::RuntimeError;
+use crate::stage::{Forward, Stage};
+
+/// The text of one step: every sample's token ids and next-token targets (negative where
+/// no loss is taken), `seq` per sample, samples in canonical order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TextBatch {
+    /// Positions per sample.
+    pub seq: usize,
+    /// Token ids, `[samples, seq]`.
+    pub tokens: Vec<u32>,
+    /// Targets, `[samples, seq]`.
+    pub targets: Vec<i64>,
+}
+
+impl TextBatch {
+    /// Samples.
+    pub fn samples(&self) -> usize {
+        self.tokens.len() / self.seq
+    }
+
+    /// Target tokens of the whole step: the loss's denominator.
+    pub fn n_targets(&self) -> usize {
+        self.targets.iter().filter(|&&t| t >= 0).count()
+    }
+}
+
+/// Where a Llama stage gets each step's text.
+pub trait TextSource: Send + Sync {
+    /// The text of step `step`, the same on every rank.
+    fn text(&self, step: usize) -> Result<TextBatch, RuntimeError>;
+}
+
+/// Layers of virtual stage `v` of `n` over `layers` (earlier stages take the remainder).
+pub fn stage_layers(layers: usize, n: usize, v: usize) -> Range<usize> {
+    let start = |v: usize| v * (layers / n) + v.min(layers % n);
+    start(v)..start(v + 1)
+}
+
+/// A Llama module's virtual stages on one rank.
+pub struct LlamaStage {
+    module: ModuleId,
+    ctx: Arc<ParallelCtx>,
+    cfg: LlamaConfig,
+    dtype: DType,
+    microbatches: usize,
+    n_vstages: usize,
+    /// Chunks by virtual stage.
+    chunks: Vec<(usize, Llama)>,
+    source: Arc<dyn TextSource>,
+    step: Option<(TextBatch, BatchManifest)>,
+    positions: CpPositions,
+}
+
+impl std::fmt::Debug for LlamaStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v: Vec<usize> = self.chunks.iter().map(|c| c.0).collect();
+        write!(f, "LlamaStage(rank {}, virtual stages {v:?})", self.ctx.rank)
+    }
+}
+
+impl LlamaStage {
+    /// This rank's chunks of a Llama model with `vpp` virtual stages per pipeline rank.
+    pub fn new(
+        b: &Build,
+        module: ModuleId,
+        cfg: LlamaConfig,
+        vpp: usize,
+        microbatches: usize,
+        seq: usize,
+        source: Arc<dyn TextSource>,
+    ) -> Result<LlamaStage, RuntimeError> {
+        let ctx = b.ctx.clone();
+        let pp = ctx.layout.pp();
+        let n = pp * vpp;
+        let chunks = (0..vpp)
+            .map(|c| {
+                let v = c * pp + ctx.coords.pp_idx;
+                let layers = stage_layers(cfg.layers, n, v);
+                Ok((v, Llama::stage(b, cfg, layers, v == 0, v == n - 1)?))
+            })
+            .collect::<Result<_, RuntimeError>>()?;
+        let positions = CpPositions::sequence(&ctx.layout, seq, ctx.coords.cp_idx);
+        Ok(LlamaStage {
+            module,
+            cfg,
+            dtype: b.dtype,
+            microbatches,
+            n_vstages: n,
+            chunks,
+            source,
+            step: None,
+            positions,
+            ctx,
+        })
+    }
+
+    fn chunk(&self, vstage: usize) -> Result<&Llama, RuntimeError> {
+        self.chunks.iter().find(|c| c.0 == vstage).map(|c| &c.1).ok_or_else(|| {
+            RuntimeError::Model(format!(
+                "rank {} holds no virtual stage {vstage} of the llm",
+                self.ctx.rank
+            ))
+        })
+    }
+
+    fn step(&self) -> Result<&(TextBatch, BatchManifest), RuntimeError> {
+        self.step.as_ref().ok_or_else(|| RuntimeError::Model("no step has begun".into()))
+    }
+
+    /// Samples of this rank's replica in microbatch `mb`.
+    fn samples(&self, mb: usize) -> Result<Range<usize>, RuntimeError> {
+        let (_, manifest) = self.step()?;
+        Ok(manifest.replica_samples(self.ctx.layout.dp(), self.ctx.coords.dp_idx, mb))
+    }
+
+    /// Token ids and targets of this rank's samples at its cp positions.
+    fn batch(&self, mb: usize) -> Result<LlamaBatch, RuntimeError> {
+        let (text, _) = self.step()?;
+        let samples = self.samples(mb)?;
+        let (mut tokens, mut targets) = (Vec::new(), Vec::new());
+        for s in samples.clone() {
+            for &p in self.positions.own() {
+                tokens.push(text.tokens[s * text.seq + p]);
+                targets.push(text.targets[s * text.seq + p]);
+            }
+        }
+        Ok(LlamaBatch {
+            tokens,
+            batch: samples.len(),
+            positions: self.positions.clone(),
+            boundary: None,
+            targets: Arc::new(targets),
+        })
+    }
+}
+
+impl Stage for LlamaStage {
+    fn module(&self) -> ModuleId {
+        self.module
+    }
+
+    fn ctx(&self) -> &ParallelCtx {
+        &self.ctx
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn begin_step(&mut self, step: usize) -> Result<(), RuntimeError> {
+        let text = self.source.text(step)?;
+        let samples = (0..text.samples()).map(|_| Sample { len: text.seq, items: Vec::new() });
+        let manifest = BatchManifest::new(text.seq, self.microbatches, 0, samples.collect())
+            .map_err(|e| RuntimeError::Model(e.to_string()))?;
+        self.step = Some((text, manifest));
+        Ok(())
+    }
+
+    fn input_shape(&self, _vstage: usize, mb: usize) -> Vec<usize> {
+        let per = self.samples(mb).map_or(0, |s| s.len());
+        let cp_seq = self.positions.own().len();
+        let local = if self.ctx.sp() { cp_seq / self.ctx.tp.size() } else { cp_seq };
+        vec![per, local, self.cfg.hidden]
+    }
+
+    fn forward(
+        &mut self,
+        vstage: usize,
+        mb: usize,
+        input: Option<&Tensor>,
+    ) -> Result<Forward, RuntimeError> {
+        let chunk = self.chunk(vstage)?;
+        let x = match input {
+            Some(x) => x.clone(),
+            None => chunk.embed(&self.batch(mb)?)?,
+        };
+        let (x, aux) = chunk.layers(&x, &self.positions)?;
+        let aux = (self.cfg.experts > 0).then_some(aux);
+        if vstage + 1 < self.n_vstages {
+            return Ok(Forward { out: Some(x), loss: aux, reported: 0.0 });
+        }
+        let batch = self.batch(mb)?;
+        let n = self.step()?.0.n_targets().max(1) as f64;
+        let loss_sum = cross_entropy(&self.ctx, &chunk.logits(&x)?, batch.targets)?.sum_all()?;
+        let ce = (loss_sum / n)?;
+        // Every tp rank holds the same loss; tp rank 0 reports it.
+        let reported = if self.ctx.coords.tp_idx == 0 {
+            ce.to_dtype(DType::F64)?.to_scalar::<f64>()?
+        } else {
+            0.0
+        };
+        let loss = match aux {
+            Some(a) => (ce + a)?,
+            None => ce,
+        };
+        Ok(Forward { out: None, loss: Some(loss), reported })
+    }
+
+    fn params(&self) -> Vec<&Param> {
+        self.chunks.iter().flat_map(|c| c.1.params()).collect()
+    }
+}

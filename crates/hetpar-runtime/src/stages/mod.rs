@@ -1,0 +1,3 @@
+//! The stages of each module kind.
+
+pub mod llama;
