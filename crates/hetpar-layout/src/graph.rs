@@ -90,12 +90,12 @@ impl Module {
 
 impl ModuleSpec {
     /// Boundary rows one input item produces (an encoder's sequence per item: patches of an
-    /// image, frames / 2 of a clip); `None` for the LLM.
+    /// image, `ceil(frames / 2)` of a clip); `None` for the LLM.
     pub fn rows_per_item(&self) -> Option<usize> {
         match *self {
             ModuleSpec::Vit { image_size, patch_size } => Some((image_size / patch_size).pow(2)),
             // The conv stem has stride 2 over frames.
-            ModuleSpec::Audio { frames, .. } => Some(frames / 2),
+            ModuleSpec::Audio { frames, .. } => Some(frames.div_ceil(2)),
             ModuleSpec::Llama { .. } => None,
         }
     }

@@ -133,7 +133,7 @@ pub struct Encoder {
     pub shape: ModuleShape,
     /// The architecture fields as written (what `--emit-config` writes back).
     pub sizes: ModuleSizes,
-    /// Encoder sequence per item (patches of an image, frames / 2 of a clip).
+    /// Encoder sequence per item (patches of an image, `ceil(frames / 2)` of a clip).
     pub seq: usize,
     /// LLM rows per item.
     pub rows_per_item: usize,

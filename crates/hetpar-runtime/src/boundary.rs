@@ -1,6 +1,6 @@
 //! The boundary executor: walks one rank's program of an edge plan over a communicator.
 //!
-//! Rows are `width` f32 values. A forward reads the held buffer (source layout) and fills
+//! Rows are `width` values of one element type (f32 or f64). A forward reads the held buffer (source layout) and fills
 //! the needed buffer (destination layout); a backward reads gradients from the needed buffer
 //! and fills the held buffer. The executor re-derives nothing: it checks the buffers against
 //! the plan, allocates the stage, and performs each op in order. Point-to-point messages go
@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use hetpar_comm::{CommExt, Communicator};
+use hetpar_comm::{CommExt, Communicator, Element};
 use hetpar_layout::plan::{Buf, Op, Program, Segs};
 use hetpar_layout::{Direction, EdgePlan};
 
@@ -67,15 +67,15 @@ impl Groups {
 }
 
 /// The three row buffers of a rank.
-struct Rows<'a> {
-    held: &'a mut [f32],
-    needed: &'a mut [f32],
-    stage: Vec<f32>,
+struct Rows<'a, T> {
+    held: &'a mut [T],
+    needed: &'a mut [T],
+    stage: Vec<T>,
     width: usize,
 }
 
-impl Rows<'_> {
-    fn buf(&self, b: Buf) -> &[f32] {
+impl<T: Element> Rows<'_, T> {
+    fn buf(&self, b: Buf) -> &[T] {
         match b {
             Buf::Held => self.held,
             Buf::Needed => self.needed,
@@ -83,7 +83,7 @@ impl Rows<'_> {
         }
     }
 
-    fn buf_mut(&mut self, b: Buf) -> &mut [f32] {
+    fn buf_mut(&mut self, b: Buf) -> &mut [T] {
         match b {
             Buf::Held => self.held,
             Buf::Needed => self.needed,
@@ -92,7 +92,7 @@ impl Rows<'_> {
     }
 
     /// The rows of `segs`, concatenated.
-    fn gather(&self, segs: &Segs) -> Vec<f32> {
+    fn gather(&self, segs: &Segs) -> Vec<T> {
         let w = self.width;
         let mut out = Vec::with_capacity(segs.rows() * w);
         for s in &segs.0 {
@@ -102,7 +102,7 @@ impl Rows<'_> {
     }
 
     /// Writes `data` (concatenated rows) into the rows of `segs`.
-    fn scatter(&mut self, segs: &Segs, data: &[f32]) {
+    fn scatter(&mut self, segs: &Segs, data: &[T]) {
         let w = self.width;
         let mut at = 0;
         for s in &segs.0 {
@@ -114,11 +114,11 @@ impl Rows<'_> {
     }
 }
 
-/// Runs this rank's `dir` program of `plan` on `held` / `needed` (rows of `width` f32). P2P
+/// Runs this rank's `dir` program of `plan` on `held` / `needed` (rows of `width` values). P2P
 /// messages use `tag` on `world` (its ranks must be world ranks). Buffers that disagree with
 /// the plan are rejected before anything moves.
 #[allow(clippy::too_many_arguments)]
-pub fn run_boundary(
+pub fn run_boundary<T: Element>(
     world: &dyn Communicator,
     groups: &Groups,
     plan: &EdgePlan,
@@ -126,8 +126,8 @@ pub fn run_boundary(
     edge: &str,
     width: usize,
     tag: u32,
-    held: &mut [f32],
-    needed: &mut [f32],
+    held: &mut [T],
+    needed: &mut [T],
 ) -> Result<(), RuntimeError> {
     let rank = world.global_rank();
     let geo = &plan.geometry;
@@ -147,7 +147,7 @@ pub fn run_boundary(
     }
     let program = plan.program(dir);
     let Some(ops) = program.ops.get(&rank) else { return Ok(()) };
-    let stage = vec![0.0f32; program.stage_rows.get(&rank).copied().unwrap_or(0) * width];
+    let stage = vec![T::zeroed(); program.stage_rows.get(&rank).copied().unwrap_or(0) * width];
     let mut rows = Rows { held, needed, stage, width };
     for op in ops {
         match op {
@@ -157,16 +157,16 @@ pub fn run_boundary(
             }
             Op::Send { peer, rows: segs } => world.send(&rows.gather(segs), *peer, tag)?,
             Op::Recv { peer, rows: segs } => {
-                let mut data = vec![0.0f32; segs.rows() * width];
+                let mut data = vec![T::zeroed(); segs.rows() * width];
                 world.recv(&mut data, *peer, tag)?;
                 rows.scatter(segs, &data);
             }
             Op::AllToAllV { group, send, recv } => {
                 let g = groups.get(group);
-                let data: Vec<f32> = send.iter().flat_map(|s| rows.gather(s)).collect();
+                let data: Vec<T> = send.iter().flat_map(|s| rows.gather(s)).collect();
                 let sc: Vec<usize> = send.iter().map(|s| s.rows() * width).collect();
                 let rc: Vec<usize> = recv.iter().map(|s| s.rows() * width).collect();
-                let mut incoming = vec![0.0f32; rc.iter().sum()];
+                let mut incoming = vec![T::zeroed(); rc.iter().sum()];
                 g.all_to_all_v(&data, &sc, &mut incoming, &rc)?;
                 let mut at = 0;
                 for (segs, n) in recv.iter().zip(&rc) {
@@ -178,7 +178,7 @@ pub fn run_boundary(
                 let g = groups.get(group);
                 let data = rows.gather(send);
                 let counts: Vec<usize> = counts.iter().map(|c| c * width).collect();
-                let mut all = vec![0.0f32; counts.iter().sum()];
+                let mut all = vec![T::zeroed(); counts.iter().sum()];
                 g.all_gather_v(&data, &mut all, &counts)?;
                 rows.scatter(&Segs(vec![*into]), &all);
             }
@@ -188,7 +188,7 @@ pub fn run_boundary(
                 let mut data = if rank == *root {
                     rows.gather(segs)
                 } else {
-                    vec![0.0f32; segs.rows() * width]
+                    vec![T::zeroed(); segs.rows() * width]
                 };
                 g.broadcast(&mut data, root_idx)?;
                 if rank != *root {

@@ -1,7 +1,10 @@
 //! The executor: walks one rank's action list of a step as the schedule gives it, and
 //! derives nothing. Forward and backward call the rank's [`Stage`]s; communication actions
-//! post their messages as one batch (`Communicator::batch_p2p`); reductions and optimizer
-//! steps run the step's gradient side. Received activations become leaves whose gradients
+//! post their messages as one batch (`Communicator::batch_p2p`), then run the boundary
+//! transforms they carry (each edge's routing plan, in edge order); reductions and
+//! optimizer steps run the step's gradient side. On the destination's first stage the
+//! rows an edge delivered are leaves at their slots; after its backward their gradients go
+//! back through the edge's backward program and seed the source's last stage. Received activations become leaves whose gradients
 //! go back; a stage's backward is seeded with the gradient its output received, plus the
 //! loss it added to the objective.
 //!
@@ -11,14 +14,16 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use candle_core::{DType, Device, Tensor, Var};
-use hetpar_comm::{CommExt, Communicator, P2p, ReduceOp};
-use hetpar_layout::ModuleId;
+use candle_core::{DType, Device, Tensor, Var, WithDType};
+use hetpar_comm::{CommExt, Communicator, Element, P2p, ReduceOp};
+use hetpar_layout::{Direction, EdgeId, ModuleId};
 use hetpar_schedule::{Action, Compute, MsgId, Pass, Post, Role};
 
+use crate::boundary::{Groups, run_boundary};
 use crate::error::RuntimeError;
 use crate::optim::{AdamState, AdamW, LrSchedule};
-use crate::stage::{Forward, Stage};
+use crate::plans::StepPlans;
+use crate::stage::{BoundaryIn, Forward, Stage};
 use crate::step::{Grads, clip_factor, norm_sq_share, reduce};
 
 type Result<T> = std::result::Result<T, RuntimeError>;
@@ -52,6 +57,8 @@ pub struct StepReport {
     pub loss: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// Each module's part of it (its own gradient norm), by module id.
+    pub module_norms: Vec<f64>,
     /// Whether the update was applied (false: skipped for a non-finite gradient).
     pub applied: bool,
     /// The actions this rank ran, in order.
@@ -60,9 +67,20 @@ pub struct StepReport {
 
 type Key = (ModuleId, usize, usize);
 
+/// The job-wide sums of a step.
+struct Outcome {
+    norm: f64,
+    module_norms: Vec<f64>,
+    loss: f64,
+    apply: bool,
+    clip: f64,
+}
+
 /// A forward waiting for its backward.
 struct Live {
     input: Option<Var>,
+    /// Rows the edges into the module delivered (first stage).
+    boundary: Vec<(EdgeId, Var)>,
     fwd: Forward,
 }
 
@@ -75,6 +93,10 @@ struct Stash {
     out_grads: HashMap<Key, Tensor>,
     /// Input gradients (module, vstage, mb) produced, waiting to be sent.
     in_grads: HashMap<Key, Tensor>,
+    /// Rows delivered by each edge into (module, mb), waiting for its first stage.
+    boundary_in: HashMap<(ModuleId, usize), Vec<(EdgeId, Var)>>,
+    /// Gradients of delivered rows by (edge, mb), waiting for the backward transform.
+    boundary_grads: HashMap<(EdgeId, usize), Tensor>,
 }
 
 /// One message's bytes in the module's element type.
@@ -131,19 +153,28 @@ impl Buf {
     }
 }
 
-/// The tag of a pipeline message: both sides derive it from the message itself.
+/// The tag of a message: both sides derive it from the message itself (2 bits of kind, 6
+/// of module or edge, 12 of virtual stage or direction, 12 of microbatch).
 fn tag(msg: &MsgId) -> Result<u32> {
     let (kind, module, vstage, mb) = match *msg {
         MsgId::Act { module, vstage, mb, .. } => (0, module, vstage, mb),
         MsgId::Grad { module, vstage, mb, .. } => (1, module, vstage, mb),
-        _ => return Err(RuntimeError::Model(format!("{msg:?} is not a pipeline message"))),
+        MsgId::Boundary { edge, mb, dir } => (2, edge, usize::from(dir == Direction::Backward), mb),
+        MsgId::Reduce { .. } => {
+            return Err(RuntimeError::Model(format!("{msg:?} is not a point-to-point message")));
+        }
     };
-    if module >= 128 || vstage >= 4096 || mb >= 4096 {
+    if module >= 64 || vstage >= 4096 || mb >= 4096 {
         return Err(RuntimeError::Model(format!(
-            "pipeline message tags hold 128 modules, 4096 virtual stages and 4096 microbatches: {msg:?}"
+            "message tags hold 64 modules or edges, 4096 virtual stages and 4096 microbatches: {msg:?}"
         )));
     }
-    Ok((kind << 31) | ((module as u32) << 24) | ((vstage as u32) << 12) | mb as u32)
+    Ok((kind << 30) | ((module as u32) << 24) | ((vstage as u32) << 12) | mb as u32)
+}
+
+/// Whether every element of `t` is finite.
+fn finite(t: &Tensor) -> Result<bool> {
+    Ok(t.to_dtype(DType::F64)?.abs()?.sum_all()?.to_scalar::<f64>()?.is_finite())
 }
 
 /// One rank's modules, their optimizer states and the options.
@@ -152,6 +183,7 @@ pub struct Executor {
     states: Vec<AdamState>,
     opts: TrainOptions,
     skipped: usize,
+    groups: Groups,
 }
 
 impl std::fmt::Debug for Executor {
@@ -165,7 +197,7 @@ impl Executor {
     /// The executor of this rank's `stages` (one per module it holds).
     pub fn new(stages: Vec<Box<dyn Stage>>, opts: TrainOptions) -> Result<Executor> {
         let states = stages.iter().map(|s| AdamState::new(&s.params())).collect::<Result<_>>()?;
-        Ok(Executor { stages, states, opts, skipped: 0 })
+        Ok(Executor { stages, states, opts, skipped: 0, groups: Groups::new() })
     }
 
     /// This rank's stages.
@@ -185,29 +217,33 @@ impl Executor {
             .ok_or_else(|| RuntimeError::Model(format!("this rank holds no stage of module {m}")))
     }
 
-    /// Runs step `step` (0-based): this rank's `actions`, in order.
+    /// Runs step `step` (0-based): this rank's `actions`, in order, with the step's
+    /// `plans` (which every rank derives alike).
     pub fn step(
         &mut self,
         world: &dyn Communicator,
         actions: &[Action],
         step: usize,
+        plans: &StepPlans,
     ) -> Result<StepReport> {
         for s in &mut self.stages {
-            s.begin_step(step)?;
+            s.begin_step(step, &plans.manifest)?;
         }
+        self.groups.prepare(world, plans.all().flat_map(|p| [&p.forward, &p.backward]))?;
         let mut grads: Vec<Grads> =
             self.stages.iter().map(|s| Grads::zeros(&s.params())).collect::<Result<_>>()?;
         let mut stash = Stash::default();
         let mut reported = 0.0;
-        let mut outcome: Option<(f64, f64, bool, f64)> = None;
+        let mut outcome: Option<Outcome> = None;
         let mut executed = Vec::with_capacity(actions.len());
         for a in actions {
             match a {
                 Action::Compute(c) if c.pass == Pass::Forward => {
-                    reported += self.forward(c, &mut stash)?;
+                    reported += self.forward(c, &mut stash, plans)?;
                 }
                 Action::Compute(c) => self.backward(c, &mut stash, &mut grads)?,
-                Action::Comm(posts) => self.comm(world, posts, &mut stash)?,
+                Action::Comm(posts) => self.comm(world, posts, &mut stash, plans)?,
+                Action::Boundary(post) => self.boundary(world, &post.msg, &mut stash, plans)?,
                 Action::Reduce(post) => {
                     let MsgId::Reduce { module, .. } = post.msg else {
                         return Err(RuntimeError::Model(format!("reduce of {:?}", post.msg)));
@@ -218,9 +254,10 @@ impl Executor {
                 }
                 Action::Step(m) => {
                     if outcome.is_none() {
-                        outcome = Some(self.finish(world, &grads, reported)?);
+                        outcome = Some(self.finish(world, &grads, reported, plans.names.len())?);
                     }
-                    let (_, _, ok, clip) = outcome.expect("computed above");
+                    let (ok, clip) =
+                        outcome.as_ref().map(|o| (o.apply, o.clip)).expect("computed above");
                     if ok {
                         let i = self.index(*m)?;
                         let lr = self.opts.lr.get(m).map_or(0.0, |s| s.at(step));
@@ -228,22 +265,28 @@ impl Executor {
                         self.states[i].update(&self.opts.adam, &params, &grads[i], lr, clip)?;
                     }
                 }
-                Action::Boundary(_) | Action::Offload(_) | Action::Reload(_) => {
+                Action::Offload(_) | Action::Reload(_) => {
                     return Err(RuntimeError::Model(format!(
-                        "this executor runs pipelines of one module; {a:?} needs the boundary and offload support that comes next"
+                        "{a:?}: offload is not supported by this executor yet; set offload = false"
                     )));
                 }
             }
             executed.push(a.clone());
         }
-        let (grad_norm, loss, applied, _) = match outcome {
+        let o = match outcome {
             Some(o) => o,
-            None => self.finish(world, &grads, reported)?,
+            None => self.finish(world, &grads, reported, plans.names.len())?,
         };
-        Ok(StepReport { loss, grad_norm, applied, executed })
+        Ok(StepReport {
+            loss: o.loss,
+            grad_norm: o.norm,
+            module_norms: o.module_norms,
+            applied: o.apply,
+            executed,
+        })
     }
 
-    fn forward(&mut self, c: &Compute, stash: &mut Stash) -> Result<f64> {
+    fn forward(&mut self, c: &Compute, stash: &mut Stash, plans: &StepPlans) -> Result<f64> {
         let key = (c.module, c.vstage, c.mb);
         let input = stash.inputs.remove(&key);
         if c.vstage > 0 && input.is_none() {
@@ -252,10 +295,24 @@ impl Executor {
                 c.module, c.vstage, c.mb
             )));
         }
+        let mut boundary = if c.vstage == 0 {
+            stash.boundary_in.remove(&(c.module, c.mb)).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        boundary.sort_by_key(|b| b.0);
+        let inputs = boundary
+            .iter()
+            .map(|(e, v)| {
+                let geometry = &plans.plan(*e, c.mb)?.geometry;
+                Ok(BoundaryIn { edge: *e, rows: v.as_tensor(), geometry })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let i = self.index(c.module)?;
-        let fwd = self.stages[i].forward(c.vstage, c.mb, input.as_ref().map(Var::as_tensor))?;
+        let fwd =
+            self.stages[i].forward(c.vstage, c.mb, input.as_ref().map(Var::as_tensor), &inputs)?;
         let reported = fwd.reported;
-        stash.live.insert(key, Live { input, fwd });
+        stash.live.insert(key, Live { input, boundary, fwd });
         Ok(reported)
     }
 
@@ -282,21 +339,179 @@ impl Executor {
         let store = root.backward()?;
         let i = self.index(c.module)?;
         grads[i].accumulate(&self.stages[i].params(), &store)?;
-        if let Some(input) = &live.input {
-            let g = match store.get(input.as_tensor()) {
+        let grad_of = |v: &Var| -> Result<Tensor> {
+            Ok(match store.get(v.as_tensor()) {
                 Some(g) => g.clone(),
-                None => input.as_tensor().zeros_like()?,
-            };
-            stash.in_grads.insert(key, g);
+                None => v.as_tensor().zeros_like()?,
+            })
+        };
+        if let Some(input) = &live.input {
+            stash.in_grads.insert(key, grad_of(input)?);
+        }
+        for (e, v) in &live.boundary {
+            stash.boundary_grads.insert((*e, c.mb), grad_of(v)?);
         }
         Ok(())
     }
 
-    fn comm(&self, world: &dyn Communicator, posts: &[Post], stash: &mut Stash) -> Result<()> {
+    /// Runs the boundary transform `msg` (one edge, one microbatch, one direction) on this
+    /// rank's side: the source's rows or the destination's row gradients in, the other
+    /// side's out.
+    fn boundary(
+        &mut self,
+        world: &dyn Communicator,
+        msg: &MsgId,
+        stash: &mut Stash,
+        plans: &StepPlans,
+    ) -> Result<()> {
+        let MsgId::Boundary { edge, mb, dir } = *msg else {
+            return Err(RuntimeError::Model(format!("{msg:?} is not a boundary transform")));
+        };
+        let dtype = self
+            .stages
+            .iter()
+            .find(|s| {
+                let (src, dst) = plans.edges[edge];
+                s.module() == src || s.module() == dst
+            })
+            .map(|s| s.dtype())
+            .ok_or_else(|| {
+                RuntimeError::Model(format!(
+                    "{}: this rank holds neither end of the edge",
+                    plans.edge_name(edge)
+                ))
+            })?;
+        match dtype {
+            DType::F32 => self.boundary_typed::<f32>(world, edge, mb, dir, stash, plans),
+            DType::F64 => self.boundary_typed::<f64>(world, edge, mb, dir, stash, plans),
+            other => {
+                Err(RuntimeError::Model(format!("boundary rows in {other:?} are not supported")))
+            }
+        }
+    }
+
+    fn boundary_typed<T: Element + WithDType>(
+        &mut self,
+        world: &dyn Communicator,
+        edge: EdgeId,
+        mb: usize,
+        dir: Direction,
+        stash: &mut Stash,
+        plans: &StepPlans,
+    ) -> Result<()> {
+        let (src, dst) = plans.edges[edge];
+        let plan = plans.plan(edge, mb)?;
+        let name = plans.edge_name(edge);
+        let me = world.global_rank();
+        // The source's last stage holds rows, the destination's first stage needs them.
+        let src_stage = self.index(src).ok().filter(|&i| {
+            let s = &self.stages[i];
+            s.ctx().coords.pp_idx + 1 == s.ctx().layout.pp()
+        });
+        let dst_stage = self.index(dst).ok().filter(|&i| self.stages[i].ctx().coords.pp_idx == 0);
+        let width = src_stage.or(dst_stage).map_or(0, |i| self.stages[i].width());
+        let count = |m: &BTreeMap<usize, Vec<usize>>| m.get(&me).map_or(0, Vec::len);
+        let (n_held, n_needed) = (count(&plan.geometry.held), count(&plan.geometry.needed));
+        let flat = |t: &Tensor| -> Result<Vec<T>> { Ok(t.flatten_all()?.to_vec1::<T>()?) };
+        let t = tag(&MsgId::Boundary { edge, mb, dir })?;
+        let bad = |what: &str| {
+            RuntimeError::Model(format!(
+                "boundary {name} microbatch {mb}: a non-finite {what} reached rank {me}"
+            ))
+        };
+        match dir {
+            Direction::Forward => {
+                let mut held = match src_stage {
+                    Some(i) => {
+                        let v = self.stages[i].n_vstages() - 1;
+                        let out = stash
+                            .live
+                            .get(&(src, v, mb))
+                            .and_then(|l| l.fwd.out.as_ref())
+                            .ok_or_else(|| {
+                                missing("encoder output", &MsgId::Boundary { edge, mb, dir })
+                            })?;
+                        flat(out)?
+                    }
+                    None => Vec::new(),
+                };
+                let mut needed = vec![T::zeroed(); n_needed * width];
+                run_boundary(
+                    world,
+                    &self.groups,
+                    plan,
+                    dir,
+                    &name,
+                    width,
+                    t,
+                    &mut held,
+                    &mut needed,
+                )?;
+                if dst_stage.is_some() {
+                    let rows = Tensor::from_vec(needed, (n_needed, width), &Device::Cpu)?;
+                    if !finite(&rows)? && self.opts.on_nonfinite == OnNonFinite::Stop {
+                        return Err(bad("activation"));
+                    }
+                    stash
+                        .boundary_in
+                        .entry((dst, mb))
+                        .or_default()
+                        .push((edge, Var::from_tensor(&rows)?));
+                }
+            }
+            Direction::Backward => {
+                let mut needed = match dst_stage {
+                    Some(_) => {
+                        let g = stash.boundary_grads.remove(&(edge, mb)).ok_or_else(|| {
+                            missing("row gradient", &MsgId::Boundary { edge, mb, dir })
+                        })?;
+                        flat(&g)?
+                    }
+                    None => Vec::new(),
+                };
+                let mut held = vec![T::zeroed(); n_held * width];
+                run_boundary(
+                    world,
+                    &self.groups,
+                    plan,
+                    dir,
+                    &name,
+                    width,
+                    t,
+                    &mut held,
+                    &mut needed,
+                )?;
+                if let Some(i) = src_stage {
+                    let g = Tensor::from_vec(held, (n_held, width), &Device::Cpu)?;
+                    if !finite(&g)? && self.opts.on_nonfinite == OnNonFinite::Stop {
+                        return Err(bad("gradient"));
+                    }
+                    let v = self.stages[i].n_vstages() - 1;
+                    stash.out_grads.insert((src, v, mb), g);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn comm(
+        &mut self,
+        world: &dyn Communicator,
+        posts: &[Post],
+        stash: &mut Stash,
+        plans: &StepPlans,
+    ) -> Result<()> {
         let mut sends: Vec<(usize, u32, Buf)> = Vec::new();
+        let mut transforms: Vec<MsgId> = Vec::new();
         // Receives: the stash key they fill, whether an activation, the shape, the buffer.
         let mut recvs: Vec<(usize, u32, Key, bool, Vec<usize>, Buf)> = Vec::new();
         for p in posts {
+            if let MsgId::Boundary { .. } = p.msg {
+                if !transforms.contains(&p.msg) {
+                    transforms.push(p.msg);
+                }
+                continue;
+            }
             let t = tag(&p.msg)?;
             match (p.msg, p.role) {
                 (MsgId::Act { module, vstage, mb, to, .. }, Role::Send) => {
@@ -353,17 +568,28 @@ impl Executor {
                 stash.out_grads.insert(key, t);
             }
         }
+        // The point-to-point messages of an action complete without waiting on any
+        // transform, so running the transforms after them (in one order on every rank)
+        // keeps the action's rendezvous.
+        transforms.sort();
+        for msg in transforms {
+            self.boundary(world, &msg, stash, plans)?;
+        }
         Ok(())
     }
 
-    /// The job-wide sums before the first update: (norm, loss, apply, clip factor).
+    /// The job-wide sums before the first update over `modules` modules: the norm (and each
+    /// module's), the loss, whether to apply, the clip factor.
     fn finish(
         &mut self,
         world: &dyn Communicator,
         grads: &[Grads],
         reported: f64,
-    ) -> Result<(f64, f64, bool, f64)> {
-        let mut share = 0.0;
+        modules: usize,
+    ) -> Result<Outcome> {
+        // [loss, non-finite count, each module's squared norm share]
+        let mut sums = vec![0.0; 2 + modules];
+        sums[0] = reported;
         let mut bad: Option<(String, String)> = None;
         for (s, g) in self.stages.iter().zip(grads) {
             let params = s.params();
@@ -372,19 +598,23 @@ impl Executor {
             {
                 bad = Some((s.ctx().layout.name().to_string(), p.to_string()));
             }
-            share += norm_sq_share(s.ctx(), &params, g)?;
+            sums[2 + s.module()] += norm_sq_share(s.ctx(), &params, g)?;
         }
-        let mut sums =
-            [if bad.is_some() { 0.0 } else { share }, reported, f64::from(u8::from(bad.is_some()))];
+        if bad.is_some() {
+            sums[1] = 1.0;
+        }
         world.all_reduce(&mut sums, ReduceOp::Sum)?;
-        let (norm, loss, nonfinite) = (sums[0].sqrt(), sums[1], sums[2] > 0.0);
+        let (loss, nonfinite) = (sums[0], sums[1] > 0.0);
+        let module_norms: Vec<f64> = sums[2..].iter().map(|x| x.sqrt()).collect();
+        let norm = sums[2..].iter().sum::<f64>().sqrt();
         if !nonfinite {
-            return Ok((norm, loss, true, clip_factor(norm, self.opts.clip)));
+            let clip = clip_factor(norm, self.opts.clip);
+            return Ok(Outcome { norm, module_norms, loss, apply: true, clip });
         }
         match (self.opts.on_nonfinite, bad) {
             (OnNonFinite::Skip, _) => {
                 self.skipped += 1;
-                Ok((f64::NAN, loss, false, 0.0))
+                Ok(Outcome { norm: f64::NAN, module_norms, loss, apply: false, clip: 0.0 })
             }
             (OnNonFinite::Stop, Some((module, param))) => {
                 Err(RuntimeError::NonFinite { module, param })

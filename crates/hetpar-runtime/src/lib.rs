@@ -3,19 +3,24 @@
 //! the step executor, which walks a rank's schedule through its modules' stages; and the
 //! gradient side of a step (reduction by `ShardSpec`, the global norm, AdamW).
 
+pub mod assemble;
 pub mod boundary;
 pub mod error;
 pub mod executor;
 pub mod optim;
+pub mod plans;
 pub mod stage;
 pub mod stages;
 pub mod step;
+pub mod synthetic;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use assemble::{Sources, build_stages};
 pub use boundary::{Groups, run_boundary};
 pub use error::RuntimeError;
 pub use executor::{Executor, OnNonFinite, StepReport, TrainOptions};
 pub use optim::{AdamState, AdamW, LrSchedule};
-pub use stage::{Forward, Stage};
+pub use plans::StepPlans;
+pub use stage::{BoundaryIn, Forward, Stage};
 pub use step::Grads;

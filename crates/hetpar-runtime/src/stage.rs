@@ -3,7 +3,7 @@
 //! never looks inside a model; a new module kind adds an implementation of [`Stage`].
 
 use candle_core::{DType, Tensor};
-use hetpar_layout::ModuleId;
+use hetpar_layout::{BatchManifest, EdgeGeometry, EdgeId, ModuleId};
 use hetpar_nn::{ParallelCtx, Param};
 
 use crate::error::RuntimeError;
@@ -23,6 +23,18 @@ pub struct Forward {
     pub reported: f64,
 }
 
+/// Encoder rows an edge delivered to this rank for one microbatch: `rows` `[n, width]` in
+/// the order of the edge geometry's `needed` list for this rank.
+#[derive(Clone, Copy, Debug)]
+pub struct BoundaryIn<'a> {
+    /// The edge.
+    pub edge: EdgeId,
+    /// The rows, a leaf whose gradient goes back over the edge.
+    pub rows: &'a Tensor,
+    /// Who holds and needs each row.
+    pub geometry: &'a EdgeGeometry,
+}
+
 /// A module's virtual stages on one rank.
 pub trait Stage: Send {
     /// The module.
@@ -31,19 +43,27 @@ pub trait Stage: Send {
     fn ctx(&self) -> &ParallelCtx;
     /// Element type of activations and gradients.
     fn dtype(&self) -> DType;
-    /// Prepares step `step` (its data); called once before the step's first action.
-    fn begin_step(&mut self, step: usize) -> Result<(), RuntimeError>;
+    /// Virtual stages of the module (`pp * vpp`).
+    fn n_vstages(&self) -> usize;
+    /// Width of the rows this module exchanges at its boundaries (the LLM's hidden size).
+    fn width(&self) -> usize;
+    /// Prepares step `step` with its manifest (the same on every rank); called once before
+    /// the step's first action.
+    fn begin_step(&mut self, step: usize, manifest: &BatchManifest) -> Result<(), RuntimeError>;
     /// Shape of the activation virtual stage `vstage` receives for microbatch `mb` from its
     /// predecessor.
     fn input_shape(&self, vstage: usize, mb: usize) -> Vec<usize>;
     /// Forward of virtual stage `vstage` for microbatch `mb`; `input` is the received
     /// activation (a leaf whose gradient the executor sends back), `None` on the module's
-    /// first stage.
+    /// first stage, where `boundary` holds what each edge into the module delivered. A
+    /// module's last stage returns its boundary rows `[n, width]` in the order of the edge
+    /// geometry's `held` list for this rank.
     fn forward(
         &mut self,
         vstage: usize,
         mb: usize,
         input: Option<&Tensor>,
+        boundary: &[BoundaryIn<'_>],
     ) -> Result<Forward, RuntimeError>;
     /// Every parameter this rank holds, in a fixed order.
     fn params(&self) -> Vec<&Param>;

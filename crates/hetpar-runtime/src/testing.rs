@@ -139,3 +139,43 @@ pub fn fixed_plans(n: usize) -> Vec<(String, EdgePlan)> {
     }
     out
 }
+
+/// Compares two runs' step reports: loss, global gradient norm and each module's norm
+/// within `tol` relative, step by step.
+pub fn compare_steps(
+    what: &str,
+    got: &[crate::StepReport],
+    want: &[crate::StepReport],
+    tol: f64,
+) -> Result<(), String> {
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+    for (s, (a, b)) in got.iter().zip(want).enumerate() {
+        let norms = a.module_norms.iter().zip(&b.module_norms).all(|(x, y)| rel(*x, *y) <= tol);
+        if rel(a.loss, b.loss) > tol || rel(a.grad_norm, b.grad_norm) > tol || !norms {
+            return Err(format!(
+                "{what} step {s}: loss {} vs {}, norm {} vs {}, module norms {:?} vs {:?}",
+                a.loss, b.loss, a.grad_norm, b.grad_norm, a.module_norms, b.module_norms
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Compares every parameter reassembled from `got` with `want` by the norm of the
+/// difference over the norm.
+pub fn compare_values(
+    what: &str,
+    got: &[hetpar_nn::testing::RankReport],
+    want: &std::collections::BTreeMap<String, hetpar_nn::testing::Global>,
+    tol: f64,
+) -> Result<(), String> {
+    let params = hetpar_nn::testing::assemble(got, 0.0).map_err(|e| format!("{what}: {e}"))?;
+    for (name, r) in want {
+        let g = params.get(name).ok_or_else(|| format!("{what}: no parameter {name}"))?;
+        let e = hetpar_nn::testing::norm_rel(&g.values, &r.values);
+        if e > tol || e.is_nan() {
+            return Err(format!("{what}: {name} differs by {e:e} (tolerance {tol:e})"));
+        }
+    }
+    Ok(())
+}

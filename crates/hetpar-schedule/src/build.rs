@@ -6,8 +6,11 @@
 //! wait, Megatron's `send_forward_recv_backward` generalized). Posting sends and receives
 //! together is never more constrained than posting them one by one in either order, so a
 //! deadlock can only come from the compute orders themselves, which the validator checks.
+//! A boundary transform is different: a program of blocking steps, not a message that
+//! completes with the others. So an action carrying one and anything else is split into
+//! pieces in an order derived from the schedule itself (`one_transform_per_action`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use hetpar_layout::{Direction, ModuleId};
 
@@ -51,6 +54,7 @@ impl Schedule {
             ScheduleKind::ThreePhase => b.three_phase(),
             ScheduleKind::GraphAware => b.graph_aware()?,
         }
+        one_transform_per_action(&mut b.out);
         if opts.optimizer {
             b.optimizer();
         }
@@ -308,6 +312,84 @@ impl<'g> Builder<'g> {
                 self.push(r, Action::Step(m));
             }
         }
+    }
+}
+
+/// Splits every communication action that carries a boundary transform and anything else
+/// into pieces run one after another: each transform alone, its point-to-point messages in
+/// one batch per completion round. The rounds come from running the schedule with the
+/// validator's semantics (a message completes once every participant is at an action
+/// posting it; an action ends when all its messages have); every rank orders its pieces by
+/// (round, point-to-point before transforms, message), one global order, so the pieces of a
+/// round only ever wait on pieces of the same round.
+fn one_transform_per_action(out: &mut BTreeMap<usize, Vec<Action>>) {
+    let is_transform = |p: &Post| matches!(p.msg, MsgId::Boundary { .. });
+    let mixed = |a: &Action| {
+        let n = a.posts().iter().filter(|p| is_transform(p)).count();
+        n > 0 && a.posts().len() > 1
+    };
+    if !out.values().flatten().any(mixed) {
+        return;
+    }
+    let ranks: Vec<usize> = out.keys().copied().collect();
+    let mut at: BTreeMap<usize, usize> = ranks.iter().map(|&r| (r, 0)).collect();
+    // Messages of each rank's current action not yet complete.
+    let mut open: BTreeMap<usize, Vec<MsgId>> = BTreeMap::new();
+    let mut round_of: HashMap<(usize, usize, MsgId), usize> = HashMap::new();
+    let mut round = 0;
+    loop {
+        let mut progress = false;
+        for &r in &ranks {
+            while let Some(a) = out[&r].get(at[&r]) {
+                let msgs =
+                    open.entry(r).or_insert_with(|| a.posts().iter().map(|p| p.msg).collect());
+                if !msgs.is_empty() {
+                    break;
+                }
+                open.remove(&r);
+                *at.get_mut(&r).expect("rank") += 1;
+                progress = true;
+            }
+        }
+        let offers = |q: usize, m: &MsgId| open.get(&q).is_some_and(|v| v.contains(m));
+        let mut done: Vec<(usize, MsgId)> = Vec::new();
+        for (&r, msgs) in &open {
+            let a = &out[&r][at[&r]];
+            for m in msgs {
+                let p = a.posts().iter().find(|p| p.msg == *m).expect("posted");
+                if p.participants.iter().all(|&q| q == r || offers(q, m)) {
+                    done.push((r, *m));
+                }
+            }
+        }
+        for (r, m) in done {
+            round_of.insert((r, at[&r], m), round);
+            open.get_mut(&r).expect("open").retain(|x| *x != m);
+            progress = true;
+        }
+        round += 1;
+        if !progress {
+            break;
+        }
+    }
+    for (&r, actions) in out.iter_mut() {
+        let mut split = Vec::with_capacity(actions.len());
+        for (i, a) in std::mem::take(actions).into_iter().enumerate() {
+            if !mixed(&a) {
+                split.push(a);
+                continue;
+            }
+            // Pieces keyed by (round, transform?, message); a never-completed message (a
+            // deadlock the validator names) sorts last.
+            let mut pieces: BTreeMap<(usize, bool, Option<MsgId>), Vec<Post>> = BTreeMap::new();
+            for p in a.posts() {
+                let k = round_of.get(&(r, i, p.msg)).copied().unwrap_or(usize::MAX);
+                let key = if is_transform(p) { (k, true, Some(p.msg)) } else { (k, false, None) };
+                pieces.entry(key).or_default().push(p.clone());
+            }
+            split.extend(pieces.into_values().map(Action::Comm));
+        }
+        *actions = split;
     }
 }
 

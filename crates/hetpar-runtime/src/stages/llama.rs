@@ -2,21 +2,24 @@
 //! earlier stages take the remainder), the embedding on stage 0, the final norm, head and
 //! loss on the last.
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
-use hetpar_layout::{BatchManifest, ModuleId, Sample};
+use hetpar_layout::ownership::SeqSplit;
+use hetpar_layout::{BatchManifest, ModuleId};
 use hetpar_nn::layers::attention::CpPositions;
 use hetpar_nn::layers::loss::cross_entropy;
-use hetpar_nn::models::llama::{Llama, LlamaBatch, LlamaConfig};
+use hetpar_nn::models::llama::{Boundary, Llama, LlamaBatch, LlamaConfig};
 use hetpar_nn::{Build, HasParams, ParallelCtx, Param};
 
 use crate::error::RuntimeError;
-use crate::stage::{Forward, Stage};
+use crate::stage::{BoundaryIn, Forward, Stage};
 
 /// The text of one step: every sample's token ids and next-token targets (negative where
-/// no loss is taken), `seq` per sample, samples in canonical order.
+/// no loss is taken: padding, encoder rows and the positions before them), `seq` per
+/// sample, samples in canonical order. Encoder rows replace the tokens at their positions.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TextBatch {
     /// Positions per sample.
@@ -41,8 +44,8 @@ impl TextBatch {
 
 /// Where a Llama stage gets each step's text.
 pub trait TextSource: Send + Sync {
-    /// The text of step `step`, the same on every rank.
-    fn text(&self, step: usize) -> Result<TextBatch, RuntimeError>;
+    /// The text of step `step` with manifest `manifest`, the same on every rank.
+    fn text(&self, step: usize, manifest: &BatchManifest) -> Result<TextBatch, RuntimeError>;
 }
 
 /// Layers of virtual stage `v` of `n` over `layers` (earlier stages take the remainder).
@@ -64,6 +67,8 @@ pub struct LlamaStage {
     source: Arc<dyn TextSource>,
     step: Option<(TextBatch, BatchManifest)>,
     positions: CpPositions,
+    /// Index of each sequence position this rank holds in its local (SP-cut) sequence.
+    local: HashMap<usize, usize>,
 }
 
 impl std::fmt::Debug for LlamaStage {
@@ -95,7 +100,10 @@ impl LlamaStage {
             })
             .collect::<Result<_, RuntimeError>>()?;
         let positions = CpPositions::sequence(&ctx.layout, seq, ctx.coords.cp_idx);
+        let owned = SeqSplit::new(seq, &ctx.layout).owned(ctx.coords.cp_idx, ctx.coords.tp_idx);
+        let local = owned.into_iter().flatten().enumerate().map(|(i, p)| (p, i)).collect();
         Ok(LlamaStage {
+            local,
             module,
             cfg,
             dtype: b.dtype,
@@ -126,6 +134,53 @@ impl LlamaStage {
     fn samples(&self, mb: usize) -> Result<Range<usize>, RuntimeError> {
         let (_, manifest) = self.step()?;
         Ok(manifest.replica_samples(self.ctx.layout.dp(), self.ctx.coords.dp_idx, mb))
+    }
+
+    /// The encoder rows of `boundary` placed at their slots in this rank's embedded tokens
+    /// (`[samples * local_seq]`, sample-major), all edges together.
+    fn boundary(
+        &self,
+        mb: usize,
+        boundary: &[BoundaryIn<'_>],
+    ) -> Result<Option<Boundary>, RuntimeError> {
+        if boundary.is_empty() {
+            return Ok(None);
+        }
+        let samples = self.samples(mb)?;
+        let per = self.local.len();
+        let mut slots = Vec::new();
+        let mut rows = Vec::with_capacity(boundary.len());
+        for b in boundary {
+            let needed = b.geometry.needed.get(&self.ctx.rank).map_or(&[][..], |v| &v[..]);
+            if b.rows.dims2()? != (needed.len(), self.cfg.hidden) {
+                return Err(RuntimeError::Boundary {
+                    edge: format!("edge {}", b.edge),
+                    message: format!(
+                        "rank {} received rows {:?}, the plan needs {} rows of width {}",
+                        self.ctx.rank,
+                        b.rows.dims(),
+                        needed.len(),
+                        self.cfg.hidden
+                    ),
+                });
+            }
+            for &i in needed {
+                let row = &b.geometry.rows[i];
+                let local = self.local.get(&row.pos).filter(|_| samples.contains(&row.id.sample));
+                let Some(&local) = local else {
+                    return Err(RuntimeError::Boundary {
+                        edge: format!("edge {}", b.edge),
+                        message: format!(
+                            "rank {} is given row {} at position {}, which it does not hold",
+                            self.ctx.rank, row.id, row.pos
+                        ),
+                    });
+                };
+                slots.push((row.id.sample - samples.start) * per + local);
+            }
+            rows.push(b.rows.clone());
+        }
+        Ok(Some(Boundary { rows: Tensor::cat(&rows, 0)?, slots }))
     }
 
     /// Token ids and targets of this rank's samples at its cp positions.
@@ -162,12 +217,24 @@ impl Stage for LlamaStage {
         self.dtype
     }
 
-    fn begin_step(&mut self, step: usize) -> Result<(), RuntimeError> {
-        let text = self.source.text(step)?;
-        let samples = (0..text.samples()).map(|_| Sample { len: text.seq, items: Vec::new() });
-        let manifest = BatchManifest::new(text.seq, self.microbatches, 0, samples.collect())
-            .map_err(|e| RuntimeError::Model(e.to_string()))?;
-        self.step = Some((text, manifest));
+    fn n_vstages(&self) -> usize {
+        self.n_vstages
+    }
+
+    fn width(&self) -> usize {
+        self.cfg.hidden
+    }
+
+    fn begin_step(&mut self, step: usize, manifest: &BatchManifest) -> Result<(), RuntimeError> {
+        if manifest.n_microbatches() != self.microbatches {
+            return Err(RuntimeError::Model(format!(
+                "the manifest has {} microbatches, the llm was built for {}",
+                manifest.n_microbatches(),
+                self.microbatches
+            )));
+        }
+        let text = self.source.text(step, manifest)?;
+        self.step = Some((text, manifest.clone()));
         Ok(())
     }
 
@@ -183,11 +250,16 @@ impl Stage for LlamaStage {
         vstage: usize,
         mb: usize,
         input: Option<&Tensor>,
+        boundary: &[BoundaryIn<'_>],
     ) -> Result<Forward, RuntimeError> {
         let chunk = self.chunk(vstage)?;
         let x = match input {
             Some(x) => x.clone(),
-            None => chunk.embed(&self.batch(mb)?)?,
+            None => {
+                let mut batch = self.batch(mb)?;
+                batch.boundary = self.boundary(mb, boundary)?;
+                chunk.embed(&batch)?
+            }
         };
         let (x, aux) = chunk.layers(&x, &self.positions)?;
         let aux = (self.cfg.experts > 0).then_some(aux);

@@ -1,3 +1,4 @@
 //! The stages of each module kind.
 
+pub mod encoder;
 pub mod llama;

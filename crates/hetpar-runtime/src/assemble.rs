@@ -1,0 +1,125 @@
+//! A rank's stages from a validated model graph: one per module the rank belongs to, built
+//! in module order on every rank (so groups are created in one order).
+
+use std::sync::Arc;
+
+use candle_core::DType;
+use hetpar_comm::{CommExt, Communicator};
+use hetpar_layout::{ModelGraph, ModuleSpec};
+use hetpar_nn::layers::attention::CpMode;
+use hetpar_nn::models::audio::{AudioConfig, AudioEncoder};
+use hetpar_nn::models::llama::LlamaConfig;
+use hetpar_nn::models::vit::{Vit, VitConfig};
+use hetpar_nn::{Build, ParallelCtx};
+
+use crate::error::RuntimeError;
+use crate::stage::Stage;
+use crate::stages::encoder::{EncoderModel, EncoderStage, ItemSource};
+use crate::stages::llama::{LlamaStage, TextSource};
+
+/// Where the stages get their data.
+#[derive(Clone)]
+pub struct Sources {
+    /// The LLM's text.
+    pub text: Arc<dyn TextSource>,
+    /// The encoders' inputs.
+    pub items: Arc<dyn ItemSource>,
+}
+
+impl std::fmt::Debug for Sources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sources")
+    }
+}
+
+/// The MoE load-balancing coefficient (Switch Transformer and Mixtral use 0.01-0.02).
+pub const MOE_AUX_COEF: f64 = 0.01;
+
+/// The stages of this rank (`world.global_rank()`) in `graph`, parameters in `dtype`.
+pub fn build_stages(
+    world: &dyn Communicator,
+    graph: &ModelGraph,
+    dtype: DType,
+    sources: &Sources,
+) -> Result<Vec<Box<dyn Stage>>, RuntimeError> {
+    let rank = world.global_rank();
+    let llm = graph
+        .modules
+        .iter()
+        .find(|m| matches!(m.spec, ModuleSpec::Llama { .. }))
+        .ok_or_else(|| RuntimeError::Model("the graph has no llama module".into()))?;
+    let mut out: Vec<Box<dyn Stage>> = Vec::new();
+    for (id, m) in graph.modules.iter().enumerate() {
+        if !m.layout.span().contains(rank) {
+            continue;
+        }
+        let ctx = ParallelCtx::new(world, &m.layout)?;
+        let b = Build { ctx: ctx.clone(), seed: graph.train.seed, dtype };
+        let d = m.dims;
+        // An encoder's stage, fed by its one outgoing edge.
+        let encoder = |model: EncoderModel| -> Result<Box<dyn Stage>, RuntimeError> {
+            let mut out = graph.edges.iter().enumerate().filter(|(_, e)| e.src == id);
+            let edge = match (out.next(), out.next()) {
+                (Some((e, _)), None) => e,
+                _ => {
+                    return Err(RuntimeError::Model(format!(
+                        "module {}: an encoder feeds exactly one edge here",
+                        m.name
+                    )));
+                }
+            };
+            let (w, items) = (llm.dims.hidden, sources.items.clone());
+            Ok(Box::new(EncoderStage::new(id, edge, ctx.clone(), dtype, w, model, items)?))
+        };
+        let stage: Box<dyn Stage> = match m.spec {
+            ModuleSpec::Llama { vocab, kv_heads, experts, top_k } => {
+                let cfg = LlamaConfig {
+                    vocab,
+                    hidden: d.hidden,
+                    layers: d.layers,
+                    heads: d.heads,
+                    kv_heads,
+                    ffn: d.ffn,
+                    experts,
+                    top_k,
+                    rms_eps: 1e-5,
+                    rope_theta: 10_000.0,
+                    aux_coef: MOE_AUX_COEF,
+                    cp_mode: CpMode::AllGather,
+                };
+                let (mbs, seq) = (graph.train.microbatches, graph.train.seq_len);
+                Box::new(LlamaStage::new(&b, id, cfg, m.vpp, mbs, seq, sources.text.clone())?)
+            }
+            ModuleSpec::Vit { image_size, patch_size } => {
+                let cfg = VitConfig {
+                    image_size,
+                    patch_size,
+                    hidden: d.hidden,
+                    layers: d.layers,
+                    heads: d.heads,
+                    ffn: d.ffn,
+                    out_hidden: llm.dims.hidden,
+                    ln_eps: 1e-6,
+                    cp_mode: CpMode::AllGather,
+                };
+                encoder(EncoderModel::Vit(Vit::new(&b, cfg)?))?
+            }
+            ModuleSpec::Audio { n_mels, frames } => {
+                let cfg = AudioConfig {
+                    mels: n_mels,
+                    frames,
+                    hidden: d.hidden,
+                    layers: d.layers,
+                    heads: d.heads,
+                    ffn: d.ffn,
+                    out_hidden: llm.dims.hidden,
+                    ln_eps: 1e-5,
+                    cp_mode: CpMode::AllGather,
+                };
+                encoder(EncoderModel::Audio(AudioEncoder::new(&b, cfg)?))?
+            }
+        };
+        out.push(stage);
+    }
+    Ok(out)
+}

@@ -1,0 +1,63 @@
+//! The routing plans of one step: per edge and microbatch, the edge plan every rank derives
+//! from the model graph and the step's manifest (no shape handshake).
+
+use std::collections::BTreeMap;
+
+use hetpar_layout::{BatchManifest, EdgeGeometry, EdgeId, EdgePlan, ModelGraph, ModuleId};
+
+use crate::error::RuntimeError;
+
+/// A step's manifest and its boundary plans.
+#[derive(Clone, Debug)]
+pub struct StepPlans {
+    /// The step's samples and items.
+    pub manifest: BatchManifest,
+    /// `(source, destination)` module of each edge.
+    pub edges: Vec<(ModuleId, ModuleId)>,
+    /// Module names by id, for errors.
+    pub names: Vec<String>,
+    plans: BTreeMap<(EdgeId, usize), EdgePlan>,
+}
+
+impl StepPlans {
+    /// Every edge's plan for every microbatch of `manifest`.
+    pub fn new(graph: &ModelGraph, manifest: BatchManifest) -> StepPlans {
+        let mut plans = BTreeMap::new();
+        for (e, edge) in graph.edges.iter().enumerate() {
+            let (src, dst) = (&graph.modules[edge.src].layout, &graph.modules[edge.dst].layout);
+            for k in 0..manifest.n_microbatches() {
+                let geo = EdgeGeometry::new(src, dst, &manifest, e, k);
+                plans.insert((e, k), EdgePlan::new(geo, edge.strategy));
+            }
+        }
+        StepPlans {
+            manifest,
+            edges: graph.edges.iter().map(|e| (e.src, e.dst)).collect(),
+            names: graph.modules.iter().map(|m| m.name.clone()).collect(),
+            plans,
+        }
+    }
+
+    /// A step without edges (an LLM alone) over `manifest`.
+    pub fn without_edges(manifest: BatchManifest, names: Vec<String>) -> StepPlans {
+        StepPlans { manifest, edges: Vec::new(), names, plans: BTreeMap::new() }
+    }
+
+    /// The plan of `edge` in microbatch `mb`.
+    pub fn plan(&self, edge: EdgeId, mb: usize) -> Result<&EdgePlan, RuntimeError> {
+        self.plans.get(&(edge, mb)).ok_or_else(|| {
+            RuntimeError::Model(format!("no plan for edge {edge} in microbatch {mb}"))
+        })
+    }
+
+    /// Every plan, in (edge, microbatch) order.
+    pub fn all(&self) -> impl Iterator<Item = &EdgePlan> {
+        self.plans.values()
+    }
+
+    /// `src -> dst` of an edge, for errors.
+    pub fn edge_name(&self, edge: EdgeId) -> String {
+        let (s, d) = self.edges[edge];
+        format!("{} -> {}", self.names[s], self.names[d])
+    }
+}

@@ -1,0 +1,156 @@
+//! A vision encoder into an LLM, trained through the executor with boundaries inside
+//! autograd: colocated (three-phase) and non-colocated (graph-aware 1F1B) layouts run their
+//! schedules' actions in order and match the one-rank run over three steps (loss and
+//! gradient norm every step, every parameter of both modules after the last), f32 and f64.
+//! The manifests carry several images in some samples and none in others.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::DType;
+use hetpar_comm::{LocalOptions, launch};
+use hetpar_layout::{BatchManifest, Config, ModelGraph};
+use hetpar_nn::testing::{RankReport, assemble, snapshot_values};
+use hetpar_runtime::synthetic::Synthetic;
+use hetpar_runtime::testing::{compare_steps, compare_values};
+use hetpar_runtime::{
+    AdamW, Executor, LrSchedule, OnNonFinite, Sources, StepPlans, StepReport, TrainOptions,
+    build_stages,
+};
+use hetpar_schedule::{Options, PipelineGraph, Schedule};
+
+const STEPS: usize = 3;
+
+/// The test model with the vision encoder on `vision` (`[start, end)`, tp) and the LLM on
+/// `llm` with its parallel settings (`tp = ..` lines).
+fn config(vision: ([usize; 2], usize), llm: ([usize; 2], &str)) -> ModelGraph {
+    let text = format!(
+        r#"
+name = "t"
+[train]
+seed = 7
+steps = 3
+global_batch = 8
+microbatches = 2
+seq_len = 48
+lr = 1e-3
+[data]
+max_items = 2
+[modules.vision]
+kind = "vit"
+image_size = 16
+patch_size = 4
+hidden = 32
+layers = 2
+heads = 4
+ffn = 48
+[modules.vision.parallel]
+ranks = [{}, {}]
+tp = {}
+[modules.llm]
+kind = "llama"
+vocab = 64
+hidden = 32
+layers = 2
+heads = 4
+kv_heads = 4
+ffn = 48
+[modules.llm.parallel]
+ranks = [{}, {}]
+{}
+[[edges]]
+from = "vision"
+to = "llm"
+"#,
+        vision.0[0], vision.0[1], vision.1, llm.0[0], llm.0[1], llm.1
+    );
+    ModelGraph::from_config(&Config::from_toml(&text).unwrap()).unwrap()
+}
+
+struct Run {
+    reports: Vec<StepReport>,
+    ranks: Vec<RankReport>,
+}
+
+fn run(graph: &ModelGraph, dtype: DType) -> Run {
+    let schedule = Schedule::build(&PipelineGraph::from_model(graph), Options::default()).unwrap();
+    let data = Arc::new(Synthetic::new(graph));
+    let sources = Sources { text: data.clone(), items: data };
+    let out = launch(graph.world, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
+        let stages = build_stages(c, graph, dtype, &sources).unwrap();
+        // Adam moves an element whose gradient is near zero by up to the learning rate
+        // whatever its size, so f32 rounding in such gradients shows in the parameters in
+        // proportion to the rate (f64 matches to 1e-10: the computation is the same).
+        let lr = LrSchedule { peak: 1e-3, min: 1e-4, warmup: 1, total: STEPS };
+        let opts = TrainOptions {
+            adam: AdamW { weight_decay: 0.1, ..AdamW::default() },
+            lr: (0..graph.modules.len()).map(|m| (m, lr)).collect::<BTreeMap<_, _>>(),
+            clip: 1.0,
+            on_nonfinite: OnNonFinite::Stop,
+        };
+        let mut exec = Executor::new(stages, opts).unwrap();
+        let rank = hetpar_comm::CommExt::global_rank(c);
+        let actions = &schedule.ranks[&rank];
+        let reports: Vec<StepReport> = (0..STEPS)
+            .map(|s| {
+                let plans = StepPlans::new(graph, BatchManifest::synthetic(graph, s as u64));
+                let r =
+                    exec.step(c, actions, s, &plans).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+                assert_eq!(&r.executed, actions, "rank {rank} ran another order");
+                r
+            })
+            .collect();
+        let snaps: Vec<RankReport> =
+            exec.stages().iter().map(|s| snapshot_values(s.ctx(), &s.params()).unwrap()).collect();
+        (reports, snaps)
+    })
+    .unwrap();
+    let reports = out[0].0.clone();
+    for (r, _) in &out {
+        let same =
+            r.iter().zip(&reports).all(|(a, b)| a.loss == b.loss && a.grad_norm == b.grad_norm);
+        assert!(same, "ranks disagree on the step's loss or norm");
+    }
+    Run { reports, ranks: out.into_iter().flat_map(|(_, r)| r).collect() }
+}
+
+#[test]
+fn every_manifest_has_images_and_text_only_samples() {
+    let g = config(([0, 1], 1), ([0, 1], "tp = 1"));
+    for s in 0..STEPS as u64 {
+        let m = BatchManifest::synthetic(&g, s);
+        let counts: Vec<usize> = m.samples().iter().map(|x| x.items.len()).collect();
+        assert!(counts.contains(&0) || s > 0, "step {s}: {counts:?}");
+        assert!(counts.iter().any(|&c| c > 0), "step {s}: {counts:?}");
+    }
+}
+
+#[test]
+fn vision_into_llm_matches_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F64 { 1e-10 } else { 1e-5 };
+        let reference = run(&config(([0, 1], 1), ([0, 1], "tp = 1")), dtype);
+        let losses: Vec<f64> = reference.reports.iter().map(|r| r.loss).collect();
+        assert!(losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
+        // Gradients reach the encoder through the boundary (modules in name order: llm 0,
+        // vision 1).
+        assert!(reference.reports.iter().all(|r| r.module_norms[1] > 1e-3 * r.module_norms[0]));
+        let want = assemble(&reference.ranks, 0.0).unwrap();
+        for (what, vision, llm) in [
+            ("colocated encoder dp4, llm tp2 sp dp2", ([0, 4], 1), ([0, 4], "tp = 2\nsp = true")),
+            ("colocated fan-in, llm tp4", ([0, 4], 1), ([0, 4], "tp = 4")),
+            ("colocated llm cp2 dp2", ([0, 4], 1), ([0, 4], "cp = 2")),
+            ("islands encoder dp2, llm tp2", ([0, 2], 1), ([2, 4], "tp = 2")),
+            ("islands encoder tp2, llm pp2", ([0, 2], 2), ([2, 4], "pp = 2")),
+        ] {
+            let what = format!("{what} {dtype:?}");
+            let got = run(&config(vision, llm), dtype);
+            compare_steps(&what, &got.reports, &reference.reports, tol)
+                .unwrap_or_else(|e| panic!("{e}"));
+            compare_values(&what, &got.ranks, &want, tol).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+}
