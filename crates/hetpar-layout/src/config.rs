@@ -51,6 +51,63 @@ pub struct TrainConfig {
     /// Element type of parameters and activations.
     #[serde(default)]
     pub dtype: Dtype,
+    /// Steps of linear learning-rate warmup.
+    #[serde(default)]
+    pub warmup: usize,
+    /// Learning rate at the end of the cosine decay (default: a tenth of `lr`).
+    #[serde(default)]
+    pub min_lr: Option<f64>,
+    /// AdamW's decoupled weight decay (on matrices).
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// Bound on the global gradient norm (0: no clipping).
+    #[serde(default = "default_clip")]
+    pub clip_grad: f64,
+    /// What a step with a NaN or infinite gradient or boundary value does.
+    #[serde(default)]
+    pub on_nonfinite: OnNonFinite,
+    /// Under `on_nonfinite = "skip"`, how many steps may be skipped before the run stops.
+    #[serde(default = "default_max_skips")]
+    pub max_skips: usize,
+}
+
+impl TrainConfig {
+    /// A `[train]` of these sizes with every other field at its default.
+    pub fn with_sizes(global_batch: usize, microbatches: usize, seq_len: usize) -> TrainConfig {
+        TrainConfig {
+            seed: default_seed(),
+            steps: default_steps(),
+            global_batch,
+            microbatches,
+            seq_len,
+            lr: default_lr(),
+            dtype: Dtype::default(),
+            warmup: 0,
+            min_lr: None,
+            weight_decay: 0.0,
+            clip_grad: default_clip(),
+            on_nonfinite: OnNonFinite::default(),
+            max_skips: default_max_skips(),
+        }
+    }
+}
+
+/// `[train] on_nonfinite`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    /// End the run with an error naming the module and parameter or the edge.
+    #[default]
+    Stop,
+    /// Skip the update and go on (at most `max_skips` times).
+    Skip,
+}
+
+fn default_clip() -> f64 {
+    1.0
+}
+fn default_max_skips() -> usize {
+    10
 }
 
 fn default_seed() -> u64 {

@@ -574,6 +574,28 @@ fn check_batch(train: &TrainConfig, modules: &[Module]) -> Result<()> {
     if train.seq_len == 0 {
         return Err(ConfigError::new("train.seq_len", "must be at least 1, got 0"));
     }
+    check_optimizer(train)
+}
+
+fn check_optimizer(t: &TrainConfig) -> Result<()> {
+    let bad = |field: &str, m: String| Err(ConfigError::new(format!("train.{field}"), m));
+    if !(t.lr.is_finite() && t.lr > 0.0) {
+        return bad("lr", format!("must be a positive number, got {}", t.lr));
+    }
+    if let Some(min) = t.min_lr
+        && !(min.is_finite() && (0.0..=t.lr).contains(&min))
+    {
+        return bad("min_lr", format!("must be between 0 and lr({}), got {min}", t.lr));
+    }
+    if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+        return bad("weight_decay", format!("must be 0 or more, got {}", t.weight_decay));
+    }
+    if !(t.clip_grad.is_finite() && t.clip_grad >= 0.0) {
+        return bad("clip_grad", format!("must be 0 (off) or more, got {}", t.clip_grad));
+    }
+    if t.warmup > t.steps {
+        return bad("warmup", format!("warmup({}) exceeds steps({})", t.warmup, t.steps));
+    }
     Ok(())
 }
 

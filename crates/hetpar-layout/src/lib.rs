@@ -24,7 +24,7 @@ pub mod symbolic;
 pub mod testing;
 
 pub use axis::{Axis, View};
-pub use config::{Config, Dtype};
+pub use config::{Config, Dtype, OnNonFinite};
 pub use edge::{Direction, DpRelation, EdgeId, ModuleId, PlacementMode, Strategy};
 pub use error::ConfigError;
 pub use geometry::{EdgeGeometry, Row, RowId};

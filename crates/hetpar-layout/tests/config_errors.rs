@@ -129,13 +129,35 @@ fn unknown_keys_anywhere() {
         "line 29, in [modules.llm.parallel]: unknown field `tpp`, expected one of `ranks`, `tp`, `cp`, `pp`, `ep`, `etp`, `sp`, `vpp`, `offload`"
     );
     assert!(
-        error_after("seq_len = 128", "seq_len = 128\nwarmup = 3")
-            .starts_with("line 7, in [train]: unknown field `warmup`")
+        error_after("seq_len = 128", "seq_len = 128\nwarmpu = 3")
+            .starts_with("line 7, in [train]: unknown field `warmpu`")
     );
     assert!(
         error_after("name = \"t\"", "name = \"t\"\nnmae = 1")
             .starts_with("line 3: unknown field `nmae`")
     );
+}
+
+#[test]
+fn optimizer_settings_out_of_range() {
+    for (to, want) in [
+        ("lr = 0.0", "train.lr: must be a positive number, got 0"),
+        ("min_lr = 0.5", "train.min_lr: must be between 0 and lr(0.001), got 0.5"),
+        ("weight_decay = -0.1", "train.weight_decay: must be 0 or more, got -0.1"),
+        ("clip_grad = -1.0", "train.clip_grad: must be 0 (off) or more, got -1"),
+        ("warmup = 21", "train.warmup: warmup(21) exceeds steps(20)"),
+    ] {
+        let edit = format!("seq_len = 128\n{to}");
+        let msg = error_after("seq_len = 128", &edit);
+        assert_eq!(msg, want, "{to}");
+    }
+    let g = validate(&GOOD.replacen(
+        "seq_len = 128",
+        "seq_len = 128\non_nonfinite = \"skip\"\nmax_skips = 2",
+        1,
+    ))
+    .expect("valid");
+    assert_eq!((g.train.on_nonfinite, g.train.max_skips), (hetpar_layout::OnNonFinite::Skip, 2));
 }
 
 #[test]

@@ -115,15 +115,7 @@ fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Resul
     };
     let cfg = Config {
         name: "boundary".into(),
-        train: TrainConfig {
-            seed: 0,
-            steps: 1,
-            global_batch: samples,
-            microbatches: 1,
-            seq_len: seq,
-            lr: 1e-3,
-            dtype: hetpar_layout::Dtype::default(),
-        },
+        train: TrainConfig { seed: 0, steps: 1, ..TrainConfig::with_sizes(samples, 1, seq) },
         data: DataConfig::default(),
         modules: BTreeMap::from([
             ("enc".to_string(), small(ModuleKind::Audio, ec.pp, parallel(ec, espan))),

@@ -69,13 +69,9 @@ pub fn config(wl: &Workload, c: &Candidate) -> Result<Config> {
     let cfg = Config {
         name: format!("{}-{}", wl.name, c.kind.name().replace('_', "-")),
         train: TrainConfig {
-            seed: 1234,
-            steps: 20,
-            global_batch: wl.global_batch,
-            microbatches: c.microbatches,
-            seq_len: wl.seq_len,
             lr: 1e-4,
             dtype: Dtype::Bf16,
+            ..TrainConfig::with_sizes(wl.global_batch, c.microbatches, wl.seq_len)
         },
         data: DataConfig { max_items: max_items(wl), ..DataConfig::default() },
         modules,

@@ -153,8 +153,9 @@ impl Buf {
     }
 }
 
-/// The tag of a message: both sides derive it from the message itself (2 bits of kind, 6
-/// of module or edge, 12 of virtual stage or direction, 12 of microbatch).
+/// The tag of a message: both sides derive it from the message itself (2 bits of kind, 5
+/// of module or edge, 12 of virtual stage or direction, 12 of microbatch: 31 bits, below
+/// OpenMPI's tag bound).
 fn tag(msg: &MsgId) -> Result<u32> {
     let (kind, module, vstage, mb) = match *msg {
         MsgId::Act { module, vstage, mb, .. } => (0, module, vstage, mb),
@@ -164,12 +165,12 @@ fn tag(msg: &MsgId) -> Result<u32> {
             return Err(RuntimeError::Model(format!("{msg:?} is not a point-to-point message")));
         }
     };
-    if module >= 64 || vstage >= 4096 || mb >= 4096 {
+    if module >= 32 || vstage >= 4096 || mb >= 4096 {
         return Err(RuntimeError::Model(format!(
-            "message tags hold 64 modules or edges, 4096 virtual stages and 4096 microbatches: {msg:?}"
+            "message tags hold 32 modules or edges, 4096 virtual stages and 4096 microbatches: {msg:?}"
         )));
     }
-    Ok((kind << 30) | ((module as u32) << 24) | ((vstage as u32) << 12) | mb as u32)
+    Ok((kind << 29) | ((module as u32) << 24) | ((vstage as u32) << 12) | mb as u32)
 }
 
 /// Whether every element of `t` is finite.

@@ -15,6 +15,7 @@ pub mod step;
 pub mod synthetic;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod train;
 
 pub use assemble::{Sources, build_stages};
 pub use boundary::{Groups, run_boundary};
@@ -24,3 +25,4 @@ pub use optim::{AdamState, AdamW, LrSchedule};
 pub use plans::StepPlans;
 pub use stage::{BoundaryIn, Forward, Stage};
 pub use step::Grads;
+pub use train::{StepLog, Trainer, train_options};

@@ -282,3 +282,93 @@ fn calibrate_writes_a_spec_that_plan_reads_as_local() {
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success() || err.contains("no layout"), "{err}");
 }
+
+fn temp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("hetpar-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d
+}
+
+#[test]
+fn train_runs_the_demo_writes_metrics_and_the_loss_falls() {
+    let out_dir = temp("train");
+    let out = hetpar(&["train", "--steps", "12", "--out", out_dir.to_str().expect("utf-8")]);
+    let text = stdout(&out);
+    assert!(text.contains("training demo on 3 ranks (local backend, F32) for 12 steps"), "{text}");
+    let summary = text.lines().last().expect("a summary");
+    assert!(summary.starts_with("demo: loss ") && summary.contains("over 12 steps"), "{summary}");
+    // Without a terminal the progress is one line per step on stderr.
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(err.lines().any(|l| l.starts_with("step 12/12  loss ")), "{err}");
+    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
+    let steps: Vec<Value> =
+        metrics.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    assert_eq!(steps.len(), 12);
+    for s in &steps {
+        for key in ["step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_s"] {
+            assert!(s.get(key).is_some(), "{key} in {s}");
+        }
+        for m in ["vision", "audio", "llm"] {
+            assert!(s["module_grad_norms"][m].as_f64().expect("norm") > 0.0, "{m} in {s}");
+        }
+    }
+    let loss = |i: usize| steps[i]["loss"].as_f64().expect("loss");
+    assert!(loss(11) < loss(0) - 1.0, "the loss falls: {} -> {}", loss(0), loss(11));
+    let resolved = std::fs::read_to_string(out_dir.join("config.toml")).expect("config");
+    assert!(resolved.contains("name = \"demo\""), "{resolved}");
+}
+
+#[test]
+fn train_refuses_what_it_cannot_run_in_one_line() {
+    let dir = temp("train-bad");
+    let demo = std::fs::read_to_string(root().join("examples/demo.toml")).expect("demo");
+    let path = dir.join("bf16.toml");
+    std::fs::write(&path, demo.replacen("lr = 3e-3", "lr = 3e-3\ndtype = \"bf16\"", 1))
+        .expect("write");
+    let out = hetpar(&["train", path.to_str().expect("utf-8"), "--steps", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(err.starts_with("error: dtype bf16: the CPU executor trains in f32 or f64"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+#[test]
+fn check_passes_every_example_in_f32_and_f64() {
+    for dtype in ["f32", "f64"] {
+        for ex in examples() {
+            let out = hetpar(&["check", &ex, "--dtype", dtype, "--json"]);
+            let v: Value = serde_json::from_str(&stdout(&out)).expect("json");
+            assert_eq!(v["pass"], Value::Bool(true), "{ex} {dtype}: {v}");
+            let steps = v["steps"].as_array().expect("steps");
+            assert_eq!(steps.len(), 3, "{ex}");
+            for key in ["step", "loss", "ref_loss", "grad_norm", "ref_grad_norm"] {
+                assert!(steps[0].get(key).is_some(), "{key} in {v}");
+            }
+            let tol = if dtype == "f64" { 1e-10 } else { 1e-5 };
+            assert!(v["max_loss_rel_diff"].as_f64().expect("diff") <= tol, "{ex}: {v}");
+            assert!(v["max_grad_norm_rel_diff"].as_f64().expect("diff") <= tol, "{ex}: {v}");
+            assert_eq!(v["reference_ranks"], 1, "{ex}");
+        }
+    }
+}
+
+#[test]
+fn check_fails_past_the_tolerance_naming_the_differences() {
+    let dir = temp("check");
+    let cfg = std::fs::read_to_string(root().join("examples/colocated-fanin.toml")).expect("cfg");
+    let other = dir.join("other-seed.toml");
+    std::fs::write(&other, cfg.replacen("seed = 1234", "seed = 99", 1)).expect("write");
+    let out = hetpar(&[
+        "check",
+        "examples/colocated-fanin.toml",
+        "--reference",
+        other.to_str().expect("utf-8"),
+        "--steps",
+        "1",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    assert!(text.contains("FAIL: largest relative difference"), "{text}");
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(err.starts_with("error: parity fails: relative differences "), "{err}");
+}

@@ -1,0 +1,117 @@
+//! Training one rank of a model graph: its stages, the optimizer from `[train]`, the
+//! step's schedule, and per step the synthetic manifest, its plans and the executor.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use candle_core::DType;
+use hetpar_comm::{CommExt, Communicator};
+use hetpar_layout::{BatchManifest, ModelGraph};
+use hetpar_schedule::{Options, PipelineGraph, Schedule};
+
+use crate::assemble::{Sources, build_stages};
+use crate::error::RuntimeError;
+use crate::executor::{Executor, OnNonFinite, StepReport, TrainOptions};
+use crate::optim::{AdamW, LrSchedule};
+use crate::plans::StepPlans;
+use crate::stage::Stage;
+
+/// What one step did, as every rank sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepLog {
+    /// Step index (0-based).
+    pub step: usize,
+    /// The executor's report (loss, norms, whether applied, the actions run).
+    pub report: StepReport,
+    /// Learning rate of the LLM this step.
+    pub lr: f64,
+    /// Tokens of the step (every sample's length, text and encoder rows).
+    pub tokens: usize,
+    /// Wall time of the step on this rank, seconds.
+    pub seconds: f64,
+}
+
+/// The optimizer options `[train]` asks for, with `steps` steps.
+pub fn train_options(graph: &ModelGraph, steps: usize) -> TrainOptions {
+    let t = &graph.train;
+    let lr = LrSchedule {
+        peak: t.lr,
+        min: t.min_lr.unwrap_or(t.lr / 10.0),
+        warmup: t.warmup.min(steps),
+        total: steps,
+    };
+    TrainOptions {
+        adam: AdamW { weight_decay: t.weight_decay, ..AdamW::default() },
+        lr: (0..graph.modules.len()).map(|m| (m, lr)).collect::<BTreeMap<_, _>>(),
+        clip: t.clip_grad,
+        on_nonfinite: match t.on_nonfinite {
+            hetpar_layout::OnNonFinite::Stop => OnNonFinite::Stop,
+            hetpar_layout::OnNonFinite::Skip => OnNonFinite::Skip,
+        },
+    }
+}
+
+/// One rank of a training run.
+pub struct Trainer {
+    graph: ModelGraph,
+    schedule: Schedule,
+    exec: Executor,
+    lr: LrSchedule,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Trainer({}, {:?})", self.graph.name, self.exec)
+    }
+}
+
+impl Trainer {
+    /// This rank's part of `graph` in `dtype`, for `steps` steps; every rank of the world
+    /// calls it.
+    pub fn new(
+        world: &dyn Communicator,
+        graph: &ModelGraph,
+        dtype: DType,
+        steps: usize,
+        sources: &Sources,
+    ) -> Result<Trainer, RuntimeError> {
+        let schedule = Schedule::build(&PipelineGraph::from_model(graph), Options::default())
+            .map_err(|e| RuntimeError::Model(format!("schedule: {e}")))?;
+        let stages = build_stages(world, graph, dtype, sources)?;
+        let opts = train_options(graph, steps);
+        let lr = opts.lr.values().next().copied().expect("a graph has modules");
+        Ok(Trainer { graph: graph.clone(), schedule, exec: Executor::new(stages, opts)?, lr })
+    }
+
+    /// Runs step `step` on this rank.
+    pub fn step(&mut self, world: &dyn Communicator, step: usize) -> Result<StepLog, RuntimeError> {
+        let start = Instant::now();
+        let manifest = BatchManifest::synthetic(&self.graph, step as u64);
+        let tokens = manifest.samples().iter().map(|s| s.len).sum();
+        let plans = StepPlans::new(&self.graph, manifest);
+        let rank = world.global_rank();
+        let actions = self.schedule.ranks.get(&rank).ok_or_else(|| {
+            RuntimeError::Model(format!("rank {rank} has no place in the schedule"))
+        })?;
+        let report = self.exec.step(world, actions, step, &plans)?;
+        let max = self.graph.train.max_skips;
+        if self.exec.skipped() > max {
+            return Err(RuntimeError::Model(format!(
+                "{} steps were skipped for non-finite gradients, more than train.max_skips({max})",
+                self.exec.skipped()
+            )));
+        }
+        Ok(StepLog {
+            step,
+            report,
+            lr: self.lr.at(step),
+            tokens,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// This rank's stages.
+    pub fn stages(&self) -> &[Box<dyn Stage>] {
+        self.exec.stages()
+    }
+}

@@ -1,0 +1,302 @@
+//! `hetpar train [CONFIG]`: trains a model graph (the built-in demo without a config) on
+//! the local backend (one thread per rank) or under MPI, with a progress bar on a terminal
+//! (plain lines otherwise), `metrics.jsonl` and the resolved config under `--out`.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use candle_core::DType;
+use hetpar_comm::{CommExt, Communicator};
+use hetpar_layout::{Config, ModelGraph};
+use hetpar_runtime::synthetic::Synthetic;
+use hetpar_runtime::{RuntimeError, Sources, StepLog, Trainer};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// The built-in demo (`examples/demo.toml`).
+pub const DEMO: &str = include_str!("../../../examples/demo.toml");
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Config file (TOML); without one, the built-in demo: a vision encoder colocated with
+    /// the LLM and an audio encoder on its own rank.
+    pub config: Option<PathBuf>,
+    /// Steps to run (default: the config's train.steps).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Element type of parameters and activations: f32 or f64.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Where metrics.jsonl and the resolved config go (default: runs/<name>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// `local` (one thread per rank in this process) or `mpi` (one process per rank under
+    /// mpirun; build with --features mpi).
+    #[arg(long, default_value = "local")]
+    pub backend: String,
+    /// Seconds a rank waits in a communication call before the run fails naming it.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+}
+
+/// The config and its graph: the file's, or the demo's.
+pub fn load(config: Option<&PathBuf>) -> anyhow::Result<(Config, ModelGraph)> {
+    let (text, name) = match config {
+        Some(p) => (
+            std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read config {}", p.display()))?,
+            p.display().to_string(),
+        ),
+        None => (DEMO.to_string(), "the built-in demo".to_string()),
+    };
+    let cfg = Config::from_toml(&text).with_context(|| name.clone())?;
+    let graph = ModelGraph::from_config(&cfg).with_context(|| name)?;
+    Ok((cfg, graph))
+}
+
+/// The element type to train in: `--dtype`, else the config's.
+pub fn dtype(flag: Option<&str>, graph: &ModelGraph) -> anyhow::Result<DType> {
+    match flag.unwrap_or(graph.train.dtype.name()) {
+        "f32" => Ok(DType::F32),
+        "f64" => Ok(DType::F64),
+        "bf16" => bail!(
+            "dtype bf16: the CPU executor trains in f32 or f64; set train.dtype = \"f32\" or pass --dtype f32"
+        ),
+        other => bail!("--dtype {other:?}: use f32 or f64"),
+    }
+}
+
+/// The error that started a failure: a rank's own error rather than the others' reports
+/// of its failure.
+fn first_cause(errors: Vec<RuntimeError>) -> RuntimeError {
+    let secondary = |e: &RuntimeError| {
+        let s = e.to_string();
+        s.contains(" failed: ") || s.contains("failed peer")
+    };
+    let mut errors = errors;
+    let i = errors.iter().position(|e| !secondary(e)).unwrap_or(0);
+    errors.swap_remove(i)
+}
+
+struct Report {
+    bar: Option<ProgressBar>,
+    metrics: Mutex<std::fs::File>,
+    names: Vec<String>,
+    steps: usize,
+    start: Instant,
+}
+
+impl Report {
+    fn step(&self, log: &StepLog) -> anyhow::Result<()> {
+        let r = &log.report;
+        let tps = log.tokens as f64 / log.seconds.max(1e-9);
+        let norms: serde_json::Map<String, serde_json::Value> =
+            self.names.iter().zip(&r.module_norms).map(|(n, v)| (n.clone(), (*v).into())).collect();
+        let line = serde_json::json!({
+            "step": log.step,
+            "loss": r.loss,
+            "grad_norm": r.grad_norm,
+            "module_grad_norms": norms,
+            "lr": log.lr,
+            "tokens": log.tokens,
+            "tokens_per_s": tps,
+            "step_s": log.seconds,
+            "applied": r.applied,
+        });
+        let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
+        let text = format!(
+            "loss {:.4}  grad norm {:.3}  lr {:.2e}  {:.0} tokens/s{}",
+            r.loss,
+            r.grad_norm,
+            log.lr,
+            tps,
+            if r.applied { "" } else { "  (skipped: non-finite gradient)" }
+        );
+        match &self.bar {
+            Some(b) => {
+                b.set_position(log.step as u64 + 1);
+                b.set_message(text);
+            }
+            None => {
+                #[allow(clippy::print_stderr)]
+                {
+                    eprintln!("step {}/{}  {text}", log.step + 1, self.steps);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let (cfg, graph) = load(a.config.as_ref())?;
+    let dtype = dtype(a.dtype.as_deref(), &graph)?;
+    let steps = a.steps.unwrap_or(graph.train.steps);
+    if steps == 0 {
+        bail!("--steps 0: nothing to train");
+    }
+    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let resolved = toml::to_string(&cfg).context("cannot write the resolved config")?;
+    std::fs::write(out.join("config.toml"), resolved)
+        .with_context(|| format!("cannot write {}", out.join("config.toml").display()))?;
+    let metrics = std::fs::File::create(out.join("metrics.jsonl"))
+        .with_context(|| format!("cannot write {}", out.join("metrics.jsonl").display()))?;
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = ProgressBar::new(steps as u64);
+        b.set_style(
+            ProgressStyle::with_template("{bar:30} step {pos}/{len}  {msg}  ETA {eta}")
+                .expect("a valid template"),
+        );
+        b
+    });
+    let report = Report {
+        bar,
+        metrics: Mutex::new(metrics),
+        names: graph.modules.iter().map(|m| m.name.clone()).collect(),
+        steps,
+        start: Instant::now(),
+    };
+    say(&format!(
+        "training {} on {} ranks ({} backend, {dtype:?}) for {steps} steps; metrics in {}",
+        graph.name,
+        graph.world,
+        a.backend,
+        out.join("metrics.jsonl").display()
+    ));
+    let on_step = |log: &StepLog| report.step(log);
+    let timeout = Duration::from_secs_f64(a.timeout);
+    let logs = match a.backend.as_str() {
+        "local" => train_local(&graph, dtype, steps, timeout, &on_step)?,
+        "mpi" => run_mpi(&graph, dtype, steps, timeout, &on_step)?,
+        other => bail!("--backend {other:?}: use local or mpi"),
+    };
+    if let Some(b) = &report.bar {
+        b.finish();
+    }
+    if logs.is_empty() {
+        return Ok(()); // an MPI rank other than 0
+    }
+    summary(&graph, &logs, report.start.elapsed());
+    Ok(())
+}
+
+fn say(line: &str) {
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{line}");
+    }
+}
+
+fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
+    let (first, last) = (&logs[0].report, &logs[logs.len() - 1].report);
+    let tokens: usize = logs.iter().map(|l| l.tokens).sum();
+    let secs = wall.as_secs_f64();
+    say(&format!(
+        "{}: loss {:.4} -> {:.4} over {} steps, {:.0} tokens/s ({} tokens in {:.1} s), {} steps skipped",
+        graph.name,
+        first.loss,
+        last.loss,
+        logs.len(),
+        tokens as f64 / secs,
+        tokens,
+        secs,
+        logs.iter().filter(|l| !l.report.applied).count()
+    ));
+}
+
+/// Reports a step (rank 0 calls it).
+type OnStep<'a> = &'a (dyn Fn(&StepLog) -> anyhow::Result<()> + Sync);
+
+/// Trains one rank for `steps` steps on the synthetic data, calling `on_step` on rank 0.
+fn rank_run(
+    c: &dyn Communicator,
+    graph: &ModelGraph,
+    dtype: DType,
+    steps: usize,
+    on_step: OnStep<'_>,
+) -> Result<Vec<StepLog>, RuntimeError> {
+    let data = std::sync::Arc::new(Synthetic::new(graph));
+    let sources = Sources { text: data.clone(), items: data };
+    let mut trainer = Trainer::new(c, graph, dtype, steps, &sources)?;
+    let mut logs = Vec::with_capacity(steps);
+    for step in 0..steps {
+        let log = trainer.step(c, step)?;
+        if c.global_rank() == 0 {
+            on_step(&log).map_err(|e| RuntimeError::Model(format!("{e:#}")))?;
+        }
+        logs.push(log);
+    }
+    Ok(logs)
+}
+
+/// Trains `graph` with one thread per rank; rank 0's logs, or the error that started a
+/// failure.
+pub fn train_local(
+    graph: &ModelGraph,
+    dtype: DType,
+    steps: usize,
+    timeout: Duration,
+    on_step: OnStep<'_>,
+) -> anyhow::Result<Vec<StepLog>> {
+    let opts = hetpar_comm::LocalOptions { timeout };
+    let results =
+        hetpar_comm::launch(graph.world, opts, |c| rank_run(c, graph, dtype, steps, on_step))?;
+    let (mut ok, mut errors) = (Vec::new(), Vec::new());
+    for r in results {
+        match r {
+            Ok(v) => ok.push(v),
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(first_cause(errors).into());
+    }
+    Ok(ok.swap_remove(0))
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(
+    graph: &ModelGraph,
+    dtype: DType,
+    steps: usize,
+    timeout: Duration,
+    on_step: OnStep<'_>,
+) -> anyhow::Result<Vec<StepLog>> {
+    use hetpar_comm::mpi::{MpiOptions, abort_job, abort_on_panic, init};
+    #[allow(clippy::print_stderr)]
+    let opts = MpiOptions { timeout, on_fatal: Box::new(|e| eprintln!("error: {e}")) };
+    let world = init(opts)?;
+    #[allow(clippy::print_stderr)]
+    abort_on_panic(world.rank(), |l| eprintln!("{l}"));
+    if world.size() != graph.world {
+        bail!("the config places ranks 0..{}, mpirun started {}", graph.world, world.size());
+    }
+    match rank_run(&world, graph, dtype, steps, on_step) {
+        Ok(logs) if world.rank() == 0 => Ok(logs),
+        Ok(_) => Ok(Vec::new()),
+        Err(e) => {
+            #[allow(clippy::print_stderr)]
+            {
+                eprintln!("error: rank {}: {e}", world.rank());
+            }
+            abort_job(1)
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(
+    _: &ModelGraph,
+    _: DType,
+    _: usize,
+    _: Duration,
+    _: OnStep<'_>,
+) -> anyhow::Result<Vec<StepLog>> {
+    bail!(
+        "this hetpar was built without MPI: rebuild with `cargo build --release --features mpi` and run under mpirun"
+    )
+}
