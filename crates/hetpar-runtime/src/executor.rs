@@ -302,6 +302,20 @@ impl Executor {
             Vec::new()
         };
         boundary.sort_by_key(|b| b.0);
+        if c.vstage == 0 {
+            // Every edge into the module delivers this microbatch's rows first (an empty
+            // set where it has none), never silently nothing.
+            let into = plans.edges.iter().enumerate().filter(|(_, e)| e.1 == c.module);
+            if let Some((e, _)) = into.clone().find(|(e, _)| !boundary.iter().any(|b| b.0 == *e)) {
+                return Err(RuntimeError::Boundary {
+                    edge: plans.edge_name(e),
+                    message: format!(
+                        "microbatch {}: the forward transform did not run before the first stage needed its rows",
+                        c.mb
+                    ),
+                });
+            }
+        }
         let inputs = boundary
             .iter()
             .map(|(e, v)| {
@@ -447,7 +461,8 @@ impl Executor {
                     t,
                     &mut held,
                     &mut needed,
-                )?;
+                )
+                .map_err(|e| in_transform(e, &name, mb, dir))?;
                 if dst_stage.is_some() {
                     let rows = Tensor::from_vec(needed, (n_needed, width), &Device::Cpu)?;
                     if !finite(&rows)? && self.opts.on_nonfinite == OnNonFinite::Stop {
@@ -481,7 +496,8 @@ impl Executor {
                     t,
                     &mut held,
                     &mut needed,
-                )?;
+                )
+                .map_err(|e| in_transform(e, &name, mb, dir))?;
                 if let Some(i) = src_stage {
                     let g = Tensor::from_vec(held, (n_held, width), &Device::Cpu)?;
                     if !finite(&g)? && self.opts.on_nonfinite == OnNonFinite::Stop {
@@ -624,6 +640,17 @@ impl Executor {
                 "a gradient on another rank is not finite (that rank names it); the step was not applied".into(),
             )),
         }
+    }
+}
+
+/// A transform's failure with the edge, microbatch and direction it happened in.
+fn in_transform(e: RuntimeError, edge: &str, mb: usize, dir: Direction) -> RuntimeError {
+    match e {
+        RuntimeError::Boundary { .. } => e,
+        other => RuntimeError::Boundary {
+            edge: edge.to_string(),
+            message: format!("microbatch {mb}, {dir:?} transform: {other}"),
+        },
     }
 }
 
