@@ -61,6 +61,9 @@ pub struct StepReport {
     pub module_norms: Vec<f64>,
     /// Whether the update was applied (false: skipped for a non-finite gradient).
     pub applied: bool,
+    /// Seconds this rank spent per kind of action: `forward`, `backward`, `pipeline`
+    /// (point-to-point batches), `boundary` (transforms), `reduce`, `optimizer`.
+    pub seconds: BTreeMap<&'static str, f64>,
     /// The actions this rank ran, in order.
     pub executed: Vec<Action>,
 }
@@ -237,7 +240,22 @@ impl Executor {
         let mut reported = 0.0;
         let mut outcome: Option<Outcome> = None;
         let mut executed = Vec::with_capacity(actions.len());
+        let mut seconds: BTreeMap<&'static str, f64> = BTreeMap::new();
         for a in actions {
+            let start = std::time::Instant::now();
+            let kind = match a {
+                Action::Compute(c) if c.pass == Pass::Forward => "forward",
+                Action::Compute(_) => "backward",
+                Action::Comm(posts)
+                    if posts.iter().any(|p| matches!(p.msg, MsgId::Boundary { .. })) =>
+                {
+                    "boundary"
+                }
+                Action::Comm(_) => "pipeline",
+                Action::Boundary(_) => "boundary",
+                Action::Reduce(_) => "reduce",
+                Action::Step(_) | Action::Offload(_) | Action::Reload(_) => "optimizer",
+            };
             match a {
                 Action::Compute(c) if c.pass == Pass::Forward => {
                     reported += self.forward(c, &mut stash, plans)?;
@@ -272,6 +290,7 @@ impl Executor {
                     )));
                 }
             }
+            *seconds.entry(kind).or_default() += start.elapsed().as_secs_f64();
             executed.push(a.clone());
         }
         let o = match outcome {
@@ -283,6 +302,7 @@ impl Executor {
             grad_norm: o.norm,
             module_norms: o.module_norms,
             applied: o.apply,
+            seconds,
             executed,
         })
     }

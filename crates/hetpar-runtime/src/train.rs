@@ -29,6 +29,9 @@ pub struct StepLog {
     pub tokens: usize,
     /// Wall time of the step on this rank, seconds.
     pub seconds: f64,
+    /// Bytes each edge's transforms move in the step over all ranks, forward and backward
+    /// (`src -> dst`, forward, backward), from the step's plans.
+    pub boundary_bytes: Vec<(String, u64, u64)>,
 }
 
 /// The optimizer options `[train]` asks for, with `steps` steps.
@@ -54,6 +57,7 @@ pub fn train_options(graph: &ModelGraph, steps: usize) -> TrainOptions {
 /// One rank of a training run.
 pub struct Trainer {
     graph: ModelGraph,
+    dtype: DType,
     schedule: Schedule,
     exec: Executor,
     lr: LrSchedule,
@@ -80,7 +84,8 @@ impl Trainer {
         let stages = build_stages(world, graph, dtype, sources)?;
         let opts = train_options(graph, steps);
         let lr = opts.lr.values().next().copied().expect("a graph has modules");
-        Ok(Trainer { graph: graph.clone(), schedule, exec: Executor::new(stages, opts)?, lr })
+        let exec = Executor::new(stages, opts)?;
+        Ok(Trainer { graph: graph.clone(), dtype, schedule, exec, lr })
     }
 
     /// Runs step `step` on this rank.
@@ -89,6 +94,7 @@ impl Trainer {
         let manifest = BatchManifest::synthetic(&self.graph, step as u64);
         let tokens = manifest.samples().iter().map(|s| s.len).sum();
         let plans = StepPlans::new(&self.graph, manifest);
+        let boundary_bytes = self.boundary_bytes(&plans);
         let rank = world.global_rank();
         let actions = self.schedule.ranks.get(&rank).ok_or_else(|| {
             RuntimeError::Model(format!("rank {rank} has no place in the schedule"))
@@ -101,13 +107,27 @@ impl Trainer {
                 self.exec.skipped()
             )));
         }
-        Ok(StepLog {
-            step,
-            report,
-            lr: self.lr.at(step),
-            tokens,
-            seconds: start.elapsed().as_secs_f64(),
-        })
+        let seconds = start.elapsed().as_secs_f64();
+        Ok(StepLog { step, report, lr: self.lr.at(step), tokens, seconds, boundary_bytes })
+    }
+
+    /// Bytes each edge moves in a step: rows of its programs times the row width (the
+    /// destination's hidden size) times the element size.
+    fn boundary_bytes(&self, plans: &StepPlans) -> Vec<(String, u64, u64)> {
+        let elem = if self.dtype == DType::F64 { 8 } else { 4 };
+        (0..plans.edges.len())
+            .map(|e| {
+                let width = self.graph.modules[plans.edges[e].1].dims.hidden as u64;
+                let (mut f, mut b) = (0u64, 0u64);
+                for mb in 0..plans.manifest.n_microbatches() {
+                    if let Ok(p) = plans.plan(e, mb) {
+                        f += p.forward.traffic().total() as u64;
+                        b += p.backward.traffic().total() as u64;
+                    }
+                }
+                (plans.edge_name(e), f * width * elem, b * width * elem)
+            })
+            .collect()
     }
 
     /// This rank's stages.

@@ -94,6 +94,11 @@ impl Report {
         let tps = log.tokens as f64 / log.seconds.max(1e-9);
         let norms: serde_json::Map<String, serde_json::Value> =
             self.names.iter().zip(&r.module_norms).map(|(n, v)| (n.clone(), (*v).into())).collect();
+        let bytes: serde_json::Map<String, serde_json::Value> = log
+            .boundary_bytes
+            .iter()
+            .map(|(e, f, b)| (e.clone(), serde_json::json!({"forward": f, "backward": b})))
+            .collect();
         let line = serde_json::json!({
             "step": log.step,
             "loss": r.loss,
@@ -104,6 +109,8 @@ impl Report {
             "tokens_per_s": tps,
             "step_s": log.seconds,
             "applied": r.applied,
+            "seconds": r.seconds,
+            "boundary_bytes": bytes,
         });
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
         writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
@@ -195,6 +202,37 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
     let (first, last) = (&logs[0].report, &logs[logs.len() - 1].report);
     let tokens: usize = logs.iter().map(|l| l.tokens).sum();
     let secs = wall.as_secs_f64();
+    let mut phases: std::collections::BTreeMap<&str, f64> = std::collections::BTreeMap::new();
+    for l in logs {
+        for (k, v) in &l.report.seconds {
+            *phases.entry(k).or_default() += v;
+        }
+    }
+    let busy: f64 = phases.values().sum();
+    let parts: Vec<String> = phases
+        .iter()
+        .map(|(k, v)| format!("{k} {:.1} s ({:.0}%)", v, 100.0 * v / busy.max(1e-9)))
+        .collect();
+    say(&format!("time on rank 0 by action: {}", parts.join(", ")));
+    let n = logs.len() as f64;
+    let edges: Vec<String> = logs[0]
+        .boundary_bytes
+        .iter()
+        .enumerate()
+        .map(|(i, (e, _, _))| {
+            let (f, b) = logs.iter().fold((0u64, 0u64), |(f, b), l| {
+                (f + l.boundary_bytes[i].1, b + l.boundary_bytes[i].2)
+            });
+            format!(
+                "{e} {:.1} KiB forward, {:.1} KiB backward",
+                f as f64 / n / 1024.0,
+                b as f64 / n / 1024.0
+            )
+        })
+        .collect();
+    if !edges.is_empty() {
+        say(&format!("boundary bytes per step (all ranks): {}", edges.join("; ")));
+    }
     say(&format!(
         "{}: loss {:.4} -> {:.4} over {} steps, {:.0} tokens/s ({} tokens in {:.1} s), {} steps skipped",
         graph.name,

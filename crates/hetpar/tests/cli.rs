@@ -297,6 +297,8 @@ fn train_runs_the_demo_writes_metrics_and_the_loss_falls() {
     assert!(text.contains("training demo on 3 ranks (local backend, F32) for 12 steps"), "{text}");
     let summary = text.lines().last().expect("a summary");
     assert!(summary.starts_with("demo: loss ") && summary.contains("over 12 steps"), "{summary}");
+    assert!(text.contains("time on rank 0 by action: backward "), "{text}");
+    assert!(text.contains("boundary bytes per step (all ranks): vision -> llm "), "{text}");
     // Without a terminal the progress is one line per step on stderr.
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.lines().any(|l| l.starts_with("step 12/12  loss ")), "{err}");
@@ -310,6 +312,13 @@ fn train_runs_the_demo_writes_metrics_and_the_loss_falls() {
         }
         for m in ["vision", "audio", "llm"] {
             assert!(s["module_grad_norms"][m].as_f64().expect("norm") > 0.0, "{m} in {s}");
+        }
+        for kind in ["forward", "backward", "boundary", "reduce", "optimizer"] {
+            assert!(s["seconds"][kind].as_f64().expect("seconds") >= 0.0, "{kind} in {s}");
+        }
+        for e in ["vision -> llm", "audio -> llm"] {
+            let fwd = s["boundary_bytes"][e]["forward"].as_u64().expect("bytes");
+            assert_eq!(Some(fwd), s["boundary_bytes"][e]["backward"].as_u64(), "{e} in {s}");
         }
     }
     let loss = |i: usize| steps[i]["loss"].as_f64().expect("loss");
