@@ -361,6 +361,10 @@ pub struct ParallelConfig {
     /// (three-phase schedule); encoders sharing ranks with the LLM only.
     #[serde(default)]
     pub offload: bool,
+    /// Encoders: drop the activations of each forward and recompute them before its
+    /// backward (memory for time; the numbers are the same).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recompute: bool,
 }
 
 fn one() -> usize {

@@ -70,6 +70,8 @@ pub struct Module {
     pub vpp: usize,
     /// Offloaded to host memory during the LLM pipeline phase.
     pub offload: bool,
+    /// Activations recomputed before the backward (encoders).
+    pub recompute: bool,
 }
 
 impl Module {
@@ -325,6 +327,12 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
             ));
         }
     }
+    if p.recompute && m.kind == ModuleKind::Llama {
+        return perr(
+            "recompute applies to encoders (activations dropped after each forward, recomputed before its backward); the llama module's is not supported yet"
+                .to_string(),
+        );
+    }
     if p.offload && m.kind == ModuleKind::Llama {
         return perr(
             "offload applies to encoders (during the LLM phase), not to the llama module"
@@ -368,7 +376,15 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
             ));
         }
     }
-    Ok(Module { name: name.to_string(), spec, dims, layout, vpp, offload: p.offload })
+    Ok(Module {
+        name: name.to_string(),
+        spec,
+        dims,
+        layout,
+        vpp,
+        offload: p.offload,
+        recompute: p.recompute,
+    })
 }
 
 /// Spans must be equal or disjoint and cover `0..world` with no gap; returns `world`.

@@ -126,7 +126,7 @@ fn spans_that_overlap_partly() {
 fn unknown_keys_anywhere() {
     assert_eq!(
         error_after("tp = 4", "tpp = 4"),
-        "line 29, in [modules.llm.parallel]: unknown field `tpp`, expected one of `ranks`, `tp`, `cp`, `pp`, `ep`, `etp`, `sp`, `vpp`, `offload`"
+        "line 29, in [modules.llm.parallel]: unknown field `tpp`, expected one of `ranks`, `tp`, `cp`, `pp`, `ep`, `etp`, `sp`, `vpp`, `offload`, `recompute`"
     );
     assert!(
         error_after("seq_len = 128", "seq_len = 128\nwarmpu = 3")
@@ -136,6 +136,12 @@ fn unknown_keys_anywhere() {
         error_after("name = \"t\"", "name = \"t\"\nnmae = 1")
             .starts_with("line 3: unknown field `nmae`")
     );
+}
+
+#[test]
+fn recompute_is_for_encoders() {
+    let msg = error_after("tp = 4", "tp = 4\nrecompute = true");
+    assert!(msg.starts_with("modules.llm.parallel: recompute applies to encoders"), "{msg}");
 }
 
 #[test]

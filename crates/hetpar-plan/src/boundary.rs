@@ -96,6 +96,7 @@ fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Resul
         sp: ch.tp > 1,
         vpp: 1,
         offload: false,
+        recompute: false,
     };
     let small = |kind: ModuleKind, layers: usize, p: ParallelConfig| ModuleConfig {
         kind,

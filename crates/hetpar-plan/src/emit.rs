@@ -28,6 +28,7 @@ fn parallel(c: &Choice) -> ParallelConfig {
         sp: c.tp > 1,
         vpp: c.vpp,
         offload: c.offload,
+        recompute: false,
     }
 }
 
@@ -57,7 +58,8 @@ pub fn config(wl: &Workload, c: &Candidate) -> Result<Config> {
             _ => *ch,
         };
         let s = &e.shape;
-        let parallel = ParallelConfig { vpp: 1, ep: 1, ..parallel(&ch) };
+        let parallel =
+            ParallelConfig { vpp: 1, ep: 1, recompute: ch.recompute > 0, ..parallel(&ch) };
         modules.insert(s.name.clone(), e.sizes.with_parallel(parallel));
         edges.push(EdgeConfig {
             from: s.name.clone(),

@@ -48,6 +48,8 @@ pub struct TrainOptions {
     pub clip: f64,
     /// Non-finite policy.
     pub on_nonfinite: OnNonFinite,
+    /// Modules whose forward keeps no activations: the backward runs the forward again.
+    pub recompute: std::collections::BTreeSet<ModuleId>,
 }
 
 /// The outcome of one step, the same on every rank.
@@ -61,6 +63,8 @@ pub struct StepReport {
     pub module_norms: Vec<f64>,
     /// Whether the update was applied (false: skipped for a non-finite gradient).
     pub applied: bool,
+    /// Forward passes this rank ran again before their backward (`recompute`).
+    pub recomputed: usize,
     /// Seconds this rank spent per kind of action: `forward`, `backward`, `pipeline`
     /// (point-to-point batches), `boundary` (transforms), `reduce`, `optimizer`.
     pub seconds: BTreeMap<&'static str, f64>,
@@ -81,6 +85,8 @@ struct Outcome {
 
 /// A forward waiting for its backward.
 struct Live {
+    /// The forward kept no graph: run it again before the backward.
+    recompute: bool,
     input: Option<Var>,
     /// Rows the edges into the module delivered (first stage).
     boundary: Vec<(EdgeId, Var)>,
@@ -89,6 +95,8 @@ struct Live {
 
 #[derive(Default)]
 struct Stash {
+    /// Forwards run again before their backward.
+    recomputed: usize,
     /// Received activations by the (module, vstage, mb) that consumes them.
     inputs: HashMap<Key, Var>,
     live: HashMap<Key, Live>,
@@ -260,7 +268,7 @@ impl Executor {
                 Action::Compute(c) if c.pass == Pass::Forward => {
                     reported += self.forward(c, &mut stash, plans)?;
                 }
-                Action::Compute(c) => self.backward(c, &mut stash, &mut grads)?,
+                Action::Compute(c) => self.backward(c, &mut stash, &mut grads, plans)?,
                 Action::Comm(posts) => self.comm(world, posts, &mut stash, plans)?,
                 Action::Boundary(post) => self.boundary(world, &post.msg, &mut stash, plans)?,
                 Action::Reduce(post) => {
@@ -302,6 +310,7 @@ impl Executor {
             grad_norm: o.norm,
             module_norms: o.module_norms,
             applied: o.apply,
+            recomputed: stash.recomputed,
             seconds,
             executed,
         })
@@ -344,20 +353,47 @@ impl Executor {
             })
             .collect::<Result<Vec<_>>>()?;
         let i = self.index(c.module)?;
-        let fwd =
+        let mut fwd =
             self.stages[i].forward(c.vstage, c.mb, input.as_ref().map(Var::as_tensor), &inputs)?;
         let reported = fwd.reported;
-        stash.live.insert(key, Live { input, boundary, fwd });
+        let recompute = self.opts.recompute.contains(&c.module);
+        if recompute {
+            // Keep the values the next stage or the edge reads, drop the graph behind them.
+            fwd.out = fwd.out.map(|t| t.detach());
+            fwd.loss = fwd.loss.map(|t| t.detach());
+        }
+        stash.live.insert(key, Live { recompute, input, boundary, fwd });
         Ok(reported)
     }
 
-    fn backward(&mut self, c: &Compute, stash: &mut Stash, grads: &mut [Grads]) -> Result<()> {
+    fn backward(
+        &mut self,
+        c: &Compute,
+        stash: &mut Stash,
+        grads: &mut [Grads],
+        plans: &StepPlans,
+    ) -> Result<()> {
         let key = (c.module, c.vstage, c.mb);
         let what = || format!("backward of module {} stage {} mb {}", c.module, c.vstage, c.mb);
-        let live = stash
+        let mut live = stash
             .live
             .remove(&key)
             .ok_or_else(|| RuntimeError::Model(format!("{}: no forward ran", what())))?;
+        if live.recompute {
+            // The same forward on the same inputs (deterministic), this time with its graph.
+            let inputs = live
+                .boundary
+                .iter()
+                .map(|(e, v)| {
+                    let geometry = &plans.plan(*e, c.mb)?.geometry;
+                    Ok(BoundaryIn { edge: *e, rows: v.as_tensor(), geometry })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let i = self.index(c.module)?;
+            let input = live.input.as_ref().map(Var::as_tensor);
+            live.fwd = self.stages[i].forward(c.vstage, c.mb, input, &inputs)?;
+            stash.recomputed += 1;
+        }
         let mut root = live.fwd.loss.clone();
         if let Some(out) = &live.fwd.out {
             let seed = stash.out_grads.remove(&key).ok_or_else(|| {

@@ -87,6 +87,7 @@ fn run(spec: LayoutSpec, world: usize, vpp: usize, microbatches: usize, dtype: D
             )]),
             clip: 1.0,
             on_nonfinite: OnNonFinite::Stop,
+            recompute: Default::default(),
         };
         let mut exec = Executor::new(vec![Box::new(stage)], opts).unwrap();
         let actions = &schedule.ranks[&ctx.rank];

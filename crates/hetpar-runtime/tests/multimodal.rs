@@ -93,6 +93,7 @@ fn run(graph: &ModelGraph, dtype: DType) -> Run {
             lr: (0..graph.modules.len()).map(|m| (m, lr)).collect::<BTreeMap<_, _>>(),
             clip: 1.0,
             on_nonfinite: OnNonFinite::Stop,
+            recompute: (0..graph.modules.len()).filter(|&m| graph.modules[m].recompute).collect(),
         };
         let mut exec = Executor::new(stages, opts).unwrap();
         let rank = hetpar_comm::CommExt::global_rank(c);
@@ -159,6 +160,29 @@ fn an_interleaved_llm_behind_a_colocated_encoder_matches_one_rank() {
             compare_values(&what, &got.ranks, &want, tol).unwrap_or_else(|e| panic!("{e}"));
         }
     }
+}
+
+#[test]
+fn recomputing_the_encoder_changes_no_number() {
+    let mut g = config(([0, 4], 1), ([0, 4], "tp = 2\nsp = true"), "");
+    let plain = run(&g, DType::F32);
+    let vision = g.module_id("vision").unwrap();
+    g.modules[vision].recompute = true;
+    let again = run(&g, DType::F32);
+    assert!(plain.reports.iter().all(|r| r.recomputed == 0));
+    // Rank 0's vision replica runs a forward per microbatch, each again before its backward.
+    assert!(
+        again.reports.iter().all(|r| r.recomputed == 2),
+        "{:?}",
+        again.reports.iter().map(|r| r.recomputed).collect::<Vec<_>>()
+    );
+    for (x, y) in plain.reports.iter().zip(&again.reports) {
+        assert_eq!(
+            (x.loss.to_bits(), x.grad_norm.to_bits()),
+            (y.loss.to_bits(), y.grad_norm.to_bits())
+        );
+    }
+    assert_eq!(assemble(&plain.ranks, 0.0).unwrap(), assemble(&again.ranks, 0.0).unwrap());
 }
 
 #[test]

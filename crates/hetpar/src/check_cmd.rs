@@ -37,8 +37,8 @@ pub struct Args {
     pub timeout: f64,
 }
 
-/// `cfg` with every module on rank 0 alone: no tp, cp, pp, ep or SP, no offload, the
-/// default boundary strategy.
+/// `cfg` with every module on rank 0 alone: no tp, cp, pp, ep or SP, no offload or
+/// recomputation, the default boundary strategy.
 pub fn one_rank(cfg: &Config) -> Config {
     let mut r = cfg.clone();
     for m in r.modules.values_mut() {
@@ -52,6 +52,7 @@ pub fn one_rank(cfg: &Config) -> Config {
             sp: false,
             vpp: 1,
             offload: false,
+            recompute: false,
         };
     }
     for e in &mut r.edges {

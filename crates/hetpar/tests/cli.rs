@@ -339,6 +339,17 @@ fn train_refuses_what_it_cannot_run_in_one_line() {
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.starts_with("error: dtype bf16: the CPU executor trains in f32 or f64"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
+    let path = dir.join("offload.toml");
+    let offload = demo.replacen("tp = 1", "tp = 1\noffload = true", 1);
+    std::fs::write(&path, offload).expect("write");
+    let out = hetpar(&["train", path.to_str().expect("utf-8"), "--steps", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(
+        err.contains("modules.vision.parallel.offload: the executor does not offload yet"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
 }
 
 #[test]
