@@ -193,6 +193,16 @@ fn displacements(counts: &[Rank]) -> Vec<Rank> {
 }
 
 /// Receives a matched message of any length into a buffer from `pool`.
+/// Between polls of a long wait: yield the core at first, sleep once the wait is clearly
+/// long (ranks oversubscribed on few cores must not spin against each other).
+fn pause(start: Instant) {
+    if start.elapsed() > Duration::from_millis(500) {
+        std::thread::sleep(Duration::from_micros(100));
+    } else {
+        std::thread::yield_now();
+    }
+}
+
 fn receive_all(pool: &BufferPool, msg: Message, status: &Status) -> Vec<u8> {
     let mut buf = pool.take(status.count(u8::equivalent_datatype()) as usize);
     msg.matched_receive_into(&mut buf[..]);
@@ -553,7 +563,8 @@ impl MpiEngine {
     ) -> Result<Vec<Vec<u8>>> {
         let e = &self.entries[id];
         let name = self.begin_named(id, name);
-        let deadline = Instant::now() + self.timeout;
+        let start = Instant::now();
+        let deadline = start + self.timeout;
         let out = scope(|s| {
             let reqs: Vec<_> = sends
                 .iter()
@@ -574,7 +585,7 @@ impl MpiEngine {
                     if Instant::now() >= deadline {
                         break None;
                     }
-                    std::thread::yield_now();
+                    pause(start);
                 };
                 let Some((msg, status)) = found else {
                     let what = format!("{name}: recv from rank {} (tag {tag})", e.members[src]);

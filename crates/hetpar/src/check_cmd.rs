@@ -4,14 +4,13 @@
 //! differences, and fails past the tolerance (f32 1e-5, f64 1e-10, or `--tol`).
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_layout::config::{ParallelConfig, StrategyName};
 use hetpar_layout::{Config, ModelGraph};
 
-use crate::train_cmd::{dtype, load, train_local};
+use crate::train_cmd::{dtype, load, timeout, train_local};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -74,13 +73,21 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         bail!("--steps 0: nothing to compare");
     }
     let tol = a.tol.unwrap_or(if dt == DType::F64 { 1e-10 } else { 1e-5 });
-    let timeout = Duration::from_secs_f64(a.timeout);
+    let timeout = timeout(a.timeout)?;
+    if !(tol.is_finite() && tol >= 0.0) {
+        bail!("--tol {tol}: use a non-negative number");
+    }
     let quiet = |_: &hetpar_runtime::StepLog| Ok(());
     let got = train_local(&graph, dt, a.steps, timeout, &quiet)
         .with_context(|| format!("{} on {} ranks", graph.name, graph.world))?;
     let want = train_local(&reference, dt, a.steps, timeout, &quiet)
         .with_context(|| format!("the reference on {} ranks", reference.world))?;
-    let rel = |x: f64, y: f64| if x == y { 0.0 } else { (x - y).abs() / y.abs() };
+    // A NaN or infinity on either side is no match (a skipped step reports a NaN norm).
+    let rel = |x: f64, y: f64| match (x.is_finite() && y.is_finite(), x == y) {
+        (false, _) => f64::INFINITY,
+        (true, true) => 0.0,
+        (true, false) => (x - y).abs() / y.abs(),
+    };
     let rows: Vec<(usize, f64, f64, f64, f64)> = got
         .iter()
         .zip(&want)
@@ -90,7 +97,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         .collect();
     let max_loss = rows.iter().map(|r| rel(r.1, r.2)).fold(0.0, f64::max);
     let max_norm = rows.iter().map(|r| rel(r.3, r.4)).fold(0.0, f64::max);
-    let pass = max_loss <= tol && max_norm <= tol;
+    let applied = got.iter().zip(&want).all(|(g, w)| g.report.applied == w.report.applied);
+    let pass = max_loss <= tol && max_norm <= tol && applied;
     if a.json {
         let steps: Vec<serde_json::Value> = rows
             .iter()
@@ -132,6 +140,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             "{}: largest relative difference {max_loss:.2e} in loss, {max_norm:.2e} in gradient norm",
             if pass { "pass" } else { "FAIL" }
         ));
+    }
+    if !applied {
+        bail!("parity fails: the runs skipped different steps for non-finite gradients");
     }
     if !pass {
         bail!(

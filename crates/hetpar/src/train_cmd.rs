@@ -3,7 +3,7 @@
 //! (plain lines otherwise), `metrics.jsonl` and the resolved config under `--out`.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -68,16 +68,29 @@ pub fn dtype(flag: Option<&str>, graph: &ModelGraph) -> anyhow::Result<DType> {
     }
 }
 
-/// The error that started a failure: a rank's own error rather than the others' reports
-/// of its failure.
+/// The error that started a failure: a rank's own error (one naming a parameter or an edge
+/// first) rather than the others' reports of its failure.
 fn first_cause(errors: Vec<RuntimeError>) -> RuntimeError {
-    let secondary = |e: &RuntimeError| {
+    let rank = |e: &RuntimeError| {
         let s = e.to_string();
-        s.contains(" failed: ") || s.contains("failed peer")
+        match e {
+            RuntimeError::NonFinite { .. } => 0,
+            _ if s.contains(" failed: ") || s.contains("failed peer") => 3,
+            _ if s.contains("on another rank") => 2,
+            _ => 1,
+        }
     };
     let mut errors = errors;
-    let i = errors.iter().position(|e| !secondary(e)).unwrap_or(0);
-    errors.swap_remove(i)
+    errors.sort_by_key(|e| rank(e));
+    errors.swap_remove(0)
+}
+
+/// A `--timeout` in seconds, checked.
+pub fn timeout(secs: f64) -> anyhow::Result<Duration> {
+    if !(secs.is_finite() && secs > 0.0) {
+        bail!("--timeout {secs}: use a positive number of seconds");
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 struct Report {
@@ -145,50 +158,72 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if steps == 0 {
         bail!("--steps 0: nothing to train");
     }
-    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    let resolved = toml::to_string(&cfg).context("cannot write the resolved config")?;
-    std::fs::write(out.join("config.toml"), resolved)
-        .with_context(|| format!("cannot write {}", out.join("config.toml").display()))?;
-    let metrics = std::fs::File::create(out.join("metrics.jsonl"))
-        .with_context(|| format!("cannot write {}", out.join("metrics.jsonl").display()))?;
-    let bar = std::io::stderr().is_terminal().then(|| {
-        let b = ProgressBar::new(steps as u64);
-        b.set_style(
-            ProgressStyle::with_template("{bar:30} step {pos}/{len}  {msg}  ETA {eta}")
-                .expect("a valid template"),
-        );
-        b
-    });
-    let report = Report {
-        bar,
-        metrics: Mutex::new(metrics),
-        names: graph.modules.iter().map(|m| m.name.clone()).collect(),
-        steps,
-        start: Instant::now(),
-    };
-    say(&format!(
-        "training {} on {} ranks ({} backend, {dtype:?}) for {steps} steps; metrics in {}",
-        graph.name,
-        graph.world,
-        a.backend,
-        out.join("metrics.jsonl").display()
-    ));
-    let on_step = |log: &StepLog| report.step(log);
-    let timeout = Duration::from_secs_f64(a.timeout);
-    let logs = match a.backend.as_str() {
-        "local" => train_local(&graph, dtype, steps, timeout, &on_step)?,
-        "mpi" => run_mpi(&graph, dtype, steps, timeout, &on_step)?,
+    let timeout = timeout(a.timeout)?;
+    // Under MPI only rank 0 writes files and prints.
+    let mpi = match a.backend.as_str() {
+        "local" => None,
+        "mpi" => Some(open_mpi(timeout, &graph)?),
         other => bail!("--backend {other:?}: use local or mpi"),
     };
+    let lead = mpi.as_ref().is_none_or(|w| w.rank() == 0);
+    let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
+    let report = if lead { Some(Report::create(&out, &cfg, &graph, steps)?) } else { None };
+    if lead {
+        say(&format!(
+            "training {} on {} ranks ({} backend, {dtype:?}) for {steps} steps; metrics in {}",
+            graph.name,
+            graph.world,
+            a.backend,
+            out.join("metrics.jsonl").display()
+        ));
+    }
+    let on_step = |log: &StepLog| report.as_ref().map_or(Ok(()), |r| r.step(log));
+    let logs = match &mpi {
+        None => train_local(&graph, dtype, steps, timeout, &on_step)?,
+        Some(world) => match rank_run(world.as_ref(), &graph, dtype, steps, &on_step) {
+            Ok(logs) => logs,
+            Err(e) => fail_job(world.rank(), e)?,
+        },
+    };
+    let Some(report) = report else { return Ok(()) };
     if let Some(b) = &report.bar {
         b.finish();
     }
-    if logs.is_empty() {
-        return Ok(()); // an MPI rank other than 0
-    }
     summary(&graph, &logs, report.start.elapsed());
     Ok(())
+}
+
+impl Report {
+    /// The output directory with the resolved config and an empty `metrics.jsonl`, and the
+    /// progress bar when stderr is a terminal.
+    fn create(
+        out: &Path,
+        cfg: &Config,
+        graph: &ModelGraph,
+        steps: usize,
+    ) -> anyhow::Result<Report> {
+        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+        let resolved = toml::to_string(cfg).context("cannot write the resolved config")?;
+        std::fs::write(out.join("config.toml"), resolved)
+            .with_context(|| format!("cannot write {}", out.join("config.toml").display()))?;
+        let metrics = std::fs::File::create(out.join("metrics.jsonl"))
+            .with_context(|| format!("cannot write {}", out.join("metrics.jsonl").display()))?;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let b = ProgressBar::new(steps as u64);
+            b.set_style(
+                ProgressStyle::with_template("{bar:30} step {pos}/{len}  {msg}  ETA {eta}")
+                    .expect("a valid template"),
+            );
+            b
+        });
+        Ok(Report {
+            bar,
+            metrics: Mutex::new(metrics),
+            names: graph.modules.iter().map(|m| m.name.clone()).collect(),
+            steps,
+            start: Instant::now(),
+        })
+    }
 }
 
 fn say(line: &str) {
@@ -297,14 +332,8 @@ pub fn train_local(
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(
-    graph: &ModelGraph,
-    dtype: DType,
-    steps: usize,
-    timeout: Duration,
-    on_step: OnStep<'_>,
-) -> anyhow::Result<Vec<StepLog>> {
-    use hetpar_comm::mpi::{MpiOptions, abort_job, abort_on_panic, init};
+fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>> {
+    use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
     #[allow(clippy::print_stderr)]
     let opts = MpiOptions { timeout, on_fatal: Box::new(|e| eprintln!("error: {e}")) };
     let world = init(opts)?;
@@ -313,28 +342,27 @@ fn run_mpi(
     if world.size() != graph.world {
         bail!("the config places ranks 0..{}, mpirun started {}", graph.world, world.size());
     }
-    match rank_run(&world, graph, dtype, steps, on_step) {
-        Ok(logs) if world.rank() == 0 => Ok(logs),
-        Ok(_) => Ok(Vec::new()),
-        Err(e) => {
-            #[allow(clippy::print_stderr)]
-            {
-                eprintln!("error: rank {}: {e}", world.rank());
-            }
-            abort_job(1)
-        }
-    }
+    Ok(Box::new(world))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(
-    _: &ModelGraph,
-    _: DType,
-    _: usize,
-    _: Duration,
-    _: OnStep<'_>,
-) -> anyhow::Result<Vec<StepLog>> {
+fn open_mpi(_: Duration, _: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>> {
     bail!(
         "this hetpar was built without MPI: rebuild with `cargo build --release --features mpi` and run under mpirun"
     )
+}
+
+/// A rank's error under MPI: printed, and the whole job ends at once.
+#[cfg(feature = "mpi")]
+fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
+    #[allow(clippy::print_stderr)]
+    {
+        eprintln!("error: rank {rank}: {e}");
+    }
+    hetpar_comm::mpi::abort_job(1)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
+    Err(anyhow::anyhow!("rank {rank}: {e}"))
 }
