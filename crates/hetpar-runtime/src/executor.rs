@@ -24,7 +24,7 @@ use crate::error::RuntimeError;
 use crate::optim::{AdamState, AdamW, LrSchedule};
 use crate::plans::StepPlans;
 use crate::stage::{BoundaryIn, Forward, Stage};
-use crate::step::{Grads, clip_factor, norm_sq_share, reduce};
+use crate::step::{Grads, clip_factor, finite, norm_sq_share, reduce};
 
 type Result<T> = std::result::Result<T, RuntimeError>;
 
@@ -183,9 +183,18 @@ fn tag(msg: &MsgId) -> Result<u32> {
     Ok(kind | field(module, 4) << 2 | field(vstage, 8) << 6 | field(mb, 9) << 14)
 }
 
-/// Whether every element of `t` is finite.
-fn finite(t: &Tensor) -> Result<bool> {
-    Ok(t.to_dtype(DType::F64)?.abs()?.sum_all()?.to_scalar::<f64>()?.is_finite())
+/// What the rows each edge delivered to microbatch `mb` look like to a stage.
+fn boundary_inputs<'a>(
+    rows: &'a [(EdgeId, Var)],
+    mb: usize,
+    plans: &'a StepPlans,
+) -> Result<Vec<BoundaryIn<'a>>> {
+    rows.iter()
+        .map(|(e, v)| {
+            let geometry = &plans.plan(*e, mb)?.geometry;
+            Ok(BoundaryIn { edge: *e, rows: v.as_tensor(), geometry })
+        })
+        .collect()
 }
 
 /// One rank's modules, their optimizer states and the options.
@@ -344,13 +353,7 @@ impl Executor {
                 });
             }
         }
-        let inputs = boundary
-            .iter()
-            .map(|(e, v)| {
-                let geometry = &plans.plan(*e, c.mb)?.geometry;
-                Ok(BoundaryIn { edge: *e, rows: v.as_tensor(), geometry })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let inputs = boundary_inputs(&boundary, c.mb, plans)?;
         let i = self.index(c.module)?;
         let mut fwd =
             self.stages[i].forward(c.vstage, c.mb, input.as_ref().map(Var::as_tensor), &inputs)?;
@@ -380,14 +383,7 @@ impl Executor {
             .ok_or_else(|| RuntimeError::Model(format!("{}: no forward ran", what())))?;
         if live.recompute {
             // The same forward on the same inputs (deterministic), this time with its graph.
-            let inputs = live
-                .boundary
-                .iter()
-                .map(|(e, v)| {
-                    let geometry = &plans.plan(*e, c.mb)?.geometry;
-                    Ok(BoundaryIn { edge: *e, rows: v.as_tensor(), geometry })
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let inputs = boundary_inputs(&live.boundary, c.mb, plans)?;
             let i = self.index(c.module)?;
             let input = live.input.as_ref().map(Var::as_tensor);
             live.fwd = self.stages[i].forward(c.vstage, c.mb, input, &inputs)?;
@@ -520,7 +516,7 @@ impl Executor {
                 .map_err(|e| in_transform(e, &name, mb, dir))?;
                 if dst_stage.is_some() {
                     let rows = Tensor::from_vec(needed, (n_needed, width), &Device::Cpu)?;
-                    if !finite(&rows)? && self.opts.on_nonfinite == OnNonFinite::Stop {
+                    if self.opts.on_nonfinite == OnNonFinite::Stop && !finite(&rows)? {
                         return Err(bad("activation"));
                     }
                     stash
@@ -555,7 +551,7 @@ impl Executor {
                 .map_err(|e| in_transform(e, &name, mb, dir))?;
                 if let Some(i) = src_stage {
                     let g = Tensor::from_vec(held, (n_held, width), &Device::Cpu)?;
-                    if !finite(&g)? && self.opts.on_nonfinite == OnNonFinite::Stop {
+                    if self.opts.on_nonfinite == OnNonFinite::Stop && !finite(&g)? {
                         return Err(bad("gradient"));
                     }
                     let v = self.stages[i].n_vstages() - 1;
@@ -596,7 +592,7 @@ impl Executor {
                 }
                 (MsgId::Act { module, vstage, mb, from, .. }, Role::Recv) => {
                     let s = &self.stages[self.index(module)?];
-                    let shape = s.input_shape(vstage + 1, mb);
+                    let shape = s.input_shape(vstage + 1, mb)?;
                     let buf = Buf::zeros(s.dtype(), shape.iter().product())?;
                     recvs.push((from, t, (module, vstage + 1, mb), true, shape, buf));
                 }

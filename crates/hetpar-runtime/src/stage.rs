@@ -52,7 +52,7 @@ pub trait Stage: Send {
     fn begin_step(&mut self, step: usize, manifest: &BatchManifest) -> Result<(), RuntimeError>;
     /// Shape of the activation virtual stage `vstage` receives for microbatch `mb` from its
     /// predecessor.
-    fn input_shape(&self, vstage: usize, mb: usize) -> Vec<usize>;
+    fn input_shape(&self, vstage: usize, mb: usize) -> Result<Vec<usize>, RuntimeError>;
     /// Forward of virtual stage `vstage` for microbatch `mb`; `input` is the received
     /// activation (a leaf whose gradient the executor sends back), `None` on the module's
     /// first stage, where `boundary` holds what each edge into the module delivered. A

@@ -43,13 +43,18 @@ impl Grads {
     /// The first parameter whose gradient holds a NaN or an infinity.
     pub fn first_nonfinite<'p>(&self, params: &[&'p Param]) -> Result<Option<&'p str>> {
         for (g, p) in self.tensors.iter().zip(params) {
-            let s = g.to_dtype(DType::F64)?.abs()?.sum_all()?.to_scalar::<f64>()?;
-            if !s.is_finite() {
+            if !finite(g)? {
                 return Ok(Some(&p.name));
             }
         }
         Ok(None)
     }
+}
+
+/// Whether every element of `t` is finite (a NaN or an infinity makes the sum of absolute
+/// values non-finite).
+pub fn finite(t: &Tensor) -> Result<bool> {
+    Ok(t.to_dtype(DType::F64)?.abs()?.sum_all()?.to_scalar::<f64>()?.is_finite())
 }
 
 /// The group over which a parameter with reduction `axes` sums its gradient: `dp x cp` for

@@ -119,8 +119,11 @@ impl Stage for EncoderStage {
         Ok(())
     }
 
-    fn input_shape(&self, _vstage: usize, _mb: usize) -> Vec<usize> {
-        Vec::new()
+    fn input_shape(&self, vstage: usize, _mb: usize) -> Result<Vec<usize>, RuntimeError> {
+        Err(RuntimeError::Model(format!(
+            "module {}: an encoder of one pipeline stage receives no activation (asked for stage {vstage})",
+            self.ctx.layout.name()
+        )))
     }
 
     fn forward(

@@ -183,23 +183,22 @@ impl LlamaStage {
         Ok(Some(Boundary { rows: Tensor::cat(&rows, 0)?, slots }))
     }
 
+    /// `field` (token ids or targets) of this rank's samples at its cp positions.
+    fn local<T: Copy>(&self, mb: usize, field: &[T]) -> Result<Vec<T>, RuntimeError> {
+        let seq = self.step()?.0.seq;
+        let own = self.positions.own();
+        Ok(self.samples(mb)?.flat_map(|s| own.iter().map(move |&p| field[s * seq + p])).collect())
+    }
+
     /// Token ids and targets of this rank's samples at its cp positions.
     fn batch(&self, mb: usize) -> Result<LlamaBatch, RuntimeError> {
-        let (text, _) = self.step()?;
-        let samples = self.samples(mb)?;
-        let (mut tokens, mut targets) = (Vec::new(), Vec::new());
-        for s in samples.clone() {
-            for &p in self.positions.own() {
-                tokens.push(text.tokens[s * text.seq + p]);
-                targets.push(text.targets[s * text.seq + p]);
-            }
-        }
+        let text = &self.step()?.0;
         Ok(LlamaBatch {
-            tokens,
-            batch: samples.len(),
+            tokens: self.local(mb, &text.tokens)?,
+            batch: self.samples(mb)?.len(),
             positions: self.positions.clone(),
             boundary: None,
-            targets: Arc::new(targets),
+            targets: Arc::new(self.local(mb, &text.targets)?),
         })
     }
 }
@@ -238,11 +237,8 @@ impl Stage for LlamaStage {
         Ok(())
     }
 
-    fn input_shape(&self, _vstage: usize, mb: usize) -> Vec<usize> {
-        let per = self.samples(mb).map_or(0, |s| s.len());
-        let cp_seq = self.positions.own().len();
-        let local = if self.ctx.sp() { cp_seq / self.ctx.tp.size() } else { cp_seq };
-        vec![per, local, self.cfg.hidden]
+    fn input_shape(&self, _vstage: usize, mb: usize) -> Result<Vec<usize>, RuntimeError> {
+        Ok(vec![self.samples(mb)?.len(), self.local.len(), self.cfg.hidden])
     }
 
     fn forward(
@@ -266,10 +262,10 @@ impl Stage for LlamaStage {
         if vstage + 1 < self.n_vstages {
             return Ok(Forward { out: Some(x), loss: aux, reported: 0.0 });
         }
-        let batch = self.batch(mb)?;
-        let n = self.step()?.0.n_targets().max(1) as f64;
-        let loss_sum = cross_entropy(&self.ctx, &chunk.logits(&x)?, batch.targets)?.sum_all()?;
-        let ce = (loss_sum / n)?;
+        let text = &self.step()?.0;
+        let (targets, n) = (Arc::new(self.local(mb, &text.targets)?), text.n_targets().max(1));
+        let loss_sum = cross_entropy(&self.ctx, &chunk.logits(&x)?, targets)?.sum_all()?;
+        let ce = (loss_sum / n as f64)?;
         // Every tp rank holds the same loss; tp rank 0 reports it.
         let reported = if self.ctx.coords.tp_idx == 0 {
             ce.to_dtype(DType::F64)?.to_scalar::<f64>()?
