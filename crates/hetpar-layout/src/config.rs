@@ -225,7 +225,7 @@ impl ModuleKind {
 
 /// `[modules.NAME]`. Which size fields apply depends on `kind`; validation rejects a field
 /// that does not apply and names one that is missing.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModuleConfig {
     /// What the module is.
@@ -262,6 +262,13 @@ pub struct ModuleConfig {
     /// llama: experts each token is routed to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_k: Option<usize>,
+    /// `false` freezes the module: no gradients of its parameters, no optimizer state, and
+    /// no backward into it unless a trainable module feeds it. Default `true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainable: Option<bool>,
+    /// This module's peak learning rate (default: `train.lr`); its floor scales with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
     /// Layout and placement.
     pub parallel: ParallelConfig,
 }
@@ -325,6 +332,8 @@ impl ModuleSizes {
             ffn: self.ffn,
             experts: self.experts,
             top_k: self.top_k,
+            trainable: None,
+            lr: None,
             parallel,
         }
     }

@@ -56,7 +56,7 @@ pub struct Dims {
 }
 
 /// A module of the graph.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Module {
     /// Name from the config.
     pub name: String,
@@ -72,6 +72,10 @@ pub struct Module {
     pub offload: bool,
     /// Activations recomputed before the backward (encoders).
     pub recompute: bool,
+    /// `false`: frozen (no gradients, no optimizer state).
+    pub trainable: bool,
+    /// Peak learning rate of this module (`None`: `train.lr`).
+    pub lr: Option<f64>,
 }
 
 impl Module {
@@ -150,6 +154,12 @@ impl ModelGraph {
             .map(|(name, m)| build_module(name, m, &cfg.train))
             .collect::<Result<_>>()?;
         let world = check_spans(&modules)?;
+        if modules.iter().all(|m| !m.trainable) {
+            return Err(ConfigError::new(
+                "modules",
+                "every module has trainable = false: nothing would train",
+            ));
+        }
         let ids: BTreeMap<&str, ModuleId> =
             modules.iter().enumerate().map(|(i, m)| (m.name.as_str(), i)).collect();
         let edges = build_edges(cfg, &modules, &ids)?;
@@ -274,6 +284,14 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
     let field = format!("modules.{name}");
     let kind = m.kind.name();
     let (spec, dims) = m.sizes().validate(name)?;
+    if let Some(lr) = m.lr
+        && !(lr.is_finite() && lr > 0.0)
+    {
+        return Err(ConfigError::new(
+            format!("{field}.lr"),
+            format!("must be a positive number (trainable = false freezes a module), got {lr}"),
+        ));
+    }
     let p = &m.parallel;
     let span = Span::new(p.ranks[0], p.ranks[1]);
     let experts = match spec {
@@ -384,6 +402,8 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
         vpp,
         offload: p.offload,
         recompute: p.recompute,
+        trainable: m.trainable.unwrap_or(true),
+        lr: m.lr,
     })
 }
 

@@ -167,6 +167,31 @@ fn optimizer_settings_out_of_range() {
 }
 
 #[test]
+fn module_learning_rates_and_frozen_modules() {
+    let msg = error_after("kind = \"vit\"", "kind = \"vit\"\nlr = -1e-3");
+    assert_eq!(
+        msg,
+        "modules.vision.lr: must be a positive number (trainable = false freezes a module), got -0.001"
+    );
+    let g = validate(&GOOD.replacen(
+        "kind = \"vit\"",
+        "kind = \"vit\"\nlr = 1e-4\ntrainable = false",
+        1,
+    ))
+    .expect("valid");
+    let v = &g.modules[g.module_id("vision").expect("vision")];
+    assert_eq!((v.lr, v.trainable), (Some(1e-4), false));
+    let all = GOOD
+        .replace("kind = \"vit\"", "kind = \"vit\"\ntrainable = false")
+        .replace("kind = \"llama\"", "kind = \"llama\"\ntrainable = false")
+        .replace("kind = \"audio\"", "kind = \"audio\"\ntrainable = false");
+    assert_eq!(
+        validate(&all).expect_err("all frozen"),
+        "modules: every module has trainable = false: nothing would train"
+    );
+}
+
+#[test]
 fn missing_modules() {
     assert_eq!(
         error_after("from = \"audio\"", "from = \"sound\""),

@@ -112,6 +112,8 @@ fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Resul
         ffn: 64,
         experts: None,
         top_k: None,
+        trainable: None,
+        lr: None,
         parallel: p,
     };
     let cfg = Config {

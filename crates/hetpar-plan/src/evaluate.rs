@@ -362,6 +362,7 @@ impl<'a> Evaluator<'a> {
                     layout: layout(name, mc, n)?,
                     vpp: 1,
                     offload: c.encoders[i].offload,
+                    trainable: true,
                 });
                 edges.push((i, modules.len() - 1));
                 boundary.push(self.boundary.times(self.wl, hw, i, &c)?);
@@ -372,6 +373,7 @@ impl<'a> Evaluator<'a> {
             layout: layout(&self.wl.llm_name, llm_mc, llm_mc.pp)?,
             vpp: c.llm.vpp,
             offload: false,
+            trainable: true,
         });
         let costs = SimCosts { modules, boundary };
         let graph = PipelineGraph::new(pipe, edges, m).map_err(|e| PlanError(e.to_string()))?;

@@ -12,11 +12,12 @@
 //! shares, the reported loss, the count of non-finite gradients): every rank reaches it
 //! after its own reductions, so it needs no place in the schedule.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use candle_core::{DType, Device, Tensor, Var, WithDType};
 use hetpar_comm::{CommExt, Communicator, Element, P2p, ReduceOp};
 use hetpar_layout::{Direction, EdgeId, ModuleId};
+use hetpar_nn::Param;
 use hetpar_schedule::{Action, Compute, MsgId, Pass, Post, Role};
 
 use crate::boundary::{Groups, run_boundary};
@@ -49,7 +50,14 @@ pub struct TrainOptions {
     /// Non-finite policy.
     pub on_nonfinite: OnNonFinite,
     /// Modules whose forward keeps no activations: the backward runs the forward again.
-    pub recompute: std::collections::BTreeSet<ModuleId>,
+    pub recompute: BTreeSet<ModuleId>,
+    /// Frozen modules (`trainable = false`): no gradients kept, no optimizer state, no part
+    /// in the norm. A frozen module's backward (when something trainable feeds it) still
+    /// carries gradients to its inputs.
+    pub frozen: BTreeSet<ModuleId>,
+    /// Modules the schedule runs forwards only (`Schedule::backward`): their forwards keep
+    /// no graph.
+    pub forward_only: BTreeSet<ModuleId>,
 }
 
 /// The outcome of one step, the same on every rank.
@@ -216,8 +224,16 @@ impl std::fmt::Debug for Executor {
 impl Executor {
     /// The executor of this rank's `stages` (one per module it holds).
     pub fn new(stages: Vec<Box<dyn Stage>>, opts: TrainOptions) -> Result<Executor> {
-        let states = stages.iter().map(|s| AdamState::new(&s.params())).collect::<Result<_>>()?;
+        let states = stages
+            .iter()
+            .map(|s| AdamState::new(&trained(s.as_ref(), &opts)))
+            .collect::<Result<_>>()?;
         Ok(Executor { stages, states, opts, skipped: 0, groups: Groups::new() })
+    }
+
+    /// The parameters of stage `i` that train (none of a frozen module).
+    fn trained(&self, i: usize) -> Vec<&Param> {
+        trained(self.stages[i].as_ref(), &self.opts)
     }
 
     /// This rank's stages.
@@ -250,8 +266,9 @@ impl Executor {
             s.begin_step(step, &plans.manifest)?;
         }
         self.groups.prepare(world, plans.all().flat_map(|p| [&p.forward, &p.backward]))?;
-        let mut grads: Vec<Grads> =
-            self.stages.iter().map(|s| Grads::zeros(&s.params())).collect::<Result<_>>()?;
+        let mut grads: Vec<Grads> = (0..self.stages.len())
+            .map(|i| Grads::zeros(&self.trained(i)))
+            .collect::<Result<_>>()?;
         let mut stash = Stash::default();
         let mut reported = 0.0;
         let mut outcome: Option<Outcome> = None;
@@ -284,8 +301,7 @@ impl Executor {
                         return Err(RuntimeError::Model(format!("reduce of {:?}", post.msg)));
                     };
                     let i = self.index(module)?;
-                    let s = &self.stages[i];
-                    reduce(s.ctx(), &s.params(), &mut grads[i])?;
+                    reduce(self.stages[i].ctx(), &self.trained(i), &mut grads[i])?;
                 }
                 Action::Step(m) => {
                     if outcome.is_none() {
@@ -296,7 +312,7 @@ impl Executor {
                     if ok {
                         let i = self.index(*m)?;
                         let lr = self.opts.lr.get(m).map_or(0.0, |s| s.at(step));
-                        let params = self.stages[i].params();
+                        let params = trained(self.stages[i].as_ref(), &self.opts);
                         self.states[i].update(&self.opts.adam, &params, &grads[i], lr, clip)?;
                     }
                 }
@@ -359,7 +375,7 @@ impl Executor {
             self.stages[i].forward(c.vstage, c.mb, input.as_ref().map(Var::as_tensor), &inputs)?;
         let reported = fwd.reported;
         let recompute = self.opts.recompute.contains(&c.module);
-        if recompute {
+        if recompute || self.opts.forward_only.contains(&c.module) {
             // Keep the values the next stage or the edge reads, drop the graph behind them.
             fwd.out = fwd.out.map(|t| t.detach());
             fwd.loss = fwd.loss.map(|t| t.detach());
@@ -404,7 +420,7 @@ impl Executor {
             .ok_or_else(|| RuntimeError::Model(format!("{}: nothing to differentiate", what())))?;
         let store = root.backward()?;
         let i = self.index(c.module)?;
-        grads[i].accumulate(&self.stages[i].params(), &store)?;
+        grads[i].accumulate(&self.trained(i), &store)?;
         let grad_of = |v: &Var| -> Result<Tensor> {
             Ok(match store.get(v.as_tensor()) {
                 Some(g) => g.clone(),
@@ -415,7 +431,10 @@ impl Executor {
             stash.in_grads.insert(key, grad_of(input)?);
         }
         for (e, v) in &live.boundary {
-            stash.boundary_grads.insert((*e, c.mb), grad_of(v)?);
+            // Rows from a module that runs no backward take no gradient back.
+            if !self.opts.forward_only.contains(&plans.edges[*e].0) {
+                stash.boundary_grads.insert((*e, c.mb), grad_of(v)?);
+            }
         }
         Ok(())
     }
@@ -660,7 +679,7 @@ impl Executor {
         sums[0] = reported;
         let mut bad: Option<(String, String)> = None;
         for (s, g) in self.stages.iter().zip(grads) {
-            let params = s.params();
+            let params = trained(s.as_ref(), &self.opts);
             if bad.is_none()
                 && let Some(p) = g.first_nonfinite(&params)?
             {
@@ -692,6 +711,11 @@ impl Executor {
             )),
         }
     }
+}
+
+/// The parameters of `stage` that train under `opts`: none of a frozen module.
+fn trained<'s>(stage: &'s dyn Stage, opts: &TrainOptions) -> Vec<&'s Param> {
+    if opts.frozen.contains(&stage.module()) { Vec::new() } else { stage.params() }
 }
 
 /// A transform's failure with the edge, microbatch and direction it happened in.

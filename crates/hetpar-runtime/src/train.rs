@@ -34,24 +34,29 @@ pub struct StepLog {
     pub boundary_bytes: Vec<(String, u64, u64)>,
 }
 
-/// The optimizer options `[train]` asks for, with `steps` steps.
+/// The optimizer options `[train]` and the modules ask for, with `steps` steps. A module's
+/// `lr` replaces `train.lr` as its peak; its floor keeps the ratio `train.min_lr / train.lr`
+/// (a tenth by default).
 pub fn train_options(graph: &ModelGraph, steps: usize) -> TrainOptions {
     let t = &graph.train;
-    let lr = LrSchedule {
-        peak: t.lr,
-        min: t.min_lr.unwrap_or(t.lr / 10.0),
-        warmup: t.warmup.min(steps),
-        total: steps,
+    let floor = if t.lr > 0.0 { t.min_lr.map_or(0.1, |m| m / t.lr) } else { 0.0 };
+    let lr = |m: &hetpar_layout::Module| {
+        let peak = m.lr.unwrap_or(t.lr);
+        LrSchedule { peak, min: peak * floor, warmup: t.warmup.min(steps), total: steps }
     };
+    let pipe = PipelineGraph::from_model(graph);
+    let modules = || 0..graph.modules.len();
     TrainOptions {
         adam: AdamW { weight_decay: t.weight_decay, ..AdamW::default() },
-        lr: (0..graph.modules.len()).map(|m| (m, lr)).collect::<BTreeMap<_, _>>(),
+        lr: modules().map(|m| (m, lr(&graph.modules[m]))).collect::<BTreeMap<_, _>>(),
         clip: t.clip_grad,
         on_nonfinite: match t.on_nonfinite {
             hetpar_layout::OnNonFinite::Stop => OnNonFinite::Stop,
             hetpar_layout::OnNonFinite::Skip => OnNonFinite::Skip,
         },
-        recompute: (0..graph.modules.len()).filter(|&m| graph.modules[m].recompute).collect(),
+        recompute: modules().filter(|&m| graph.modules[m].recompute).collect(),
+        frozen: modules().filter(|&m| !graph.modules[m].trainable).collect(),
+        forward_only: modules().filter(|&m| !pipe.has_backward(m)).collect(),
     }
 }
 
@@ -90,7 +95,8 @@ impl Trainer {
             .map_err(|e| RuntimeError::Model(format!("schedule: {e}")))?;
         let stages = build_stages(world, graph, dtype, sources)?;
         let opts = train_options(graph, steps);
-        let lr = opts.lr.values().next().copied().expect("a graph has modules");
+        let llm = PipelineGraph::from_model(graph).sink();
+        let lr = opts.lr[&llm];
         let exec = Executor::new(stages, opts)?;
         Ok(Trainer { graph: graph.clone(), dtype, schedule, exec, lr })
     }
@@ -125,11 +131,13 @@ impl Trainer {
         (0..plans.edges.len())
             .map(|e| {
                 let width = self.graph.modules[plans.edges[e].1].dims.hidden as u64;
+                // An edge out of a module that runs forwards only carries no gradients.
+                let back = self.schedule.backward[plans.edges[e].0];
                 let (mut f, mut b) = (0u64, 0u64);
                 for mb in 0..plans.manifest.n_microbatches() {
                     if let Ok(p) = plans.plan(e, mb) {
                         f += p.forward.traffic().total() as u64;
-                        b += p.backward.traffic().total() as u64;
+                        b += if back { p.backward.traffic().total() as u64 } else { 0 };
                     }
                 }
                 (plans.edge_name(e), f * width * elem, b * width * elem)
@@ -140,5 +148,30 @@ impl Trainer {
     /// This rank's stages.
     pub fn stages(&self) -> &[Box<dyn Stage>] {
         self.exec.stages()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use hetpar_layout::{Config, ModelGraph};
+
+    use super::train_options;
+
+    #[test]
+    fn a_module_learning_rate_scales_its_floor_and_frozen_encoders_run_forwards_only() {
+        let text = include_str!("../../../examples/demo.toml").replacen(
+            "kind = \"vit\"",
+            "kind = \"vit\"\nlr = 1e-4\ntrainable = false",
+            1,
+        );
+        let g = ModelGraph::from_config(&Config::from_toml(&text).unwrap()).unwrap();
+        let o = train_options(&g, 10);
+        let (vision, llm) = (g.module_id("vision").unwrap(), g.module_id("llm").unwrap());
+        let (v, l) = (o.lr[&vision], o.lr[&llm]);
+        assert_eq!((v.peak, l.peak), (1e-4, g.train.lr));
+        assert!((v.min / v.peak - l.min / l.peak).abs() < 1e-15);
+        assert!(o.frozen.contains(&vision) && o.forward_only.contains(&vision));
+        assert!(!o.frozen.contains(&llm) && !o.forward_only.contains(&llm));
     }
 }

@@ -71,7 +71,13 @@ struct Run {
 
 fn run(spec: LayoutSpec, world: usize, vpp: usize, microbatches: usize, dtype: DType) -> Run {
     let layout = ModuleLayout::new("llm", Span::new(0, world), spec).unwrap();
-    let module = PipeModule { name: "llm".into(), layout: layout.clone(), vpp, offload: false };
+    let module = PipeModule {
+        name: "llm".into(),
+        layout: layout.clone(),
+        vpp,
+        offload: false,
+        trainable: true,
+    };
     let graph = PipelineGraph::new(vec![module], vec![], microbatches).unwrap();
     let schedule = Schedule::build(&graph, Options::default()).unwrap();
     let out = launch(world, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
@@ -88,6 +94,8 @@ fn run(spec: LayoutSpec, world: usize, vpp: usize, microbatches: usize, dtype: D
             clip: 1.0,
             on_nonfinite: OnNonFinite::Stop,
             recompute: Default::default(),
+            frozen: Default::default(),
+            forward_only: Default::default(),
         };
         let mut exec = Executor::new(vec![Box::new(stage)], opts).unwrap();
         let actions = &schedule.ranks[&ctx.rank];

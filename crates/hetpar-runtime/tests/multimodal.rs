@@ -12,13 +12,13 @@ use std::time::Duration;
 
 use candle_core::DType;
 use hetpar_comm::{LocalOptions, launch};
-use hetpar_layout::{BatchManifest, Config, ModelGraph};
-use hetpar_nn::testing::{RankReport, assemble, snapshot_values};
+use hetpar_layout::{BatchManifest, Config, ModelGraph, ModuleId};
+use hetpar_nn::testing::{Global, RankReport, assemble, snapshot_values};
 use hetpar_runtime::synthetic::Synthetic;
 use hetpar_runtime::testing::{compare_steps, compare_values};
 use hetpar_runtime::{
     AdamW, Executor, LrSchedule, OnNonFinite, Sources, StepPlans, StepReport, TrainOptions,
-    build_stages,
+    build_stages, train_options,
 };
 use hetpar_schedule::{Options, PipelineGraph, Schedule};
 
@@ -75,7 +75,27 @@ to = "llm"
 
 struct Run {
     reports: Vec<StepReport>,
+    /// Every stage's parameters after the last step, with its module.
     ranks: Vec<RankReport>,
+    modules: Vec<ModuleId>,
+    /// The same before the first step.
+    initial: Vec<RankReport>,
+}
+
+impl Run {
+    /// Module `m`'s parameters, reassembled, before and after the run.
+    fn module_values(&self, m: ModuleId) -> (BTreeMap<String, Global>, BTreeMap<String, Global>) {
+        let of = |r: &[RankReport]| {
+            let mine: Vec<RankReport> = r
+                .iter()
+                .zip(&self.modules)
+                .filter(|(_, x)| **x == m)
+                .map(|(r, _)| r.clone())
+                .collect();
+            assemble(&mine, 0.0).unwrap()
+        };
+        (of(&self.initial), of(&self.ranks))
+    }
 }
 
 fn run(graph: &ModelGraph, dtype: DType) -> Run {
@@ -84,6 +104,8 @@ fn run(graph: &ModelGraph, dtype: DType) -> Run {
     let sources = Sources { text: data.clone(), items: data };
     let out = launch(graph.world, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let stages = build_stages(c, graph, dtype, &sources).unwrap();
+        let initial: Vec<RankReport> =
+            stages.iter().map(|s| snapshot_values(s.ctx(), &s.params()).unwrap()).collect();
         // Adam moves an element whose gradient is near zero by up to the learning rate
         // whatever its size, so f32 rounding in such gradients shows in the parameters in
         // proportion to the rate (f64 matches to 1e-10: the computation is the same).
@@ -93,7 +115,7 @@ fn run(graph: &ModelGraph, dtype: DType) -> Run {
             lr: (0..graph.modules.len()).map(|m| (m, lr)).collect::<BTreeMap<_, _>>(),
             clip: 1.0,
             on_nonfinite: OnNonFinite::Stop,
-            recompute: (0..graph.modules.len()).filter(|&m| graph.modules[m].recompute).collect(),
+            ..train_options(graph, STEPS)
         };
         let mut exec = Executor::new(stages, opts).unwrap();
         let rank = hetpar_comm::CommExt::global_rank(c);
@@ -109,16 +131,23 @@ fn run(graph: &ModelGraph, dtype: DType) -> Run {
             .collect();
         let snaps: Vec<RankReport> =
             exec.stages().iter().map(|s| snapshot_values(s.ctx(), &s.params()).unwrap()).collect();
-        (reports, snaps)
+        let modules: Vec<ModuleId> = exec.stages().iter().map(|s| s.module()).collect();
+        (reports, snaps, modules, initial)
     })
     .unwrap();
     let reports = out[0].0.clone();
-    for (r, _) in &out {
+    for (r, ..) in &out {
         let same =
             r.iter().zip(&reports).all(|(a, b)| a.loss == b.loss && a.grad_norm == b.grad_norm);
         assert!(same, "ranks disagree on the step's loss or norm");
     }
-    Run { reports, ranks: out.into_iter().flat_map(|(_, r)| r).collect() }
+    let mut run = Run { reports, ranks: vec![], modules: vec![], initial: vec![] };
+    for (_, ranks, modules, initial) in out {
+        run.ranks.extend(ranks);
+        run.modules.extend(modules);
+        run.initial.extend(initial);
+    }
+    run
 }
 
 #[test]
@@ -235,6 +264,61 @@ fn vision_into_llm_matches_one_rank() {
             compare_steps(&what, &got.reports, &reference.reports, tol)
                 .unwrap_or_else(|e| panic!("{e}"));
             compare_values(&what, &got.ranks, &want, tol).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+}
+
+fn frozen(mut g: ModelGraph, name: &str) -> ModelGraph {
+    let m = g.module_id(name).unwrap();
+    g.modules[m].trainable = false;
+    g
+}
+
+/// A frozen module's parameters stay bitwise what they were, its norm is zero, and the
+/// rest trains as the one-rank run with the same module frozen: a frozen encoder runs no
+/// backward at all (nothing trainable feeds it), a frozen LLM still carries gradients back
+/// to the encoder that trains.
+#[test]
+fn a_frozen_module_keeps_its_parameters_and_the_rest_matches_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F64 { 1e-10 } else { 1e-5 };
+        for name in ["vision", "llm"] {
+            let reference = run(&frozen(config(([0, 1], 1), ([0, 1], "tp = 1"), ""), name), dtype);
+            let want = assemble(&reference.ranks, 0.0).unwrap();
+            for (what, vision, llm) in [
+                ("colocated encoder dp4, llm tp2 sp", ([0, 4], 1), ([0, 4], "tp = 2\nsp = true")),
+                ("islands encoder dp2, llm pp2", ([0, 2], 1), ([2, 4], "pp = 2")),
+            ] {
+                let what = format!("{what}, {name} frozen, {dtype:?}");
+                let g = frozen(config(vision, llm, ""), name);
+                let m = g.module_id(name).unwrap();
+                let other = 1 - m;
+                let got = run(&g, dtype);
+                let (before, after) = got.module_values(m);
+                assert_eq!(before, after, "{what}: frozen parameters moved");
+                let (before, after) = got.module_values(other);
+                assert_ne!(before, after, "{what}: the trainable module did not train");
+                for r in &got.reports {
+                    assert_eq!(r.module_norms[m], 0.0, "{what}");
+                    assert!(r.module_norms[other] > 0.0, "{what}");
+                    let backwards = r.executed.iter().filter(|a| {
+                        matches!(a, hetpar_schedule::Action::Compute(c)
+                            if c.module == m && c.pass == hetpar_schedule::Pass::Backward)
+                    });
+                    // Only the frozen LLM (fed by a trainable encoder) runs backwards.
+                    assert_eq!(
+                        backwards.count() > 0,
+                        name == "llm"
+                            && r.executed.iter().any(|a| {
+                                matches!(a, hetpar_schedule::Action::Compute(c) if c.module == m)
+                            }),
+                        "{what}"
+                    );
+                }
+                compare_steps(&what, &got.reports, &reference.reports, tol)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                compare_values(&what, &got.ranks, &want, tol).unwrap_or_else(|e| panic!("{e}"));
+            }
         }
     }
 }

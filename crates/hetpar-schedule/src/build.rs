@@ -41,6 +41,9 @@ pub struct Schedule {
     pub microbatches: usize,
     /// Names for printing.
     pub labels: Labels,
+    /// Per module: whether it runs backward passes (frozen modules that nothing trainable
+    /// feeds run forwards only, and their outgoing edges carry no gradients).
+    pub backward: Vec<bool>,
     /// Every rank's actions, in order.
     pub ranks: BTreeMap<usize, Vec<Action>>,
 }
@@ -62,6 +65,7 @@ impl Schedule {
             kind: graph.kind(),
             microbatches: graph.microbatches(),
             labels: graph.labels(),
+            backward: (0..graph.modules().len()).map(|m| graph.has_backward(m)).collect(),
             ranks: b.out,
         })
     }
@@ -173,6 +177,7 @@ impl<'g> Builder<'g> {
             Pass::Backward if inline => self
                 .edges_into(c.module)
                 .into_iter()
+                .filter(|&e| self.g.has_backward(self.g.edges()[e].0))
                 .map(|e| self.boundary_post(e, c.mb, Direction::Backward, Role::Send))
                 .collect(),
             _ => Vec::new(),
@@ -209,9 +214,13 @@ impl<'g> Builder<'g> {
         }
     }
 
-    /// Standalone boundary transforms of `edges` for every microbatch, edge-major.
+    /// Standalone boundary transforms of `edges` for every microbatch, edge-major; backward
+    /// ones only for edges whose source runs backwards.
     fn boundaries(&mut self, edges: &[usize], dir: Direction) {
         for &e in edges {
+            if dir == Direction::Backward && !self.g.has_backward(self.g.edges()[e].0) {
+                continue;
+            }
             for mb in 0..self.g.microbatches() {
                 for rank in self.g.boundary_participants(e) {
                     let (src, _) = self.g.edges()[e];
@@ -278,7 +287,7 @@ impl<'g> Builder<'g> {
             }
         }
         self.boundaries(&self.edges_into(sink), Direction::Backward);
-        for &m in encoders.iter().rev() {
+        for &m in encoders.iter().rev().filter(|&&m| self.g.has_backward(m)) {
             let vstages = |s| self.module_vstages(m, s);
             let orders: Vec<Vec<usize>> =
                 (0..self.g.modules()[m].layout.pp()).map(vstages).collect();
@@ -289,17 +298,33 @@ impl<'g> Builder<'g> {
 
     /// One 1F1B over the stage graph, warmups from `warmup.rs`. Boundary transforms are
     /// posted inline: a merge waits for all its inputs, a branch feeds all its outputs.
+    /// A module that runs no backward keeps only its forwards, in the same order.
     fn graph_aware(&mut self) -> Result<(), ScheduleError> {
-        let orders = warmup::graph_aware_orders(self.g)?;
+        let mut orders = warmup::graph_aware_orders(self.g)?;
+        for (&(m, _), order) in orders.iter_mut() {
+            if !self.g.has_backward(m) {
+                order.retain_mut(|group| {
+                    group.retain(|c| c.pass == Pass::Forward);
+                    !group.is_empty()
+                });
+            }
+        }
         for &m in self.g.topo_order() {
             self.segment(m, true, |s| orders[&(m, s)].clone());
         }
         Ok(())
     }
 
-    /// Gradient reduction over each module's dp x cp group, then every optimizer step.
+    /// Gradient reduction over each trainable module's dp x cp group, then every optimizer
+    /// step; a frozen module has neither.
     fn optimizer(&mut self) {
-        let order: Vec<ModuleId> = self.g.topo_order().to_vec();
+        let order: Vec<ModuleId> = self
+            .g
+            .topo_order()
+            .iter()
+            .copied()
+            .filter(|&m| self.g.modules()[m].trainable)
+            .collect();
         for &m in &order {
             for r in self.g.modules()[m].layout.span().ranks() {
                 let participants = self.g.reduce_group(m, r);

@@ -20,6 +20,9 @@ pub struct PipeModule {
     pub vpp: usize,
     /// Offloaded to host memory while the LLM pipeline runs.
     pub offload: bool,
+    /// `false`: frozen (no gradient reduction, no optimizer step; no backward unless a
+    /// trainable module feeds it).
+    pub trainable: bool,
 }
 
 impl PipeModule {
@@ -65,6 +68,7 @@ pub struct PipelineGraph {
     microbatches: usize,
     sink: ModuleId,
     order: Vec<ModuleId>,
+    backward: Vec<bool>,
 }
 
 impl PipelineGraph {
@@ -106,7 +110,15 @@ impl PipelineGraph {
                 names.join(", ")
             ));
         }
-        Ok(PipelineGraph { modules, edges, microbatches, sink: sinks[0], order })
+        // A module runs backwards when it trains or something feeding it does.
+        let mut backward = vec![false; modules.len()];
+        for &m in &order {
+            backward[m] = modules[m].trainable || edges.iter().any(|e| e.1 == m && backward[e.0]);
+        }
+        if !backward[sinks[0]] {
+            return bad("every module is frozen (trainable = false): nothing to train".into());
+        }
+        Ok(PipelineGraph { modules, edges, microbatches, sink: sinks[0], order, backward })
     }
 
     /// The schedule input of a validated model graph.
@@ -119,6 +131,7 @@ impl PipelineGraph {
                 layout: m.layout.clone(),
                 vpp: m.vpp,
                 offload: m.offload,
+                trainable: m.trainable,
             })
             .collect();
         let edges = graph.edges.iter().map(|e| (e.src, e.dst)).collect();
@@ -144,6 +157,13 @@ impl PipelineGraph {
     /// The module every other one feeds (the LLM).
     pub fn sink(&self) -> ModuleId {
         self.sink
+    }
+
+    /// Whether `module` runs backward passes: it is trainable or a module feeding it
+    /// (directly or not) is. The sink always does. An edge carries gradients back exactly
+    /// when its source runs backwards.
+    pub fn has_backward(&self, module: ModuleId) -> bool {
+        self.backward[module]
     }
 
     /// Modules in dependency order.

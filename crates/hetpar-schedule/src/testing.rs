@@ -1,6 +1,6 @@
 //! Test support (feature `testing`): random pipeline graphs with 1-3 encoders, pp 1-4 each,
 //! 1-16 microbatches, colocated or island placements, chains and branches between encoders,
-//! and interleaving and offload where they apply.
+//! interleaving and offload where they apply, and frozen encoders (one in three).
 
 use std::collections::BTreeMap;
 
@@ -12,18 +12,26 @@ use crate::graph::{PipeModule, PipelineGraph};
 use crate::work::Work;
 
 /// Raw choices for one encoder, mapped onto a valid layout by [`arb_graph`].
-type EncoderChoice = (bool, usize, usize, usize, bool, bool, usize);
+type EncoderChoice = (bool, usize, usize, usize, bool, bool, usize, bool);
 
 fn module(name: &str, span: Span, tp: usize, pp: usize, vpp: usize, offload: bool) -> PipeModule {
     let spec = LayoutSpec { tp, pp, ..LayoutSpec::default() };
     let layout = ModuleLayout::new(name, span, spec).expect("tp * pp divides the span");
-    PipeModule { name: name.to_string(), layout, vpp, offload }
+    PipeModule { name: name.to_string(), layout, vpp, offload, trainable: true }
 }
 
 /// Random graphs: module 0..n are encoders, the last module is the LLM sink.
 pub fn arb_graph() -> impl Strategy<Value = PipelineGraph> {
-    let encoder =
-        (any::<bool>(), 1usize..=4, 0usize..2, 0usize..2, any::<bool>(), any::<bool>(), 0usize..3);
+    let encoder = (
+        any::<bool>(),
+        1usize..=4,
+        0usize..2,
+        0usize..2,
+        any::<bool>(),
+        any::<bool>(),
+        0usize..3,
+        prop::sample::select(vec![true, true, false]),
+    );
     (
         1usize..=16,
         (1usize..=4, 0usize..2, 0usize..2, any::<bool>()),
@@ -71,7 +79,8 @@ fn build(
     let mut modules = Vec::new();
     let mut edges = Vec::new();
     let mut next = n_llm;
-    for (i, &(colocated, pp_e, tp_sel, dp_sel, offload, to_llm, hop)) in encoders.iter().enumerate()
+    for (i, &(colocated, pp_e, tp_sel, dp_sel, offload, to_llm, hop, trainable)) in
+        encoders.iter().enumerate()
     {
         let name = ["vision", "audio", "depth"][i];
         let m = if colocated {
@@ -85,7 +94,7 @@ fn build(
             next += size;
             module(name, span, 1 + tp_sel, pp_e, 1, false)
         };
-        modules.push(m);
+        modules.push(PipeModule { trainable, ..m });
         // Feed a later encoder (a chain or, with the LLM too, a branch) and/or the LLM.
         let later = i + 1 + hop;
         let feeds_later = later < encoders.len();

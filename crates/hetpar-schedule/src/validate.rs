@@ -176,8 +176,25 @@ pub fn check(s: &Schedule) -> Result<(), ScheduleError> {
         let stages: BTreeSet<(ModuleId, usize)> =
             fwd.keys().chain(bwd.keys()).map(|k| (k.0, k.1)).collect();
         for (module, vstage) in stages {
+            let backward = s.backward.get(module).copied().unwrap_or(true);
+            if !backward && let Some(&i) = bwd.keys().find(|k| k.0 == module).map(|k| &bwd[k]) {
+                return Err(invalid(
+                    s,
+                    rank,
+                    i,
+                    format!(
+                        "runs a backward of {}, which runs forwards only",
+                        s.labels.modules[module]
+                    ),
+                ));
+            }
             for mb in 0..s.microbatches {
-                for (map, what) in [(&fwd, "forward"), (&bwd, "backward")] {
+                let passes: &[(&HashMap<_, _>, &str)] = if backward {
+                    &[(&fwd, "forward"), (&bwd, "backward")]
+                } else {
+                    &[(&fwd, "forward")]
+                };
+                for &(map, what) in passes {
                     if !map.contains_key(&(module, vstage, mb)) {
                         return Err(invalid(
                             s,
@@ -193,13 +210,29 @@ pub fn check(s: &Schedule) -> Result<(), ScheduleError> {
             }
         }
     }
-    // Boundary transforms: each forward has its backward.
+    // Boundary transforms: each forward has its backward exactly when the edge's source
+    // runs backwards.
     for msg in posts.keys() {
-        if let MsgId::Boundary { edge, mb, dir: Direction::Forward } = *msg
-            && !posts.contains_key(&MsgId::Boundary { edge, mb, dir: Direction::Backward })
-        {
+        if let MsgId::Boundary { edge, mb, dir } = *msg {
+            let src = s.labels.edge_src[edge];
+            let backward = s.backward.get(src).copied().unwrap_or(true);
             let (r, i, _, _) = posts[msg][0];
-            return Err(invalid(s, r, i, "this boundary forward has no backward".into()));
+            let has_bwd =
+                posts.contains_key(&MsgId::Boundary { edge, mb, dir: Direction::Backward });
+            if dir == Direction::Forward && backward && !has_bwd {
+                return Err(invalid(s, r, i, "this boundary forward has no backward".into()));
+            }
+            if dir == Direction::Backward && !backward {
+                return Err(invalid(
+                    s,
+                    r,
+                    i,
+                    format!(
+                        "carries gradients into {}, which runs forwards only",
+                        s.labels.modules[src]
+                    ),
+                ));
+            }
         }
     }
     Ok(())

@@ -1,11 +1,12 @@
 //! Property tests: every schedule built for a random graph validates, also with encoder
 //! replicas that own no item in some microbatches; mutated schedules (a dropped receive, two
 //! swapped sends, an empty replica skipping its turn) are rejected with a message naming
-//! rank and action.
+//! rank and action; frozen modules run only what they need.
 
+use hetpar_layout::Direction;
 use hetpar_schedule::testing::{arb_graph, arb_graph_with_work};
 use hetpar_schedule::{
-    Action, MsgId, Options, Role, Schedule, UnitDurations, WorkDurations, validate,
+    Action, MsgId, Options, Pass, Role, Schedule, UnitDurations, WorkDurations, validate,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -138,10 +139,45 @@ proptest! {
                     }
                 }
                 let posts: Vec<MsgId> = actions.iter().flat_map(|a| a.posts().iter().map(|p| p.msg)).collect();
-                prop_assert!(posts.iter().any(|m| matches!(m, MsgId::Reduce { module: x, .. } if *x == module)), "rank {r} lost its reduction");
+                let reduces = posts.iter().any(|m| matches!(m, MsgId::Reduce { module: x, .. } if *x == module));
+                prop_assert!(reduces == g.modules()[module].trainable, "rank {r}: reduction {reduces}, trainable {}", g.modules()[module].trainable);
                 if layout.coords(r).expect("rank").pp_idx + 1 == layout.pp() {
                     for &e in &out_edges {
                         prop_assert!(posts.iter().any(|m| matches!(m, MsgId::Boundary { edge, mb: k, .. } if *edge == e && *k == mb)), "rank {r} lost the boundary of edge {e} mb {mb}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A frozen module has no reduction and no optimizer step; one that nothing trainable
+    /// feeds runs forwards only, and its edges carry no gradients back; every other module
+    /// runs every backward.
+    #[test]
+    fn frozen_modules_run_what_they_need(g in arb_graph()) {
+        let s = Schedule::build(&g, Options::default()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for (m, module) in g.modules().iter().enumerate() {
+            let backward = g.has_backward(m);
+            prop_assert!(backward || !module.trainable);
+            prop_assert_eq!(s.backward[m], backward);
+            let upstream_trains = g.edges().iter().any(|e| e.1 == m && g.has_backward(e.0));
+            prop_assert_eq!(backward, module.trainable || upstream_trains);
+            for (r, actions) in &s.ranks {
+                for a in actions {
+                    match a {
+                        Action::Compute(c) if c.module == m && c.pass == Pass::Backward => {
+                            prop_assert!(backward, "rank {r}: {a:?} of a forward-only module")
+                        }
+                        Action::Step(x) if *x == m => prop_assert!(module.trainable, "rank {r} steps frozen {m}"),
+                        Action::Reduce(p) if matches!(p.msg, MsgId::Reduce { module: x, .. } if x == m) => {
+                            prop_assert!(module.trainable, "rank {r} reduces frozen {m}")
+                        }
+                        _ => {}
+                    }
+                    for p in a.posts() {
+                        if let MsgId::Boundary { edge, dir: Direction::Backward, .. } = p.msg {
+                            prop_assert!(g.has_backward(g.edges()[edge].0), "rank {r}: gradients into a forward-only module");
+                        }
                     }
                 }
             }

@@ -176,6 +176,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             a.backend,
             out.join("metrics.jsonl").display()
         ));
+        let frozen: Vec<&str> =
+            graph.modules.iter().filter(|m| !m.trainable).map(|m| m.name.as_str()).collect();
+        if !frozen.is_empty() {
+            say(&format!("frozen (trainable = false): {}", frozen.join(", ")));
+        }
     }
     let on_step = |log: &StepLog| report.as_ref().map_or(Ok(()), |r| r.step(log));
     let logs = match &mpi {
