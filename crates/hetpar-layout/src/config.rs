@@ -366,8 +366,9 @@ pub struct ParallelConfig {
     /// Virtual pipeline stages per rank (interleaved 1F1B); llama only.
     #[serde(default = "one")]
     pub vpp: usize,
-    /// Offload parameters and optimizer state to host memory while the LLM pipeline runs
-    /// (three-phase schedule); encoders sharing ranks with the LLM only.
+    /// Move gradients and optimizer state to one host buffer while the LLM pipeline runs
+    /// (three-phase schedule); encoders sharing ranks with the LLM only. The parameters
+    /// stay: the encoder's phase-1 graph holds them.
     #[serde(default)]
     pub offload: bool,
     /// Encoders: drop the activations of each forward and recompute them before its

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use hetpar_comm::{CommExt, Communicator};
+use hetpar_comm::{CommExt, Communicator, Counted, Traffic};
 use hetpar_layout::{Axis, Coords, ExpertCoords, ModuleLayout};
 
 use crate::error::{NnError, Result};
@@ -71,6 +71,8 @@ pub struct ParallelCtx {
     pub ep: Group,
     /// Expert data-parallel peers: where expert gradients are summed.
     pub edp: Group,
+    /// What this rank has put into the module's groups (collectives and messages).
+    pub traffic: Arc<Traffic>,
 }
 
 impl ParallelCtx {
@@ -86,7 +88,9 @@ impl ParallelCtx {
                 layout.span()
             )));
         };
-        let group = |axes: &[Axis]| Group::new(world, layout.group(axes, rank));
+        let traffic = Arc::new(Traffic::default());
+        let counted = Counted::new(Box::new(world), traffic.clone());
+        let group = |axes: &[Axis]| Group::new(&counted, layout.group(axes, rank));
         Ok(Arc::new(ParallelCtx {
             layout: layout.clone(),
             rank,
@@ -99,6 +103,7 @@ impl ParallelCtx {
             stage: group(&[Axis::Tp, Axis::Cp, Axis::Dp])?,
             ep: group(&[Axis::Ep])?,
             edp: group(&[Axis::Edp])?,
+            traffic,
         }))
     }
 

@@ -22,6 +22,7 @@ use hetpar_schedule::{Action, Compute, MsgId, Pass, Post, Role};
 
 use crate::boundary::{Groups, run_boundary};
 use crate::error::RuntimeError;
+use crate::memory::{HostCopy, Resident, bytes};
 use crate::optim::{AdamState, AdamW, LrSchedule};
 use crate::plans::StepPlans;
 use crate::stage::{BoundaryIn, Forward, Stage};
@@ -78,6 +79,12 @@ pub struct StepReport {
     pub seconds: BTreeMap<&'static str, f64>,
     /// The actions this rank ran, in order.
     pub executed: Vec<Action>,
+    /// Bytes each module's ranks put into the module's own collectives and messages
+    /// (tensor, context, expert and data parallel, gradient reduction) in the step, summed
+    /// over the job, by module id. Pipeline messages and boundary transforms are not in it.
+    pub collective_bytes: Vec<u64>,
+    /// What each module holds in memory, the largest over its ranks, by module id.
+    pub resident: Vec<Resident>,
 }
 
 type Key = (ModuleId, usize, usize);
@@ -89,6 +96,7 @@ struct Outcome {
     loss: f64,
     apply: bool,
     clip: f64,
+    collective_bytes: Vec<u64>,
 }
 
 /// A forward waiting for its backward.
@@ -99,6 +107,34 @@ struct Live {
     /// Rows the edges into the module delivered (first stage).
     boundary: Vec<(EdgeId, Var)>,
     fwd: Forward,
+}
+
+impl Stash {
+    /// Bytes of the tensors held for module `m`: its kept outputs and losses, received
+    /// activations, delivered boundary rows and the gradients waiting to move.
+    fn bytes_of(&self, m: ModuleId, plans: &StepPlans) -> u64 {
+        let live = self.live.iter().filter(|(k, _)| k.0 == m).map(|(_, l)| {
+            bytes(l.fwd.out.iter().chain(&l.fwd.loss))
+                + bytes(l.input.iter().map(Var::as_tensor))
+                + bytes(l.boundary.iter().map(|b| b.1.as_tensor()))
+        });
+        let keyed = |map: &HashMap<Key, Tensor>| {
+            bytes(map.iter().filter(|(k, _)| k.0 == m).map(|(_, t)| t))
+        };
+        live.sum::<u64>()
+            + bytes(self.inputs.iter().filter(|(k, _)| k.0 == m).map(|(_, v)| v.as_tensor()))
+            + keyed(&self.out_grads)
+            + keyed(&self.in_grads)
+            + bytes(
+                self.boundary_in
+                    .iter()
+                    .filter(|(k, _)| k.0 == m)
+                    .flat_map(|(_, v)| v.iter().map(|b| b.1.as_tensor())),
+            )
+            + bytes(
+                self.boundary_grads.iter().filter(|(k, _)| plans.edges[k.0].1 == m).map(|(_, t)| t),
+            )
+    }
 }
 
 #[derive(Default)]
@@ -205,10 +241,18 @@ fn boundary_inputs<'a>(
         .collect()
 }
 
+/// A module's gradients and optimizer state while offloaded: the host copy and how many
+/// of its tensors are first moments, second moments and gradients.
+struct Offloaded {
+    copy: HostCopy,
+    counts: [usize; 3],
+}
+
 /// One rank's modules, their optimizer states and the options.
 pub struct Executor {
     stages: Vec<Box<dyn Stage>>,
     states: Vec<AdamState>,
+    offloaded: Vec<Option<Offloaded>>,
     opts: TrainOptions,
     skipped: usize,
     groups: Groups,
@@ -228,7 +272,8 @@ impl Executor {
             .iter()
             .map(|s| AdamState::new(&trained(s.as_ref(), &opts)))
             .collect::<Result<_>>()?;
-        Ok(Executor { stages, states, opts, skipped: 0, groups: Groups::new() })
+        let offloaded = stages.iter().map(|_| None).collect();
+        Ok(Executor { stages, states, offloaded, opts, skipped: 0, groups: Groups::new() })
     }
 
     /// The parameters of stage `i` that train (none of a frozen module).
@@ -274,6 +319,8 @@ impl Executor {
         let mut outcome: Option<Outcome> = None;
         let mut executed = Vec::with_capacity(actions.len());
         let mut seconds: BTreeMap<&'static str, f64> = BTreeMap::new();
+        let traffic: Vec<u64> = self.stages.iter().map(|s| s.ctx().traffic.bytes()).collect();
+        let mut resident = vec![Resident::default(); plans.names.len()];
         for a in actions {
             let start = std::time::Instant::now();
             let kind = match a {
@@ -287,8 +334,18 @@ impl Executor {
                 Action::Comm(_) => "pipeline",
                 Action::Boundary(_) => "boundary",
                 Action::Reduce(_) => "reduce",
-                Action::Step(_) | Action::Offload(_) | Action::Reload(_) => "optimizer",
+                Action::Step(_) => "optimizer",
+                Action::Offload(_) | Action::Reload(_) => "offload",
             };
+            if let Some(m) = gradient_side(a) {
+                let i = self.index(m)?;
+                if self.offloaded[i].is_some() {
+                    return Err(RuntimeError::Model(format!(
+                        "{a:?}: module {} is offloaded here (no reload before it)",
+                        self.stages[i].ctx().layout.name()
+                    )));
+                }
+            }
             match a {
                 Action::Compute(c) if c.pass == Pass::Forward => {
                     reported += self.forward(c, &mut stash, plans)?;
@@ -305,7 +362,8 @@ impl Executor {
                 }
                 Action::Step(m) => {
                     if outcome.is_none() {
-                        outcome = Some(self.finish(world, &grads, reported, plans.names.len())?);
+                        let o = self.finish(world, &grads, reported, &traffic, plans)?;
+                        outcome = Some(o);
                     }
                     let (ok, clip) =
                         outcome.as_ref().map(|o| (o.apply, o.clip)).expect("computed above");
@@ -316,19 +374,25 @@ impl Executor {
                         self.states[i].update(&self.opts.adam, &params, &grads[i], lr, clip)?;
                     }
                 }
-                Action::Offload(_) | Action::Reload(_) => {
-                    return Err(RuntimeError::Model(format!(
-                        "{a:?}: offload is not supported by this executor yet; set offload = false"
-                    )));
-                }
+                Action::Offload(m) => self.offload(*m, &mut grads)?,
+                Action::Reload(m) => self.reload(*m, &mut grads)?,
             }
             *seconds.entry(kind).or_default() += start.elapsed().as_secs_f64();
+            self.sample(a, &grads, &stash, plans, &mut resident);
             executed.push(a.clone());
         }
         let o = match outcome {
             Some(o) => o,
-            None => self.finish(world, &grads, reported, plans.names.len())?,
+            None => self.finish(world, &grads, reported, &traffic, plans)?,
         };
+        // The largest of each module's memory over its ranks.
+        let mut peaks: Vec<f64> =
+            resident.iter().flat_map(|r| [r.peak, r.llm_phase, r.host]).map(|b| b as f64).collect();
+        world.all_reduce(&mut peaks, ReduceOp::Max)?;
+        let resident = peaks
+            .chunks_exact(3)
+            .map(|c| Resident { peak: c[0] as u64, llm_phase: c[1] as u64, host: c[2] as u64 })
+            .collect();
         Ok(StepReport {
             loss: o.loss,
             grad_norm: o.norm,
@@ -337,7 +401,64 @@ impl Executor {
             recomputed: stash.recomputed,
             seconds,
             executed,
+            collective_bytes: o.collective_bytes,
+            resident,
         })
+    }
+
+    /// Moves module `m`'s optimizer state and gradients into one host buffer, dropping the
+    /// tensors.
+    fn offload(&mut self, m: ModuleId, grads: &mut [Grads]) -> Result<()> {
+        let i = self.index(m)?;
+        if self.offloaded[i].is_some() {
+            return Err(RuntimeError::Model(format!("module {m} is offloaded twice")));
+        }
+        let (st, g) = (&mut self.states[i], &mut grads[i]);
+        let counts = [st.m.len(), st.v.len(), g.tensors.len()];
+        let all: Vec<Tensor> =
+            st.m.drain(..).chain(st.v.drain(..)).chain(g.tensors.drain(..)).collect();
+        let copy = HostCopy::pack(&all, self.stages[i].dtype())?;
+        self.offloaded[i] = Some(Offloaded { copy, counts });
+        Ok(())
+    }
+
+    /// Brings module `m`'s optimizer state and gradients back from its host buffer.
+    fn reload(&mut self, m: ModuleId, grads: &mut [Grads]) -> Result<()> {
+        let i = self.index(m)?;
+        let Some(Offloaded { copy, counts }) = self.offloaded[i].take() else {
+            return Err(RuntimeError::Model(format!("module {m} is reloaded but not offloaded")));
+        };
+        let mut all = copy.unpack()?.into_iter();
+        self.states[i].m = all.by_ref().take(counts[0]).collect();
+        self.states[i].v = all.by_ref().take(counts[1]).collect();
+        grads[i].tensors = all.take(counts[2]).collect();
+        Ok(())
+    }
+
+    /// Records each module's memory after action `a`.
+    fn sample(
+        &self,
+        a: &Action,
+        grads: &[Grads],
+        stash: &Stash,
+        plans: &StepPlans,
+        resident: &mut [Resident],
+    ) {
+        // The LLM (the module no edge leaves) computing: phase 2 of a colocated step.
+        let llm_phase =
+            matches!(a, Action::Compute(c) if !plans.edges.iter().any(|e| e.0 == c.module));
+        for (i, s) in self.stages.iter().enumerate() {
+            let m = s.module();
+            let params = bytes(s.params().iter().map(|p| p.tensor()));
+            let st = &self.states[i];
+            let held = params
+                + bytes(&grads[i].tensors)
+                + bytes(st.m.iter().chain(&st.v))
+                + stash.bytes_of(m, plans);
+            let host = self.offloaded[i].as_ref().map_or(0, |o| o.copy.len());
+            let now = Resident { peak: held, llm_phase: if llm_phase { held } else { 0 }, host };
+            resident[m] = resident[m].max(now);
+        }
     }
 
     fn forward(&mut self, c: &Compute, stash: &mut Stash, plans: &StepPlans) -> Result<f64> {
@@ -672,11 +793,17 @@ impl Executor {
         world: &dyn Communicator,
         grads: &[Grads],
         reported: f64,
-        modules: usize,
+        traffic: &[u64],
+        plans: &StepPlans,
     ) -> Result<Outcome> {
-        // [loss, non-finite count, each module's squared norm share]
-        let mut sums = vec![0.0; 2 + modules];
+        let modules = plans.names.len();
+        // [loss, non-finite count, each module's squared norm share, each module's
+        // collective bytes since the step began]
+        let mut sums = vec![0.0; 2 + 2 * modules];
         sums[0] = reported;
+        for (s, t0) in self.stages.iter().zip(traffic) {
+            sums[2 + modules + s.module()] = (s.ctx().traffic.bytes() - t0) as f64;
+        }
         let mut bad: Option<(String, String)> = None;
         for (s, g) in self.stages.iter().zip(grads) {
             let params = trained(s.as_ref(), &self.opts);
@@ -692,16 +819,19 @@ impl Executor {
         }
         world.all_reduce(&mut sums, ReduceOp::Sum)?;
         let (loss, nonfinite) = (sums[0], sums[1] > 0.0);
-        let module_norms: Vec<f64> = sums[2..].iter().map(|x| x.sqrt()).collect();
-        let norm = sums[2..].iter().sum::<f64>().sqrt();
+        let shares = &sums[2..2 + modules];
+        let module_norms: Vec<f64> = shares.iter().map(|x| x.sqrt()).collect();
+        let norm = shares.iter().sum::<f64>().sqrt();
+        let collective_bytes = sums[2 + modules..].iter().map(|&b| b as u64).collect();
         if !nonfinite {
             let clip = clip_factor(norm, self.opts.clip);
-            return Ok(Outcome { norm, module_norms, loss, apply: true, clip });
+            return Ok(Outcome { norm, module_norms, loss, apply: true, clip, collective_bytes });
         }
         match (self.opts.on_nonfinite, bad) {
             (OnNonFinite::Skip, _) => {
                 self.skipped += 1;
-                Ok(Outcome { norm: f64::NAN, module_norms, loss, apply: false, clip: 0.0 })
+                let norm = f64::NAN;
+                Ok(Outcome { norm, module_norms, loss, apply: false, clip: 0.0, collective_bytes })
             }
             (OnNonFinite::Stop, Some((module, param))) => {
                 Err(RuntimeError::NonFinite { module, param })
@@ -710,6 +840,19 @@ impl Executor {
                 "a gradient on another rank is not finite (that rank names it); the step was not applied".into(),
             )),
         }
+    }
+}
+
+/// The module whose gradient side action `a` works on (backward, reduction, step).
+fn gradient_side(a: &Action) -> Option<ModuleId> {
+    match a {
+        Action::Compute(c) if c.pass == Pass::Backward => Some(c.module),
+        Action::Reduce(p) => match p.msg {
+            MsgId::Reduce { module, .. } => Some(module),
+            _ => None,
+        },
+        Action::Step(m) => Some(*m),
+        _ => None,
     }
 }
 

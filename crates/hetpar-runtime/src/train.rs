@@ -85,12 +85,6 @@ impl Trainer {
         steps: usize,
         sources: &Sources,
     ) -> Result<Trainer, RuntimeError> {
-        if let Some(m) = graph.modules.iter().find(|m| m.offload) {
-            return Err(RuntimeError::Model(format!(
-                "modules.{}.parallel.offload: the executor does not offload yet; set offload = false to train",
-                m.name
-            )));
-        }
         let schedule = Schedule::build(&PipelineGraph::from_model(graph), Options::default())
             .map_err(|e| RuntimeError::Model(format!("schedule: {e}")))?;
         let stages = build_stages(world, graph, dtype, sources)?;

@@ -12,7 +12,7 @@ use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
 use hetpar_layout::{Config, ModelGraph};
 use hetpar_runtime::synthetic::Synthetic;
-use hetpar_runtime::{RuntimeError, Sources, StepLog, Trainer};
+use hetpar_runtime::{Resident, RuntimeError, Sources, StepLog, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// The built-in demo (`examples/demo.toml`).
@@ -112,6 +112,14 @@ impl Report {
             .iter()
             .map(|(e, f, b)| (e.clone(), serde_json::json!({"forward": f, "backward": b})))
             .collect();
+        let per_module = |f: &dyn Fn(usize) -> serde_json::Value| -> serde_json::Value {
+            self.names.iter().enumerate().map(|(m, n)| (n.clone(), f(m))).collect()
+        };
+        let collective = per_module(&|m| r.collective_bytes[m].into());
+        let resident = per_module(&|m| {
+            let x = r.resident[m];
+            serde_json::json!({"peak": x.peak, "llm_phase": x.llm_phase, "host": x.host})
+        });
         let line = serde_json::json!({
             "step": log.step,
             "loss": r.loss,
@@ -124,6 +132,8 @@ impl Report {
             "applied": r.applied,
             "seconds": r.seconds,
             "boundary_bytes": bytes,
+            "collective_bytes": collective,
+            "resident_bytes": resident,
         });
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
         writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
@@ -273,6 +283,35 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
     if !edges.is_empty() {
         say(&format!("boundary bytes per step (all ranks): {}", edges.join("; ")));
     }
+    let size = |b: f64| {
+        if b >= 1024.0 * 1024.0 {
+            format!("{:.2} MiB", b / (1024.0 * 1024.0))
+        } else {
+            format!("{:.1} KiB", b / 1024.0)
+        }
+    };
+    let modules: Vec<String> = graph
+        .modules
+        .iter()
+        .enumerate()
+        .map(|(m, module)| {
+            let peak =
+                logs.iter().map(|l| l.report.resident[m]).fold(Default::default(), Resident::max);
+            let coll = logs.iter().map(|l| l.report.collective_bytes[m]).sum::<u64>() as f64 / n;
+            let host = if peak.host > 0 {
+                format!(", {} on the host during the LLM phase", size(peak.host as f64))
+            } else {
+                String::new()
+            };
+            format!(
+                "{} {} peak per rank{host}, {} of collectives per step",
+                module.name,
+                size(peak.peak as f64),
+                size(coll)
+            )
+        })
+        .collect();
+    say(&format!("memory and collectives: {}", modules.join("; ")));
     say(&format!(
         "{}: loss {:.4} -> {:.4} over {} steps, {:.0} tokens/s ({} tokens in {:.1} s), {} steps skipped",
         graph.name,

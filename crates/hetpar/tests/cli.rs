@@ -339,17 +339,43 @@ fn train_refuses_what_it_cannot_run_in_one_line() {
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.starts_with("error: dtype bf16: the CPU executor trains in f32 or f64"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+/// The demo with its colocated vision encoder offloaded: the gradients and optimizer state
+/// sit on the host during the LLM phase, the losses are bitwise those without offload, and
+/// every module's collective and resident bytes are in metrics.jsonl.
+#[test]
+fn train_offloads_a_colocated_encoder() {
+    let dir = temp("train-offload");
+    let demo = std::fs::read_to_string(root().join("examples/demo.toml")).expect("demo");
+    assert_eq!(demo.matches("tp = 1").count(), 1, "the vision layout is the one tp = 1");
     let path = dir.join("offload.toml");
-    let offload = demo.replacen("tp = 1", "tp = 1\noffload = true", 1);
-    std::fs::write(&path, offload).expect("write");
-    let out = hetpar(&["train", path.to_str().expect("utf-8"), "--steps", "1"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8(out.stderr).expect("utf-8");
-    assert!(
-        err.contains("modules.vision.parallel.offload: the executor does not offload yet"),
-        "{err}"
-    );
-    assert_eq!(err.lines().count(), 1, "{err}");
+    std::fs::write(&path, demo.replacen("tp = 1", "tp = 1\noffload = true", 1)).expect("write");
+    let metrics = |config: &str, out: &str| -> Vec<Value> {
+        let out_dir = dir.join(out);
+        let args = ["train", config, "--steps", "2", "--out", out_dir.to_str().expect("utf-8")];
+        let run = hetpar(&args);
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        let text = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
+        text.lines().map(|l| serde_json::from_str(l).expect("json")).collect()
+    };
+    let demo_path = root().join("examples/demo.toml");
+    let plain = metrics(demo_path.to_str().expect("utf-8"), "plain");
+    let off = metrics(path.to_str().expect("utf-8"), "off");
+    for (a, b) in plain.iter().zip(&off) {
+        assert_eq!(a["loss"], b["loss"]);
+        let host = |s: &Value, m: &str| s["resident_bytes"][m]["host"].as_u64().expect("bytes");
+        let llm_phase =
+            |s: &Value, m: &str| s["resident_bytes"][m]["llm_phase"].as_u64().expect("bytes");
+        assert_eq!(host(a, "vision"), 0);
+        assert!(host(b, "vision") > 0, "{b}");
+        assert_eq!(llm_phase(a, "vision") - llm_phase(b, "vision"), host(b, "vision"), "{b}");
+        for m in ["vision", "audio", "llm"] {
+            assert!(b["collective_bytes"][m].as_u64().is_some(), "{m} in {b}");
+        }
+        // The LLM at tp2 with SP moves activations inside every layer.
+        assert!(b["collective_bytes"]["llm"].as_u64() > Some(0), "{b}");
+    }
 }
 
 #[test]
