@@ -15,7 +15,7 @@ use hetpar_nn::{Build, ParallelCtx};
 use crate::error::RuntimeError;
 use crate::stage::Stage;
 use crate::stages::encoder::{EncoderModel, EncoderStage, ItemSource};
-use crate::stages::llama::{LlamaStage, TextSource};
+use crate::stages::llama::{LlamaStage, TextSource, stage_layers};
 
 /// Where the stages get their data.
 #[derive(Clone)]
@@ -56,6 +56,11 @@ pub fn build_stages(
         let ctx = ParallelCtx::new(world, &m.layout)?;
         let b = Build { ctx: ctx.clone(), seed: graph.train.seed, dtype };
         let d = m.dims;
+        // An encoder's pipeline stage on this rank: its layers, whether it embeds, whether
+        // it projects.
+        let (pp, stage) = (m.layout.pp(), ctx.coords.pp_idx);
+        let layers = stage_layers(d.layers, pp, stage);
+        let (first, last) = (stage == 0, stage + 1 == pp);
         // An encoder's stage, fed by its one outgoing edge.
         let encoder = |model: EncoderModel| -> Result<Box<dyn Stage>, RuntimeError> {
             let mut out = graph.edges.iter().enumerate().filter(|(_, e)| e.src == id);
@@ -102,7 +107,7 @@ pub fn build_stages(
                     ln_eps: 1e-6,
                     cp_mode: CpMode::AllGather,
                 };
-                encoder(EncoderModel::Vit(Vit::new(&b, cfg)?))?
+                encoder(EncoderModel::Vit(Vit::stage(&b, cfg, layers, first, last)?))?
             }
             ModuleSpec::Audio { n_mels, frames } => {
                 let cfg = AudioConfig {
@@ -116,7 +121,8 @@ pub fn build_stages(
                     ln_eps: 1e-5,
                     cp_mode: CpMode::AllGather,
                 };
-                encoder(EncoderModel::Audio(AudioEncoder::new(&b, cfg)?))?
+                let model = AudioEncoder::stage(&b, cfg, layers, first, last)?;
+                encoder(EncoderModel::Audio(model))?
             }
         };
         out.push(stage);

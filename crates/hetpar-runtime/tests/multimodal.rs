@@ -28,8 +28,17 @@ const STEPS: usize = 3;
 /// `llm` with its parallel settings (`tp = ..` lines) and more model lines (`experts = 4`),
 /// the LLM with 2 layers (4 where it interleaves, `vpp = 2`).
 fn config(vision: ([usize; 2], usize), llm: ([usize; 2], &str), model: &str) -> ModelGraph {
+    parse(&config_text(vision, llm, model))
+}
+
+fn parse(text: &str) -> ModelGraph {
+    ModelGraph::from_config(&Config::from_toml(text).unwrap()).unwrap()
+}
+
+/// The text of [`config`].
+fn config_text(vision: ([usize; 2], usize), llm: ([usize; 2], &str), model: &str) -> String {
     let layers = if llm.1.contains("vpp") { 4 } else { 2 };
-    let text = format!(
+    format!(
         r#"
 name = "t"
 [train]
@@ -69,8 +78,7 @@ from = "vision"
 to = "llm"
 "#,
         vision.0[0], vision.0[1], vision.1, layers, model, llm.0[0], llm.0[1], llm.1
-    );
-    ModelGraph::from_config(&Config::from_toml(&text).unwrap()).unwrap()
+    )
 }
 
 struct Run {
@@ -373,5 +381,35 @@ fn offloading_the_encoder_frees_its_state_during_the_llm_phase_and_changes_no_nu
             .unwrap_or_else(|e| panic!("{e}"));
         compare_values(&what, &offloaded.ranks, &assemble(&reference.ranks, 0.0).unwrap(), tol)
             .unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// The vision encoder as a two-stage pipeline (one layer each; the first stage embeds, the
+/// second projects), on an island feeding the LLM and colocated with an LLM pipeline, with
+/// multi-image and text-only samples: matches one rank.
+#[test]
+fn encoder_pipelines_match_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F64 { 1e-10 } else { 1e-5 };
+        let reference = run(&config(([0, 1], 1), ([0, 1], "tp = 1"), ""), dtype);
+        let want = assemble(&reference.ranks, 0.0).unwrap();
+        for (what, vision, llm) in [
+            ("islands encoder pp2, llm tp2", ([0, 2], 1), ([2, 4], "tp = 2")),
+            ("islands encoder pp2 dp2, llm pp2", ([0, 4], 1), ([4, 6], "pp = 2")),
+            ("colocated encoder pp2 dp2, llm tp2 pp2", ([0, 4], 1), ([0, 4], "tp = 2\npp = 2")),
+        ] {
+            let what = format!("{what} {dtype:?}");
+            let text = config_text(vision, llm, "").replacen(
+                "[modules.vision.parallel]\n",
+                "[modules.vision.parallel]\npp = 2\n",
+                1,
+            );
+            let g = parse(&text);
+            assert_eq!(g.modules[g.module_id("vision").unwrap()].layout.pp(), 2, "{what}");
+            let got = run(&g, dtype);
+            compare_steps(&what, &got.reports, &reference.reports, tol)
+                .unwrap_or_else(|e| panic!("{e}"));
+            compare_values(&what, &got.ranks, &want, tol).unwrap_or_else(|e| panic!("{e}"));
+        }
     }
 }

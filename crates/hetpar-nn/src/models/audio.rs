@@ -12,7 +12,13 @@
 //! under SP), the split the boundary plans assume for sequence-sharded encoder outputs. The
 //! convolutions run on the whole clip on every rank (they need neighbouring frames and are
 //! a small part of the work); each rank keeps its rows after them.
+//!
+//! Under pipeline parallelism a rank builds one stage ([`AudioEncoder::stage`]): a range of
+//! the layers, the convolutions and positions on the first stage, the final norm and
+//! projector on the last; the stages between take and give hidden states `[clips,
+//! local_rows, hidden]`.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
@@ -121,22 +127,38 @@ fn conv3(x: &Tensor, w: &Tensor, bias: &Tensor, stride: usize) -> Result<Tensor>
     Ok(matmul_t(&cols, &w)?.broadcast_add(bias)?)
 }
 
-/// The audio encoder and projector on one rank.
+/// The convolution stem and fixed positions (the first pipeline stage's).
+#[derive(Debug)]
+struct Stem {
+    conv1: Conv,
+    conv2: Conv,
+    positions: Tensor,
+}
+
+/// The audio encoder and projector (or one pipeline stage of them) on one rank.
 #[derive(Debug)]
 pub struct AudioEncoder {
     ctx: Arc<ParallelCtx>,
     cfg: AudioConfig,
-    conv1: Conv,
-    conv2: Conv,
-    positions: Tensor,
+    stem: Option<Stem>,
     layers: Vec<Layer>,
-    post_ln: LayerNorm,
-    projector: GeluMlp,
+    head: Option<(LayerNorm, GeluMlp)>,
 }
 
 impl AudioEncoder {
     /// The model; every rank of the module builds its shard.
     pub fn new(b: &Build, cfg: AudioConfig) -> Result<AudioEncoder> {
+        Self::stage(b, cfg, 0..cfg.layers, true, true)
+    }
+
+    /// Layers `layers`, the stem if `first`, the final norm and projector if `last`.
+    pub fn stage(
+        b: &Build,
+        cfg: AudioConfig,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> Result<AudioEncoder> {
         let std = 0.02;
         let shape = LayerShape {
             hidden: cfg.hidden,
@@ -155,26 +177,33 @@ impl AudioEncoder {
             fc2: "fc2",
         };
         let t = "audio_tower";
-        let layers = (0..cfg.layers)
+        let layers = layers
             .map(|i| Layer::new(b, &format!("{t}.layers.{i}"), &names, shape))
             .collect::<Result<_>>()?;
-        Ok(AudioEncoder {
-            ctx: b.ctx.clone(),
-            cfg,
-            conv1: Conv::new(b, &format!("{t}.conv1"), (cfg.mels, cfg.hidden), 1)?,
-            conv2: Conv::new(b, &format!("{t}.conv2"), (cfg.hidden, cfg.hidden), 2)?,
-            positions: sinusoids(cfg.rows(), cfg.hidden, b.dtype)?,
-            layers,
-            post_ln: LayerNorm::new(b, &format!("{t}.layer_norm"), cfg.hidden, cfg.ln_eps)?,
-            projector: GeluMlp::new(
+        let stem = if first {
+            Some(Stem {
+                conv1: Conv::new(b, &format!("{t}.conv1"), (cfg.mels, cfg.hidden), 1)?,
+                conv2: Conv::new(b, &format!("{t}.conv2"), (cfg.hidden, cfg.hidden), 2)?,
+                positions: sinusoids(cfg.rows(), cfg.hidden, b.dtype)?,
+            })
+        } else {
+            None
+        };
+        let head = if last {
+            let ln = LayerNorm::new(b, &format!("{t}.layer_norm"), cfg.hidden, cfg.ln_eps)?;
+            let projector = GeluMlp::new(
                 b,
                 "audio_projector.linear_1",
                 "audio_projector.linear_2",
                 (cfg.hidden, cfg.out_hidden, cfg.out_hidden),
                 std,
                 std,
-            )?,
-        })
+            )?;
+            Some((ln, projector))
+        } else {
+            None
+        };
+        Ok(AudioEncoder { ctx: b.ctx.clone(), cfg, stem, layers, head })
     }
 
     /// The configuration.
@@ -192,9 +221,26 @@ impl AudioEncoder {
         encoder::local_positions(&self.ctx, self.cfg.rows(), "rows per clip")
     }
 
-    /// `features` `[clips, mels, frames]` (log-mel) to projected rows `[clips, local_rows,
-    /// out_hidden]` (this rank's rows of every clip, in order).
-    pub fn forward(&self, features: &Tensor) -> Result<Tensor> {
+    /// This stage's forward: `features` `[clips, mels, frames]` (log-mel) on the first
+    /// stage, hidden states `[clips, local_rows, hidden]` on the others; projected rows
+    /// `[clips, local_rows, out_hidden]` (this rank's rows of every clip, in order) out of
+    /// the last, hidden states out of the others.
+    pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        let positions = self.cp_positions()?;
+        let mut x = match &self.stem {
+            Some(stem) => self.stem(stem, input)?,
+            None => input.clone(),
+        };
+        for l in &self.layers {
+            x = l.forward(&x, &positions)?;
+        }
+        match &self.head {
+            Some((ln, projector)) => projector.forward(&ln.forward(&x)?),
+            None => Ok(x),
+        }
+    }
+
+    fn stem(&self, stem: &Stem, features: &Tensor) -> Result<Tensor> {
         let (_, mels, frames) = features.dims3()?;
         if mels != self.cfg.mels || frames != self.cfg.frames {
             return Err(NnError::Input(format!(
@@ -202,35 +248,34 @@ impl AudioEncoder {
                 self.cfg.mels, self.cfg.frames
             )));
         }
-        let dtype = self.conv1.weight.tensor().dtype();
+        let dtype = stem.conv1.weight.tensor().dtype();
         let x = features.to_dtype(dtype)?.transpose(1, 2)?.contiguous()?;
-        let x = self.conv1.forward(&x)?.gelu_erf()?;
-        let x = self.conv2.forward(&x)?.gelu_erf()?;
+        let x = stem.conv1.forward(&x)?.gelu_erf()?;
+        let x = stem.conv2.forward(&x)?.gelu_erf()?;
         let local = self.local_positions()?;
         let idx = Tensor::from_vec(
             local.iter().map(|&i| i as u32).collect::<Vec<_>>(),
             local.len(),
             &Device::Cpu,
         )?;
-        let pos = self.positions.index_select(&idx, 0)?.unsqueeze(0)?;
-        let mut x = x.index_select(&idx, 1)?.broadcast_add(&pos)?;
-        let positions = self.cp_positions()?;
-        for l in &self.layers {
-            x = l.forward(&x, &positions)?;
-        }
-        self.projector.forward(&self.post_ln.forward(&x)?)
+        let pos = stem.positions.index_select(&idx, 0)?.unsqueeze(0)?;
+        Ok(x.index_select(&idx, 1)?.broadcast_add(&pos)?)
     }
 }
 
 impl HasParams for AudioEncoder {
     fn params(&self) -> Vec<&Param> {
-        let mut v =
-            vec![&self.conv1.weight, &self.conv1.bias, &self.conv2.weight, &self.conv2.bias];
+        let mut v = Vec::new();
+        if let Some(s) = &self.stem {
+            v.extend([&s.conv1.weight, &s.conv1.bias, &s.conv2.weight, &s.conv2.bias]);
+        }
         for l in &self.layers {
             v.extend(l.params());
         }
-        v.extend(self.post_ln.params());
-        v.extend(self.projector.params());
+        if let Some((ln, projector)) = &self.head {
+            v.extend(ln.params());
+            v.extend(projector.params());
+        }
         v
     }
 }

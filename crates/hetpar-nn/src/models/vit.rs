@@ -8,7 +8,12 @@
 //! holds a contiguous part of every image's patches (`cp` equal parts, cut again over `tp`
 //! under SP), the same split the boundary plans assume (`ownership::item_owner`), so the
 //! projector's output rows are exactly the rows this rank holds.
+//!
+//! Under pipeline parallelism a rank builds one stage ([`Vit::stage`]): a range of the
+//! layers, the patch embedding on the first stage, the final norm and projector on the
+//! last; the stages between take and give hidden states `[images, local_patches, hidden]`.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
@@ -53,22 +58,38 @@ impl VitConfig {
     }
 }
 
-/// The encoder and projector on one rank.
+/// The patch and position embeddings (the first pipeline stage's).
+#[derive(Debug)]
+struct Embed {
+    patch_w: Param,
+    patch_b: Param,
+    pos: Param,
+}
+
+/// The encoder and projector (or one pipeline stage of them) on one rank.
 #[derive(Debug)]
 pub struct Vit {
     ctx: Arc<ParallelCtx>,
     cfg: VitConfig,
-    patch_w: Param,
-    patch_b: Param,
-    pos: Param,
+    embed: Option<Embed>,
     layers: Vec<Layer>,
-    post_ln: LayerNorm,
-    projector: GeluMlp,
+    head: Option<(LayerNorm, GeluMlp)>,
 }
 
 impl Vit {
     /// The model; every rank of the module builds its shard.
     pub fn new(b: &Build, cfg: VitConfig) -> Result<Vit> {
+        Self::stage(b, cfg, 0..cfg.layers, true, true)
+    }
+
+    /// Layers `layers`, the embeddings if `first`, the final norm and projector if `last`.
+    pub fn stage(
+        b: &Build,
+        cfg: VitConfig,
+        layers: Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> Result<Vit> {
         let p = cfg.patch_size;
         let std = 0.02;
         let e = "vision_model.embeddings";
@@ -88,40 +109,52 @@ impl Vit {
             fc1: "mlp.fc1",
             fc2: "mlp.fc2",
         };
-        let layers = (0..cfg.layers)
+        let layers = layers
             .map(|i| Layer::new(b, &format!("vision_model.encoder.layers.{i}"), &names, shape))
             .collect::<Result<_>>()?;
-        Ok(Vit {
-            ctx: b.ctx.clone(),
-            cfg,
-            // The conv patch embedding `[hidden, 3, p, p]` as a linear map over flattened
-            // (channel, row, column) patches.
-            patch_w: b.replicated(
-                format!("{e}.patch_embedding.weight"),
-                &[cfg.hidden, 3, p, p],
-                Init::Normal(std),
-            )?,
-            patch_b: b.replicated(
-                format!("{e}.patch_embedding.bias"),
-                &[cfg.hidden],
-                Init::Const(0.0),
-            )?,
-            pos: b.replicated(
-                format!("{e}.position_embedding.weight"),
-                &[cfg.patches(), cfg.hidden],
-                Init::Normal(std),
-            )?,
-            layers,
-            post_ln: LayerNorm::new(b, "vision_model.post_layernorm", cfg.hidden, cfg.ln_eps)?,
-            projector: GeluMlp::new(
+        let embed = if first {
+            Some(Embed {
+                // The conv patch embedding `[hidden, 3, p, p]` as a linear map over
+                // flattened (channel, row, column) patches.
+                patch_w: b.replicated(
+                    format!("{e}.patch_embedding.weight"),
+                    &[cfg.hidden, 3, p, p],
+                    Init::Normal(std),
+                )?,
+                patch_b: b.replicated(
+                    format!("{e}.patch_embedding.bias"),
+                    &[cfg.hidden],
+                    Init::Const(0.0),
+                )?,
+                pos: b.replicated(
+                    format!("{e}.position_embedding.weight"),
+                    &[cfg.patches(), cfg.hidden],
+                    Init::Normal(std),
+                )?,
+            })
+        } else {
+            None
+        };
+        let head = if last {
+            let ln = LayerNorm::new(b, "vision_model.post_layernorm", cfg.hidden, cfg.ln_eps)?;
+            let projector = GeluMlp::new(
                 b,
                 "multi_modal_projector.linear_1",
                 "multi_modal_projector.linear_2",
                 (cfg.hidden, cfg.out_hidden, cfg.out_hidden),
                 std,
                 std,
-            )?,
-        })
+            )?;
+            Some((ln, projector))
+        } else {
+            None
+        };
+        Ok(Vit { ctx: b.ctx.clone(), cfg, embed, layers, head })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &VitConfig {
+        &self.cfg
     }
 
     /// Patch positions of every cp rank (contiguous equal parts) and this rank's slot.
@@ -134,9 +167,26 @@ impl Vit {
         encoder::local_positions(&self.ctx, self.cfg.patches(), "patches per image")
     }
 
-    /// `pixels` `[images, 3, size, size]` to projected rows `[images, local_patches,
-    /// out_hidden]` (this rank's patches of every image, in patch order).
-    pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
+    /// This stage's forward: `pixels` `[images, 3, size, size]` on the first stage, hidden
+    /// states `[images, local_patches, hidden]` on the others; projected rows `[images,
+    /// local_patches, out_hidden]` (this rank's patches of every image, in patch order) out
+    /// of the last, hidden states out of the others.
+    pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        let positions = self.cp_positions()?;
+        let mut x = match &self.embed {
+            Some(e) => self.embed(e, input)?,
+            None => input.clone(),
+        };
+        for l in &self.layers {
+            x = l.forward(&x, &positions)?;
+        }
+        match &self.head {
+            Some((ln, projector)) => projector.forward(&ln.forward(&x)?),
+            None => Ok(x),
+        }
+    }
+
+    fn embed(&self, e: &Embed, pixels: &Tensor) -> Result<Tensor> {
         let (n, c, hgt, wid) = pixels.dims4()?;
         let p = self.cfg.patch_size;
         if c != 3 || hgt != self.cfg.image_size || wid != self.cfg.image_size {
@@ -158,26 +208,26 @@ impl Vit {
             local.len(),
             &Device::Cpu,
         )?;
-        let patches = patches.index_select(&idx, 1)?.to_dtype(self.patch_w.tensor().dtype())?;
-        let w = self.patch_w.tensor().reshape((self.cfg.hidden, 3 * p * p))?;
-        let x = matmul_t(&patches, &w)?.broadcast_add(self.patch_b.tensor())?;
-        let mut x = x.broadcast_add(&self.pos.tensor().index_select(&idx, 0)?.unsqueeze(0)?)?;
-        let positions = self.cp_positions()?;
-        for l in &self.layers {
-            x = l.forward(&x, &positions)?;
-        }
-        self.projector.forward(&self.post_ln.forward(&x)?)
+        let patches = patches.index_select(&idx, 1)?.to_dtype(e.patch_w.tensor().dtype())?;
+        let w = e.patch_w.tensor().reshape((self.cfg.hidden, 3 * p * p))?;
+        let x = matmul_t(&patches, &w)?.broadcast_add(e.patch_b.tensor())?;
+        Ok(x.broadcast_add(&e.pos.tensor().index_select(&idx, 0)?.unsqueeze(0)?)?)
     }
 }
 
 impl HasParams for Vit {
     fn params(&self) -> Vec<&Param> {
-        let mut v = vec![&self.patch_w, &self.patch_b, &self.pos];
+        let mut v = Vec::new();
+        if let Some(e) = &self.embed {
+            v.extend([&e.patch_w, &e.patch_b, &e.pos]);
+        }
         for l in &self.layers {
             v.extend(l.params());
         }
-        v.extend(self.post_ln.params());
-        v.extend(self.projector.params());
+        if let Some((ln, projector)) = &self.head {
+            v.extend(ln.params());
+            v.extend(projector.params());
+        }
         v
     }
 }

@@ -3,6 +3,11 @@
 //! canonical order) and returns its rows of each, item after item, which is the edge
 //! geometry's `held` order. A replica that owns no item returns no rows and still takes its
 //! part in every collective of the step.
+//!
+//! Under pipeline parallelism each stage of a replica holds a range of the layers: the
+//! first reads the items, the ones after it take the hidden states `[items, local_rows,
+//! hidden]` of the replica's items from the stage before (an empty tensor where the
+//! replica owns none), the last returns the rows.
 
 use std::sync::Arc;
 
@@ -51,9 +56,18 @@ impl EncoderModel {
             EncoderModel::Audio(m) => m.params(),
         }
     }
+
+    /// Rows of one item this rank holds, and the encoder's width: the shape of the hidden
+    /// states between pipeline stages.
+    fn hidden_shape(&self) -> Result<(usize, usize), RuntimeError> {
+        Ok(match self {
+            EncoderModel::Vit(m) => (m.local_positions()?.len(), m.config().hidden),
+            EncoderModel::Audio(m) => (m.local_positions()?.len(), m.config().hidden),
+        })
+    }
 }
 
-/// An encoder module on one rank (one pipeline stage).
+/// An encoder module on one rank (one pipeline stage of it).
 pub struct EncoderStage {
     module: ModuleId,
     edge: EdgeId,
@@ -82,14 +96,22 @@ impl EncoderStage {
         model: EncoderModel,
         source: Arc<dyn ItemSource>,
     ) -> Result<EncoderStage, RuntimeError> {
-        if ctx.layout.pp() > 1 {
-            return Err(RuntimeError::Model(format!(
-                "module {}: encoders run as one pipeline stage here (pp {} asked)",
-                ctx.layout.name(),
-                ctx.layout.pp()
-            )));
-        }
         Ok(EncoderStage { module, edge, ctx, dtype, width, model, source, step: None })
+    }
+}
+
+impl EncoderStage {
+    fn begun(&self) -> Result<(&usize, &BatchManifest), RuntimeError> {
+        let (step, manifest) =
+            self.step.as_ref().ok_or_else(|| RuntimeError::Model("no step has begun".into()))?;
+        Ok((step, manifest))
+    }
+
+    /// The items this rank's replica owns in microbatch `mb`.
+    fn mine(&self, manifest: &BatchManifest, mb: usize) -> Vec<ItemRef> {
+        let (dp, d) = (self.ctx.layout.dp(), self.ctx.coords.dp_idx);
+        let items = manifest.microbatch_items(self.edge, mb);
+        items[manifest.replica_items(self.edge, dp, d, mb)].to_vec()
     }
 }
 
@@ -107,7 +129,7 @@ impl Stage for EncoderStage {
     }
 
     fn n_vstages(&self) -> usize {
-        1
+        self.ctx.layout.pp()
     }
 
     fn width(&self) -> usize {
@@ -119,35 +141,60 @@ impl Stage for EncoderStage {
         Ok(())
     }
 
-    fn input_shape(&self, vstage: usize, _mb: usize) -> Result<Vec<usize>, RuntimeError> {
-        Err(RuntimeError::Model(format!(
-            "module {}: an encoder of one pipeline stage receives no activation (asked for stage {vstage})",
-            self.ctx.layout.name()
-        )))
+    fn input_shape(&self, vstage: usize, mb: usize) -> Result<Vec<usize>, RuntimeError> {
+        if vstage == 0 || vstage >= self.n_vstages() {
+            return Err(RuntimeError::Model(format!(
+                "module {}: stage {vstage} of {} receives no activation",
+                self.ctx.layout.name(),
+                self.n_vstages()
+            )));
+        }
+        let (_, manifest) = self.begun()?;
+        let (rows, hidden) = self.model.hidden_shape()?;
+        Ok(vec![self.mine(manifest, mb).len(), rows, hidden])
     }
 
     fn forward(
         &mut self,
-        _vstage: usize,
+        vstage: usize,
         mb: usize,
-        _input: Option<&Tensor>,
+        input: Option<&Tensor>,
         _boundary: &[BoundaryIn<'_>],
     ) -> Result<Forward, RuntimeError> {
-        let (step, manifest) =
-            self.step.as_ref().ok_or_else(|| RuntimeError::Model("no step has begun".into()))?;
-        let (dp, d) = (self.ctx.layout.dp(), self.ctx.coords.dp_idx);
-        let items = manifest.microbatch_items(self.edge, mb);
-        let mine = &items[manifest.replica_items(self.edge, dp, d, mb)];
+        let (step, manifest) = self.begun()?;
+        let mine = self.mine(manifest, mb);
+        let last = vstage + 1 == self.n_vstages();
+        let cpu = &candle_core::Device::Cpu;
         if mine.is_empty() {
-            let out = Tensor::zeros((0, self.width), self.dtype, &candle_core::Device::Cpu)?;
+            let out = if last {
+                Tensor::zeros((0, self.width), self.dtype, cpu)?
+            } else {
+                let (rows, hidden) = self.model.hidden_shape()?;
+                Tensor::zeros((0, rows, hidden), self.dtype, cpu)?
+            };
             return Ok(Forward { out: Some(out), loss: None, reported: 0.0 });
         }
-        let inputs = mine
-            .iter()
-            .map(|&r| self.source.item(*step, manifest, self.edge, r))
-            .collect::<Result<Vec<_>, _>>()?;
-        let x = Tensor::stack(&inputs, 0)?.to_dtype(self.dtype)?;
+        let x = match input {
+            Some(x) if vstage > 0 => x.clone(),
+            None if vstage == 0 => {
+                let inputs = mine
+                    .iter()
+                    .map(|&r| self.source.item(*step, manifest, self.edge, r))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Tensor::stack(&inputs, 0)?.to_dtype(self.dtype)?
+            }
+            _ => {
+                return Err(RuntimeError::Model(format!(
+                    "module {} stage {vstage}: {} input",
+                    self.ctx.layout.name(),
+                    if vstage == 0 { "the first stage takes no" } else { "no" }
+                )));
+            }
+        };
         let y = self.model.forward(&x)?;
+        if !last {
+            return Ok(Forward { out: Some(y), loss: None, reported: 0.0 });
+        }
         let (n, rows, w) = y.dims3()?;
         Ok(Forward { out: Some(y.reshape((n * rows, w))?), loss: None, reported: 0.0 })
     }
