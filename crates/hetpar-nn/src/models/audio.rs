@@ -28,9 +28,7 @@ use crate::error::{NnError, Result};
 use crate::init::Init;
 use crate::layers::attention::{CpMode, CpPositions};
 use crate::layers::linear::{Build, matmul_t};
-use crate::layers::mlp::GeluMlp;
-use crate::layers::norm::LayerNorm;
-use crate::models::encoder::{self, Layer, LayerNames, LayerShape};
+use crate::models::encoder::{self, HeadNames, LayerNames, LayerShape, Trunk};
 use crate::params::{HasParams, Param};
 
 /// Sizes and options of an audio encoder.
@@ -141,8 +139,7 @@ pub struct AudioEncoder {
     ctx: Arc<ParallelCtx>,
     cfg: AudioConfig,
     stem: Option<Stem>,
-    layers: Vec<Layer>,
-    head: Option<(LayerNorm, GeluMlp)>,
+    trunk: Trunk,
 }
 
 impl AudioEncoder {
@@ -159,7 +156,6 @@ impl AudioEncoder {
         first: bool,
         last: bool,
     ) -> Result<AudioEncoder> {
-        let std = 0.02;
         let shape = LayerShape {
             hidden: cfg.hidden,
             heads: cfg.heads,
@@ -177,9 +173,14 @@ impl AudioEncoder {
             fc2: "fc2",
         };
         let t = "audio_tower";
-        let layers = layers
-            .map(|i| Layer::new(b, &format!("{t}.layers.{i}"), &names, shape))
-            .collect::<Result<_>>()?;
+        let norm = format!("{t}.layer_norm");
+        let head = HeadNames {
+            norm: &norm,
+            proj1: "audio_projector.linear_1",
+            proj2: "audio_projector.linear_2",
+        };
+        let head = last.then_some((&head, cfg.out_hidden));
+        let trunk = Trunk::new(b, &format!("{t}.layers"), &names, shape, layers, head)?;
         let stem = if first {
             Some(Stem {
                 conv1: Conv::new(b, &format!("{t}.conv1"), (cfg.mels, cfg.hidden), 1)?,
@@ -189,21 +190,7 @@ impl AudioEncoder {
         } else {
             None
         };
-        let head = if last {
-            let ln = LayerNorm::new(b, &format!("{t}.layer_norm"), cfg.hidden, cfg.ln_eps)?;
-            let projector = GeluMlp::new(
-                b,
-                "audio_projector.linear_1",
-                "audio_projector.linear_2",
-                (cfg.hidden, cfg.out_hidden, cfg.out_hidden),
-                std,
-                std,
-            )?;
-            Some((ln, projector))
-        } else {
-            None
-        };
-        Ok(AudioEncoder { ctx: b.ctx.clone(), cfg, stem, layers, head })
+        Ok(AudioEncoder { ctx: b.ctx.clone(), cfg, stem, trunk })
     }
 
     /// The configuration.
@@ -226,18 +213,11 @@ impl AudioEncoder {
     /// `[clips, local_rows, out_hidden]` (this rank's rows of every clip, in order) out of
     /// the last, hidden states out of the others.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let positions = self.cp_positions()?;
-        let mut x = match &self.stem {
+        let x = match &self.stem {
             Some(stem) => self.stem(stem, input)?,
             None => input.clone(),
         };
-        for l in &self.layers {
-            x = l.forward(&x, &positions)?;
-        }
-        match &self.head {
-            Some((ln, projector)) => projector.forward(&ln.forward(&x)?),
-            None => Ok(x),
-        }
+        self.trunk.forward(x, &self.cp_positions()?)
     }
 
     fn stem(&self, stem: &Stem, features: &Tensor) -> Result<Tensor> {
@@ -269,13 +249,7 @@ impl HasParams for AudioEncoder {
         if let Some(s) = &self.stem {
             v.extend([&s.conv1.weight, &s.conv1.bias, &s.conv2.weight, &s.conv2.bias]);
         }
-        for l in &self.layers {
-            v.extend(l.params());
-        }
-        if let Some((ln, projector)) = &self.head {
-            v.extend(ln.params());
-            v.extend(projector.params());
-        }
+        v.extend(self.trunk.params());
         v
     }
 }

@@ -1,6 +1,11 @@
 //! What the encoders share: the pre-LN transformer layer with bidirectional attention and a
 //! GELU MLP, and how a rank's part of each item (image, clip) is chosen under context and
-//! sequence parallelism.
+//! sequence parallelism, and the trunk of a pipeline stage (its layers, then the final norm
+//! and projector on the last stage).
+
+use std::ops::Range;
+
+use candle_core::Tensor;
 
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
@@ -74,11 +79,7 @@ impl Layer {
     }
 
     /// The layer on `x [items, local_rows, hidden]`.
-    pub fn forward(
-        &self,
-        x: &candle_core::Tensor,
-        positions: &CpPositions,
-    ) -> Result<candle_core::Tensor> {
+    pub fn forward(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
         let x = (x + self.attn.forward(&self.ln1.forward(x)?, positions)?)?;
         Ok((&x + self.mlp.forward(&self.ln2.forward(&x)?)?)?)
     }
@@ -90,6 +91,70 @@ impl HasParams for Layer {
         v.extend(self.attn.params());
         v.extend(self.ln2.params());
         v.extend(self.mlp.params());
+        v
+    }
+}
+
+/// HF names of the final norm and the projector's two matrices.
+pub(crate) struct HeadNames<'a> {
+    pub norm: &'a str,
+    pub proj1: &'a str,
+    pub proj2: &'a str,
+}
+
+/// One pipeline stage's layers and, on the last stage, the final norm and the projector
+/// into the LLM width.
+#[derive(Debug)]
+pub(crate) struct Trunk {
+    layers: Vec<Layer>,
+    head: Option<(LayerNorm, GeluMlp)>,
+}
+
+impl Trunk {
+    /// Layers `layers` (named `{prefix}.{i}`), the head when `head` gives its names and the
+    /// LLM width.
+    pub fn new(
+        b: &Build,
+        prefix: &str,
+        names: &LayerNames<'_>,
+        shape: LayerShape,
+        layers: Range<usize>,
+        head: Option<(&HeadNames<'_>, usize)>,
+    ) -> Result<Trunk> {
+        let layers = layers
+            .map(|i| Layer::new(b, &format!("{prefix}.{i}"), names, shape))
+            .collect::<Result<_>>()?;
+        let head = match head {
+            Some((n, out)) => {
+                let std = 0.02;
+                let ln = LayerNorm::new(b, n.norm, shape.hidden, shape.ln_eps)?;
+                let dims = (shape.hidden, out, out);
+                Some((ln, GeluMlp::new(b, n.proj1, n.proj2, dims, std, std)?))
+            }
+            None => None,
+        };
+        Ok(Trunk { layers, head })
+    }
+
+    /// The layers over `x`, then the head where there is one.
+    pub fn forward(&self, mut x: Tensor, positions: &CpPositions) -> Result<Tensor> {
+        for l in &self.layers {
+            x = l.forward(&x, positions)?;
+        }
+        match &self.head {
+            Some((ln, projector)) => projector.forward(&ln.forward(&x)?),
+            None => Ok(x),
+        }
+    }
+}
+
+impl HasParams for Trunk {
+    fn params(&self) -> Vec<&Param> {
+        let mut v: Vec<&Param> = self.layers.iter().flat_map(|l| l.params()).collect();
+        if let Some((ln, projector)) = &self.head {
+            v.extend(ln.params());
+            v.extend(projector.params());
+        }
         v
     }
 }

@@ -23,9 +23,7 @@ use crate::error::{NnError, Result};
 use crate::init::Init;
 use crate::layers::attention::{CpMode, CpPositions};
 use crate::layers::linear::{Build, matmul_t};
-use crate::layers::mlp::GeluMlp;
-use crate::layers::norm::LayerNorm;
-use crate::models::encoder::{self, Layer, LayerNames, LayerShape};
+use crate::models::encoder::{self, HeadNames, LayerNames, LayerShape, Trunk};
 use crate::params::{HasParams, Param};
 
 /// Sizes and options of a ViT.
@@ -72,8 +70,7 @@ pub struct Vit {
     ctx: Arc<ParallelCtx>,
     cfg: VitConfig,
     embed: Option<Embed>,
-    layers: Vec<Layer>,
-    head: Option<(LayerNorm, GeluMlp)>,
+    trunk: Trunk,
 }
 
 impl Vit {
@@ -109,9 +106,14 @@ impl Vit {
             fc1: "mlp.fc1",
             fc2: "mlp.fc2",
         };
-        let layers = layers
-            .map(|i| Layer::new(b, &format!("vision_model.encoder.layers.{i}"), &names, shape))
-            .collect::<Result<_>>()?;
+        let head = HeadNames {
+            norm: "vision_model.post_layernorm",
+            proj1: "multi_modal_projector.linear_1",
+            proj2: "multi_modal_projector.linear_2",
+        };
+        let head = last.then_some((&head, cfg.out_hidden));
+        let prefix = "vision_model.encoder.layers";
+        let trunk = Trunk::new(b, prefix, &names, shape, layers, head)?;
         let embed = if first {
             Some(Embed {
                 // The conv patch embedding `[hidden, 3, p, p]` as a linear map over
@@ -135,21 +137,7 @@ impl Vit {
         } else {
             None
         };
-        let head = if last {
-            let ln = LayerNorm::new(b, "vision_model.post_layernorm", cfg.hidden, cfg.ln_eps)?;
-            let projector = GeluMlp::new(
-                b,
-                "multi_modal_projector.linear_1",
-                "multi_modal_projector.linear_2",
-                (cfg.hidden, cfg.out_hidden, cfg.out_hidden),
-                std,
-                std,
-            )?;
-            Some((ln, projector))
-        } else {
-            None
-        };
-        Ok(Vit { ctx: b.ctx.clone(), cfg, embed, layers, head })
+        Ok(Vit { ctx: b.ctx.clone(), cfg, embed, trunk })
     }
 
     /// The configuration.
@@ -172,18 +160,11 @@ impl Vit {
     /// local_patches, out_hidden]` (this rank's patches of every image, in patch order) out
     /// of the last, hidden states out of the others.
     pub fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let positions = self.cp_positions()?;
-        let mut x = match &self.embed {
+        let x = match &self.embed {
             Some(e) => self.embed(e, input)?,
             None => input.clone(),
         };
-        for l in &self.layers {
-            x = l.forward(&x, &positions)?;
-        }
-        match &self.head {
-            Some((ln, projector)) => projector.forward(&ln.forward(&x)?),
-            None => Ok(x),
-        }
+        self.trunk.forward(x, &self.cp_positions()?)
     }
 
     fn embed(&self, e: &Embed, pixels: &Tensor) -> Result<Tensor> {
@@ -221,13 +202,7 @@ impl HasParams for Vit {
         if let Some(e) = &self.embed {
             v.extend([&e.patch_w, &e.patch_b, &e.pos]);
         }
-        for l in &self.layers {
-            v.extend(l.params());
-        }
-        if let Some((ln, projector)) = &self.head {
-            v.extend(ln.params());
-            v.extend(projector.params());
-        }
+        v.extend(self.trunk.params());
         v
     }
 }
