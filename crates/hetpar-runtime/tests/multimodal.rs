@@ -266,6 +266,8 @@ fn vision_into_llm_matches_one_rank() {
             ("islands encoder tp2, llm pp2", ([0, 2], 2), ([2, 4], "pp = 2")),
             ("colocated encoder tp2 dp3, llm cp3 dp2 on 6 ranks", ([0, 6], 2), ([0, 6], "cp = 3")),
             ("islands llm cp2 sp tp2", ([0, 1], 1), ([1, 5], "cp = 2\ntp = 2\nsp = true")),
+            // Four samples per microbatch, eight encoder replicas: some own no image.
+            ("colocated encoder dp8, llm tp4 dp2", ([0, 8], 1), ([0, 8], "tp = 4")),
         ] {
             let what = format!("{what} {dtype:?}");
             let got = run(&config(vision, llm, ""), dtype);
@@ -407,6 +409,61 @@ fn encoder_pipelines_match_one_rank() {
             let g = parse(&text);
             assert_eq!(g.modules[g.module_id("vision").unwrap()].layout.pp(), 2, "{what}");
             let got = run(&g, dtype);
+            compare_steps(&what, &got.reports, &reference.reports, tol)
+                .unwrap_or_else(|e| panic!("{e}"));
+            compare_values(&what, &got.ranks, &want, tol).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+}
+
+/// Between islands at tp2 the boundary can route exactly, through one leader per replica
+/// or striped over two: only the route differs, so every number is bitwise the same.
+#[test]
+fn striping_on_and_off_is_bitwise_equal() {
+    let base = config_text(([0, 2], 2), ([2, 4], "tp = 2"), "");
+    let runs: Vec<(String, Run)> = [
+        "strategy = \"exact\"",
+        "strategy = \"leaders\"\nstripes = 1",
+        "strategy = \"leaders\"\nstripes = 2",
+    ]
+    .iter()
+    .map(|s| {
+        let g = parse(&format!("{base}{s}\n"));
+        let strategy = format!("{:?}", g.edges[0].strategy);
+        (strategy, run(&g, DType::F32))
+    })
+    .collect();
+    let names: Vec<&str> = runs.iter().map(|r| r.0.as_str()).collect();
+    assert_eq!(names.len(), 3);
+    assert!(names[0] != names[1] && names[1] != names[2], "{names:?}");
+    let (_, first) = &runs[0];
+    for (name, r) in &runs[1..] {
+        for (x, y) in first.reports.iter().zip(&r.reports) {
+            assert_eq!(
+                (x.loss.to_bits(), x.grad_norm.to_bits()),
+                (y.loss.to_bits(), y.grad_norm.to_bits()),
+                "{name}"
+            );
+        }
+        assert_eq!(assemble(&first.ranks, 0.0).unwrap(), assemble(&r.ranks, 0.0).unwrap());
+    }
+}
+
+/// Islands whose data-parallel sizes relate every way: fan-out (encoder dp1 into LLM
+/// dp2), fan-in (dp4 into dp1) and a ratio that divides neither way (dp3 into dp2).
+#[test]
+fn island_dp_ratios_match_one_rank() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F64 { 1e-10 } else { 1e-5 };
+        let reference = run(&config(([0, 1], 1), ([0, 1], "tp = 1"), ""), dtype);
+        let want = assemble(&reference.ranks, 0.0).unwrap();
+        for (what, vision, llm) in [
+            ("fan-out dp1 -> dp2", ([0, 1], 1), ([1, 3], "tp = 1")),
+            ("fan-in dp4 -> dp1", ([0, 4], 1), ([4, 5], "tp = 1")),
+            ("dp3 -> dp2", ([0, 3], 1), ([3, 5], "tp = 1")),
+        ] {
+            let what = format!("islands {what} {dtype:?}");
+            let got = run(&config(vision, llm, ""), dtype);
             compare_steps(&what, &got.reports, &reference.reports, tol)
                 .unwrap_or_else(|e| panic!("{e}"));
             compare_values(&what, &got.ranks, &want, tol).unwrap_or_else(|e| panic!("{e}"));
