@@ -1,6 +1,7 @@
 //! Test support (feature `testing`): run an edge plan's forward and backward on any
 //! communicator and compare with the symbolic executor, bitwise, and with the plan's bytes;
-//! and a fixed set of plans for a given world size (the MPI runner uses both).
+//! and a fixed set of plans for a given world size (the MPI runner uses both); the fault
+//! cases' model and its injected faults (the local fault tests and the MPI runner).
 
 use hetpar_comm::{CommExt, Communicator, Log, Recording};
 use hetpar_layout::symbolic::{Label, execute, initial_state};
@@ -9,6 +10,13 @@ use hetpar_layout::{
     Sample, Span, Strategy,
 };
 
+use candle_core::Tensor;
+use hetpar_layout::{Config, EdgeId, ItemRef, ModelGraph};
+
+use crate::error::RuntimeError;
+use crate::stages::encoder::ItemSource;
+use crate::stages::llama::{TextBatch, TextSource};
+use crate::synthetic::Synthetic;
 use crate::{Groups, run_boundary};
 
 /// Values per row in the checks.
@@ -179,4 +187,93 @@ pub fn compare_values(
         }
     }
     Ok(())
+}
+
+/// The fault cases' model: a ViT into an LLM at tp2, colocated on ranks 0-1 or with the
+/// encoder on its own island (rank 0, the LLM on 1-2).
+pub fn fault_graph(islands: bool) -> ModelGraph {
+    let (vision, llm) = if islands { ("[0, 1]", "[1, 3]") } else { ("[0, 2]", "[0, 2]") };
+    let text = format!(
+        r#"
+name = "faults"
+[train]
+steps = 2
+global_batch = 4
+microbatches = 2
+seq_len = 40
+[modules.vision]
+kind = "vit"
+image_size = 16
+patch_size = 4
+hidden = 32
+layers = 1
+heads = 4
+ffn = 48
+[modules.vision.parallel]
+ranks = {vision}
+[modules.llm]
+kind = "llama"
+vocab = 64
+hidden = 32
+layers = 2
+heads = 4
+kv_heads = 4
+ffn = 48
+[modules.llm.parallel]
+ranks = {llm}
+tp = 2
+[[edges]]
+from = "vision"
+to = "llm"
+"#
+    );
+    ModelGraph::from_config(&Config::from_toml(&text).expect("valid TOML")).expect("a valid graph")
+}
+
+/// Synthetic inputs, with a fault at the first item of step `at`: NaN pixels, or a panic.
+#[derive(Debug)]
+pub struct Faulty {
+    /// The inputs without the fault.
+    pub inner: Synthetic,
+    /// The step that meets the fault.
+    pub at: usize,
+    /// Panic instead of NaN pixels.
+    pub panic: bool,
+}
+
+impl ItemSource for Faulty {
+    fn item(
+        &self,
+        step: usize,
+        m: &BatchManifest,
+        edge: EdgeId,
+        item: ItemRef,
+    ) -> Result<Tensor, RuntimeError> {
+        let x = self.inner.item(step, m, edge, item)?;
+        if step != self.at || m.microbatch_items(edge, 0).first() != Some(&item) {
+            return Ok(x);
+        }
+        if self.panic {
+            panic!("injected fault in the encoder");
+        }
+        Ok((x * f64::NAN)?)
+    }
+}
+
+/// Synthetic text that fails at step `at` with an error (on the rank that owns it).
+#[derive(Debug)]
+pub struct FailingText {
+    /// The text without the fault.
+    pub inner: Synthetic,
+    /// The step that fails.
+    pub at: usize,
+}
+
+impl TextSource for FailingText {
+    fn text(&self, step: usize, manifest: &BatchManifest) -> Result<TextBatch, RuntimeError> {
+        if step == self.at {
+            return Err(RuntimeError::Model("injected error in the LLM's data".into()));
+        }
+        self.inner.text(step, manifest)
+    }
 }

@@ -8,82 +8,18 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use hetpar_comm::{CommExt, LocalOptions, launch};
-use hetpar_layout::{BatchManifest, Config, EdgeId, ItemRef, ModelGraph};
+use hetpar_layout::{BatchManifest, ModelGraph};
 use hetpar_runtime::stages::encoder::ItemSource;
+use hetpar_runtime::stages::llama::TextSource;
 use hetpar_runtime::synthetic::Synthetic;
+use hetpar_runtime::testing::{FailingText, Faulty, fault_graph as graph};
 use hetpar_runtime::{
     Executor, OnNonFinite, RuntimeError, Sources, StepPlans, StepReport, build_stages,
     train_options,
 };
 use hetpar_schedule::{Action, Options, PipelineGraph, Schedule};
-
-/// A ViT into an LLM, colocated on ranks 0-1 or with the encoder on its own island.
-fn graph(islands: bool) -> ModelGraph {
-    let (vision, llm) = if islands { ("[0, 1]", "[1, 3]") } else { ("[0, 2]", "[0, 2]") };
-    let text = format!(
-        r#"
-name = "faults"
-[train]
-steps = 2
-global_batch = 4
-microbatches = 2
-seq_len = 40
-[modules.vision]
-kind = "vit"
-image_size = 16
-patch_size = 4
-hidden = 32
-layers = 1
-heads = 4
-ffn = 48
-[modules.vision.parallel]
-ranks = {vision}
-[modules.llm]
-kind = "llama"
-vocab = 64
-hidden = 32
-layers = 2
-heads = 4
-kv_heads = 4
-ffn = 48
-[modules.llm.parallel]
-ranks = {llm}
-tp = 2
-[[edges]]
-from = "vision"
-to = "llm"
-"#
-    );
-    ModelGraph::from_config(&Config::from_toml(&text).unwrap()).unwrap()
-}
-
-/// Synthetic inputs, with a fault at the first item of step `at`: NaN pixels, or a panic.
-struct Faulty {
-    inner: Synthetic,
-    at: usize,
-    panic: bool,
-}
-
-impl ItemSource for Faulty {
-    fn item(
-        &self,
-        step: usize,
-        m: &BatchManifest,
-        edge: EdgeId,
-        item: ItemRef,
-    ) -> Result<Tensor, RuntimeError> {
-        let x = self.inner.item(step, m, edge, item)?;
-        if step != self.at || m.microbatch_items(edge, 0).first() != Some(&item) {
-            return Ok(x);
-        }
-        if self.panic {
-            panic!("injected fault in the encoder");
-        }
-        Ok((x * f64::NAN)?)
-    }
-}
 
 /// Two steps of `graph` with `items` as the encoder input and `drop` removed from the
 /// schedule of the rank it names; each rank's reports or error.
@@ -93,11 +29,20 @@ fn run(
     policy: OnNonFinite,
     drop: Option<(usize, usize)>,
 ) -> Result<Vec<Result<Vec<StepReport>, RuntimeError>>, hetpar_comm::CommError> {
+    run_with(g, Arc::new(Synthetic::new(g)), items, policy, drop)
+}
+
+fn run_with(
+    g: &ModelGraph,
+    text: Arc<dyn TextSource>,
+    items: Arc<dyn ItemSource>,
+    policy: OnNonFinite,
+    drop: Option<(usize, usize)>,
+) -> Result<Vec<Result<Vec<StepReport>, RuntimeError>>, hetpar_comm::CommError> {
     let mut schedule = Schedule::build(&PipelineGraph::from_model(g), Options::default()).unwrap();
     if let Some((rank, index)) = drop {
         schedule.ranks.get_mut(&rank).unwrap().remove(index);
     }
-    let text = Arc::new(Synthetic::new(g));
     let sources = Sources { text, items };
     launch(g.world, LocalOptions { timeout: Duration::from_secs(3) }, |c| {
         let stages = build_stages(c, g, DType::F32, &sources)?;
@@ -168,4 +113,18 @@ fn a_transform_one_side_skips_is_an_error_naming_the_edge_and_microbatch() {
                 && e.contains("recv from rank 0")),
         "{errors:?}"
     );
+}
+
+#[test]
+fn an_error_in_the_llm_ends_every_rank_naming_it() {
+    let g = graph(true);
+    let text = Arc::new(FailingText { inner: Synthetic::new(&g), at: 1 });
+    let start = Instant::now();
+    let out = run_with(&g, text, Arc::new(Synthetic::new(&g)), OnNonFinite::Stop, None);
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    let text = match out {
+        Ok(ranks) => ranks.iter().filter_map(|r| r.as_ref().err()).map(|e| e.to_string()).collect(),
+        Err(e) => vec![e.to_string()],
+    };
+    assert!(text.iter().any(|e| e.contains("injected error in the LLM's data")), "{text:?}");
 }
