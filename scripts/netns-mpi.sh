@@ -28,19 +28,21 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-cleanup_only_ns() { for n in "${ns[@]}"; do ip netns del "$n" 2>/dev/null || true; done; }
-cleanup_only_ns
-if ! ip netns add "${ns[0]}" 2>"$work/err"; then
-  skip "cannot create a network namespace ($(head -1 "$work/err"))"
+for n in "${ns[@]}"; do ip netns del "$n" 2>/dev/null || true; done
+# The two hosts; a machine that cannot make them skips the test and says why.
+setup() {
+  ip netns add "${ns[0]}" && ip netns add "${ns[1]}" &&
+    ip link add hetpar-v0 type veth peer name hetpar-v1 || return 1
+  for i in 0 1; do
+    ip link set "hetpar-v$i" netns "${ns[$i]}" &&
+      ip -n "${ns[$i]}" addr add "${ips[$i]}/24" dev "hetpar-v$i" &&
+      ip -n "${ns[$i]}" link set "hetpar-v$i" up &&
+      ip -n "${ns[$i]}" link set lo up || return 1
+  done
+}
+if ! setup 2>"$work/err"; then
+  skip "cannot create two network namespaces joined by a veth pair ($(head -1 "$work/err"))"
 fi
-ip netns add "${ns[1]}"
-ip link add hetpar-v0 type veth peer name hetpar-v1
-for i in 0 1; do
-  ip link set "hetpar-v$i" netns "${ns[$i]}"
-  ip -n "${ns[$i]}" addr add "${ips[$i]}/24" dev "hetpar-v$i"
-  ip -n "${ns[$i]}" link set "hetpar-v$i" up
-  ip -n "${ns[$i]}" link set lo up
-done
 
 # mpirun starts the second host's daemon through this agent: `agent HOST COMMAND...`.
 cat >"$work/agent" <<AGENT
