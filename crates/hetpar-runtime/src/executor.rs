@@ -79,6 +79,8 @@ pub struct StepReport {
     pub seconds: BTreeMap<&'static str, f64>,
     /// The actions this rank ran, in order.
     pub executed: Vec<Action>,
+    /// Seconds each of them took, in the same order.
+    pub durations: Vec<f64>,
     /// Bytes each module's ranks put into the module's own collectives and messages
     /// (tensor, context, expert and data parallel, gradient reduction) in the step, summed
     /// over the job, by module id. Pipeline messages and boundary transforms are not in it.
@@ -318,6 +320,7 @@ impl Executor {
         let mut reported = 0.0;
         let mut outcome: Option<Outcome> = None;
         let mut executed = Vec::with_capacity(actions.len());
+        let mut durations = Vec::with_capacity(actions.len());
         let mut seconds: BTreeMap<&'static str, f64> = BTreeMap::new();
         let traffic: Vec<u64> = self.stages.iter().map(|s| s.ctx().traffic.bytes()).collect();
         let mut resident = vec![Resident::default(); plans.names.len()];
@@ -377,7 +380,9 @@ impl Executor {
                 Action::Offload(m) => self.offload(*m, &mut grads)?,
                 Action::Reload(m) => self.reload(*m, &mut grads)?,
             }
-            *seconds.entry(kind).or_default() += start.elapsed().as_secs_f64();
+            let took = start.elapsed().as_secs_f64();
+            *seconds.entry(kind).or_default() += took;
+            durations.push(took);
             self.sample(a, &grads, &stash, plans, &mut resident);
             executed.push(a.clone());
         }
@@ -401,6 +406,7 @@ impl Executor {
             recomputed: stash.recomputed,
             seconds,
             executed,
+            durations,
             collective_bytes: o.collective_bytes,
             resident,
         })

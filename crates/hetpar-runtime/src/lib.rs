@@ -4,6 +4,7 @@
 //! gradient side of a step (reduction by `ShardSpec`, the global norm, AdamW).
 
 pub mod assemble;
+pub mod bench;
 pub mod boundary;
 pub mod error;
 pub mod executor;

@@ -3,7 +3,7 @@
 //! global norm over every module that counts each parameter element once.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, Storage, Tensor};
 use hetpar_comm::{CommExt, Communicator, ReduceOp};
 use hetpar_layout::Axis;
 use hetpar_nn::{Group, ParallelCtx, Param};
@@ -51,9 +51,20 @@ impl Grads {
     }
 }
 
-/// Whether every element of `t` is finite (a NaN or an infinity makes the sum of absolute
-/// values non-finite).
+/// Whether every element of `t` is finite: one pass over a contiguous CPU tensor's own
+/// storage (no copy); otherwise the sum of absolute values, which a NaN or an infinity makes
+/// non-finite.
 pub fn finite(t: &Tensor) -> Result<bool> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
+            match cpu {
+                CpuStorage::F32(v) => return Ok(v[start..end].iter().all(|x| x.is_finite())),
+                CpuStorage::F64(v) => return Ok(v[start..end].iter().all(|x| x.is_finite())),
+                _ => {}
+            }
+        }
+    }
     Ok(t.to_dtype(DType::F64)?.abs()?.sum_all()?.to_scalar::<f64>()?.is_finite())
 }
 

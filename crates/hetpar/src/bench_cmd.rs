@@ -1,4 +1,5 @@
-//! `hetpar bench comm`: bus bandwidth of the collectives next to this machine's memcpy.
+//! `hetpar bench comm`: bus bandwidth of the collectives next to this machine's memcpy;
+//! `hetpar bench nn`: layer and model throughput; `hetpar bench train` (in `bench_train`).
 
 use std::time::Duration;
 
@@ -25,6 +26,14 @@ enum What {
         after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench nn\n  hetpar bench nn --dtype f64 --iters 2"
     )]
     Nn(NnArgs),
+    /// Step time per rank by kind of action, measured idle next to the schedule's bubble.
+    #[command(
+        after_help = "Examples:\n  hetpar bench train\n  RAYON_NUM_THREADS=1 hetpar bench train examples/colocated-fanin.toml --steps 8\n  hetpar bench train examples/demo.toml --json"
+    )]
+    Train(crate::bench_train::TrainArgs),
+    /// The executor's own cost: one module through it against a plain loop.
+    #[command(after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench executor")]
+    Executor(crate::bench_train::ExecutorArgs),
 }
 
 #[derive(clap::Args)]
@@ -78,6 +87,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let a = match &args.what {
         What::Comm(a) => a,
         What::Nn(a) => return run_nn(a),
+        What::Train(a) => return crate::bench_train::run_train(a),
+        What::Executor(a) => return crate::bench_train::run_executor(a),
     };
     if a.iters == 0 || a.sizes_mib.is_empty() || a.sizes_mib.contains(&0) {
         bail!(

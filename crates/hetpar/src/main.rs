@@ -2,6 +2,7 @@
 //! variables, and uses `anyhow`; every decision is made by the library crates.
 
 mod bench_cmd;
+mod bench_train;
 mod check_cmd;
 mod layout_cmd;
 mod plan_cmd;
@@ -61,7 +62,7 @@ enum Command {
     /// for `hetpar plan --hardware local`.
     #[command(after_help = "Example:\n  RAYON_NUM_THREADS=1 hetpar calibrate")]
     Calibrate(plan_cmd::CalibrateArgs),
-    /// Benchmarks: `hetpar bench comm`, `hetpar bench nn`.
+    /// Benchmarks: `hetpar bench comm`, `hetpar bench nn`, `hetpar bench train`.
     Bench(bench_cmd::Args),
 }
 

@@ -326,7 +326,7 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
 }
 
 /// Reports a step (rank 0 calls it).
-type OnStep<'a> = &'a (dyn Fn(&StepLog) -> anyhow::Result<()> + Sync);
+pub type OnStep<'a> = &'a (dyn Fn(&StepLog) -> anyhow::Result<()> + Sync);
 
 /// Trains one rank for `steps` steps on the synthetic data, calling `on_step` on rank 0.
 fn rank_run(
@@ -359,6 +359,17 @@ pub fn train_local(
     timeout: Duration,
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<StepLog>> {
+    Ok(train_local_ranks(graph, dtype, steps, timeout, on_step)?.swap_remove(0))
+}
+
+/// Every rank's logs of a local run, by rank.
+pub fn train_local_ranks(
+    graph: &ModelGraph,
+    dtype: DType,
+    steps: usize,
+    timeout: Duration,
+    on_step: OnStep<'_>,
+) -> anyhow::Result<Vec<Vec<StepLog>>> {
     let opts = hetpar_comm::LocalOptions { timeout };
     let results =
         hetpar_comm::launch(graph.world, opts, |c| rank_run(c, graph, dtype, steps, on_step))?;
@@ -372,7 +383,7 @@ pub fn train_local(
     if !errors.is_empty() {
         return Err(first_cause(errors).into());
     }
-    Ok(ok.swap_remove(0))
+    Ok(ok)
 }
 
 #[cfg(feature = "mpi")]

@@ -418,3 +418,25 @@ fn check_fails_past_the_tolerance_naming_the_differences() {
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.starts_with("error: parity fails: relative differences "), "{err}");
 }
+
+/// `bench train` measures every rank and simulates the schedule with what it measured;
+/// `bench executor` finds the executor and the plain loop bitwise equal.
+#[test]
+fn bench_train_and_executor_report_what_they_measure() {
+    let out = hetpar(&["bench", "train", "--steps", "1", "--warmup", "0", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&stdout(&out)).expect("json");
+    let ranks = v["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 3, "{v}");
+    for r in ranks {
+        let idle = r["idle"].as_f64().expect("idle");
+        let predicted = r["predicted_idle"].as_f64().expect("predicted");
+        assert!((0.0..1.0).contains(&idle) && (0.0..1.0).contains(&predicted), "{r}");
+        assert!(r["seconds"]["forward"].as_f64() > Some(0.0), "{r}");
+    }
+    let bubble = v["predicted_bubble"].as_f64().expect("bubble");
+    assert!(bubble > 0.0 && bubble < 1.0, "{v}");
+    let out = hetpar(&["bench", "executor", "--steps", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout(&out).contains("losses and norms bitwise equal"), "{}", stdout(&out));
+}
