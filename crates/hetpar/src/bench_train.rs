@@ -68,7 +68,7 @@ fn say(s: &str) {
 }
 
 pub fn run_train(a: &TrainArgs) -> anyhow::Result<()> {
-    let (_, graph) = load(a.config.as_ref())?;
+    let (_, graph) = load(a.config.as_ref(), &[])?;
     let dtype = dtype(a.dtype.as_deref(), &graph)?;
     if a.steps == 0 {
         bail!("--steps 0: nothing to measure");

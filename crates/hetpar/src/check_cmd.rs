@@ -10,7 +10,7 @@ use candle_core::DType;
 use hetpar_layout::config::{ParallelConfig, StrategyName};
 use hetpar_layout::{Config, ModelGraph};
 
-use crate::train_cmd::{dtype, load, timeout, train_local};
+use crate::train_cmd::{dtype, load, timeout, train_local, train_mpi};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -34,6 +34,14 @@ pub struct Args {
     /// Seconds a rank waits in a communication call before the run fails naming it.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+    /// `local` (one thread per rank) or `mpi` (CONFIG with one process per rank under
+    /// mpirun, build with --features mpi; rank 0 runs the reference and reports).
+    #[arg(long, default_value = "local")]
+    pub backend: String,
+    /// Override a config value before validation (repeatable): a dotted key and a TOML
+    /// value (applied to CONFIG and the reference), e.g. `--set train.lr=1e-4 --set modules.llm.parallel.tp=2`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
 }
 
 /// `cfg` with every module on rank 0 alone: no tp, cp, pp, ep or SP, no offload or
@@ -62,9 +70,9 @@ pub fn one_rank(cfg: &Config) -> Config {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let (cfg, graph) = load(Some(&a.config))?;
+    let (cfg, graph) = load(Some(&a.config), &a.set)?;
     let reference: ModelGraph = match &a.reference {
-        Some(p) => load(Some(p))?.1,
+        Some(p) => load(Some(p), &a.set)?.1,
         None => ModelGraph::from_config(&one_rank(&cfg))
             .context("the one-rank reference of this config does not validate")?,
     };
@@ -78,8 +86,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         bail!("--tol {tol}: use a non-negative number");
     }
     let quiet = |_: &hetpar_runtime::StepLog| Ok(());
-    let got = train_local(&graph, dt, a.steps, timeout, &quiet)
-        .with_context(|| format!("{} on {} ranks", graph.name, graph.world))?;
+    let what = || format!("{} on {} ranks", graph.name, graph.world);
+    let got = match a.backend.as_str() {
+        "local" => train_local(&graph, dt, a.steps, timeout, &quiet).with_context(what)?,
+        "mpi" => match train_mpi(&graph, dt, a.steps, timeout).with_context(what)? {
+            Some(logs) => logs,
+            // Ranks other than 0 are done: rank 0 compares and reports.
+            None => return Ok(()),
+        },
+        other => bail!("--backend {other:?}: use local or mpi"),
+    };
     let want = train_local(&reference, dt, a.steps, timeout, &quiet)
         .with_context(|| format!("the reference on {} ranks", reference.world))?;
     // A NaN or infinity on either side is no match (a skipped step reports a NaN norm).

@@ -22,10 +22,14 @@ pub struct Args {
     /// Which step's synthetic manifest to plan (row counts vary per step).
     #[arg(long, default_value_t = 0)]
     step: u64,
+    /// Override a config value before validation (repeatable): a dotted key and a TOML
+    /// value, e.g. `--set train.lr=1e-4 --set modules.llm.parallel.tp=2`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let graph = crate::load_graph(&args.config)?;
+    let graph = crate::load_graph(&args.config, &args.set)?;
     let manifest = BatchManifest::synthetic(&graph, args.step);
     let reports: Vec<EdgeReport> =
         (0..graph.edges.len()).map(|e| EdgeReport::new(&graph, e, &manifest)).collect();

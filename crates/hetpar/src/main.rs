@@ -4,6 +4,7 @@
 mod bench_cmd;
 mod bench_train;
 mod check_cmd;
+mod config_load;
 mod layout_cmd;
 mod plan_cmd;
 mod schedule_cmd;
@@ -12,9 +13,8 @@ mod train_cmd;
 use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
-use hetpar_layout::{Config, ModelGraph};
+use hetpar_layout::ModelGraph;
 
 #[derive(Parser)]
 #[command(
@@ -66,12 +66,9 @@ enum Command {
     Bench(bench_cmd::Args),
 }
 
-/// Reads and validates a config file; errors name the file.
-pub(crate) fn load_graph(path: &Path) -> anyhow::Result<ModelGraph> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read config {}", path.display()))?;
-    let cfg = Config::from_toml(&text).with_context(|| path.display().to_string())?;
-    ModelGraph::from_config(&cfg).with_context(|| path.display().to_string())
+/// Reads and validates a config file with `--set` overrides; errors name the file.
+pub(crate) fn load_graph(path: &Path, sets: &[String]) -> anyhow::Result<ModelGraph> {
+    Ok(config_load::load(Some(path), sets)?.1)
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {

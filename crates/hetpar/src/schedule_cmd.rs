@@ -20,10 +20,14 @@ pub struct Args {
     /// Which step's synthetic manifest decides the encoder replicas without items.
     #[arg(long, default_value_t = 0)]
     step: u64,
+    /// Override a config value before validation (repeatable): a dotted key and a TOML
+    /// value, e.g. `--set train.lr=1e-4 --set modules.llm.parallel.tp=2`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    let graph = crate::load_graph(&args.config)?;
+    let graph = crate::load_graph(&args.config, &args.set)?;
     let pipeline = PipelineGraph::from_model(&graph);
     let schedule = Schedule::build(&pipeline, Options::default())
         .with_context(|| format!("{}: cannot schedule", args.config.display()))?;

@@ -15,9 +15,6 @@ use hetpar_runtime::synthetic::Synthetic;
 use hetpar_runtime::{Resident, RuntimeError, Sources, StepLog, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
 
-/// The built-in demo (`examples/demo.toml`).
-pub const DEMO: &str = include_str!("../../../examples/demo.toml");
-
 #[derive(clap::Args)]
 pub struct Args {
     /// Config file (TOML); without one, the built-in demo: a vision encoder colocated with
@@ -39,21 +36,15 @@ pub struct Args {
     /// Seconds a rank waits in a communication call before the run fails naming it.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+    /// Override a config value before validation (repeatable): a dotted key and a TOML
+    /// value, e.g. `--set train.lr=1e-4 --set modules.llm.parallel.tp=2`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
 }
 
-/// The config and its graph: the file's, or the demo's.
-pub fn load(config: Option<&PathBuf>) -> anyhow::Result<(Config, ModelGraph)> {
-    let (text, name) = match config {
-        Some(p) => (
-            std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read config {}", p.display()))?,
-            p.display().to_string(),
-        ),
-        None => (DEMO.to_string(), "the built-in demo".to_string()),
-    };
-    let cfg = Config::from_toml(&text).with_context(|| name.clone())?;
-    let graph = ModelGraph::from_config(&cfg).with_context(|| name)?;
-    Ok((cfg, graph))
+/// The config and its graph: the file's, or the demo's, with `--set` overrides.
+pub fn load(config: Option<&PathBuf>, sets: &[String]) -> anyhow::Result<(Config, ModelGraph)> {
+    crate::config_load::load(config.map(PathBuf::as_path), sets)
 }
 
 /// The element type to train in: `--dtype`, else the config's.
@@ -162,7 +153,7 @@ impl Report {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let (cfg, graph) = load(a.config.as_ref())?;
+    let (cfg, graph) = load(a.config.as_ref(), &a.set)?;
     let dtype = dtype(a.dtype.as_deref(), &graph)?;
     let steps = a.steps.unwrap_or(graph.train.steps);
     if steps == 0 {
@@ -360,6 +351,23 @@ pub fn train_local(
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<StepLog>> {
     Ok(train_local_ranks(graph, dtype, steps, timeout, on_step)?.swap_remove(0))
+}
+
+/// Trains with this process as one rank of an MPI job (`--backend mpi`); the logs on
+/// rank 0, `None` on the others. A rank's error ends the whole job, printed.
+pub fn train_mpi(
+    graph: &ModelGraph,
+    dtype: DType,
+    steps: usize,
+    timeout: Duration,
+) -> anyhow::Result<Option<Vec<StepLog>>> {
+    let world = open_mpi(timeout, graph)?;
+    let rank = world.rank();
+    let logs = match rank_run(world.as_ref(), graph, dtype, steps, &|_| Ok(())) {
+        Ok(logs) => logs,
+        Err(e) => fail_job(rank, e)?,
+    };
+    Ok((rank == 0).then_some(logs))
 }
 
 /// Every rank's logs of a local run, by rank.

@@ -440,3 +440,28 @@ fn bench_train_and_executor_report_what_they_measure() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout(&out).contains("losses and norms bitwise equal"), "{}", stdout(&out));
 }
+
+/// `--set` overrides a config value before validation on train, check, layout and
+/// schedule; a bad one is a one-line error naming it.
+#[test]
+fn set_overrides_config_values_everywhere() {
+    let demo = root().join("examples/demo.toml");
+    let demo = demo.to_str().expect("utf-8");
+    let out = hetpar(&["layout", demo, "--json", "--set", "modules.llm.parallel.tp=1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&stdout(&out)).expect("json");
+    let llm = v["modules"].as_array().expect("modules").iter().find(|m| m["name"] == "llm");
+    assert_eq!(llm.expect("llm")["tp"], 1, "{v}");
+    let out = hetpar(&["schedule", demo, "--set", "train.microbatches=4"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let args = ["check", demo, "--steps", "1", "--json", "--set", "modules.vision.trainable=false"];
+    let out = hetpar(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&stdout(&out)).expect("json");
+    assert_eq!(v["pass"], true, "{v}");
+    let out = hetpar(&["train", "--steps", "1", "--set", "modules.llm.parallel.tp=3"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("with --set modules.llm.parallel.tp=3") && err.contains("tp(3)"), "{err}");
+}

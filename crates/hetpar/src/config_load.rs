@@ -1,0 +1,92 @@
+//! Reading a config: a file or the built-in demo, with `--set KEY=VALUE` overrides applied
+//! before validation, so a set value is checked like one written in the file.
+
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use hetpar_layout::{Config, ModelGraph};
+
+/// The built-in demo's config.
+pub const DEMO: &str = include_str!("../../../examples/demo.toml");
+
+/// The config at `path` (the demo when `None`) with `sets` applied, and its graph.
+pub fn load(path: Option<&Path>, sets: &[String]) -> anyhow::Result<(Config, ModelGraph)> {
+    let (text, name) = match path {
+        Some(p) => (
+            std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read config {}", p.display()))?,
+            p.display().to_string(),
+        ),
+        None => (DEMO.to_string(), "the built-in demo".to_string()),
+    };
+    let (text, name) = if sets.is_empty() {
+        (text, name)
+    } else {
+        let set = apply(&text, sets).with_context(|| name.clone())?;
+        (set, format!("{name} with --set {}", sets.join(" --set ")))
+    };
+    let cfg = Config::from_toml(&text).with_context(|| name.clone())?;
+    let graph = ModelGraph::from_config(&cfg).with_context(|| name)?;
+    Ok((cfg, graph))
+}
+
+/// `text` with each `KEY=VALUE` set: `KEY` a dotted path (`train.lr`,
+/// `modules.llm.parallel.tp`), `VALUE` a TOML value (`1e-4`, `true`, `[0, 4]`, `"skip"`)
+/// or, when it does not parse as one, a string (`skip`).
+fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
+    let mut root: toml::Table = toml::from_str(text).context("not valid TOML")?;
+    for s in sets {
+        let Some((key, value)) = s.split_once('=') else {
+            bail!("--set {s:?}: write KEY=VALUE, e.g. --set train.lr=1e-4");
+        };
+        let path: Vec<&str> = key.trim().split('.').collect();
+        if path.iter().any(|p| p.is_empty()) {
+            bail!("--set {s:?}: {key:?} is not a dotted key such as train.lr");
+        }
+        let value = value.trim();
+        let value = match toml::from_str::<toml::Table>(&format!("v = {value}")) {
+            Ok(mut t) => t.remove("v").expect("the key just parsed"),
+            Err(_) => toml::Value::String(value.to_string()),
+        };
+        let (last, tables) = path.split_last().expect("at least one part");
+        let mut at = &mut root;
+        for (i, part) in tables.iter().enumerate() {
+            let entry = at
+                .entry(part.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            at = match entry {
+                toml::Value::Table(t) => t,
+                _ => bail!("--set {s:?}: {} is a value, not a table", path[..=i].join(".")),
+            };
+        }
+        at.insert(last.to_string(), value);
+    }
+    toml::to_string(&root).context("the config with --set does not serialize")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::{DEMO, load};
+
+    #[test]
+    fn sets_override_what_the_file_says_and_are_validated_alike() {
+        let sets = ["train.lr=1e-4", "modules.audio.trainable=false", "train.on_nonfinite=skip"]
+            .map(String::from);
+        let (cfg, g) = load(None, &sets).unwrap();
+        assert_eq!((g.train.lr, cfg.modules["audio"].trainable), (1e-4, Some(false)));
+        assert_eq!(g.train.on_nonfinite, hetpar_layout::OnNonFinite::Skip);
+        let tp = ["modules.llm.parallel.tp=3".to_string()];
+        let e = format!("{:#}", load(None, &tp).unwrap_err());
+        assert!(e.contains("with --set modules.llm.parallel.tp=3"), "{e}");
+        assert!(e.contains("modules.llm.parallel"), "{e}");
+        for bad in ["train.lr", "train..lr=1", "name.x=1"] {
+            let e = format!("{:#}", load(None, &[bad.to_string()]).unwrap_err());
+            assert!(e.contains("--set"), "{bad}: {e}");
+        }
+        let unknown = format!("{:#}", load(None, &["train.lrr=1".to_string()]).unwrap_err());
+        assert!(unknown.contains("unknown field `lrr`"), "{unknown}");
+        assert!(DEMO.contains("name = \"demo\""));
+    }
+}
