@@ -293,6 +293,34 @@ impl Executor {
         self.skipped
     }
 
+    /// Sets the count of skipped steps (a resumed run continues the saved count).
+    pub fn set_skipped(&mut self, n: usize) {
+        self.skipped = n;
+    }
+
+    /// The optimizer state of stage `i`.
+    pub fn state(&self, i: usize) -> &AdamState {
+        &self.states[i]
+    }
+
+    /// Replaces stage `i`'s optimizer state (a resume); the moments must match its trained
+    /// parameters' local shapes.
+    pub fn restore_state(&mut self, i: usize, state: AdamState) -> Result<()> {
+        let params = self.trained(i);
+        let fits = |m: &[Tensor]| {
+            m.len() == params.len()
+                && m.iter().zip(&params).all(|(t, p)| t.dims() == p.tensor().dims())
+        };
+        if !fits(&state.m) || !fits(&state.v) {
+            return Err(RuntimeError::Model(format!(
+                "module {}: the optimizer state does not match its parameters",
+                self.stages[i].ctx().layout.name()
+            )));
+        }
+        self.states[i] = state;
+        Ok(())
+    }
+
     fn index(&self, m: ModuleId) -> Result<usize> {
         self.stages
             .iter()

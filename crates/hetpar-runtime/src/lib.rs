@@ -6,6 +6,7 @@
 pub mod assemble;
 pub mod bench;
 pub mod boundary;
+pub mod checkpoint;
 pub mod error;
 pub mod executor;
 pub mod memory;

@@ -143,6 +143,39 @@ impl Trainer {
     pub fn stages(&self) -> &[Box<dyn Stage>] {
         self.exec.stages()
     }
+
+    /// The executor (stages and optimizer state).
+    pub fn executor(&self) -> &Executor {
+        &self.exec
+    }
+
+    /// Commits a checkpoint of the state after `steps_done` steps under `root`, keeping the
+    /// `keep` newest (0: all); every rank calls it.
+    pub fn save(
+        &self,
+        world: &dyn Communicator,
+        steps_done: usize,
+        root: &std::path::Path,
+        keep: usize,
+    ) -> Result<std::path::PathBuf, RuntimeError> {
+        let at = crate::checkpoint::SaveAt {
+            root,
+            step: steps_done,
+            schedule_steps: self.lr.total,
+            keep,
+        };
+        crate::checkpoint::save_checkpoint(world, &self.graph, &self.exec, at)
+    }
+
+    /// Loads checkpoint `dir` (saved under any layout) into this rank's stages and
+    /// optimizer state; every rank calls it. The run goes on at the manifest's `step`.
+    pub fn resume(
+        &mut self,
+        world: &dyn Communicator,
+        dir: &std::path::Path,
+    ) -> Result<crate::checkpoint::Loaded, RuntimeError> {
+        crate::checkpoint::load_checkpoint(world, &self.graph, &mut self.exec, dir)
+    }
 }
 
 #[cfg(test)]

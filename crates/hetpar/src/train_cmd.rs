@@ -4,7 +4,8 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -36,6 +37,18 @@ pub struct Args {
     /// Seconds a rank waits in a communication call before the run fails naming it.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+    /// Also commit a checkpoint every N steps (one is always committed at the end) under
+    /// OUT/checkpoints.
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<usize>,
+    /// Keep the K newest checkpoints (0: all).
+    #[arg(long, value_name = "K", default_value_t = 3)]
+    pub keep: usize,
+    /// Resume from a checkpoint: `auto` takes the latest committed one under
+    /// OUT/checkpoints (or starts fresh and says so), a directory takes that one. It may have
+    /// been saved under another layout and placement.
+    #[arg(long, value_name = "auto|DIR")]
+    pub resume: Option<String>,
     /// Override a config value before validation (repeatable): a dotted key and a TOML
     /// value, e.g. `--set train.lr=1e-4 --set modules.llm.parallel.tp=2`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -168,7 +181,34 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     let lead = mpi.as_ref().is_none_or(|w| w.rank() == 0);
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
-    let report = if lead { Some(Report::create(&out, &cfg, &graph, steps)?) } else { None };
+    let root = out.join("checkpoints");
+    let resume = resume_dir(a.resume.as_deref(), &root, lead)?;
+    let start = match &resume {
+        Some(dir) => {
+            let m = hetpar_runtime::checkpoint::read_manifest(dir, &graph)
+                .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
+            if lead {
+                say(&resumed_from(dir, &m, steps));
+            }
+            if m.step >= steps {
+                bail!(
+                    "--resume {}: the checkpoint is at step {}, nothing left of --steps {steps}",
+                    dir.display(),
+                    m.step
+                );
+            }
+            m.step
+        }
+        None => 0,
+    };
+    let ckpt = Some(Checkpoints {
+        root,
+        every: a.save_every.unwrap_or(0),
+        keep: a.keep,
+        resume,
+        stop: stop_on_signals()?,
+    });
+    let report = if lead { Some(Report::create(&out, &cfg, &graph, steps, start)?) } else { None };
     if lead {
         say(&format!(
             "training {} on {} ranks ({} backend, {dtype:?}) for {steps} steps; metrics in {}",
@@ -185,8 +225,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     let on_step = |log: &StepLog| report.as_ref().map_or(Ok(()), |r| r.step(log));
     let logs = match &mpi {
-        None => train_local(&graph, dtype, steps, timeout, &on_step)?,
-        Some(world) => match rank_run(world.as_ref(), &graph, dtype, steps, &on_step) {
+        None => {
+            let ranks = local_ranks(&graph, dtype, steps, timeout, &on_step, &ckpt)?;
+            ranks.into_iter().next().expect("rank 0")
+        }
+        Some(world) => match rank_run(world.as_ref(), &graph, dtype, steps, &on_step, &ckpt) {
             Ok(logs) => logs,
             Err(e) => fail_job(world.rank(), e)?,
         },
@@ -195,8 +238,107 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if let Some(b) = &report.bar {
         b.finish();
     }
+    let done = start + logs.len();
+    if logs.is_empty() {
+        bail!("stopped by a signal before the first step finished; nothing new to save");
+    }
     summary(&graph, &logs, report.start.elapsed());
+    if let Some(k) = &ckpt {
+        let dir = k.root.join(hetpar_runtime::checkpoint::dir_name(done));
+        say(&format!("checkpoint committed: {}", dir.display()));
+        if done < steps {
+            say(&format!(
+                "stopped by a signal after step {done} of {steps}; continue with --resume auto (same --out)"
+            ));
+        }
+    }
     Ok(())
+}
+
+/// Where a run saves and resumes.
+pub struct Checkpoints {
+    /// OUT/checkpoints.
+    pub root: PathBuf,
+    /// Save every N steps (0: only at the end).
+    pub every: usize,
+    /// Newest checkpoints kept (0: all).
+    pub keep: usize,
+    /// The checkpoint to load first.
+    pub resume: Option<PathBuf>,
+    /// Set by SIGTERM or SIGINT: every rank finishes its step, the job commits a
+    /// checkpoint and stops.
+    pub stop: Arc<AtomicBool>,
+}
+
+impl Checkpoints {
+    /// No checkpoints (check and bench runs).
+    pub fn none() -> Option<Checkpoints> {
+        None
+    }
+}
+
+/// A flag SIGTERM and SIGINT set (instead of ending the process), so the run commits a
+/// checkpoint after the current step and stops cleanly.
+fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
+    let flag = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, flag.clone()).context("cannot handle SIGTERM/SIGINT")?;
+    }
+    Ok(flag)
+}
+
+/// The checkpoint `--resume` names: `auto` the latest under `root` (none: start fresh,
+/// said by the lead), a directory that must exist.
+fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Option<PathBuf>> {
+    match flag {
+        None => Ok(None),
+        Some("auto") => {
+            let latest = hetpar_runtime::checkpoint::latest(root)?;
+            if latest.is_none() && lead {
+                say(&format!(
+                    "--resume auto: no committed checkpoint under {}, starting fresh",
+                    root.display()
+                ));
+            }
+            Ok(latest)
+        }
+        Some(dir) => {
+            let dir = PathBuf::from(dir);
+            if !dir.join("manifest.json").is_file() {
+                bail!(
+                    "--resume {}: no checkpoint there (no manifest.json); use a step-NNNNNNNN directory or --resume auto",
+                    dir.display()
+                );
+            }
+            Ok(Some(dir))
+        }
+    }
+}
+
+/// What a resume says it loads: the step, the layout it was saved under, the files.
+fn resumed_from(dir: &Path, m: &hetpar_runtime::checkpoint::Manifest, steps: usize) -> String {
+    let layouts: Vec<String> = m
+        .modules
+        .iter()
+        .map(|l| format!("{} {} on ranks {}..{}", l.module, l.layout, l.ranks[0], l.ranks[1]))
+        .collect();
+    let files: Vec<String> =
+        m.files.iter().map(|f| format!("{} ({} bytes)", f.file, f.bytes)).collect();
+    let schedule = if m.schedule_steps == steps {
+        String::new()
+    } else {
+        format!(
+            " (its learning-rate schedule ran over {} steps, this run's over {steps})",
+            m.schedule_steps
+        )
+    };
+    format!(
+        "resuming from {}: {} of {steps} steps done{schedule}, saved under {}; files {}, each checked against its SHA-256",
+        dir.display(),
+        m.step,
+        layouts.join(", "),
+        files.join(", ")
+    )
 }
 
 impl Report {
@@ -207,15 +349,37 @@ impl Report {
         cfg: &Config,
         graph: &ModelGraph,
         steps: usize,
+        start: usize,
     ) -> anyhow::Result<Report> {
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
         let resolved = toml::to_string(cfg).context("cannot write the resolved config")?;
         std::fs::write(out.join("config.toml"), resolved)
             .with_context(|| format!("cannot write {}", out.join("config.toml").display()))?;
-        let metrics = std::fs::File::create(out.join("metrics.jsonl"))
-            .with_context(|| format!("cannot write {}", out.join("metrics.jsonl").display()))?;
+        // A resumed run keeps the lines of the steps before it, so no step appears twice.
+        let path = out.join("metrics.jsonl");
+        let kept: Vec<String> = if start > 0 {
+            std::fs::read_to_string(&path)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| (s as usize) < start)
+                })
+                .map(str::to_string)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut metrics = std::fs::File::create(&path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        for l in kept {
+            writeln!(metrics, "{l}").with_context(|| format!("cannot write {}", path.display()))?;
+        }
         let bar = std::io::stderr().is_terminal().then(|| {
             let b = ProgressBar::new(steps as u64);
+            b.set_position(start as u64);
             b.set_style(
                 ProgressStyle::with_template("{bar:30} step {pos}/{len}  {msg}  ETA {eta}")
                     .expect("a valid template"),
@@ -319,24 +483,45 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
 /// Reports a step (rank 0 calls it).
 pub type OnStep<'a> = &'a (dyn Fn(&StepLog) -> anyhow::Result<()> + Sync);
 
-/// Trains one rank for `steps` steps on the synthetic data, calling `on_step` on rank 0.
+/// Trains one rank up to step `steps` on the synthetic data, calling `on_step` on rank 0;
+/// with `ckpt`, first loads its checkpoint and commits checkpoints as it asks.
 fn rank_run(
     c: &dyn Communicator,
     graph: &ModelGraph,
     dtype: DType,
     steps: usize,
     on_step: OnStep<'_>,
+    ckpt: &Option<Checkpoints>,
 ) -> Result<Vec<StepLog>, RuntimeError> {
-    let data = std::sync::Arc::new(Synthetic::new(graph));
+    let data = Arc::new(Synthetic::new(graph));
     let sources = Sources { text: data.clone(), items: data };
     let mut trainer = Trainer::new(c, graph, dtype, steps, &sources)?;
-    let mut logs = Vec::with_capacity(steps);
-    for step in 0..steps {
+    let mut start = 0;
+    if let Some(k) = ckpt
+        && let Some(dir) = &k.resume
+    {
+        start = trainer.resume(c, dir)?.manifest.step;
+    }
+    let mut logs = Vec::with_capacity(steps - start);
+    for step in start..steps {
         let log = trainer.step(c, step)?;
         if c.global_rank() == 0 {
             on_step(&log).map_err(|e| RuntimeError::Model(format!("{e:#}")))?;
         }
         logs.push(log);
+        if let Some(k) = ckpt {
+            let done = step + 1;
+            // A signal reaches ranks at different moments: they agree after each step.
+            let mut stop = [if k.stop.load(Ordering::Relaxed) { 1.0 } else { 0.0 }];
+            c.all_reduce(&mut stop, hetpar_comm::ReduceOp::Max)?;
+            let stop = stop[0] > 0.0;
+            if stop || done == steps || (k.every > 0 && done.is_multiple_of(k.every)) {
+                trainer.save(c, done, &k.root, k.keep)?;
+            }
+            if stop {
+                break;
+            }
+        }
     }
     Ok(logs)
 }
@@ -350,7 +535,7 @@ pub fn train_local(
     timeout: Duration,
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<StepLog>> {
-    Ok(train_local_ranks(graph, dtype, steps, timeout, on_step)?.swap_remove(0))
+    Ok(local_ranks(graph, dtype, steps, timeout, on_step, &Checkpoints::none())?.swap_remove(0))
 }
 
 /// Trains with this process as one rank of an MPI job (`--backend mpi`); the logs on
@@ -363,14 +548,14 @@ pub fn train_mpi(
 ) -> anyhow::Result<Option<Vec<StepLog>>> {
     let world = open_mpi(timeout, graph)?;
     let rank = world.rank();
-    let logs = match rank_run(world.as_ref(), graph, dtype, steps, &|_| Ok(())) {
+    let logs = match rank_run(world.as_ref(), graph, dtype, steps, &|_| Ok(()), &None) {
         Ok(logs) => logs,
         Err(e) => fail_job(rank, e)?,
     };
     Ok((rank == 0).then_some(logs))
 }
 
-/// Every rank's logs of a local run, by rank.
+/// Every rank's logs of a local run without checkpoints, by rank.
 pub fn train_local_ranks(
     graph: &ModelGraph,
     dtype: DType,
@@ -378,9 +563,22 @@ pub fn train_local_ranks(
     timeout: Duration,
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
+    local_ranks(graph, dtype, steps, timeout, on_step, &Checkpoints::none())
+}
+
+/// Every rank's logs of a local run, by rank.
+fn local_ranks(
+    graph: &ModelGraph,
+    dtype: DType,
+    steps: usize,
+    timeout: Duration,
+    on_step: OnStep<'_>,
+    ckpt: &Option<Checkpoints>,
+) -> anyhow::Result<Vec<Vec<StepLog>>> {
     let opts = hetpar_comm::LocalOptions { timeout };
-    let results =
-        hetpar_comm::launch(graph.world, opts, |c| rank_run(c, graph, dtype, steps, on_step))?;
+    let results = hetpar_comm::launch(graph.world, opts, |c| {
+        rank_run(c, graph, dtype, steps, on_step, ckpt)
+    })?;
     let (mut ok, mut errors) = (Vec::new(), Vec::new());
     for r in results {
         match r {

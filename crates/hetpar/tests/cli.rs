@@ -295,7 +295,8 @@ fn train_runs_the_demo_writes_metrics_and_the_loss_falls() {
     let out = hetpar(&["train", "--steps", "12", "--out", out_dir.to_str().expect("utf-8")]);
     let text = stdout(&out);
     assert!(text.contains("training demo on 3 ranks (local backend, F32) for 12 steps"), "{text}");
-    let summary = text.lines().last().expect("a summary");
+    let summary = text.lines().find(|l| l.starts_with("demo: loss")).expect("a summary");
+    assert!(text.lines().last().expect("lines").starts_with("checkpoint committed: "), "{text}");
     assert!(summary.starts_with("demo: loss ") && summary.contains("over 12 steps"), "{summary}");
     assert!(text.contains("time on rank 0 by action: backward "), "{text}");
     assert!(text.contains("boundary bytes per step (all ranks): vision -> llm "), "{text}");
@@ -464,4 +465,113 @@ fn set_overrides_config_values_everywhere() {
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("with --set modules.llm.parallel.tp=3") && err.contains("tp(3)"), "{err}");
+}
+
+/// Losses per step of a run's metrics.jsonl, in file order.
+fn losses(out: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).expect("json");
+            (v["step"].as_u64().expect("step"), v["loss"].as_f64().expect("loss"))
+        })
+        .collect()
+}
+
+/// Starts `hetpar train` on the demo for `steps` steps into `out` and waits until its
+/// metrics hold `lines` steps.
+fn start_training(out: &Path, steps: &str, extra: &[&str], lines: usize) -> std::process::Child {
+    let mut args = vec!["train", "--steps", steps, "--out", out.to_str().expect("utf-8")];
+    args.extend(extra);
+    let child = Command::new(env!("CARGO_BIN_EXE_hetpar"))
+        .args(&args)
+        .current_dir(root())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("hetpar starts");
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |t| t.lines().count())
+        < lines
+    {
+        assert!(start.elapsed().as_secs() < 120, "training never reached {lines} steps");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child
+}
+
+/// SIGTERM mid-run: every rank finishes its step, a checkpoint is committed and the run
+/// exits cleanly; `--resume auto` then reproduces the uninterrupted run's losses exactly,
+/// with no step in metrics.jsonl twice.
+#[test]
+fn sigterm_commits_a_checkpoint_and_resume_auto_reproduces_the_run() {
+    let (full, cut) = (temp("sigterm-full"), temp("sigterm-cut"));
+    let _ = std::fs::remove_dir_all(&cut);
+    stdout(&hetpar(&["train", "--steps", "40", "--out", full.to_str().expect("utf-8")]));
+    let mut child = start_training(&cut, "40", &[], 2);
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let status = child.wait().expect("exits");
+    assert!(status.success(), "a stop by SIGTERM is clean: {status}");
+    let stopped = losses(&cut).len();
+    assert!(stopped < 40, "the signal came after the run ended");
+    let out = hetpar(&[
+        "train",
+        "--steps",
+        "40",
+        "--out",
+        cut.to_str().expect("utf-8"),
+        "--resume",
+        "auto",
+    ]);
+    let text = stdout(&out);
+    assert!(
+        text.contains(&format!("resuming from {}", cut.join("checkpoints").display())),
+        "{text}"
+    );
+    assert!(text.contains(&format!("{stopped} of 40 steps done")), "{text}");
+    let (a, b) = (losses(&full), losses(&cut));
+    assert_eq!(b.iter().map(|x| x.0).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.1.to_bits(), y.1.to_bits(), "step {}: {} vs {}", x.0, x.1, y.1);
+    }
+}
+
+/// SIGKILL while training with a checkpoint every step: whatever it interrupted, `latest`
+/// names a committed checkpoint and `--resume auto` goes on from it; `--resume auto` with
+/// nothing saved starts fresh and says so; `--resume DIR` that does not exist is an error.
+#[test]
+fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
+    let dir = temp("sigkill");
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut child = start_training(&dir, "60", &["--save-every", "1", "--keep", "2"], 3);
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reaped");
+    let ckpts = dir.join("checkpoints");
+    let name = std::fs::read_to_string(ckpts.join("latest")).expect("latest");
+    assert!(ckpts.join(name.trim()).join("manifest.json").is_file(), "{name}");
+    let kept = std::fs::read_dir(&ckpts)
+        .expect("checkpoints")
+        .filter(|e| e.as_ref().expect("entry").file_name().to_string_lossy().starts_with("step-"))
+        .count();
+    assert!(kept <= 3, "--keep 2 (plus one being replaced): {kept}");
+    let args =
+        ["train", "--steps", "60", "--out", dir.to_str().expect("utf-8"), "--resume", "auto"];
+    let text = stdout(&hetpar(&args));
+    assert!(text.contains("resuming from "), "{text}");
+    let steps: Vec<u64> = losses(&dir).iter().map(|x| x.0).collect();
+    assert_eq!(steps, (0..60).collect::<Vec<_>>());
+
+    let fresh = temp("resume-fresh");
+    let _ = std::fs::remove_dir_all(&fresh);
+    let args =
+        ["train", "--steps", "1", "--out", fresh.to_str().expect("utf-8"), "--resume", "auto"];
+    let text = stdout(&hetpar(&args));
+    assert!(text.contains("--resume auto: no committed checkpoint under"), "{text}");
+    assert!(text.contains("starting fresh"), "{text}");
+    let out = hetpar(&["train", "--steps", "1", "--resume", "/nonexistent/step-00000003"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(err.contains("--resume /nonexistent/step-00000003: no checkpoint there"), "{err}");
 }

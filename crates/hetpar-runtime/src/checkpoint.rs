@@ -1,0 +1,486 @@
+//! Checkpoints (SEMANTICS.md section 8): every parameter and both AdamW moments in global
+//! coordinates, so a checkpoint loads under any other layout and placement.
+//!
+//! Layout on disk, under the run's `checkpoints/` directory:
+//!
+//! ```text
+//! step-00000010/manifest.json              what was saved, how, and each file's SHA-256
+//! step-00000010/llm.stage0.safetensors     full tensors of one pipeline stage of a module:
+//!                                          parameters under their HF names, moments under
+//!                                          NAME:exp_avg and NAME:exp_avg_sq
+//! latest                                   the name of the newest committed checkpoint
+//! ```
+//!
+//! Commit protocol: rank 0 makes a temporary directory; the first rank of each module's
+//! pipeline stage gathers the stage's slices, writes its file and fsyncs it; every rank
+//! reports (a job-wide sum of failures); rank 0 hashes the files, writes and fsyncs the
+//! manifest, renames the directory into place, fsyncs the parent, and replaces `latest`
+//! last (write, fsync, rename). A checkpoint without a manifest is never visible under its
+//! final name, so a crash at any point leaves the previous one as `latest`.
+//!
+//! Loading reads only JSON and safetensors: each rank checks the SHA-256 of every file it
+//! will read against the manifest, and the saved model against its own, before any tensor
+//! is used, then reads only its own slices.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use candle_core::{Tensor, Var};
+use hetpar_comm::{CommExt, Communicator, ReduceOp};
+use hetpar_layout::ModelGraph;
+use hetpar_nn::Param;
+use hetpar_nn::io::{gather_full, load_slice, save};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::RuntimeError;
+use crate::executor::Executor;
+use crate::optim::AdamState;
+
+type Result<T> = std::result::Result<T, RuntimeError>;
+
+/// The manifest's format tag.
+pub const FORMAT: &str = "hetpar-checkpoint/1";
+
+/// One file of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// File name inside the checkpoint directory.
+    pub file: String,
+    /// SHA-256 of its bytes, hex.
+    pub sha256: String,
+    /// Its length.
+    pub bytes: u64,
+    /// The tensors it holds.
+    pub tensors: Vec<String>,
+}
+
+/// How a module was laid out when saved (for the message a resume prints).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedLayout {
+    /// Module name.
+    pub module: String,
+    /// `[start, end)` of its ranks.
+    pub ranks: [usize; 2],
+    /// Its layout, `tp2 cp1 dp2 pp1` and the like.
+    pub layout: String,
+    /// AdamW updates applied to it (0 for a frozen module).
+    pub adam_steps: u64,
+}
+
+/// `manifest.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: String,
+    /// Run name.
+    pub name: String,
+    /// Steps completed: a resume runs step `step` next (the data position and the
+    /// learning-rate schedule follow from it).
+    pub step: usize,
+    /// Steps skipped for non-finite gradients so far.
+    pub skipped: usize,
+    /// Steps of the learning-rate schedule the run followed (its total).
+    pub schedule_steps: usize,
+    /// Element type of the tensors.
+    pub dtype: String,
+    /// Each module's layout when saved.
+    pub modules: Vec<SavedLayout>,
+    /// Model sizes of each module as the config gave them (`kind hidden layers heads ffn`),
+    /// which a resume must match.
+    pub model: BTreeMap<String, String>,
+    /// The files.
+    pub files: Vec<FileEntry>,
+}
+
+/// What a resume loaded.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Loaded {
+    /// The checkpoint directory.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// Bytes this rank read.
+    pub bytes_read: u64,
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Model(format!("checkpoint {}: {e}", path.display()))
+}
+
+/// The checkpoint directory name of `step` steps done.
+pub fn dir_name(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+/// What a resume must match: each module's kind and sizes.
+fn model_of(graph: &ModelGraph) -> BTreeMap<String, String> {
+    graph
+        .modules
+        .iter()
+        .map(|m| {
+            let d = m.dims;
+            (
+                m.name.clone(),
+                format!("{:?} {} {} {} {}", m.spec, d.hidden, d.layers, d.heads, d.ffn),
+            )
+        })
+        .collect()
+}
+
+fn layout_name(l: &hetpar_layout::ModuleLayout) -> String {
+    format!("tp{} cp{} dp{} pp{} ep{}", l.tp(), l.cp(), l.dp(), l.pp(), l.ep())
+}
+
+/// A moment tensor of `p` as a parameter with `p`'s shard spec (for gathering and naming).
+fn moment(p: &Param, suffix: &str, t: &Tensor) -> Result<Param> {
+    Ok(Param {
+        name: format!("{}:{suffix}", p.name),
+        var: Var::from_tensor(t)?,
+        spec: p.spec.clone(),
+    })
+}
+
+/// SHA-256 of a file, hex.
+pub fn sha256(path: &Path) -> Result<(String, u64)> {
+    let mut f = File::open(path).map_err(|e| io(path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let k = f.read(&mut buf).map_err(|e| io(path, e))?;
+        if k == 0 {
+            break;
+        }
+        h.update(&buf[..k]);
+        n += k as u64;
+    }
+    Ok((h.finalize().iter().map(|b| format!("{b:02x}")).collect(), n))
+}
+
+fn fsync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))
+}
+
+/// Where and how to save.
+#[derive(Clone, Copy, Debug)]
+pub struct SaveAt<'a> {
+    /// `OUT/checkpoints`.
+    pub root: &'a Path,
+    /// Steps done.
+    pub step: usize,
+    /// Steps of the run's learning-rate schedule.
+    pub schedule_steps: usize,
+    /// Newest checkpoints kept (0: all).
+    pub keep: usize,
+}
+
+/// Saves `exec`'s state after `at.step` steps under `at.root`, every rank of the job
+/// calling it; returns the committed directory.
+pub fn save_checkpoint(
+    world: &dyn Communicator,
+    graph: &ModelGraph,
+    exec: &Executor,
+    at: SaveAt<'_>,
+) -> Result<PathBuf> {
+    let (step, root) = (at.step, at.root);
+    let me = world.global_rank();
+    let name = dir_name(step);
+    let tmp = root.join(format!(".tmp-{name}"));
+    let done = root.join(&name);
+    let mut failed = [0.0f64];
+    if me == 0 {
+        let made = std::fs::create_dir_all(root)
+            .and_then(|()| match std::fs::remove_dir_all(&tmp) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => std::fs::create_dir_all(&tmp),
+            })
+            .map_err(|e| io(&tmp, e));
+        if made.is_err() {
+            failed[0] = 1.0;
+        }
+    }
+    world.all_reduce(&mut failed, ReduceOp::Sum)?;
+    if failed[0] > 0.0 {
+        return Err(io(&tmp, "rank 0 could not create the directory"));
+    }
+    // Each stage of each module: its first rank writes the full tensors.
+    let mut mine: Result<()> = Ok(());
+    for (i, s) in exec.stages().iter().enumerate() {
+        let params = s.params();
+        let state = exec.state(i);
+        let mut all: Vec<Param> = Vec::new();
+        if !state.m.is_empty() {
+            for (k, p) in params.iter().enumerate() {
+                all.push(moment(p, "exp_avg", &state.m[k])?);
+                all.push(moment(p, "exp_avg_sq", &state.v[k])?);
+            }
+        }
+        let mut refs: Vec<&Param> = params.clone();
+        refs.extend(all.iter());
+        let full = match s.ctx().stage.comm() {
+            Some(c) => gather_full(c.as_ref(), &refs)?,
+            None => Some(refs.iter().map(|p| (p.name.clone(), p.tensor().clone())).collect()),
+        };
+        if let Some(full) = full {
+            let module = s.ctx().layout.name();
+            let file = tmp.join(format!("{module}.stage{}.safetensors", s.ctx().coords.pp_idx));
+            let written = save(&file, &full).map_err(RuntimeError::from).and_then(|()| {
+                File::open(&file).and_then(|f| f.sync_all()).map_err(|e| io(&file, e))
+            });
+            if let Err(e) = written {
+                mine = Err(e);
+            }
+        }
+    }
+    // Every rank reports.
+    failed[0] = if mine.is_err() { 1.0 } else { 0.0 };
+    world.all_reduce(&mut failed, ReduceOp::Sum)?;
+    mine?;
+    if failed[0] > 0.0 {
+        return Err(io(&tmp, format!("{} rank(s) failed to write their files", failed[0])));
+    }
+    // Updates applied per module, from the ranks that hold it.
+    let mut adam: Vec<f64> = vec![0.0; graph.modules.len()];
+    for (i, s) in exec.stages().iter().enumerate() {
+        adam[s.module()] = exec.state(i).steps as f64;
+    }
+    world.all_reduce(&mut adam, ReduceOp::Max)?;
+    if me == 0 {
+        let adam: Vec<u64> = adam.iter().map(|&x| x as u64).collect();
+        commit(graph, exec, at, &adam, &tmp, &done)?;
+    }
+    world.barrier()?;
+    Ok(done)
+}
+
+/// Rank 0's part: hash, manifest, rename, `latest`, pruning.
+fn commit(
+    graph: &ModelGraph,
+    exec: &Executor,
+    at: SaveAt<'_>,
+    adam: &[u64],
+    tmp: &Path,
+    done: &Path,
+) -> Result<()> {
+    let (step, root, keep) = (at.step, at.root, at.keep);
+    let mut files = Vec::new();
+    let mut names: Vec<String> = std::fs::read_dir(tmp)
+        .map_err(|e| io(tmp, e))?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    names.sort();
+    for n in names {
+        let path = tmp.join(&n);
+        let (sha256, bytes) = sha256(&path)?;
+        let (_, entries) = hetpar_nn::io::read_header(&path)?;
+        files.push(FileEntry { file: n, sha256, bytes, tensors: entries.into_keys().collect() });
+    }
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        name: graph.name.clone(),
+        step,
+        skipped: exec.skipped(),
+        schedule_steps: at.schedule_steps,
+        dtype: exec
+            .stages()
+            .first()
+            .map(|s| format!("{:?}", s.dtype()).to_lowercase())
+            .unwrap_or_default(),
+        modules: graph
+            .modules
+            .iter()
+            .zip(adam)
+            .map(|(m, &adam_steps)| {
+                let span = m.layout.span();
+                SavedLayout {
+                    module: m.name.clone(),
+                    ranks: [span.start, span.end],
+                    layout: layout_name(&m.layout),
+                    adam_steps,
+                }
+            })
+            .collect(),
+        model: model_of(graph),
+        files,
+    };
+    let path = tmp.join("manifest.json");
+    let text = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&path, e))?;
+    File::create(&path)
+        .and_then(|mut f| f.write_all(&text).and_then(|()| f.sync_all()))
+        .map_err(|e| io(&path, e))?;
+    fsync_dir(tmp)?;
+    if done.exists() {
+        std::fs::remove_dir_all(done).map_err(|e| io(done, e))?;
+    }
+    std::fs::rename(tmp, done).map_err(|e| io(done, e))?;
+    fsync_dir(root)?;
+    let latest = root.join("latest");
+    let staged = root.join(".latest.tmp");
+    let name = dir_name(step);
+    File::create(&staged)
+        .and_then(|mut f| f.write_all(name.as_bytes()).and_then(|()| f.sync_all()))
+        .map_err(|e| io(&staged, e))?;
+    std::fs::rename(&staged, &latest).map_err(|e| io(&latest, e))?;
+    fsync_dir(root)?;
+    if keep > 0 {
+        let mut all = committed(root)?;
+        all.sort();
+        let drop = all.len().saturating_sub(keep);
+        for (s, dir) in all.into_iter().take(drop) {
+            if s != step {
+                std::fs::remove_dir_all(&dir).map_err(|e| io(&dir, e))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Committed checkpoints under `root` (directories with a manifest), by step.
+pub fn committed(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let Ok(rd) = std::fs::read_dir(root) else { return Ok(Vec::new()) };
+    let mut out = Vec::new();
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if let Some(s) = n.strip_prefix("step-").and_then(|s| s.parse::<usize>().ok())
+            && e.path().join("manifest.json").is_file()
+        {
+            out.push((s, e.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The checkpoint to resume under `root`: the one `latest` names, or, where `latest` is
+/// missing or names a directory without a manifest (a crash between committing a step and
+/// moving `latest`, or while replacing a step), the newest committed one; `None` when
+/// there is none.
+pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
+    let path = root.join("latest");
+    match std::fs::read_to_string(&path) {
+        Ok(name) => {
+            let dir = root.join(name.trim());
+            if dir.join("manifest.json").is_file() {
+                return Ok(Some(dir));
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(&path, e)),
+    }
+    Ok(committed(root)?.pop().map(|c| c.1))
+}
+
+/// Reads and checks `dir/manifest.json` (format, and that it describes `graph`'s model).
+pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
+    let path = dir.join("manifest.json");
+    let text = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    let m: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| io(&path, format!("not a valid manifest: {e}")))?;
+    if m.format != FORMAT {
+        return Err(io(&path, format!("format {:?}, this hetpar reads {FORMAT:?}", m.format)));
+    }
+    let want = model_of(graph);
+    if m.model != want {
+        let differ: Vec<String> = want
+            .iter()
+            .filter(|(k, v)| m.model.get(*k) != Some(v))
+            .map(|(k, v)| format!("{k}: saved {:?}, config {v:?}", m.model.get(k)))
+            .collect();
+        return Err(io(&path, format!("saved for another model ({})", differ.join("; "))));
+    }
+    Ok(m)
+}
+
+/// Loads checkpoint `dir` into `exec` (every rank of the job calls it): parameters and
+/// moments of this rank's slices under its own layout. Every file this rank reads is checked
+/// against the manifest's SHA-256 first.
+pub fn load_checkpoint(
+    world: &dyn Communicator,
+    graph: &ModelGraph,
+    exec: &mut Executor,
+    dir: &Path,
+) -> Result<Loaded> {
+    let manifest = read_manifest(dir, graph)?;
+    let mut where_: BTreeMap<&str, &FileEntry> = BTreeMap::new();
+    for f in &manifest.files {
+        for t in &f.tensors {
+            where_.insert(t.as_str(), f);
+        }
+    }
+    // The files this rank needs, verified before any tensor is read.
+    let mut need: BTreeMap<&str, &FileEntry> = BTreeMap::new();
+    for s in exec.stages() {
+        for p in s.params() {
+            let f = where_.get(p.name.as_str()).ok_or_else(|| {
+                io(dir, format!("no tensor {} in any file of the manifest", p.name))
+            })?;
+            need.insert(f.file.as_str(), f);
+        }
+    }
+    let mut bad = None;
+    for (name, f) in &need {
+        let path = dir.join(name);
+        match sha256(&path) {
+            Ok((h, n)) if h == f.sha256 && n == f.bytes => {}
+            Ok((h, n)) => {
+                bad = Some(io(
+                    &path,
+                    format!(
+                        "SHA-256 {h} over {n} bytes, the manifest says {} over {}: the file is corrupt",
+                        f.sha256, f.bytes
+                    ),
+                ));
+                break;
+            }
+            Err(e) => {
+                bad = Some(e);
+                break;
+            }
+        }
+    }
+    // Every rank agrees before anything is loaded.
+    let mut failed = [if bad.is_some() { 1.0 } else { 0.0 }];
+    world.all_reduce(&mut failed, ReduceOp::Sum)?;
+    if let Some(e) = bad {
+        return Err(e);
+    }
+    if failed[0] > 0.0 {
+        return Err(io(dir, "another rank found a file corrupt (it names the file)"));
+    }
+    let adam: BTreeMap<&str, u64> =
+        manifest.modules.iter().map(|m| (m.module.as_str(), m.adam_steps)).collect();
+    let mut read = 0;
+    for i in 0..exec.stages().len() {
+        let s = &exec.stages()[i];
+        let module = s.ctx().layout.name().to_string();
+        let params = s.params();
+        let trains = !exec.state(i).m.is_empty() || params.is_empty();
+        let mut state = AdamState { m: Vec::new(), v: Vec::new(), steps: adam[module.as_str()] };
+        for p in &params {
+            let path = dir.join(&where_[p.name.as_str()].file);
+            let dtype = p.tensor().dtype();
+            let (t, n) = load_slice(&path, &p.name, &p.spec, dtype)?;
+            p.var.set(&t)?;
+            read += n;
+            if trains {
+                for (suffix, into) in [("exp_avg", &mut state.m), ("exp_avg_sq", &mut state.v)] {
+                    let key = format!("{}:{suffix}", p.name);
+                    let (t, n) = load_slice(&path, &key, &p.spec, dtype).map_err(|e| {
+                        io(&path, format!("{e} (the optimizer state of a trainable module)"))
+                    })?;
+                    into.push(t);
+                    read += n;
+                }
+            }
+        }
+        if trains {
+            exec.restore_state(i, state)?;
+        }
+    }
+    exec.set_skipped(manifest.skipped);
+    Ok(Loaded { dir: dir.to_path_buf(), manifest, bytes_read: read })
+}
