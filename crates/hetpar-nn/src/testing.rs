@@ -283,3 +283,18 @@ pub const TINY_VIT: VitConfig = VitConfig {
     ln_eps: 1e-6,
     cp_mode: CpMode::AllGather,
 };
+
+/// A one-rank Llama's logits at the last position of `tokens` (one sequence, no encoder
+/// rows): what reference implementations are compared on.
+pub fn last_logits(model: &crate::models::llama::Llama, tokens: &[u32]) -> Result<Vec<f32>> {
+    let batch = crate::models::llama::LlamaBatch {
+        tokens: tokens.to_vec(),
+        batch: 1,
+        positions: crate::layers::attention::CpPositions::single(tokens.len()),
+        boundary: None,
+        targets: std::sync::Arc::new(vec![-1; tokens.len()]),
+    };
+    let (x, _) = model.layers(&model.embed(&batch)?, &batch.positions)?;
+    let logits = model.logits(&x)?;
+    Ok(logits.narrow(0, tokens.len() - 1, 1)?.flatten_all()?.to_vec1()?)
+}

@@ -11,9 +11,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use hetpar_comm::{LocalOptions, launch};
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
-use hetpar_nn::layers::attention::{CpMode, CpPositions};
-use hetpar_nn::models::llama::{Llama, LlamaBatch, LlamaConfig};
-use hetpar_nn::testing::rel_err;
+use hetpar_nn::layers::attention::CpMode;
+use hetpar_nn::models::llama::{Llama, LlamaConfig};
+use hetpar_nn::testing::{last_logits, rel_err};
 use hetpar_nn::{Build, HasParams, ParallelCtx};
 
 const SEQ: usize = 12;
@@ -41,22 +41,7 @@ fn ours(cfg: LlamaConfig, tokens: &[u32]) -> (Vec<f32>, HashMap<String, Tensor>)
     launch(1, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let ctx = ParallelCtx::new(c, &l).unwrap();
         let model = Llama::new(&Build { ctx, seed: 21, dtype: DType::F32 }, cfg).unwrap();
-        let batch = LlamaBatch {
-            tokens: tokens.to_vec(),
-            batch: 1,
-            positions: CpPositions::single(tokens.len()),
-            boundary: None,
-            targets: Arc::new(vec![-1; tokens.len()]),
-        };
-        let (x, _) = model.layers(&model.embed(&batch).unwrap(), &batch.positions).unwrap();
-        let logits = model.logits(&x).unwrap();
-        let last: Vec<f32> = logits
-            .narrow(0, tokens.len() - 1, 1)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let last = last_logits(&model, tokens).unwrap();
         let weights = model.params().iter().map(|p| (p.name.clone(), p.tensor().clone())).collect();
         (last, weights)
     })

@@ -44,6 +44,9 @@ type Result<T> = std::result::Result<T, RuntimeError>;
 /// The manifest's format tag.
 pub const FORMAT: &str = "hetpar-checkpoint/1";
 
+/// The run's resolved config, saved next to the tensors (what `hetpar export` reads).
+pub const CONFIG_FILE: &str = "config.toml";
+
 /// One file of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
@@ -175,6 +178,8 @@ pub struct SaveAt<'a> {
     pub schedule_steps: usize,
     /// Newest checkpoints kept (0: all).
     pub keep: usize,
+    /// The run's resolved config (TOML), saved as [`CONFIG_FILE`].
+    pub config: Option<&'a str>,
 }
 
 /// Saves `exec`'s state after `at.step` steps under `at.root`, every rank of the job
@@ -266,18 +271,28 @@ fn commit(
     done: &Path,
 ) -> Result<()> {
     let (step, root, keep) = (at.step, at.root, at.keep);
+    if let Some(text) = at.config {
+        let path = tmp.join(CONFIG_FILE);
+        File::create(&path)
+            .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
+            .map_err(|e| io(&path, e))?;
+    }
     let mut files = Vec::new();
     let mut names: Vec<String> = std::fs::read_dir(tmp)
         .map_err(|e| io(tmp, e))?
         .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-        .filter(|n| n.ends_with(".safetensors"))
+        .filter(|n| n.ends_with(".safetensors") || n == CONFIG_FILE)
         .collect();
     names.sort();
     for n in names {
         let path = tmp.join(&n);
         let (sha256, bytes) = sha256(&path)?;
-        let (_, entries) = hetpar_nn::io::read_header(&path)?;
-        files.push(FileEntry { file: n, sha256, bytes, tensors: entries.into_keys().collect() });
+        let tensors = if n == CONFIG_FILE {
+            Vec::new()
+        } else {
+            hetpar_nn::io::read_header(&path)?.1.into_keys().collect()
+        };
+        files.push(FileEntry { file: n, sha256, bytes, tensors });
     }
     let manifest = Manifest {
         format: FORMAT.into(),

@@ -9,6 +9,7 @@ pub mod boundary;
 pub mod checkpoint;
 pub mod error;
 pub mod executor;
+pub mod export;
 pub mod memory;
 pub mod optim;
 pub mod plans;

@@ -192,8 +192,14 @@ pub fn compare_values(
 /// The fault cases' model: a ViT into an LLM at tp2, colocated on ranks 0-1 or with the
 /// encoder on its own island (rank 0, the LLM on 1-2).
 pub fn fault_graph(islands: bool) -> ModelGraph {
+    let text = fault_config(islands);
+    ModelGraph::from_config(&Config::from_toml(&text).expect("valid TOML")).expect("a valid graph")
+}
+
+/// The TOML of [`fault_graph`].
+pub fn fault_config(islands: bool) -> String {
     let (vision, llm) = if islands { ("[0, 1]", "[1, 3]") } else { ("[0, 2]", "[0, 2]") };
-    let text = format!(
+    format!(
         r#"
 name = "faults"
 [train]
@@ -226,8 +232,7 @@ tp = 2
 from = "vision"
 to = "llm"
 "#
-    );
-    ModelGraph::from_config(&Config::from_toml(&text).expect("valid TOML")).expect("a valid graph")
+    )
 }
 
 /// Synthetic inputs, with a fault at the first item of step `at`: NaN pixels, or a panic.

@@ -67,6 +67,7 @@ pub struct Trainer {
     schedule: Schedule,
     exec: Executor,
     lr: LrSchedule,
+    config_text: Option<String>,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -92,7 +93,7 @@ impl Trainer {
         let llm = PipelineGraph::from_model(graph).sink();
         let lr = opts.lr[&llm];
         let exec = Executor::new(stages, opts)?;
-        Ok(Trainer { graph: graph.clone(), dtype, schedule, exec, lr })
+        Ok(Trainer { graph: graph.clone(), dtype, schedule, exec, lr, config_text: None })
     }
 
     /// Runs step `step` on this rank.
@@ -144,6 +145,12 @@ impl Trainer {
         self.exec.stages()
     }
 
+    /// Keeps the run's resolved config (TOML) to save with each checkpoint, so the
+    /// checkpoint alone describes the model (`hetpar export` reads it).
+    pub fn set_config_text(&mut self, text: String) {
+        self.config_text = Some(text);
+    }
+
     /// The executor (stages and optimizer state).
     pub fn executor(&self) -> &Executor {
         &self.exec
@@ -163,6 +170,7 @@ impl Trainer {
             step: steps_done,
             schedule_steps: self.lr.total,
             keep,
+            config: self.config_text.as_deref(),
         };
         crate::checkpoint::save_checkpoint(world, &self.graph, &self.exec, at)
     }

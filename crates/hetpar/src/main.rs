@@ -5,6 +5,7 @@ mod bench_cmd;
 mod bench_train;
 mod check_cmd;
 mod config_load;
+mod export_cmd;
 mod layout_cmd;
 mod plan_cmd;
 mod schedule_cmd;
@@ -64,6 +65,13 @@ enum Command {
     Calibrate(plan_cmd::CalibrateArgs),
     /// Benchmarks: `hetpar bench comm`, `hetpar bench nn`, `hetpar bench train`.
     Bench(bench_cmd::Args),
+    /// Write a checkpoint as HF-format models: per module model.safetensors (HF names, no
+    /// optimizer state) and config.json (Llama or Mixtral, SigLIP vision tower with its
+    /// LLaVA projector, Whisper encoder).
+    #[command(
+        after_help = "Examples:\n  hetpar export runs/demo --hf /tmp/demo-hf\n  hetpar export runs/demo/checkpoints/step-00000100 --hf /tmp/demo-hf"
+    )]
+    Export(export_cmd::Args),
 }
 
 /// Reads and validates a config file with `--set` overrides; errors name the file.
@@ -80,6 +88,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Calibrate(args) => plan_cmd::calibrate(&args),
         Command::Bench(args) => bench_cmd::run(&args),
+        Command::Export(args) => export_cmd::run(&args),
     }
 }
 

@@ -207,6 +207,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         keep: a.keep,
         resume,
         stop: stop_on_signals()?,
+        config: toml::to_string(&cfg).context("cannot write the resolved config")?,
     });
     let report = if lead { Some(Report::create(&out, &cfg, &graph, steps, start)?) } else { None };
     if lead {
@@ -268,6 +269,8 @@ pub struct Checkpoints {
     /// Set by SIGTERM or SIGINT: every rank finishes its step, the job commits a
     /// checkpoint and stops.
     pub stop: Arc<AtomicBool>,
+    /// The resolved config, saved in each checkpoint.
+    pub config: String,
 }
 
 impl Checkpoints {
@@ -497,10 +500,11 @@ fn rank_run(
     let sources = Sources { text: data.clone(), items: data };
     let mut trainer = Trainer::new(c, graph, dtype, steps, &sources)?;
     let mut start = 0;
-    if let Some(k) = ckpt
-        && let Some(dir) = &k.resume
-    {
-        start = trainer.resume(c, dir)?.manifest.step;
+    if let Some(k) = ckpt {
+        trainer.set_config_text(k.config.clone());
+        if let Some(dir) = &k.resume {
+            start = trainer.resume(c, dir)?.manifest.step;
+        }
     }
     let mut logs = Vec::with_capacity(steps - start);
     for step in start..steps {

@@ -326,6 +326,20 @@ fn train_runs_the_demo_writes_metrics_and_the_loss_falls() {
     assert!(loss(11) < loss(0) - 1.0, "the loss falls: {} -> {}", loss(0), loss(11));
     let resolved = std::fs::read_to_string(out_dir.join("config.toml")).expect("config");
     assert!(resolved.contains("name = \"demo\""), "{resolved}");
+    // The run's checkpoint exports to HF directories, one per module.
+    let hf = out_dir.join("hf");
+    let out =
+        hetpar(&["export", out_dir.to_str().expect("utf-8"), "--hf", hf.to_str().expect("utf-8")]);
+    let text = stdout(&out);
+    assert!(text.contains("llm: LlamaForCausalLM"), "{text}");
+    for m in ["vision", "audio", "llm"] {
+        assert!(hf.join(m).join("model.safetensors").is_file(), "{m}");
+        let c: Value = serde_json::from_str(
+            &std::fs::read_to_string(hf.join(m).join("config.json")).expect("config.json"),
+        )
+        .expect("json");
+        assert!(c["architectures"][0].is_string(), "{m}: {c}");
+    }
 }
 
 #[test]

@@ -1,0 +1,171 @@
+//! HF export of a checkpoint: one directory per module with `model.safetensors` (the
+//! parameters under their HF names, without optimizer state) and a `config.json` in the
+//! format of its HF model family: Llama (`LlamaForCausalLM`) or Mixtral
+//! (`MixtralForCausalLM`) for the LLM, a SigLIP vision tower with its LLaVA projector
+//! (`multi_modal_projector.*`), a Whisper encoder under `audio_tower.` with its projector.
+//!
+//! The checkpoint's files are checked against their SHA-256 first; only JSON, TOML and
+//! safetensors are read.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Tensor};
+use hetpar_layout::{Config, ModelGraph, Module, ModuleSpec};
+use hetpar_nn::ShardSpec;
+use hetpar_nn::io::{load_slice, read_header, save};
+
+use crate::assemble::MOE_AUX_COEF;
+use crate::checkpoint::{CONFIG_FILE, read_manifest, sha256};
+use crate::error::RuntimeError;
+
+type Result<T> = std::result::Result<T, RuntimeError>;
+
+/// One exported module.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Exported {
+    /// Module name.
+    pub module: String,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// HF architecture written to `config.json`.
+    pub architecture: String,
+    /// Tensors written.
+    pub tensors: usize,
+    /// Bytes of `model.safetensors`.
+    pub bytes: u64,
+}
+
+fn bad(path: &Path, e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Model(format!("export {}: {e}", path.display()))
+}
+
+/// The run's graph from the config a checkpoint carries.
+pub fn checkpoint_graph(ckpt: &Path) -> Result<ModelGraph> {
+    let path = ckpt.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(&path, e))?;
+    let cfg = Config::from_toml(&text).map_err(|e| bad(&path, e))?;
+    ModelGraph::from_config(&cfg).map_err(|e| bad(&path, e))
+}
+
+/// The HF `config.json` of `m` (and its architecture name); `seq_len` bounds positions.
+fn hf_config(m: &Module, seq_len: usize, dtype: &str) -> (String, serde_json::Value) {
+    let d = m.dims;
+    let torch_dtype = if dtype == "f64" { "float64" } else { "float32" };
+    match m.spec {
+        ModuleSpec::Llama { vocab, kv_heads, experts, top_k } => {
+            let mut c = serde_json::json!({
+                "hidden_size": d.hidden,
+                "intermediate_size": d.ffn,
+                "num_hidden_layers": d.layers,
+                "num_attention_heads": d.heads,
+                "num_key_value_heads": kv_heads,
+                "vocab_size": vocab,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10_000.0,
+                "max_position_embeddings": seq_len,
+                "hidden_act": "silu",
+                "tie_word_embeddings": false,
+                "torch_dtype": torch_dtype,
+            });
+            let arch = if experts > 0 {
+                c["model_type"] = "mixtral".into();
+                c["num_local_experts"] = experts.into();
+                c["num_experts_per_tok"] = top_k.into();
+                c["router_aux_loss_coef"] = MOE_AUX_COEF.into();
+                c["sliding_window"] = seq_len.into();
+                "MixtralForCausalLM"
+            } else {
+                c["model_type"] = "llama".into();
+                "LlamaForCausalLM"
+            };
+            c["architectures"] = serde_json::json!([arch]);
+            (arch.to_string(), c)
+        }
+        ModuleSpec::Vit { image_size, patch_size } => {
+            let arch = "SiglipVisionModel";
+            let c = serde_json::json!({
+                "architectures": [arch],
+                "model_type": "siglip_vision_model",
+                "hidden_size": d.hidden,
+                "intermediate_size": d.ffn,
+                "num_hidden_layers": d.layers,
+                "num_attention_heads": d.heads,
+                "num_channels": 3,
+                "image_size": image_size,
+                "patch_size": patch_size,
+                "layer_norm_eps": 1e-6,
+                "hidden_act": "gelu",
+                "vision_use_head": false,
+                "torch_dtype": torch_dtype,
+                "projector": {"type": "llava", "names": "multi_modal_projector.linear_{1,2}", "hidden_act": "gelu"},
+            });
+            (arch.to_string(), c)
+        }
+        ModuleSpec::Audio { n_mels, frames } => {
+            let arch = "WhisperEncoder";
+            let c = serde_json::json!({
+                "architectures": [arch],
+                "model_type": "whisper",
+                "d_model": d.hidden,
+                "encoder_layers": d.layers,
+                "encoder_attention_heads": d.heads,
+                "encoder_ffn_dim": d.ffn,
+                "num_mel_bins": n_mels,
+                "max_source_positions": frames.div_ceil(2),
+                "activation_function": "gelu",
+                "weights_prefix": "audio_tower.",
+                "torch_dtype": torch_dtype,
+                "projector": {"names": "audio_projector.linear_{1,2}", "hidden_act": "gelu"},
+            });
+            (arch.to_string(), c)
+        }
+    }
+}
+
+/// Exports checkpoint `ckpt` into `out/<module>/`.
+pub fn export_hf(ckpt: &Path, out: &Path) -> Result<Vec<Exported>> {
+    let graph = checkpoint_graph(ckpt)?;
+    let manifest = read_manifest(ckpt, &graph)?;
+    for f in &manifest.files {
+        let path = ckpt.join(&f.file);
+        let (h, n) = sha256(&path)?;
+        if h != f.sha256 || n != f.bytes {
+            return Err(bad(&path, "SHA-256 differs from the manifest: the file is corrupt"));
+        }
+    }
+    let mut done = Vec::new();
+    for m in &graph.modules {
+        let mut tensors: BTreeMap<String, Tensor> = BTreeMap::new();
+        for f in manifest.files.iter().filter(|f| f.file.starts_with(&format!("{}.stage", m.name)))
+        {
+            let path = ckpt.join(&f.file);
+            let (_, entries) = read_header(&path)?;
+            for (name, e) in entries.iter().filter(|(n, _)| !n.contains(':')) {
+                let spec = ShardSpec { global_shape: e.shape.clone(), split: None, reduce: vec![] };
+                let dtype = if e.dtype == "F64" { DType::F64 } else { DType::F32 };
+                tensors.insert(name.clone(), load_slice(&path, name, &spec, dtype)?.0);
+            }
+        }
+        if tensors.is_empty() {
+            return Err(bad(ckpt, format!("no tensors of module {} in the checkpoint", m.name)));
+        }
+        let dir = out.join(&m.name);
+        std::fs::create_dir_all(&dir).map_err(|e| bad(&dir, e))?;
+        let file = dir.join("model.safetensors");
+        save(&file, &tensors)?;
+        let (architecture, config) = hf_config(m, graph.train.seq_len, &manifest.dtype);
+        let cpath = dir.join("config.json");
+        let text = serde_json::to_string_pretty(&config).map_err(|e| bad(&cpath, e))?;
+        std::fs::write(&cpath, text).map_err(|e| bad(&cpath, e))?;
+        let bytes = std::fs::metadata(&file).map_err(|e| bad(&file, e))?.len();
+        done.push(Exported {
+            module: m.name.clone(),
+            dir,
+            architecture,
+            tensors: tensors.len(),
+            bytes,
+        });
+    }
+    Ok(done)
+}

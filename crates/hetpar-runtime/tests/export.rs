@@ -1,0 +1,119 @@
+//! HF export: a checkpoint written as HF model directories loads in candle-transformers'
+//! Llama, which computes the logits hetpar's LLM computes on the exported weights; every
+//! exported tensor is bitwise the checkpoint's parameter, and no optimizer state leaks in.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use hetpar_comm::{LocalOptions, launch};
+use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
+use hetpar_nn::io::{load_params, read_header};
+use hetpar_nn::layers::attention::CpMode;
+use hetpar_nn::models::llama::{Llama, LlamaConfig};
+use hetpar_nn::testing::{last_logits, rel_err};
+use hetpar_nn::{Build, HasParams, ParallelCtx};
+use hetpar_runtime::export::export_hf;
+use hetpar_runtime::synthetic::Synthetic;
+use hetpar_runtime::testing::{fault_config, fault_graph};
+use hetpar_runtime::{Sources, Trainer};
+
+#[test]
+fn the_exported_llm_loads_in_candle_transformers_with_the_same_logits() {
+    let dir = std::env::temp_dir().join(format!("hetpar-export-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Two steps of the colocated model (vision dp2, LLM tp2 on 2 ranks), then a checkpoint.
+    let g = fault_graph(false);
+    let data = Arc::new(Synthetic::new(&g));
+    let sources = Sources { text: data.clone(), items: data };
+    let root = dir.join("checkpoints");
+    launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let mut t = Trainer::new(c, &g, DType::F32, 2, &sources).unwrap();
+        t.set_config_text(fault_config(false));
+        for s in 0..2 {
+            t.step(c, s).unwrap();
+        }
+        t.save(c, 2, &root, 0).unwrap();
+    })
+    .unwrap();
+    let ckpt = root.join("step-00000002");
+    let hf = dir.join("hf");
+    let done = export_hf(&ckpt, &hf).unwrap();
+    let names: Vec<(&str, &str)> =
+        done.iter().map(|e| (e.module.as_str(), e.architecture.as_str())).collect();
+    assert_eq!(names, vec![("llm", "LlamaForCausalLM"), ("vision", "SiglipVisionModel")]);
+
+    // Every exported tensor is the checkpoint's parameter, bit for bit; no moments.
+    for m in ["llm", "vision"] {
+        let file = hf.join(m).join("model.safetensors");
+        let exported = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+        let saved = candle_core::safetensors::load(
+            ckpt.join(format!("{m}.stage0.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
+        assert!(exported.keys().all(|k| !k.contains(':')));
+        assert_eq!(exported.len(), saved.keys().filter(|k| !k.contains(':')).count());
+        for (k, t) in &exported {
+            let d = (t - &saved[k]).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{m} {k}");
+        }
+        assert!(read_header(&file).is_ok());
+    }
+
+    // candle-transformers' Llama from config.json and model.safetensors ...
+    let llm = hf.join("llm");
+    let text = std::fs::read_to_string(llm.join("config.json")).unwrap();
+    let hf_cfg: candle_transformers::models::llama::LlamaConfig =
+        serde_json::from_str(&text).unwrap();
+    let rc = hf_cfg.into_config(false);
+    let weights =
+        candle_core::safetensors::load(llm.join("model.safetensors"), &Device::Cpu).unwrap();
+    let vb = VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu);
+    let model = candle_transformers::models::llama::Llama::load(vb, &rc).unwrap();
+    let mut cache =
+        candle_transformers::models::llama::Cache::new(false, DType::F32, &rc, &Device::Cpu)
+            .unwrap();
+    let tokens: Vec<u32> = (0..12).map(|i| ((i * 29 + 3) % 64) as u32).collect();
+    let input = Tensor::new(tokens.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let theirs: Vec<f32> =
+        model.forward(&input, 0, &mut cache).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+
+    // ... and hetpar's LLM on one rank with the exported weights.
+    let m = &g.modules[g.module_id("llm").unwrap()];
+    let hetpar_layout::ModuleSpec::Llama { vocab, kv_heads, experts, top_k } = m.spec else {
+        panic!("the llm is a llama")
+    };
+    let cfg = LlamaConfig {
+        vocab,
+        hidden: m.dims.hidden,
+        layers: m.dims.layers,
+        heads: m.dims.heads,
+        kv_heads,
+        ffn: m.dims.ffn,
+        experts,
+        top_k,
+        rms_eps: 1e-5,
+        rope_theta: 10_000.0,
+        aux_coef: 0.0,
+        cp_mode: CpMode::AllGather,
+    };
+    let one = ModuleLayout::new("llm", Span::new(0, 1), LayoutSpec::default()).unwrap();
+    let file = llm.join("model.safetensors");
+    let mine: Vec<f32> = launch(1, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let ctx = ParallelCtx::new(c, &one).unwrap();
+        let model = Llama::new(&Build { ctx, seed: 99, dtype: DType::F32 }, cfg).unwrap();
+        load_params(&file, &model.params()).unwrap();
+        last_logits(&model, &tokens).unwrap()
+    })
+    .unwrap()
+    .pop()
+    .unwrap();
+    let (a, b): (Vec<f64>, Vec<f64>) =
+        (mine.iter().map(|&x| x.into()).collect(), theirs.iter().map(|&x| x.into()).collect());
+    let e = rel_err(&a, &b);
+    assert!(e <= 1e-5, "the exported LLM's logits differ from hetpar's by {e:e}");
+}
