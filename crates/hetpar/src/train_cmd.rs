@@ -325,8 +325,12 @@ fn resumed_from(dir: &Path, m: &hetpar_runtime::checkpoint::Manifest, steps: usi
         .iter()
         .map(|l| format!("{} {} on ranks {}..{}", l.module, l.layout, l.ranks[0], l.ranks[1]))
         .collect();
-    let files: Vec<String> =
-        m.files.iter().map(|f| format!("{} ({} bytes)", f.file, f.bytes)).collect();
+    let files: Vec<String> = m
+        .files
+        .iter()
+        .filter(|f| !f.tensors.is_empty())
+        .map(|f| format!("{} ({} bytes)", f.file, f.bytes))
+        .collect();
     let schedule = if m.schedule_steps == steps {
         String::new()
     } else {
