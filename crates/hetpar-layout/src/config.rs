@@ -427,7 +427,7 @@ impl Config {
 
 /// Parses any TOML file format of hetpar (configs, planner workloads) with unknown keys
 /// rejected by the target type. Errors are one line: the line number, the enclosing table
-/// and the parser's reason.
+/// and the parser's reason, with a "did you mean" for an unknown key close to a known one.
 pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
     toml::from_str(text).map_err(|e| {
         let offset = e.span().map(|s| s.start).unwrap_or(0).min(text.len());
@@ -436,8 +436,28 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
             Some(table) => format!("line {line}, in {table}"),
             None => format!("line {line}"),
         };
-        ConfigError::new(field, e.message().trim().replace('\n', " "))
+        let message = e.message().trim().replace('\n', " ");
+        let message = match did_you_mean(&message) {
+            Some(known) => format!("{message} (did you mean `{known}`?)"),
+            None => message,
+        };
+        ConfigError::new(field, message)
     })
+}
+
+/// For serde's "unknown field `x`, expected one of `a`, `b`" (or "expected `a` or `b`"), the
+/// known name closest to `x`, when it is close (a typo, not another word).
+fn did_you_mean(message: &str) -> Option<String> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let (unknown, expected) = rest.split_once('`')?;
+    let known: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
+    // Jaro-Winkler weighs a shared prefix: `tpp` is closer to `tp` than to `pp`.
+    known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(unknown, k), *k))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k.to_string())
 }
 
 /// The last `[table]` or `[[array]]` header at or before byte `offset`.

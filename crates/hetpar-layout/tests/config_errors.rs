@@ -126,16 +126,17 @@ fn spans_that_overlap_partly() {
 fn unknown_keys_anywhere() {
     assert_eq!(
         error_after("tp = 4", "tpp = 4"),
-        "line 29, in [modules.llm.parallel]: unknown field `tpp`, expected one of `ranks`, `tp`, `cp`, `pp`, `ep`, `etp`, `sp`, `vpp`, `offload`, `recompute`"
+        "line 29, in [modules.llm.parallel]: unknown field `tpp`, expected one of `ranks`, `tp`, `cp`, `pp`, `ep`, `etp`, `sp`, `vpp`, `offload`, `recompute` (did you mean `tp`?)"
     );
-    assert!(
-        error_after("seq_len = 128", "seq_len = 128\nwarmpu = 3")
-            .starts_with("line 7, in [train]: unknown field `warmpu`")
-    );
-    assert!(
-        error_after("name = \"t\"", "name = \"t\"\nnmae = 1")
-            .starts_with("line 3: unknown field `nmae`")
-    );
+    let warmup = error_after("seq_len = 128", "seq_len = 128\nwarmpu = 3");
+    assert!(warmup.starts_with("line 7, in [train]: unknown field `warmpu`"), "{warmup}");
+    assert!(warmup.ends_with("(did you mean `warmup`?)"), "{warmup}");
+    let name = error_after("name = \"t\"", "name = \"t\"\nnmae = 1");
+    assert!(name.starts_with("line 3: unknown field `nmae`"), "{name}");
+    assert!(name.ends_with("(did you mean `name`?)"), "{name}");
+    // A word unlike every key gets no guess.
+    let other = error_after("name = \"t\"", "name = \"t\"\nbanana = 1");
+    assert!(!other.contains("did you mean"), "{other}");
 }
 
 #[test]

@@ -139,6 +139,16 @@ impl Report {
             "collective_bytes": collective,
             "resident_bytes": resident,
         });
+        // JSON has no NaN: a non-finite value is written as null and named here.
+        let mut line = line;
+        let nonfinite: Vec<&str> = [("loss", r.loss), ("grad_norm", r.grad_norm)]
+            .iter()
+            .filter(|(_, v)| !v.is_finite())
+            .map(|(k, _)| *k)
+            .collect();
+        if !nonfinite.is_empty() {
+            line["nonfinite"] = serde_json::json!(nonfinite);
+        }
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
         writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
         let text = format!(
@@ -218,6 +228,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             a.backend,
             out.join("metrics.jsonl").display()
         ));
+        for m in &graph.modules {
+            let l = &m.layout;
+            say(&format!(
+                "  {} ({}): tp{} cp{} dp{} pp{} ep{}{} on ranks {}",
+                m.name,
+                m.kind().name(),
+                l.tp(),
+                l.cp(),
+                l.dp(),
+                l.pp(),
+                l.ep(),
+                if l.sp() { " sp" } else { "" },
+                l.span()
+            ));
+        }
+        say(&format!("resolved config: {}", out.join("config.toml").display()));
         let frozen: Vec<&str> =
             graph.modules.iter().filter(|m| !m.trainable).map(|m| m.name.as_str()).collect();
         if !frozen.is_empty() {
