@@ -6,6 +6,7 @@ mod bench_train;
 mod check_cmd;
 mod config_load;
 mod export_cmd;
+mod flops;
 mod layout_cmd;
 mod plan_cmd;
 mod schedule_cmd;

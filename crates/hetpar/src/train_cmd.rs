@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
-use hetpar_layout::{Config, ModelGraph};
+use hetpar_layout::{BatchManifest, Config, ModelGraph};
 use hetpar_runtime::synthetic::Synthetic;
 use hetpar_runtime::{Resident, RuntimeError, Sources, StepLog, Trainer};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -49,6 +49,10 @@ pub struct Args {
     /// been saved under another layout and placement.
     #[arg(long, value_name = "auto|DIR")]
     pub resume: Option<String>,
+    /// Peak of the whole job in TFLOP/s, for MFU in metrics.jsonl (default: measured at
+    /// start, a matmul on all of this machine's cores; under MPI, that times the ranks).
+    #[arg(long, value_name = "TFLOPS")]
+    pub peak_tflops: Option<f64>,
     /// Override a config value before validation (repeatable): a dotted key and a TOML
     /// value, e.g. `--set train.lr=1e-4 --set modules.llm.parallel.tp=2`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -103,6 +107,12 @@ struct Report {
     names: Vec<String>,
     steps: usize,
     start: Instant,
+    graph: ModelGraph,
+    flops: crate::flops::StepFlops,
+    /// The job's peak FLOP/s.
+    peak: f64,
+    /// Model FLOPs and seconds of the steps so far (for the summary's MFU).
+    done: Mutex<(f64, f64)>,
 }
 
 impl Report {
@@ -120,6 +130,15 @@ impl Report {
             self.names.iter().enumerate().map(|(m, n)| (n.clone(), f(m))).collect()
         };
         let collective = per_module(&|m| r.collective_bytes[m].into());
+        let flops = self.flops.per_module(&BatchManifest::synthetic(&self.graph, log.step as u64));
+        let total: f64 = flops.iter().sum();
+        let model_flops = per_module(&|m| flops[m].into());
+        {
+            let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
+            d.0 += total;
+            d.1 += log.seconds;
+        }
+        let mfu = total / log.seconds.max(1e-9) / self.peak;
         let resident = per_module(&|m| {
             let x = r.resident[m];
             serde_json::json!({"peak": x.peak, "llm_phase": x.llm_phase, "host": x.host})
@@ -138,6 +157,9 @@ impl Report {
             "boundary_bytes": bytes,
             "collective_bytes": collective,
             "resident_bytes": resident,
+            "model_flops": model_flops,
+            "tflops": total / log.seconds.max(1e-9) / 1e12,
+            "mfu": mfu,
         });
         // JSON has no NaN: a non-finite value is written as null and named here.
         let mut line = line;
@@ -219,7 +241,19 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         stop: stop_on_signals()?,
         config: toml::to_string(&cfg).context("cannot write the resolved config")?,
     });
-    let report = if lead { Some(Report::create(&out, &cfg, &graph, steps, start)?) } else { None };
+    let report = if lead {
+        let peak = match a.peak_tflops {
+            Some(t) if t.is_finite() && t > 0.0 => t * 1e12,
+            Some(t) => bail!("--peak-tflops {t}: use a positive number"),
+            None => {
+                let one = hetpar_nn::bench::matmul_gflops(512, 10, dtype)? * 1e9;
+                one * mpi.as_ref().map_or(1, |w| w.size()) as f64
+            }
+        };
+        Some(Report::create(&out, &cfg, &graph, (steps, start), peak)?)
+    } else {
+        None
+    };
     if lead {
         say(&format!(
             "training {} on {} ranks ({} backend, {dtype:?}) for {steps} steps; metrics in {}",
@@ -270,6 +304,21 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         bail!("stopped by a signal before the first step finished; nothing new to save");
     }
     summary(&graph, &logs, report.start.elapsed());
+    let (flops, secs) = *report.done.lock().unwrap_or_else(|e| e.into_inner());
+    let rate = |f: f64| {
+        if f >= 1e12 {
+            format!("{:.2} TFLOP/s", f / 1e12)
+        } else {
+            format!("{:.1} GFLOP/s", f / 1e9)
+        }
+    };
+    say(&format!(
+        "model FLOPs: {} over the steps, MFU {:.1}% of a {} peak{}",
+        rate(flops / secs.max(1e-9)),
+        100.0 * flops / secs.max(1e-9) / report.peak,
+        rate(report.peak),
+        if a.peak_tflops.is_some() { " (--peak-tflops)" } else { " (matmul measured at start)" }
+    ));
     if let Some(k) = &ckpt {
         let dir = k.root.join(hetpar_runtime::checkpoint::dir_name(done));
         say(&format!("checkpoint committed: {}", dir.display()));
@@ -381,8 +430,8 @@ impl Report {
         out: &Path,
         cfg: &Config,
         graph: &ModelGraph,
-        steps: usize,
-        start: usize,
+        (steps, start): (usize, usize),
+        peak: f64,
     ) -> anyhow::Result<Report> {
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
         let resolved = toml::to_string(cfg).context("cannot write the resolved config")?;
@@ -425,6 +474,10 @@ impl Report {
             names: graph.modules.iter().map(|m| m.name.clone()).collect(),
             steps,
             start: Instant::now(),
+            graph: graph.clone(),
+            flops: crate::flops::StepFlops::new(graph),
+            peak,
+            done: Mutex::new((0.0, 0.0)),
         })
     }
 }

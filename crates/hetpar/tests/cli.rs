@@ -390,6 +390,10 @@ fn train_offloads_a_colocated_encoder() {
         }
         // The LLM at tp2 with SP moves activations inside every layer.
         assert!(b["collective_bytes"]["llm"].as_u64() > Some(0), "{b}");
+        // Model FLOPs per module and MFU against the measured peak.
+        let mfu = b["mfu"].as_f64().expect("mfu");
+        assert!(mfu > 0.0 && mfu < 1.0, "{b}");
+        assert!(b["model_flops"]["llm"].as_f64() > b["model_flops"]["vision"].as_f64(), "{b}");
     }
 }
 
