@@ -356,11 +356,15 @@ impl Checkpoints {
 }
 
 /// A flag SIGTERM and SIGINT set (instead of ending the process), so the run commits a
-/// checkpoint after the current step and stops cleanly.
+/// checkpoint after the current step and stops cleanly; a second signal ends the process at
+/// once (exit 130), for a run stuck in its step.
 fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
     let flag = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        signal_hook::flag::register(sig, flag.clone()).context("cannot handle SIGTERM/SIGINT")?;
+        // The shutdown is registered first, so it fires only once the flag is set.
+        signal_hook::flag::register_conditional_shutdown(sig, 130, flag.clone())
+            .and_then(|_| signal_hook::flag::register(sig, flag.clone()))
+            .context("cannot handle SIGTERM/SIGINT")?;
     }
     Ok(flag)
 }
