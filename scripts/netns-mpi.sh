@@ -61,7 +61,7 @@ printf '%s slots=%d\n%s slots=%d\n' "${ips[0]}" "$first" "${ips[1]}" $((ranks - 
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 "$bin" train "$config" --steps 2 --out "$work/local" >/dev/null 2>&1
-ip netns exec "${ns[0]}" timeout 300 mpirun -n "$ranks" --hostfile "$work/hosts" \
+ip netns exec "${ns[0]}" timeout -k 10 300 mpirun -n "$ranks" --hostfile "$work/hosts" \
   --mca plm_rsh_agent "$work/agent" --mca plm_rsh_no_tree_spawn 1 \
   --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 \
   --mca oob_tcp_if_include 10.77.0.0/24 \

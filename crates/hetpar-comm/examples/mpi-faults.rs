@@ -66,7 +66,10 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match result {
+    // A rank whose own part succeeded waits for the others, as a real program meets its
+    // peers again, instead of finalizing MPI while mpirun tears the job down: OpenMPI 4's
+    // mpirun can hang for good when one process exits normally during that teardown.
+    match result.and_then(|()| world.barrier()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("rank {rank}: error: {e}");
