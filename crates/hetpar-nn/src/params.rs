@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use hetpar_layout::Axis;
 
 use crate::ctx::ParallelCtx;
-use crate::error::Result;
+use crate::error::{NnError, Result};
 use crate::init::Init;
 
 /// Where a local tensor sits in the global one: `global.narrow(dim, offset, len)`.
@@ -32,6 +32,17 @@ pub struct ShardSpec {
     pub reduce: Vec<Axis>,
 }
 
+impl ShardSpec {
+    /// Shape of the slice this rank holds.
+    pub fn local_shape(&self) -> Vec<usize> {
+        let mut shape = self.global_shape.clone();
+        if let Some(s) = self.split {
+            shape[s.dim] = s.len;
+        }
+        shape
+    }
+}
+
 /// A parameter of this rank.
 #[derive(Clone, Debug)]
 pub struct Param {
@@ -55,14 +66,8 @@ impl Param {
         seed: u64,
         dtype: DType,
     ) -> Result<Param> {
-        let local_shape: Vec<usize> = global_shape
-            .iter()
-            .enumerate()
-            .map(|(d, &n)| match split {
-                Some(s) if s.dim == d => s.len,
-                _ => n,
-            })
-            .collect();
+        let spec = ShardSpec { global_shape: global_shape.to_vec(), split, reduce };
+        let local_shape = spec.local_shape();
         let count: usize = local_shape.iter().product();
         let strides: Vec<usize> =
             (0..global_shape.len()).map(|d| global_shape[d + 1..].iter().product()).collect();
@@ -85,16 +90,41 @@ impl Param {
             })
             .collect();
         let t = Tensor::from_vec(values, local_shape, &Device::Cpu)?.to_dtype(dtype)?;
-        Ok(Param {
-            name,
-            var: Var::from_tensor(&t)?,
-            spec: ShardSpec { global_shape: global_shape.to_vec(), split, reduce },
-        })
+        Ok(Param { name, var: Var::from_tensor(&t)?, spec })
     }
 
     /// The local tensor.
     pub fn tensor(&self) -> &Tensor {
         self.var.as_tensor()
+    }
+
+    /// Whether the values are released (see [`Param::release`]).
+    pub fn is_released(&self) -> bool {
+        self.var.dims() != self.spec.local_shape().as_slice()
+    }
+
+    /// Hands the local values over and keeps an empty placeholder, so the storage goes once
+    /// nothing else (an autograd graph) references it; [`Param::restore`] puts values back.
+    pub fn release(&mut self) -> Result<Var> {
+        let empty = Var::zeros(0, self.var.dtype(), self.var.device())?;
+        Ok(std::mem::replace(&mut self.var, empty))
+    }
+
+    /// Puts back values of the local shape (what [`Param::release`] handed over).
+    pub fn restore(&mut self, var: Var) -> Result<()> {
+        let want = self.spec.local_shape();
+        if var.dims() != want.as_slice() || var.dtype() != self.var.dtype() {
+            return Err(NnError::Input(format!(
+                "parameter {}: restoring {:?} {:?} into a {:?} {:?} shard",
+                self.name,
+                var.dtype(),
+                var.dims(),
+                self.var.dtype(),
+                want
+            )));
+        }
+        self.var = var;
+        Ok(())
     }
 }
 
@@ -123,4 +153,35 @@ pub fn even_split(dim: usize, n: usize, parts: usize, idx: usize) -> Option<Spli
 pub trait HasParams {
     /// Every local parameter, in a fixed order.
     fn params(&self) -> Vec<&Param>;
+    /// The same parameters, in the same order, to replace their tensors (offload releases
+    /// a parameter's storage and restores it later).
+    fn params_mut(&mut self) -> Vec<&mut Param>;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use candle_core::{DType, Var};
+
+    use super::{Param, Split};
+    use crate::init::Init;
+
+    #[test]
+    fn a_released_parameter_takes_back_only_its_own_shape() {
+        let split = Some(Split { dim: 0, offset: 2, len: 2 });
+        let mut p =
+            Param::new("w".into(), &[4, 3], split, Vec::new(), Init::Normal(1.0), 7, DType::F32)
+                .unwrap();
+        let before = p.tensor().to_vec2::<f32>().unwrap();
+        assert!(!p.is_released());
+        let values = p.release().unwrap();
+        assert!(p.is_released() && p.tensor().elem_count() == 0);
+        let wrong = Var::zeros((4, 3), DType::F32, values.device()).unwrap();
+        let e = p.restore(wrong).unwrap_err().to_string();
+        assert!(e.contains("parameter w: restoring F32 [4, 3] into a F32 [2, 3] shard"), "{e}");
+        p.restore(values).unwrap();
+        assert!(!p.is_released());
+        assert_eq!(p.tensor().to_vec2::<f32>().unwrap(), before);
+    }
 }

@@ -243,11 +243,12 @@ fn boundary_inputs<'a>(
         .collect()
 }
 
-/// A module's gradients and optimizer state while offloaded: the host copy and how many
-/// of its tensors are first moments, second moments and gradients.
+/// A module's state while offloaded: the host copy and how many of its tensors are first
+/// moments, second moments, gradients and parameters (none where an autograd graph still
+/// references them).
 struct Offloaded {
     copy: HostCopy,
-    counts: [usize; 3],
+    counts: [usize; 4],
 }
 
 /// One rank's modules, their optimizer states and the options.
@@ -368,7 +369,7 @@ impl Executor {
                 Action::Step(_) => "optimizer",
                 Action::Offload(_) | Action::Reload(_) => "offload",
             };
-            if let Some(m) = gradient_side(a) {
+            if let Some(m) = needs_resident(a) {
                 let i = self.index(m)?;
                 if self.offloaded[i].is_some() {
                     return Err(RuntimeError::Model(format!(
@@ -405,7 +406,7 @@ impl Executor {
                         self.states[i].update(&self.opts.adam, &params, &grads[i], lr, clip)?;
                     }
                 }
-                Action::Offload(m) => self.offload(*m, &mut grads)?,
+                Action::Offload(m) => self.offload(*m, &mut grads, &stash)?,
                 Action::Reload(m) => self.reload(*m, &mut grads)?,
             }
             let took = start.elapsed().as_secs_f64();
@@ -440,32 +441,55 @@ impl Executor {
         })
     }
 
-    /// Moves module `m`'s optimizer state and gradients into one host buffer, dropping the
-    /// tensors.
-    fn offload(&mut self, m: ModuleId, grads: &mut [Grads]) -> Result<()> {
+    /// Moves module `m`'s optimizer state, gradients and (where no forward of it kept its
+    /// autograd graph, as under `recompute`) parameters into one host buffer, dropping the
+    /// tensors. A kept graph references the parameters, so releasing them would free
+    /// nothing.
+    fn offload(&mut self, m: ModuleId, grads: &mut [Grads], stash: &Stash) -> Result<()> {
         let i = self.index(m)?;
         if self.offloaded[i].is_some() {
             return Err(RuntimeError::Model(format!("module {m} is offloaded twice")));
         }
+        let graph_kept = !self.opts.forward_only.contains(&m)
+            && stash.live.iter().any(|(k, l)| k.0 == m && !l.recompute);
+        let params: Vec<Var> = if graph_kept {
+            Vec::new()
+        } else {
+            self.stages[i]
+                .params_mut()
+                .into_iter()
+                .map(Param::release)
+                .collect::<std::result::Result<_, _>>()?
+        };
         let (st, g) = (&mut self.states[i], &mut grads[i]);
-        let counts = [st.m.len(), st.v.len(), g.tensors.len()];
+        let counts = [st.m.len(), st.v.len(), g.tensors.len(), params.len()];
         let all: Vec<Tensor> =
-            st.m.drain(..).chain(st.v.drain(..)).chain(g.tensors.drain(..)).collect();
+            st.m.drain(..)
+                .chain(st.v.drain(..))
+                .chain(g.tensors.drain(..))
+                .chain(params.into_iter().map(Var::into_inner))
+                .collect();
         let copy = HostCopy::pack(&all, self.stages[i].dtype())?;
         self.offloaded[i] = Some(Offloaded { copy, counts });
         Ok(())
     }
 
-    /// Brings module `m`'s optimizer state and gradients back from its host buffer.
+    /// Brings module `m`'s state back from its host buffer.
     fn reload(&mut self, m: ModuleId, grads: &mut [Grads]) -> Result<()> {
         let i = self.index(m)?;
         let Some(Offloaded { copy, counts }) = self.offloaded[i].take() else {
             return Err(RuntimeError::Model(format!("module {m} is reloaded but not offloaded")));
         };
-        let mut all = copy.unpack()?.into_iter();
-        self.states[i].m = all.by_ref().take(counts[0]).collect();
-        self.states[i].v = all.by_ref().take(counts[1]).collect();
-        grads[i].tensors = all.take(counts[2]).collect();
+        let [nm, nv, ng, np] = counts;
+        let mut all = copy.unpack(nm + nv + ng)?.into_iter();
+        self.states[i].m = all.by_ref().take(nm).collect();
+        self.states[i].v = all.by_ref().take(nv).collect();
+        grads[i].tensors = all.by_ref().take(ng).collect();
+        if np > 0 {
+            for (p, t) in self.stages[i].params_mut().into_iter().zip(all) {
+                p.restore(Var::from_tensor(&t)?)?;
+            }
+        }
         Ok(())
     }
 
@@ -878,9 +902,9 @@ impl Executor {
 }
 
 /// The module whose gradient side action `a` works on (backward, reduction, step).
-fn gradient_side(a: &Action) -> Option<ModuleId> {
+fn needs_resident(a: &Action) -> Option<ModuleId> {
     match a {
-        Action::Compute(c) if c.pass == Pass::Backward => Some(c.module),
+        Action::Compute(c) => Some(c.module),
         Action::Reduce(p) => match p.msg {
             MsgId::Reduce { module, .. } => Some(module),
             _ => None,

@@ -1,13 +1,14 @@
-//! What a module keeps in memory on one rank, and offload: a colocated encoder's gradients
-//! and optimizer state packed into one compact host buffer while the LLM pipeline runs
-//! (the tensors dropped), and unpacked for its backward and step.
+//! What a module keeps in memory on one rank, and offload: a colocated encoder's
+//! parameters, gradients and optimizer state packed into one compact host buffer while the
+//! LLM pipeline runs (the tensors dropped), and unpacked for its backward and step.
 //!
 //! On this CPU build host and device memory are the same, so offload shrinks the working
 //! set of tensors the executor holds; on a GPU build the same buffer is where device
-//! memory goes. The parameters stay: the encoder's phase-1 autograd graph references them
-//! (candle has no way to release a tensor's storage in place), and its backward needs them.
+//! memory goes. The parameters go only where the encoder's phase-1 forwards kept no
+//! autograd graph (`recompute`): a kept graph references them, so releasing them would free
+//! nothing, and candle cannot release a tensor's storage in place.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var, WithDType};
 
 use crate::error::RuntimeError;
 
@@ -88,12 +89,14 @@ impl HostCopy {
         self.data.is_empty()
     }
 
-    /// The tensors back, as packed.
-    pub fn unpack(self) -> Result<Vec<Tensor>> {
+    /// The tensors back, as packed; those from index `vars_from` on come back as variables
+    /// (trainable parameters: `Var::from_tensor` takes them without a copy).
+    pub fn unpack(self, vars_from: usize) -> Result<Vec<Tensor>> {
         let size = self.dtype.size_in_bytes();
         let mut at = 0;
         let mut out = Vec::with_capacity(self.shapes.len());
-        for shape in &self.shapes {
+        for (i, shape) in self.shapes.iter().enumerate() {
+            let var = i >= vars_from;
             let n: usize = shape.iter().product();
             let chunk = &self.data[at..at + n * size];
             at += n * size;
@@ -103,20 +106,29 @@ impl HostCopy {
                         .chunks_exact(4)
                         .map(|b| f32::from_ne_bytes(b.try_into().expect("4 bytes")))
                         .collect();
-                    Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?
+                    tensor(v, shape, var)?
                 }
                 _ => {
                     let v: Vec<f64> = chunk
                         .chunks_exact(8)
                         .map(|b| f64::from_ne_bytes(b.try_into().expect("8 bytes")))
                         .collect();
-                    Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?
+                    tensor(v, shape, var)?
                 }
             };
             out.push(t);
         }
         Ok(out)
     }
+}
+
+/// A tensor of `v`, a variable (tracked by autograd) if `var`.
+fn tensor<T: WithDType>(v: Vec<T>, shape: &[usize], var: bool) -> Result<Tensor> {
+    Ok(if var {
+        Var::from_vec(v, shape, &Device::Cpu)?.into_inner()
+    } else {
+        Tensor::from_vec(v, shape, &Device::Cpu)?
+    })
 }
 
 #[cfg(test)]
@@ -134,7 +146,8 @@ mod tests {
             let b = Tensor::randn(0.0, 1.0, 7, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
             let c = HostCopy::pack(&[a.clone(), b.clone()], dtype).unwrap();
             assert_eq!(c.len(), bytes([&a, &b]));
-            let back = c.unpack().unwrap();
+            let back = c.unpack(1).unwrap();
+            assert!(!back[0].is_variable() && back[1].is_variable());
             for (x, y) in [a, b].iter().zip(&back) {
                 assert_eq!(x.dims(), y.dims());
                 let d = (x - y).unwrap().abs().unwrap().sum_all().unwrap();

@@ -67,4 +67,7 @@ pub trait Stage: Send {
     ) -> Result<Forward, RuntimeError>;
     /// Every parameter this rank holds, in a fixed order.
     fn params(&self) -> Vec<&Param>;
+    /// The same parameters, in the same order, to release and restore their storage
+    /// (offload).
+    fn params_mut(&mut self) -> Vec<&mut Param>;
 }

@@ -265,4 +265,12 @@ impl HasParams for Attention {
     fn params(&self) -> Vec<&Param> {
         [self.q.params(), self.k.params(), self.v.params(), self.o.params()].concat()
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v = self.q.params_mut();
+        v.extend(self.k.params_mut());
+        v.extend(self.v.params_mut());
+        v.extend(self.o.params_mut());
+        v
+    }
 }

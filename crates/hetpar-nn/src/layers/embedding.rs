@@ -71,4 +71,8 @@ impl HasParams for VocabParallelEmbedding {
     fn params(&self) -> Vec<&Param> {
         vec![&self.weight]
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        vec![&mut self.weight]
+    }
 }

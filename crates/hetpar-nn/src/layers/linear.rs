@@ -120,6 +120,10 @@ impl HasParams for ColumnParallel {
     fn params(&self) -> Vec<&Param> {
         std::iter::once(&self.weight).chain(&self.bias).collect()
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        std::iter::once(&mut self.weight).chain(&mut self.bias).collect()
+    }
 }
 
 /// A linear layer with its input features split over `tp`.
@@ -168,5 +172,9 @@ impl RowParallel {
 impl HasParams for RowParallel {
     fn params(&self) -> Vec<&Param> {
         std::iter::once(&self.weight).chain(&self.bias).collect()
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        std::iter::once(&mut self.weight).chain(&mut self.bias).collect()
     }
 }

@@ -44,6 +44,13 @@ impl HasParams for SwiGlu {
     fn params(&self) -> Vec<&Param> {
         [self.gate.params(), self.up.params(), self.down.params()].concat()
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v = self.gate.params_mut();
+        v.extend(self.up.params_mut());
+        v.extend(self.down.params_mut());
+        v
+    }
 }
 
 /// `fc2(gelu(fc1(x)))` with biases, HF names `fc1`, `fc2` (or any two names).
@@ -79,5 +86,11 @@ impl GeluMlp {
 impl HasParams for GeluMlp {
     fn params(&self) -> Vec<&Param> {
         [self.fc1.params(), self.fc2.params()].concat()
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v = self.fc1.params_mut();
+        v.extend(self.fc2.params_mut());
+        v
     }
 }

@@ -261,4 +261,10 @@ impl HasParams for Moe {
             .chain(self.experts.iter().flat_map(|(_, x)| [&x.w1, &x.w3, &x.w2]))
             .collect()
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        std::iter::once(&mut self.gate)
+            .chain(self.experts.iter_mut().flat_map(|(_, x)| [&mut x.w1, &mut x.w3, &mut x.w2]))
+            .collect()
+    }
 }

@@ -36,6 +36,10 @@ impl HasParams for RmsNorm {
     fn params(&self) -> Vec<&Param> {
         vec![&self.weight]
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        vec![&mut self.weight]
+    }
 }
 
 /// `(x - mean) / sqrt(var + eps) * weight + bias`.
@@ -69,5 +73,9 @@ impl LayerNorm {
 impl HasParams for LayerNorm {
     fn params(&self) -> Vec<&Param> {
         vec![&self.weight, &self.bias]
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        vec![&mut self.weight, &mut self.bias]
     }
 }

@@ -252,6 +252,16 @@ impl HasParams for AudioEncoder {
         v.extend(self.trunk.params());
         v
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v = Vec::new();
+        if let Some(s) = &mut self.stem {
+            let (c1, c2) = (&mut s.conv1, &mut s.conv2);
+            v.extend([&mut c1.weight, &mut c1.bias, &mut c2.weight, &mut c2.bias]);
+        }
+        v.extend(self.trunk.params_mut());
+        v
+    }
 }
 
 #[cfg(test)]

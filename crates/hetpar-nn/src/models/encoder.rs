@@ -93,6 +93,14 @@ impl HasParams for Layer {
         v.extend(self.mlp.params());
         v
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v = self.ln1.params_mut();
+        v.extend(self.attn.params_mut());
+        v.extend(self.ln2.params_mut());
+        v.extend(self.mlp.params_mut());
+        v
+    }
 }
 
 /// HF names of the final norm and the projector's two matrices.
@@ -154,6 +162,15 @@ impl HasParams for Trunk {
         if let Some((ln, projector)) = &self.head {
             v.extend(ln.params());
             v.extend(projector.params());
+        }
+        v
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v: Vec<&mut Param> = self.layers.iter_mut().flat_map(|l| l.params_mut()).collect();
+        if let Some((ln, projector)) = &mut self.head {
+            v.extend(ln.params_mut());
+            v.extend(projector.params_mut());
         }
         v
     }

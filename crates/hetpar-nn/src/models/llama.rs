@@ -323,4 +323,21 @@ impl HasParams for Llama {
         v.extend(self.head.iter().flat_map(HasParams::params));
         v
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v: Vec<&mut Param> =
+            self.embed.iter_mut().flat_map(HasParams::params_mut).collect();
+        for l in &mut self.layers {
+            v.extend(l.input_norm.params_mut());
+            v.extend(l.attn.params_mut());
+            v.extend(l.post_norm.params_mut());
+            match &mut l.ffn {
+                Ffn::Dense(m) => v.extend(m.params_mut()),
+                Ffn::Moe(m) => v.extend(m.params_mut()),
+            }
+        }
+        v.extend(self.norm.iter_mut().flat_map(HasParams::params_mut));
+        v.extend(self.head.iter_mut().flat_map(HasParams::params_mut));
+        v
+    }
 }

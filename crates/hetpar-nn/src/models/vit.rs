@@ -205,4 +205,13 @@ impl HasParams for Vit {
         v.extend(self.trunk.params());
         v
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v = Vec::new();
+        if let Some(e) = &mut self.embed {
+            v.extend([&mut e.patch_w, &mut e.patch_b, &mut e.pos]);
+        }
+        v.extend(self.trunk.params_mut());
+        v
+    }
 }

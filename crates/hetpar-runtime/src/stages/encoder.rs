@@ -57,6 +57,13 @@ impl EncoderModel {
         }
     }
 
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        match self {
+            EncoderModel::Vit(m) => m.params_mut(),
+            EncoderModel::Audio(m) => m.params_mut(),
+        }
+    }
+
     /// Rows of one item this rank holds, and the encoder's width: the shape of the hidden
     /// states between pipeline stages.
     fn hidden_shape(&self) -> Result<(usize, usize), RuntimeError> {
@@ -201,5 +208,9 @@ impl Stage for EncoderStage {
 
     fn params(&self) -> Vec<&Param> {
         self.model.params()
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.model.params_mut()
     }
 }

@@ -282,4 +282,8 @@ impl Stage for LlamaStage {
     fn params(&self) -> Vec<&Param> {
         self.chunks.iter().flat_map(|c| c.1.params()).collect()
     }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        self.chunks.iter_mut().flat_map(|c| c.1.params_mut()).collect()
+    }
 }
