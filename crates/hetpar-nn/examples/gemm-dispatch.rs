@@ -1,0 +1,82 @@
+//! Checks candle's matmul on whichever kernels gemm picks on this CPU: AVX-512 where the
+//! CPU has AVX-512F (the `x86-v4` feature hetpar-nn turns on), AVX2+FMA or scalar code
+//! elsewhere. Odd shapes reach the kernels' edge cases; every product is compared with a
+//! plain triple loop in f64. CI runs it natively and under valgrind, whose virtual CPU has
+//! no AVX-512, so the fallback is exercised on the same machine:
+//!
+//!     cargo run --release -p hetpar-nn --example gemm-dispatch
+//!     valgrind -q target/release/examples/gemm-dispatch
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::process::ExitCode;
+
+use candle_core::{DType, Device, Tensor};
+
+/// `a [m, k] x b [k, n]` by the definition, in f64.
+fn reference(a: &[f64], b: &[f64], (m, k, n): (usize, usize, usize)) -> Vec<f64> {
+    let mut c = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            c[i * n + j] = (0..k).map(|l| a[i * k + l] * b[l * n + j]).sum();
+        }
+    }
+    c
+}
+
+/// Largest relative difference of candle's product in `dtype` from the reference.
+fn worst(dtype: DType, (m, k, n): (usize, usize, usize)) -> candle_core::Result<f64> {
+    // Deterministic values in [-1, 1).
+    let value = |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 2001) as f64 / 1000.0 - 1.0;
+    let a: Vec<f64> = (0..m * k).map(|i| value(i, 1)).collect();
+    let b: Vec<f64> = (0..k * n).map(|i| value(i, 2)).collect();
+    let want = reference(&a, &b, (m, k, n));
+    let ta = Tensor::from_vec(a, (m, k), &Device::Cpu)?.to_dtype(dtype)?;
+    let tb = Tensor::from_vec(b, (k, n), &Device::Cpu)?.to_dtype(dtype)?;
+    let got = ta.matmul(&tb)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let scale = want.iter().fold(0.0f64, |s, x| s.max(x.abs())).max(1e-30);
+    Ok(got.iter().zip(&want).fold(0.0f64, |w, (g, r)| w.max((g - r).abs() / scale)))
+}
+
+/// The kernels gemm dispatches to here, by the test it makes itself.
+#[cfg(target_arch = "x86_64")]
+fn kernels() -> &'static str {
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        "AVX-512 (avx512f)"
+    } else if std::arch::is_x86_feature_detected!("fma") {
+        "AVX2+FMA (no avx512f)"
+    } else {
+        "scalar (neither avx512f nor fma)"
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn kernels() -> &'static str {
+    "non-x86 (gemm picks by the CPU's own features)"
+}
+
+fn main() -> ExitCode {
+    println!("gemm runs its {} kernels on this CPU", kernels());
+    let shapes = [(1, 1, 1), (3, 5, 7), (17, 33, 9), (67, 129, 45), (128, 256, 96), (200, 64, 300)];
+    let mut failed = false;
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+        for &shape in &shapes {
+            match worst(dtype, shape) {
+                Ok(w) if w <= tol => {}
+                Ok(w) => {
+                    eprintln!("{dtype:?} {shape:?}: relative difference {w:.2e} above {tol:e}");
+                    failed = true;
+                }
+                Err(e) => {
+                    eprintln!("{dtype:?} {shape:?}: {e}");
+                    failed = true;
+                }
+            }
+        }
+    }
+    if failed {
+        return ExitCode::FAILURE;
+    }
+    println!("{} products in f32 and f64 match the reference", shapes.len());
+    ExitCode::SUCCESS
+}
