@@ -5,6 +5,7 @@ mod bench_cmd;
 mod bench_train;
 mod check_cmd;
 mod config_load;
+mod data_cmd;
 mod export_cmd;
 mod flops;
 mod layout_cmd;
@@ -66,6 +67,8 @@ enum Command {
     Calibrate(plan_cmd::CalibrateArgs),
     /// Benchmarks: `hetpar bench comm`, `hetpar bench nn`, `hetpar bench train`.
     Bench(bench_cmd::Args),
+    /// Datasets: `hetpar data synth --out DIR` writes the synthetic LLaVA-format set.
+    Data(data_cmd::Args),
     /// Write a checkpoint as HF-format models: per module model.safetensors (HF names, no
     /// optimizer state) and config.json (Llama or Mixtral, SigLIP vision tower with its
     /// LLaVA projector, Whisper encoder).
@@ -89,6 +92,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(args) => plan_cmd::run(&args),
         Command::Calibrate(args) => plan_cmd::calibrate(&args),
         Command::Bench(args) => bench_cmd::run(&args),
+        Command::Data(args) => data_cmd::run(&args),
         Command::Export(args) => export_cmd::run(&args),
     }
 }

@@ -593,3 +593,30 @@ fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.contains("--resume /nonexistent/step-00000003: no checkpoint there"), "{err}");
 }
+
+#[test]
+fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
+    let dir = std::env::temp_dir().join(format!("hetpar-cli-synth-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().expect("utf-8 path");
+    let text = stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "30", "--seed", "3"]));
+    assert!(
+        text.starts_with(&format!(
+            "wrote 30 samples to {d} (27 for training in train.json, 3 held out in heldout.json; seed 3)\n"
+        )),
+        "{text}"
+    );
+    for f in ["train.json", "heldout.json", "synth.json", "images", "audio"] {
+        assert!(dir.join(f).exists(), "{f}");
+    }
+    // Without its synth.json the directory is no longer a dataset hetpar wrote.
+    std::fs::remove_file(dir.join("synth.json")).expect("remove");
+    let out = hetpar(&["data", "synth", "--out", d, "--samples", "5"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(err.contains("holds files that are not a synthetic dataset"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let help = stdout(&hetpar(&["data", "synth", "--help"]));
+    assert!(help.contains("Examples:\n  hetpar data synth --out /tmp/d"), "{help}");
+    std::fs::remove_dir_all(dir).expect("cleanup");
+}

@@ -1,0 +1,17 @@
+//! Multimodal training data in the format the ecosystem uses.
+//!
+//! - [`llava`]: LLaVA JSON records (`id`, `image` as one path or a list, `audio` likewise,
+//!   `conversations` of `{from, value}` turns with one `<image>` or `<audio>` placeholder
+//!   per item), read with errors that name the record, and checked so that placeholders
+//!   and files agree (RELIABILITY.md row 9).
+//! - [`synth`]: a deterministic synthetic dataset in that format: PNG images of coloured
+//!   shapes and 16 kHz WAV clips of tones and chirps, with questions whose answers name
+//!   what the image shows and what the clip sounds like, and a held-out split.
+
+pub mod error;
+pub mod llava;
+pub mod synth;
+
+pub use error::DataError;
+pub use llava::{Record, Turn};
+pub use synth::{SynthOptions, SynthSummary};

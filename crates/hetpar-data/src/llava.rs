@@ -1,0 +1,272 @@
+//! The LLaVA JSON format: a list of records, each with an `id`, its media (`image`: one path
+//! or a list; `audio` likewise) and `conversations`, turns `{from, value}` where `from` is
+//! `human`, `gpt` or `system`. Each item of media has one placeholder (`<image>`,
+//! `<audio>`) in a human turn, in the order of the list.
+//!
+//! What [`load`] refuses, naming the file and the record (RELIABILITY.md row 9): a file that
+//! is not a list of such records; a record whose placeholders and media disagree in number;
+//! a placeholder in an assistant turn; an unknown placeholder (`<video>`: anything of the
+//! form `<lowercase_letters>` other than the two above); a record with no assistant turn.
+//! [`check_files`] adds media files that do not exist.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::error::{DataError, Result, io};
+
+/// The placeholder of one image in a human turn.
+pub const IMAGE: &str = "<image>";
+/// The placeholder of one audio clip.
+pub const AUDIO: &str = "<audio>";
+
+/// One sample.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    /// Its name (a string; a number in the file is read as its decimal text).
+    #[serde(deserialize_with = "string_or_number")]
+    pub id: String,
+    /// Image paths, relative to the image root, in placeholder order.
+    #[serde(default, skip_serializing_if = "Media::is_empty")]
+    pub image: Media,
+    /// Audio clip paths (WAV), relative to the audio root, in placeholder order.
+    #[serde(default, skip_serializing_if = "Media::is_empty")]
+    pub audio: Media,
+    /// The turns.
+    pub conversations: Vec<Turn>,
+}
+
+/// One path or a list of paths, as LLaVA files write either.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Media {
+    /// A single item.
+    One(String),
+    /// Any number of items.
+    Many(Vec<String>),
+}
+
+impl Default for Media {
+    fn default() -> Self {
+        Media::Many(Vec::new())
+    }
+}
+
+impl Media {
+    /// The paths, in order.
+    pub fn paths(&self) -> Vec<&str> {
+        match self {
+            Media::One(p) => vec![p.as_str()],
+            Media::Many(v) => v.iter().map(String::as_str).collect(),
+        }
+    }
+
+    /// Whether there is no item.
+    pub fn is_empty(&self) -> bool {
+        matches!(self, Media::Many(v) if v.is_empty())
+    }
+
+    /// `paths` as LLaVA writes them: none, one path, or a list.
+    pub fn of(paths: Vec<String>) -> Media {
+        if paths.len() == 1 {
+            Media::One(paths.into_iter().next().expect("one path"))
+        } else {
+            Media::Many(paths)
+        }
+    }
+}
+
+/// Who speaks a turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// The user (`human`): its text is context, never a training target.
+    Human,
+    /// The assistant (`gpt`): its text is what the model learns to produce.
+    Gpt,
+    /// A system prompt (context).
+    System,
+}
+
+/// One turn of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Turn {
+    /// The speaker.
+    pub from: Role,
+    /// The text, with placeholders in human turns.
+    pub value: String,
+}
+
+impl Record {
+    /// Whether the record is consistent; the message says what is not.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if !self.conversations.iter().any(|t| t.from == Role::Gpt) {
+            return Err("no assistant (gpt) turn: nothing to learn".into());
+        }
+        let (mut images, mut clips) = (0, 0);
+        for (i, t) in self.conversations.iter().enumerate() {
+            for p in placeholders(&t.value) {
+                match p {
+                    IMAGE | AUDIO if t.from != Role::Human => {
+                        return Err(format!(
+                            "turn {i} ({:?}) holds the placeholder {p}: media go in human turns",
+                            t.from
+                        ));
+                    }
+                    IMAGE => images += 1,
+                    AUDIO => clips += 1,
+                    other => {
+                        return Err(format!(
+                            "turn {i}: unknown placeholder {other} (hetpar reads {IMAGE} and {AUDIO})"
+                        ));
+                    }
+                }
+            }
+        }
+        for (what, placed, listed) in
+            [(IMAGE, images, self.image.paths().len()), (AUDIO, clips, self.audio.paths().len())]
+        {
+            if placed != listed {
+                return Err(format!(
+                    "{placed} {what} placeholders in the turns but {listed} files listed"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every `<lowercase_letters>` in `text`, in order.
+fn placeholders(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find('<') {
+        let tail = &rest[start..];
+        let Some(end) = tail[1..].find(|c: char| !(c.is_ascii_lowercase() || c == '_')) else {
+            break;
+        };
+        if end > 0 && tail[1 + end..].starts_with('>') {
+            out.push(&tail[..end + 2]);
+            rest = &tail[end + 2..];
+        } else {
+            rest = &tail[1..];
+        }
+    }
+    out
+}
+
+fn string_or_number<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<String, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Id {
+        S(String),
+        N(serde_json::Number),
+    }
+    Ok(match Id::deserialize(d)? {
+        Id::S(s) => s,
+        Id::N(n) => n.to_string(),
+    })
+}
+
+/// Reads a LLaVA JSON file and checks every record.
+pub fn load(path: &Path) -> Result<Vec<Record>> {
+    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    let records: Vec<Record> = serde_json::from_str(&text)
+        .map_err(|e| DataError::Format { path: path.to_path_buf(), message: e.to_string() })?;
+    for (index, r) in records.iter().enumerate() {
+        r.check().map_err(|message| record_error(path, index, r, message))?;
+    }
+    Ok(records)
+}
+
+/// Checks that every image exists under `image_root` and every clip under `audio_root`.
+pub fn check_files(
+    path: &Path,
+    records: &[Record],
+    image_root: &Path,
+    audio_root: &Path,
+) -> Result<()> {
+    for (index, r) in records.iter().enumerate() {
+        for (root, media) in [(image_root, &r.image), (audio_root, &r.audio)] {
+            for p in media.paths() {
+                let file: PathBuf = root.join(p);
+                if !file.is_file() {
+                    let message = format!("missing file {}", file.display());
+                    return Err(record_error(path, index, r, message));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn record_error(path: &Path, index: usize, r: &Record, message: String) -> DataError {
+    DataError::Record { path: path.to_path_buf(), index, id: r.id.clone(), message }
+}
+
+/// Writes `records` as a LLaVA JSON file (pretty-printed, one field per line).
+pub fn save(path: &Path, records: &[Record]) -> Result<()> {
+    let text = serde_json::to_string_pretty(records)
+        .map_err(|e| DataError::Encode { path: path.to_path_buf(), message: e.to_string() })?;
+    std::fs::write(path, text + "\n").map_err(io(path))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::{Media, Record, placeholders};
+
+    fn record(json: &str) -> Record {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn placeholders_are_lowercase_words_in_angle_brackets() {
+        assert_eq!(
+            placeholders("<image>\nIs <b>this</b> a <video>? a < b > c <x_y> <>"),
+            ["<image>", "<b>", "<video>", "<x_y>"]
+        );
+    }
+
+    #[test]
+    fn one_path_a_list_or_none_and_numeric_ids_read() {
+        let r = record(
+            r#"{"id": 7, "image": "a.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "a cat"}]}"#,
+        );
+        assert_eq!((r.id.as_str(), r.image.paths()), ("7", vec!["a.png"]));
+        assert!(r.audio.is_empty());
+        r.check().unwrap();
+        let r = record(
+            r#"{"id": "x", "image": ["a.png", "b.png"], "audio": ["c.wav"], "conversations": [{"from": "human", "value": "<image><image><audio> and?"}, {"from": "gpt", "value": "ok"}]}"#,
+        );
+        r.check().unwrap();
+        assert_eq!(Media::of(vec!["a".into()]), Media::One("a".into()));
+    }
+
+    #[test]
+    fn inconsistent_records_say_why() {
+        let cases = [
+            (
+                r#"{"id": "a", "image": ["x.png", "y.png"], "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "."}]}"#,
+                "1 <image> placeholders in the turns but 2 files listed",
+            ),
+            (
+                r#"{"id": "b", "conversations": [{"from": "human", "value": "<video> what?"}, {"from": "gpt", "value": "."}]}"#,
+                "turn 0: unknown placeholder <video>",
+            ),
+            (
+                r#"{"id": "c", "audio": "c.wav", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<audio>"}]}"#,
+                "turn 1 (Gpt) holds the placeholder <audio>",
+            ),
+            (
+                r#"{"id": "d", "conversations": [{"from": "human", "value": "hi"}]}"#,
+                "no assistant (gpt) turn",
+            ),
+        ];
+        for (json, want) in cases {
+            let e = record(json).check().unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+}
