@@ -4,12 +4,16 @@
 //!   `conversations` of `{from, value}` turns with one `<image>` or `<audio>` placeholder
 //!   per item), read with errors that name the record, and checked so that placeholders
 //!   and files agree (RELIABILITY.md row 9).
+//! - [`mel`]: the audio encoder's front end, Whisper's log-mel features of a 16 kHz WAV clip.
+//! - [`pixels`]: the vision encoder's front end, an image file resized and normalized.
 //! - [`synth`]: a deterministic synthetic dataset in that format: PNG images of coloured
 //!   shapes and 16 kHz WAV clips of tones and chirps, with questions whose answers name
 //!   what the image shows and what the clip sounds like, and a held-out split.
 
 pub mod error;
 pub mod llava;
+pub mod mel;
+pub mod pixels;
 pub mod synth;
 
 pub use error::DataError;

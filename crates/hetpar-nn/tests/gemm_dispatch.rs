@@ -1,15 +1,14 @@
-//! Checks candle's matmul on whichever kernels gemm picks on this CPU: AVX-512 where the
-//! CPU has AVX-512F (the `x86-v4` feature hetpar-nn turns on), AVX2+FMA or scalar code
-//! elsewhere. Odd shapes reach the kernels' edge cases; every product is compared with a
-//! plain triple loop in f64. CI runs it natively and under valgrind, whose virtual CPU has
-//! no AVX-512, so the fallback is exercised on the same machine:
+//! candle's matmul on whichever kernels gemm picks on this CPU: AVX-512 where the CPU has
+//! AVX-512F (the `x86-v4` feature hetpar-nn turns on), AVX2+FMA or scalar code elsewhere.
+//! Odd shapes reach the kernels' edge cases; every product is compared with a plain triple
+//! loop in f64. CI also runs this test under valgrind, whose virtual CPU has no AVX-512, so
+//! the fallback is exercised on the same machine; `HETPAR_EXPECT_KERNELS` (a prefix of the
+//! kernel name) makes the test check which kernels it got:
 //!
-//!     cargo run --release -p hetpar-nn --example gemm-dispatch
-//!     valgrind -q target/release/examples/gemm-dispatch
+//!     HETPAR_EXPECT_KERNELS=AVX2 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="valgrind -q" \
+//!       cargo test --release --test gemm_dispatch -- --nocapture
 
-#![allow(clippy::print_stdout, clippy::print_stderr)]
-
-use std::process::ExitCode;
+#![allow(clippy::print_stdout, clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Tensor};
 
@@ -55,28 +54,18 @@ fn kernels() -> &'static str {
     "non-x86 (gemm picks by the CPU's own features)"
 }
 
-fn main() -> ExitCode {
-    println!("gemm runs its {} kernels on this CPU", kernels());
+#[test]
+fn products_match_the_definition_on_the_kernels_this_cpu_gets() {
+    let kernels = kernels();
+    println!("gemm runs its {kernels} kernels on this CPU");
+    if let Ok(want) = std::env::var("HETPAR_EXPECT_KERNELS") {
+        assert!(kernels.starts_with(&want), "expected {want} kernels, got {kernels}");
+    }
     let shapes = [(1, 1, 1), (3, 5, 7), (17, 33, 9), (67, 129, 45), (128, 256, 96), (200, 64, 300)];
-    let mut failed = false;
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
         for &shape in &shapes {
-            match worst(dtype, shape) {
-                Ok(w) if w <= tol => {}
-                Ok(w) => {
-                    eprintln!("{dtype:?} {shape:?}: relative difference {w:.2e} above {tol:e}");
-                    failed = true;
-                }
-                Err(e) => {
-                    eprintln!("{dtype:?} {shape:?}: {e}");
-                    failed = true;
-                }
-            }
+            let w = worst(dtype, shape).unwrap();
+            assert!(w <= tol, "{dtype:?} {shape:?}: relative difference {w:.2e} above {tol:e}");
         }
     }
-    if failed {
-        return ExitCode::FAILURE;
-    }
-    println!("{} products in f32 and f64 match the reference", shapes.len());
-    ExitCode::SUCCESS
 }

@@ -1,0 +1,174 @@
+//! The audio front end: WAV in, Whisper's log-mel features out.
+//!
+//! As OpenAI's Whisper computes them: a 400-sample (25 ms) periodic Hann window every 160
+//! samples (10 ms) at 16 kHz over the clip reflect-padded by 200 samples at each end, the
+//! squared magnitude of each frame's real FFT, the last frame dropped (so a clip of `n`
+//! samples gives `n / 160` frames), a mel filterbank of `n_mels` triangles on the Slaney
+//! mel scale with Slaney area normalization (librosa's `filters.mel`, which Whisper's
+//! filters come from), `log10` of the energies clamped at 1e-10, every value raised to at
+//! least the clip's maximum minus 8, and `(x + 4) / 4`. One difference: Whisper pads every
+//! clip to 30 s first; here a clip keeps its own length, so the maximum is the clip's.
+//! `scripts/golden/logmel.py` computes the same with numpy and librosa for the tests.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use realfft::{RealFftPlanner, RealToComplex};
+
+use crate::error::{DataError, Result};
+
+/// Sample rate the features assume.
+pub const SAMPLE_RATE: u32 = 16_000;
+/// Window and FFT length.
+pub const N_FFT: usize = 400;
+/// Samples between frames.
+pub const HOP: usize = 160;
+
+/// Hz to mel on the Slaney scale: linear below 1 kHz, logarithmic above.
+fn hz_to_mel(f: f64) -> f64 {
+    let (f_sp, min_log_hz, min_log_mel) = (200.0 / 3.0, 1000.0, 15.0);
+    let logstep = 6.4f64.ln() / 27.0;
+    if f >= min_log_hz { min_log_mel + (f / min_log_hz).ln() / logstep } else { f / f_sp }
+}
+
+/// The inverse of [`hz_to_mel`].
+fn mel_to_hz(m: f64) -> f64 {
+    let (f_sp, min_log_hz, min_log_mel) = (200.0 / 3.0, 1000.0, 15.0);
+    let logstep = 6.4f64.ln() / 27.0;
+    if m >= min_log_mel { min_log_hz * (logstep * (m - min_log_mel)).exp() } else { f_sp * m }
+}
+
+/// The filterbank: `n_mels` rows of `N_FFT / 2 + 1` weights, triangles between mel
+/// frequencies equally spaced from 0 to 8 kHz, each scaled to unit area (Slaney).
+pub fn mel_filters(n_mels: usize) -> Vec<Vec<f64>> {
+    let bins = N_FFT / 2 + 1;
+    let nyquist = f64::from(SAMPLE_RATE) / 2.0;
+    let fft_freqs: Vec<f64> = (0..bins).map(|k| nyquist * k as f64 / (bins - 1) as f64).collect();
+    let top = hz_to_mel(nyquist);
+    let mel_f: Vec<f64> =
+        (0..n_mels + 2).map(|i| mel_to_hz(top * i as f64 / (n_mels + 1) as f64)).collect();
+    (0..n_mels)
+        .map(|i| {
+            let (lo, mid, hi) = (mel_f[i], mel_f[i + 1], mel_f[i + 2]);
+            let norm = 2.0 / (hi - lo);
+            fft_freqs
+                .iter()
+                .map(|&f| {
+                    let rising = (f - lo) / (mid - lo);
+                    let falling = (hi - f) / (hi - mid);
+                    rising.min(falling).max(0.0) * norm
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Log-mel features of `n_mels` bands.
+pub struct LogMel {
+    n_mels: usize,
+    filters: Vec<Vec<f64>>,
+    window: Vec<f64>,
+    fft: Arc<dyn RealToComplex<f64>>,
+}
+
+impl std::fmt::Debug for LogMel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LogMel({} mels)", self.n_mels)
+    }
+}
+
+impl LogMel {
+    /// The front end for `n_mels` bands.
+    pub fn new(n_mels: usize) -> LogMel {
+        let window = (0..N_FFT)
+            .map(|i| 0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / N_FFT as f64).cos())
+            .collect();
+        let fft = RealFftPlanner::<f64>::new().plan_fft_forward(N_FFT);
+        LogMel { n_mels, filters: mel_filters(n_mels), window, fft }
+    }
+
+    /// Frames of a clip of `samples` samples.
+    pub fn frames(samples: usize) -> usize {
+        samples / HOP
+    }
+
+    /// The features of `clip` (16 kHz samples in [-1, 1]): `[n_mels, frames]`, row-major.
+    /// A clip must be longer than half a window (200 samples) for the reflect padding.
+    pub fn compute(&self, clip: &[f32]) -> Result<Vec<f32>> {
+        let pad = N_FFT / 2;
+        if clip.len() <= pad {
+            return Err(DataError::Options(format!(
+                "a clip of {} samples is too short for log-mel features (at least {} at 16 kHz)",
+                clip.len(),
+                pad + 1
+            )));
+        }
+        let n = clip.len();
+        // Reflect padding without repeating the edge sample, as numpy and torch do.
+        let at = |i: isize| -> f64 {
+            let j = if i < 0 {
+                -i
+            } else if i as usize >= n {
+                2 * (n as isize - 1) - i
+            } else {
+                i
+            };
+            f64::from(clip[j as usize])
+        };
+        let frames = Self::frames(n);
+        let bins = N_FFT / 2 + 1;
+        let mut input = self.fft.make_input_vec();
+        let mut spectrum = self.fft.make_output_vec();
+        let mut power = vec![0.0f64; bins];
+        let mut mel = vec![0.0f64; self.n_mels * frames];
+        for t in 0..frames {
+            let start = (t * HOP) as isize - pad as isize;
+            for (k, x) in input.iter_mut().enumerate() {
+                *x = at(start + k as isize) * self.window[k];
+            }
+            self.fft
+                .process(&mut input, &mut spectrum)
+                .map_err(|e| DataError::Options(format!("FFT: {e}")))?;
+            for (p, c) in power.iter_mut().zip(&spectrum) {
+                *p = c.norm_sqr();
+            }
+            for (m, row) in self.filters.iter().enumerate() {
+                let e: f64 = row.iter().zip(&power).map(|(w, p)| w * p).sum();
+                mel[m * frames + t] = e.max(1e-10).log10();
+            }
+        }
+        let floor = mel.iter().copied().fold(f64::NEG_INFINITY, f64::max) - 8.0;
+        Ok(mel.iter().map(|&v| ((v.max(floor) + 4.0) / 4.0) as f32).collect())
+    }
+}
+
+/// A WAV file's samples in [-1, 1], channels averaged. It must be 16 kHz (the features
+/// assume it; resample elsewhere), 16-bit integer or 32-bit float.
+pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
+    let bad = |message: String| DataError::Encode { path: path.to_path_buf(), message };
+    let mut reader = hound::WavReader::open(path).map_err(|e| bad(e.to_string()))?;
+    let spec = reader.spec();
+    if spec.sample_rate != SAMPLE_RATE {
+        return Err(bad(format!(
+            "sampled at {} Hz; the audio encoder's features need {SAMPLE_RATE} Hz (resample the file)",
+            spec.sample_rate
+        )));
+    }
+    let interleaved: Vec<f32> = match (spec.sample_format, spec.bits_per_sample) {
+        (hound::SampleFormat::Int, 16) => reader
+            .samples::<i16>()
+            .map(|s| s.map(|v| f32::from(v) / 32768.0))
+            .collect::<std::result::Result<_, _>>(),
+        (hound::SampleFormat::Float, 32) => {
+            reader.samples::<f32>().collect::<std::result::Result<_, _>>()
+        }
+        (format, bits) => {
+            return Err(bad(format!(
+                "{bits}-bit {format:?} samples; hetpar reads 16-bit integer or 32-bit float WAV"
+            )));
+        }
+    }
+    .map_err(|e| bad(e.to_string()))?;
+    let channels = usize::from(spec.channels.max(1));
+    Ok(interleaved.chunks(channels).map(|c| c.iter().sum::<f32>() / channels as f32).collect())
+}

@@ -1,0 +1,77 @@
+//! The vision encoder's front end: an image file to the `[3, size, size]` pixels a ViT
+//! takes.
+//!
+//! Any format the `image` crate reads here (PNG; grey and alpha images become RGB, the
+//! alpha dropped), resized to `size x size` with a bicubic (Catmull-Rom) filter as
+//! SigLIP's processor does (the aspect ratio is not kept: the whole image is squeezed
+//! into the square), and normalized SigLIP's way, `(x / 255 - 0.5) / 0.5` per channel, so
+//! values lie in [-1, 1]. Channel-major, row-major within a channel.
+
+use std::path::Path;
+
+use image::imageops::FilterType;
+
+use crate::error::{DataError, Result};
+
+/// The pixels of the image at `path`, resized to `size` and normalized: `3 * size * size`
+/// values, channel by channel.
+pub fn load_image(path: &Path, size: u32) -> Result<Vec<f32>> {
+    let img = image::open(path).map_err(|e| DataError::Encode {
+        path: path.to_path_buf(),
+        message: format!("unreadable image: {e}"),
+    })?;
+    Ok(normalize(&img.to_rgb8(), size))
+}
+
+/// `img` resized to `size` and normalized, channel-major.
+pub fn normalize(img: &image::RgbImage, size: u32) -> Vec<f32> {
+    let resized = if img.dimensions() == (size, size) {
+        img.clone()
+    } else {
+        image::imageops::resize(img, size, size, FilterType::CatmullRom)
+    };
+    let plane = (size * size) as usize;
+    let mut out = vec![0.0f32; 3 * plane];
+    for (i, px) in resized.pixels().enumerate() {
+        for c in 0..3 {
+            out[c * plane + i] = (f32::from(px.0[c]) / 255.0 - 0.5) / 0.5;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::{load_image, normalize};
+
+    #[test]
+    fn pixels_are_channel_major_in_minus_one_to_one() {
+        let img = image::RgbImage::from_fn(2, 2, |x, y| {
+            image::Rgb([255, (x * 255) as u8, (y * 255) as u8])
+        });
+        let v = normalize(&img, 2);
+        assert_eq!(v, [1.0, 1.0, 1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0]);
+        // A flat image stays flat at any size.
+        let flat = image::RgbImage::from_pixel(7, 5, image::Rgb([51, 102, 204]));
+        let v = normalize(&flat, 4);
+        assert_eq!(v.len(), 48);
+        for (c, want) in [51.0f32, 102.0, 204.0].iter().enumerate() {
+            for x in &v[c * 16..(c + 1) * 16] {
+                assert!((x - (want / 255.0 - 0.5) / 0.5).abs() < 1e-6, "{x}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_unreadable_image_names_its_file() {
+        let path = std::env::temp_dir().join(format!("hetpar-bad-{}.png", std::process::id()));
+        std::fs::write(&path, b"not a png").unwrap();
+        let e = load_image(&path, 8).unwrap_err().to_string();
+        assert!(e.contains(&format!("{}: unreadable image", path.display())), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        let e = load_image(&path, 8).unwrap_err().to_string();
+        assert!(e.contains("unreadable image"), "{e}");
+    }
+}
