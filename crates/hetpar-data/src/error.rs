@@ -15,8 +15,8 @@ pub enum DataError {
         /// What the system said.
         source: std::io::Error,
     },
-    /// A JSON file is not a list of LLaVA records.
-    #[error("{path}: not a LLaVA JSON list: {message}")]
+    /// A file is not in the format it should be (a LLaVA JSON list, a tokenizer.json).
+    #[error("{path}: {message}")]
     Format {
         /// The file.
         path: PathBuf,

@@ -4,12 +4,16 @@
 //!   `conversations` of `{from, value}` turns with one `<image>` or `<audio>` placeholder
 //!   per item), read with errors that name the record, and checked so that placeholders
 //!   and files agree (RELIABILITY.md row 9).
+//! - [`chat`]: the tokenizer (`tokenizer.json`; a byte-level BPE trained for the
+//!   synthetic set), the chat template, targets on assistant turns only, placeholders
+//!   expanded to the encoders' rows, and truncation that never cuts an item's rows.
 //! - [`mel`]: the audio encoder's front end, Whisper's log-mel features of a 16 kHz WAV clip.
 //! - [`pixels`]: the vision encoder's front end, an image file resized and normalized.
 //! - [`synth`]: a deterministic synthetic dataset in that format: PNG images of coloured
 //!   shapes and 16 kHz WAV clips of tones and chirps, with questions whose answers name
 //!   what the image shows and what the clip sounds like, and a held-out split.
 
+pub mod chat;
 pub mod error;
 pub mod llava;
 pub mod mel;

@@ -171,8 +171,10 @@ fn string_or_number<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Stri
 /// Reads a LLaVA JSON file and checks every record.
 pub fn load(path: &Path) -> Result<Vec<Record>> {
     let text = std::fs::read_to_string(path).map_err(io(path))?;
-    let records: Vec<Record> = serde_json::from_str(&text)
-        .map_err(|e| DataError::Format { path: path.to_path_buf(), message: e.to_string() })?;
+    let records: Vec<Record> = serde_json::from_str(&text).map_err(|e| DataError::Format {
+        path: path.to_path_buf(),
+        message: format!("not a LLaVA JSON list: {e}"),
+    })?;
     for (index, r) in records.iter().enumerate() {
         r.check().map_err(|message| record_error(path, index, r, message))?;
     }
@@ -242,6 +244,19 @@ mod tests {
         );
         r.check().unwrap();
         assert_eq!(Media::of(vec!["a".into()]), Media::One("a".into()));
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_list_names_itself_and_the_place() {
+        let path = std::env::temp_dir().join(format!("hetpar-llava-{}.json", std::process::id()));
+        std::fs::write(&path, "{\"id\": 1}").unwrap();
+        let e = super::load(&path).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{}: not a LLaVA JSON list: invalid type", path.display())),
+            "{e}"
+        );
+        assert!(e.contains("line 1 column"), "{e}");
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //!
 //! Sample `i` depends only on the seed and `i` (not on how many are written); the last
 //! `heldout` samples form the held-out split. The directory holds `train.json`,
-//! `heldout.json`, `images/`, `audio/` and `synth.json` (what made it).
+//! `heldout.json`, `images/`, `audio/`, `tokenizer.json` (a byte-level BPE trained on the
+//! training split's turns, with the template's special tokens) and `synth.json` (what made
+//! it).
 
 use std::f64::consts::PI;
 use std::path::{Path, PathBuf};
@@ -23,6 +25,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use crate::chat::Vocab;
 use crate::error::{DataError, Result, io};
 use crate::llava::{self, AUDIO, IMAGE, Media, Record, Role, Turn};
 
@@ -61,6 +64,8 @@ pub struct SynthOptions {
     pub max_clips: usize,
     /// Image side in pixels.
     pub image_size: u32,
+    /// Most tokens of the BPE trained on the training split (`tokenizer.json`).
+    pub vocab_size: usize,
 }
 
 impl Default for SynthOptions {
@@ -72,6 +77,7 @@ impl Default for SynthOptions {
             max_images: 2,
             max_clips: 1,
             image_size: 64,
+            vocab_size: 512,
         }
     }
 }
@@ -92,6 +98,12 @@ impl SynthOptions {
             return bad(format!(
                 "{} held-out samples leave none of {} to train on",
                 self.heldout, self.samples
+            ));
+        }
+        if self.vocab_size < 300 {
+            return bad(format!(
+                "a vocabulary of {} tokens cannot hold the 256 bytes, the template's markers and any merge",
+                self.vocab_size
             ));
         }
         if !(16..=1024).contains(&self.image_size) {
@@ -116,6 +128,8 @@ pub struct SynthSummary {
     pub text_only: usize,
     /// Samples with more than one image.
     pub multi_image: usize,
+    /// Tokens in `tokenizer.json`.
+    pub vocab: usize,
     /// Bytes of every file written.
     pub bytes: u64,
 }
@@ -354,6 +368,13 @@ pub fn generate(
         llava::save(&file, records)?;
         summary.bytes += size(&file)?;
     }
+    let texts: Vec<String> =
+        train.iter().flat_map(|r| r.conversations.iter().map(|t| t.value.clone())).collect();
+    let vocab = Vocab::train(&texts, opts.vocab_size)?;
+    let file = dir.join("tokenizer.json");
+    vocab.save(&file)?;
+    summary.vocab = vocab.len();
+    summary.bytes += size(&file)?;
     let made = Made { format: FORMAT.into(), options: opts.clone(), summary: summary.clone() };
     let file = dir.join("synth.json");
     let text = serde_json::to_string_pretty(&made)

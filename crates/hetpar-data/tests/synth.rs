@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use hetpar_data::chat::{Vocab, encode};
 use hetpar_data::llava::{self, Role};
 use hetpar_data::synth::{self, SAMPLE_RATE, SynthOptions};
 use sha2::{Digest, Sha256};
@@ -77,6 +78,14 @@ fn records_load_and_every_kind_of_sample_occurs() {
     assert!(summary.text_only > 0 && summary.multi_image > 0 && summary.clips > 0, "{summary:?}");
     for r in &all {
         assert_eq!(r.conversations.last().unwrap().from, Role::Gpt, "{}", r.id);
+    }
+    let vocab = Vocab::load(&dir.join("tokenizer.json")).unwrap();
+    assert_eq!(vocab.len(), summary.vocab);
+    assert!(vocab.len() <= 512);
+    // Every training record goes through the template at the demo's sizes.
+    for r in &train {
+        let e = encode(&vocab, r, 4, 3, 128).unwrap();
+        assert!(e.targets.iter().any(|&t| t >= 0), "{}", r.id);
     }
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -18,7 +18,7 @@ pub(crate) struct Args {
 enum DataCommand {
     /// Write the synthetic multimodal dataset in LLaVA format: PNG images of coloured shapes,
     /// 16 kHz WAV clips of tones and chirps, conversations that ask about them, a held-out
-    /// split. The same seed gives the same bytes.
+    /// split, and a BPE tokenizer.json trained on it. The same seed gives the same bytes.
     #[command(
         after_help = "Examples:\n  hetpar data synth --out /tmp/d\n  hetpar data synth --out /tmp/d --samples 200 --seed 7"
     )]
@@ -46,6 +46,9 @@ struct SynthArgs {
     /// Image side in pixels.
     #[arg(long, default_value_t = 64)]
     image_size: u32,
+    /// Most tokens of the BPE trained on the training split (tokenizer.json).
+    #[arg(long, default_value_t = 512)]
+    vocab_size: usize,
 }
 
 pub(crate) fn run(args: &Args) -> anyhow::Result<()> {
@@ -60,6 +63,7 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         max_images: a.max_images,
         max_clips: a.max_clips,
         image_size: a.image_size,
+        vocab_size: a.vocab_size,
         ..SynthOptions::with_samples(a.samples)
     };
     let bar = ProgressBar::new(a.samples as u64).with_style(
@@ -79,11 +83,12 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         a.seed
     );
     println!(
-        "{} images ({} samples with several), {} audio clips, {} text-only samples, {:.1} MiB",
+        "{} images ({} samples with several), {} audio clips, {} text-only samples; tokenizer.json with {} tokens; {:.1} MiB",
         summary.images,
         summary.multi_image,
         summary.clips,
         summary.text_only,
+        summary.vocab,
         summary.bytes as f64 / (1024.0 * 1024.0)
     );
     Ok(())

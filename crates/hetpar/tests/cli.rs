@@ -606,7 +606,7 @@ fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
         )),
         "{text}"
     );
-    for f in ["train.json", "heldout.json", "synth.json", "images", "audio"] {
+    for f in ["train.json", "heldout.json", "synth.json", "tokenizer.json", "images", "audio"] {
         assert!(dir.join(f).exists(), "{f}");
     }
     // Without its synth.json the directory is no longer a dataset hetpar wrote.
