@@ -22,18 +22,7 @@ impl BufferPool {
     /// A buffer of exactly `len` initialized bytes (contents unspecified), reused when a free
     /// one is large enough. Its capacity is never zero, so its address is a real allocation.
     pub fn take(&self, len: usize) -> Vec<u8> {
-        let mut bufs = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
-        let best = bufs
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.capacity() >= len)
-            .min_by_key(|(_, v)| v.capacity())
-            .map(|(i, _)| i);
-        let mut v = match best {
-            Some(i) => bufs.swap_remove(i),
-            None => Vec::with_capacity(len.max(1)),
-        };
-        drop(bufs);
+        let mut v = self.reuse(len);
         if v.len() >= len {
             v.truncate(len);
         } else {
@@ -42,11 +31,28 @@ impl BufferPool {
         v
     }
 
-    /// A copy of `data` in a reused buffer.
+    /// A copy of `data` in a reused buffer (written once: no zero fill, no regrowth).
     pub fn copy_of(&self, data: &[u8]) -> Vec<u8> {
-        let mut v = self.take(0);
+        let mut v = self.reuse(data.len());
+        v.clear();
         v.extend_from_slice(data);
         v
+    }
+
+    /// The smallest free buffer holding at least `cap` bytes (contents as left), or a new
+    /// one.
+    fn reuse(&self, cap: usize) -> Vec<u8> {
+        let mut bufs = self.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let best = bufs
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.capacity() >= cap)
+            .min_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i);
+        match best {
+            Some(i) => bufs.swap_remove(i),
+            None => Vec::with_capacity(cap.max(1)),
+        }
     }
 
     /// Returns a buffer for reuse.
@@ -76,5 +82,17 @@ mod tests {
         assert!(b.capacity() >= 3);
         let c = pool.take(0);
         assert!(c.capacity() >= 1, "never the dangling address of an empty Vec");
+    }
+
+    #[test]
+    fn a_copy_reuses_a_buffer_that_holds_it() {
+        let pool = BufferPool::new();
+        pool.give(Vec::with_capacity(16));
+        let big = pool.copy_of(&[7; 4096]);
+        let at = big.as_ptr();
+        pool.give(big);
+        // The small buffer stays; the copy lands in the big one, without regrowing.
+        let again = pool.copy_of(&[9; 4000]);
+        assert_eq!((again.as_ptr(), again.len(), again[3999]), (at, 4000, 9));
     }
 }
