@@ -7,6 +7,8 @@
 //! - [`chat`]: the tokenizer (`tokenizer.json`; a byte-level BPE trained for the
 //!   synthetic set), the chat template, targets on assistant turns only, placeholders
 //!   expanded to the encoders' rows, and truncation that never cuts an item's rows.
+//! - [`manifest`]: a step's `BatchManifest` from the encoded records' metadata (each
+//!   item's edge, position and rows), the same on every rank, no payload decoded.
 //! - [`mel`]: the audio encoder's front end, Whisper's log-mel features of a 16 kHz WAV clip.
 //! - [`pixels`]: the vision encoder's front end, an image file resized and normalized.
 //! - [`synth`]: a deterministic synthetic dataset in that format: PNG images of coloured
@@ -16,6 +18,7 @@
 pub mod chat;
 pub mod error;
 pub mod llava;
+pub mod manifest;
 pub mod mel;
 pub mod pixels;
 pub mod synth;
