@@ -201,14 +201,11 @@ pub fn encode(
                 .iter()
                 .filter_map(|p| rest.find(p).map(|at| (at, *p)))
                 .min_by_key(|(at, _)| *at);
-            let (piece, marker) = match next {
-                Some((at, p)) => (&rest[..at], Some(p)),
-                None => (rest, None),
-            };
+            let piece = next.map_or(rest, |(at, _)| &rest[..at]);
             let piece_ids = text(piece)?;
             learned.extend(std::iter::repeat_n(learn, piece_ids.len()));
             ids.extend(piece_ids);
-            let Some(p) = marker else { break };
+            let Some((at, p)) = next else { break };
             let (kind, index, rows) = if p == IMAGE {
                 images += 1;
                 (Kind::Image, images - 1, image_rows)
@@ -219,7 +216,7 @@ pub fn encode(
             items.push(Item { kind, index, position: ids.len(), rows });
             ids.extend(std::iter::repeat_n(sp(p), rows));
             learned.extend(std::iter::repeat_n(false, rows));
-            rest = &rest[at_end(rest, p)..];
+            rest = &rest[at + p.len()..];
         }
         ids.push(sp(END));
         learned.push(learn);
@@ -253,9 +250,4 @@ pub fn encode(
         .map(|i| if i + 1 < kept && learned[i + 1] { i64::from(ids[i + 1]) } else { -1 })
         .collect();
     Ok(Encoded { ids, targets, items, length, truncated })
-}
-
-/// The byte offset just past the first `marker` in `text`.
-fn at_end(text: &str, marker: &str) -> usize {
-    text.find(marker).map_or(text.len(), |at| at + marker.len())
 }

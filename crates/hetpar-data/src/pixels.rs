@@ -26,9 +26,9 @@ pub fn load_image(path: &Path, size: u32) -> Result<Vec<f32>> {
 /// `img` resized to `size` and normalized, channel-major.
 pub fn normalize(img: &image::RgbImage, size: u32) -> Vec<f32> {
     let resized = if img.dimensions() == (size, size) {
-        img.clone()
+        std::borrow::Cow::Borrowed(img)
     } else {
-        image::imageops::resize(img, size, size, FilterType::CatmullRom)
+        std::borrow::Cow::Owned(image::imageops::resize(img, size, size, FilterType::CatmullRom))
     };
     let plane = (size * size) as usize;
     let mut out = vec![0.0f32; 3 * plane];

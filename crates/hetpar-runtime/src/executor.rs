@@ -901,7 +901,8 @@ impl Executor {
     }
 }
 
-/// The module whose gradient side action `a` works on (backward, reduction, step).
+/// The module action `a` needs resident (not offloaded): a forward or backward, a gradient
+/// reduction, an optimizer step.
 fn needs_resident(a: &Action) -> Option<ModuleId> {
     match a {
         Action::Compute(c) => Some(c.module),
