@@ -7,6 +7,8 @@
 //! - [`chat`]: the tokenizer (`tokenizer.json`; a byte-level BPE trained for the
 //!   synthetic set), the chat template, targets on assistant turns only, placeholders
 //!   expanded to the encoders' rows, and truncation that never cuts an item's rows.
+//! - [`dataset`]: a dataset opened for a model: records checked and encoded once, the
+//!   order steps draw them in, a bad-data policy, payloads decoded on demand.
 //! - [`manifest`]: a step's `BatchManifest` from the encoded records' metadata (each
 //!   item's edge, position and rows), the same on every rank, no payload decoded.
 //! - [`mel`]: the audio encoder's front end, Whisper's log-mel features of a 16 kHz WAV clip.
@@ -16,6 +18,7 @@
 //!   what the image shows and what the clip sounds like, and a held-out split.
 
 pub mod chat;
+pub mod dataset;
 pub mod error;
 pub mod llava;
 pub mod manifest;
@@ -23,6 +26,7 @@ pub mod mel;
 pub mod pixels;
 pub mod synth;
 
+pub use dataset::{BadData, Dataset, DatasetSpec};
 pub use error::DataError;
 pub use llava::{Record, Turn};
 pub use synth::{SynthOptions, SynthSummary};

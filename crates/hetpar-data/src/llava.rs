@@ -170,15 +170,21 @@ fn string_or_number<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Stri
 
 /// Reads a LLaVA JSON file and checks every record.
 pub fn load(path: &Path) -> Result<Vec<Record>> {
-    let text = std::fs::read_to_string(path).map_err(io(path))?;
-    let records: Vec<Record> = serde_json::from_str(&text).map_err(|e| DataError::Format {
-        path: path.to_path_buf(),
-        message: format!("not a LLaVA JSON list: {e}"),
-    })?;
+    let records = read(path)?;
     for (index, r) in records.iter().enumerate() {
         r.check().map_err(|message| record_error(path, index, r, message))?;
     }
     Ok(records)
+}
+
+/// Reads a LLaVA JSON file without checking its records (a file that is not a list of
+/// records is still an error, with the parser's line and column).
+pub fn read(path: &Path) -> Result<Vec<Record>> {
+    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    serde_json::from_str(&text).map_err(|e| DataError::Format {
+        path: path.to_path_buf(),
+        message: format!("not a LLaVA JSON list: {e}"),
+    })
 }
 
 /// Checks that every image exists under `image_root` and every clip under `audio_root`.

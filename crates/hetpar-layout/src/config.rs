@@ -156,33 +156,75 @@ pub struct DataConfig {
     /// Where samples come from.
     #[serde(default)]
     pub source: DataSource,
-    /// LLaVA JSON file, for `source = "llava"`.
+    /// `source = "llava"`: the LLaVA JSON file, or a directory written by `hetpar data
+    /// synth` (its `train.json`, `heldout.json` and `tokenizer.json`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
-    /// Directory that image paths in the JSON are relative to.
+    /// Directory that media paths in the JSON are relative to (default: the JSON's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_root: Option<String>,
+    /// The `tokenizer.json` (default: the one next to the JSON).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    /// Held-out records in LLaVA JSON for held-out loss and answer accuracy (default:
+    /// `heldout.json` next to the JSON, where there is one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heldout: Option<String>,
+    /// A record that cannot be used: `"error"` stops naming it, `"skip"` leaves it out
+    /// and counts it.
+    #[serde(default)]
+    pub on_bad: OnBad,
+    /// `source = "synth"`: samples of the generated set (a tenth held out).
+    #[serde(default = "thousand")]
+    pub samples: usize,
     /// Synthetic source: each sample draws `0..=max_items` items per encoder edge (none
     /// with probability 1/4, else uniformly `1..=max_items`).
     #[serde(default = "one")]
     pub max_items: usize,
 }
 
+fn thousand() -> usize {
+    1000
+}
+
 impl Default for DataConfig {
     fn default() -> Self {
-        DataConfig { source: DataSource::default(), path: None, image_root: None, max_items: 1 }
+        DataConfig {
+            source: DataSource::default(),
+            path: None,
+            image_root: None,
+            tokenizer: None,
+            heldout: None,
+            on_bad: OnBad::default(),
+            samples: thousand(),
+            max_items: 1,
+        }
     }
+}
+
+/// `data.on_bad`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnBad {
+    /// Stop with an error naming the record.
+    #[default]
+    Error,
+    /// Leave the record out and count it.
+    Skip,
 }
 
 /// Data sources.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DataSource {
-    /// Generated in-process from the seed.
+    /// Generated in-process from the seed (token chains and item patterns; no files).
     #[default]
     Synthetic,
-    /// LLaVA-format conversations with images.
+    /// LLaVA-format conversations with images and audio clips (`data.path`).
     Llava,
+    /// The `hetpar data synth` dataset (`data.samples`, seeded by `train.seed`), written
+    /// once into a cache directory and then read as `llava`.
+    Synth,
 }
 
 impl DataSource {
@@ -191,7 +233,13 @@ impl DataSource {
         match self {
             DataSource::Synthetic => "synthetic",
             DataSource::Llava => "llava",
+            DataSource::Synth => "synth",
         }
+    }
+
+    /// Whether samples come from files (through `hetpar-data`).
+    pub fn is_files(self) -> bool {
+        self != DataSource::Synthetic
     }
 }
 

@@ -642,6 +642,18 @@ fn check_data(data: &DataConfig) -> Result<()> {
             "must be at least 1 (each sample draws 0..=max_items items per encoder), got 0",
         ));
     }
+    if data.source == DataSource::Llava && data.path.is_none() {
+        return Err(ConfigError::new(
+            "data.path",
+            "source = \"llava\" needs path = a LLaVA JSON file or a `hetpar data synth` directory",
+        ));
+    }
+    if data.source == DataSource::Synth && data.samples < 2 {
+        return Err(ConfigError::new(
+            "data.samples",
+            format!("the synth set needs at least 2 samples (one held out), got {}", data.samples),
+        ));
+    }
     if data.max_items != 1 && data.source != DataSource::Synthetic {
         return Err(ConfigError::new(
             "data.max_items",

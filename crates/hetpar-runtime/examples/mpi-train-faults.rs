@@ -91,7 +91,8 @@ fn run(world: &dyn Communicator, case: &str) -> Result<Vec<String>, RuntimeError
         let first = actions.iter().position(Action::has_boundary).expect("a boundary action");
         actions.remove(first);
     }
-    let stages = build_stages(world, &g, DType::F32, &Sources { text, items })?;
+    let stages =
+        build_stages(world, &g, DType::F32, &Sources { batches: Arc::new(plain()), text, items })?;
     let mut opts = train_options(&g, 2);
     opts.on_nonfinite = if case == "nan-skip" { OnNonFinite::Skip } else { OnNonFinite::Stop };
     let mut exec = Executor::new(stages, opts)?;

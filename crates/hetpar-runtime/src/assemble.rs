@@ -12,18 +12,41 @@ use hetpar_nn::models::llama::LlamaConfig;
 use hetpar_nn::models::vit::{Vit, VitConfig};
 use hetpar_nn::{Build, ParallelCtx};
 
+use crate::data::{BatchSource, FileData};
 use crate::error::RuntimeError;
 use crate::stage::Stage;
 use crate::stages::encoder::{EncoderModel, EncoderStage, ItemSource};
 use crate::stages::llama::{LlamaStage, TextSource, stage_layers};
+use crate::synthetic::Synthetic;
 
-/// Where the stages get their data.
+/// Where a rank gets its data.
 #[derive(Clone)]
 pub struct Sources {
+    /// Each batch's manifest.
+    pub batches: Arc<dyn BatchSource>,
     /// The LLM's text.
     pub text: Arc<dyn TextSource>,
     /// The encoders' inputs.
     pub items: Arc<dyn ItemSource>,
+}
+
+impl Sources {
+    /// The in-process synthetic data of `graph` (`data.source = "synthetic"`).
+    pub fn synthetic(graph: &ModelGraph) -> Sources {
+        let data = Arc::new(Synthetic::new(graph));
+        Sources { batches: data.clone(), text: data.clone(), items: data }
+    }
+
+    /// Rank `rank`'s data from files: `train` and, for held-out batches, `heldout`.
+    pub fn files(
+        graph: &ModelGraph,
+        rank: usize,
+        train: Arc<hetpar_data::Dataset>,
+        heldout: Option<Arc<hetpar_data::Dataset>>,
+    ) -> Sources {
+        let data = Arc::new(FileData::new(graph, rank, train, heldout));
+        Sources { batches: data.clone(), text: data.clone(), items: data }
+    }
 }
 
 impl std::fmt::Debug for Sources {

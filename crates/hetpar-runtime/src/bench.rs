@@ -17,7 +17,6 @@ use crate::executor::Executor;
 use crate::optim::AdamState;
 use crate::plans::StepPlans;
 use crate::step::{Grads, clip_factor, norm_sq_share};
-use crate::synthetic::Synthetic;
 use crate::train::train_options;
 
 /// Step times of the two ways, each the fastest of the timed steps (after one warm-up).
@@ -54,8 +53,7 @@ pub fn executor_overhead(
     }
     let opts = LocalOptions { timeout: std::time::Duration::from_secs(600) };
     let mut out = launch(1, opts, |c| {
-        let data = std::sync::Arc::new(Synthetic::new(graph));
-        let sources = Sources { text: data.clone(), items: data };
+        let sources = Sources::synthetic(graph);
         let options = train_options(graph, steps);
         let schedule = Schedule::build(&PipelineGraph::from_model(graph), Options::default())
             .map_err(|e| RuntimeError::Model(e.to_string()))?;

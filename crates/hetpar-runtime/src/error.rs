@@ -9,6 +9,9 @@ pub enum RuntimeError {
     /// A communication failed (timeout, failed peer, mismatch).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// Training data could not be read or used (the message names the record and file).
+    #[error("data: {0}")]
+    Data(String),
     /// Model code failed (a tensor operation, bad input to a stage).
     #[error("{0}")]
     Model(String),

@@ -25,7 +25,7 @@ use crate::error::RuntimeError;
 use crate::memory::{HostCopy, Resident, bytes};
 use crate::optim::{AdamState, AdamW, LrSchedule};
 use crate::plans::StepPlans;
-use crate::stage::{BoundaryIn, Forward, Stage};
+use crate::stage::{BoundaryIn, Forward, Scored, Stage};
 use crate::step::{Grads, clip_factor, finite, norm_sq_share, reduce};
 
 type Result<T> = std::result::Result<T, RuntimeError>;
@@ -87,6 +87,8 @@ pub struct StepReport {
     pub collective_bytes: Vec<u64>,
     /// What each module holds in memory, the largest over its ranks, by module id.
     pub resident: Vec<Resident>,
+    /// Target tokens this rank scored (held-out batches; see [`Scored`]).
+    pub scored: Vec<Scored>,
 }
 
 type Key = (ModuleId, usize, usize);
@@ -154,6 +156,8 @@ struct Stash {
     boundary_in: HashMap<(ModuleId, usize), Vec<(EdgeId, Var)>>,
     /// Gradients of delivered rows by (edge, mb), waiting for the backward transform.
     boundary_grads: HashMap<(EdgeId, usize), Tensor>,
+    /// Targets this rank's forwards scored.
+    scored: Vec<Scored>,
 }
 
 /// One message's bytes in the module's element type.
@@ -438,6 +442,7 @@ impl Executor {
             durations,
             collective_bytes: o.collective_bytes,
             resident,
+            scored: stash.scored,
         })
     }
 
@@ -553,6 +558,7 @@ impl Executor {
         let mut fwd =
             self.stages[i].forward(c.vstage, c.mb, input.as_ref().map(Var::as_tensor), &inputs)?;
         let reported = fwd.reported;
+        stash.scored.append(&mut fwd.scored);
         let recompute = self.opts.recompute.contains(&c.module);
         if recompute || self.opts.forward_only.contains(&c.module) {
             // Keep the values the next stage or the edge reads, drop the graph behind them.

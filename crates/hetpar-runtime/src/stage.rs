@@ -8,8 +8,19 @@ use hetpar_nn::{ParallelCtx, Param};
 
 use crate::error::RuntimeError;
 
+/// One target token of a scored (held-out) batch, on the rank that holds its logit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scored {
+    /// The sample (index in the step's manifest).
+    pub sample: usize,
+    /// The position whose next token it is.
+    pub pos: usize,
+    /// Whether the model's top token at `pos` is the target (greedy decoding would emit it).
+    pub correct: bool,
+}
+
 /// What a virtual stage's forward produced for one microbatch.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Forward {
     /// The activation the next virtual stage takes (`None` where the module ends the
     /// model). Its gradient comes back as the seed of this stage's backward.
@@ -21,6 +32,8 @@ pub struct Forward {
     /// This rank's share of the step's reported loss: summed over every rank of the job
     /// it gives the loss, each token counted once.
     pub reported: f64,
+    /// Target tokens this rank scored (held-out batches only; see [`Scored`]).
+    pub scored: Vec<Scored>,
 }
 
 /// Encoder rows an edge delivered to this rank for one microbatch: `rows` `[n, width]` in

@@ -11,6 +11,7 @@ use candle_core::{Device, Tensor};
 use hetpar_layout::{BatchManifest, EdgeId, ItemRef, ModelGraph, ModuleSpec};
 use hetpar_nn::Init;
 
+use crate::data::BatchSource;
 use crate::error::RuntimeError;
 use crate::stages::encoder::ItemSource;
 use crate::stages::llama::{TextBatch, TextSource};
@@ -21,6 +22,7 @@ pub const CLASSES: usize = 4;
 /// Synthetic text and encoder inputs for a model graph.
 #[derive(Clone, Debug)]
 pub struct Synthetic {
+    graph: ModelGraph,
     seed: u64,
     vocab: usize,
     /// Input shape of each edge's items.
@@ -58,7 +60,7 @@ impl Synthetic {
                 ModuleSpec::Llama { .. } => unreachable!("an edge starts at an encoder"),
             })
             .collect();
-        Synthetic { seed: graph.train.seed, vocab, shapes }
+        Synthetic { graph: graph.clone(), seed: graph.train.seed, vocab, shapes }
     }
 
     /// Tokens the chain uses: ids `1..chain`; the class tokens sit above it.
@@ -81,6 +83,12 @@ impl Synthetic {
     fn next(&self, t: u32, coin: bool) -> u32 {
         let n = self.chain() - 1;
         1 + (unit(&[self.seed, 2, u64::from(t), u64::from(coin)]) * n as f64) as u32
+    }
+}
+
+impl BatchSource for Synthetic {
+    fn manifest(&self, batch: usize) -> Result<BatchManifest, RuntimeError> {
+        Ok(BatchManifest::synthetic(&self.graph, batch as u64))
     }
 }
 
@@ -123,7 +131,7 @@ impl TextSource for Synthetic {
                 }
             }
         }
-        Ok(TextBatch { seq, tokens, targets })
+        Ok(TextBatch { seq, tokens, targets, score: false })
     }
 }
 

@@ -1,15 +1,18 @@
 //! Training one rank of a model graph: its stages, the optimizer from `[train]`, the
-//! step's schedule, and per step the synthetic manifest, its plans and the executor.
+//! step's schedule, and per step the data's manifest, its plans and the executor; held-out
+//! loss and answer accuracy by forward passes through the same stages.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::DType;
-use hetpar_comm::{CommExt, Communicator};
+use hetpar_comm::{CommExt, Communicator, ReduceOp};
 use hetpar_layout::{BatchManifest, ModelGraph};
 use hetpar_schedule::{Options, PipelineGraph, Schedule};
 
 use crate::assemble::{Sources, build_stages};
+use crate::data::{BatchSource, HELDOUT};
 use crate::error::RuntimeError;
 use crate::executor::{Executor, OnNonFinite, StepReport, TrainOptions};
 use crate::optim::{AdamW, LrSchedule};
@@ -32,6 +35,35 @@ pub struct StepLog {
     /// Bytes each edge's transforms move in the step over all ranks, forward and backward
     /// (`src -> dst`, forward, backward), from the step's plans.
     pub boundary_bytes: Vec<(String, u64, u64)>,
+    /// Seconds this rank waited for data in the step (building the manifest, payloads the
+    /// loader had not decoded yet).
+    pub data_wait: f64,
+    /// The step's manifest.
+    pub manifest: BatchManifest,
+}
+
+/// Held-out loss and answer accuracy, the same on every rank.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EvalReport {
+    /// Loss over every held-out target token.
+    pub loss: f64,
+    /// Target tokens.
+    pub targets: usize,
+    /// Of them, the model's top token.
+    pub correct_tokens: usize,
+    /// Answers (assistant turns) and how many were right, by the kind of question
+    /// ("image", "audio", "text"). An answer is right when every one of its tokens, the
+    /// closing marker included, is the model's top token given the reference before it:
+    /// exactly when greedy decoding from the question reproduces it.
+    pub answers: BTreeMap<&'static str, (usize, usize)>,
+}
+
+impl EvalReport {
+    /// Answers right over answers, every kind together.
+    pub fn accuracy(&self) -> f64 {
+        let (n, right) = self.answers.values().fold((0, 0), |(n, r), &(a, b)| (n + a, r + b));
+        if n == 0 { 0.0 } else { right as f64 / n as f64 }
+    }
 }
 
 /// The optimizer options `[train]` and the modules ask for, with `steps` steps. A module's
@@ -65,6 +97,9 @@ pub struct Trainer {
     graph: ModelGraph,
     dtype: DType,
     schedule: Schedule,
+    /// Forward passes only, every module: for held-out batches.
+    eval_schedule: Schedule,
+    data: Arc<dyn BatchSource>,
     exec: Executor,
     lr: LrSchedule,
     config_text: Option<String>,
@@ -88,20 +123,32 @@ impl Trainer {
     ) -> Result<Trainer, RuntimeError> {
         let schedule = Schedule::build(&PipelineGraph::from_model(graph), Options::default())
             .map_err(|e| RuntimeError::Model(format!("schedule: {e}")))?;
+        // Held-out batches run the forward half of the step.
+        let eval_schedule = schedule.forward_only();
         let stages = build_stages(world, graph, dtype, sources)?;
         let opts = train_options(graph, steps);
         let llm = PipelineGraph::from_model(graph).sink();
         let lr = opts.lr[&llm];
         let exec = Executor::new(stages, opts)?;
-        Ok(Trainer { graph: graph.clone(), dtype, schedule, exec, lr, config_text: None })
+        Ok(Trainer {
+            graph: graph.clone(),
+            dtype,
+            schedule,
+            eval_schedule,
+            data: sources.batches.clone(),
+            exec,
+            lr,
+            config_text: None,
+        })
     }
 
     /// Runs step `step` on this rank.
     pub fn step(&mut self, world: &dyn Communicator, step: usize) -> Result<StepLog, RuntimeError> {
         let start = Instant::now();
-        let manifest = BatchManifest::synthetic(&self.graph, step as u64);
+        let waited = self.data.waited();
+        let manifest = self.data.manifest(step)?;
         let tokens = manifest.samples().iter().map(|s| s.len).sum();
-        let plans = StepPlans::new(&self.graph, manifest);
+        let plans = StepPlans::new(&self.graph, manifest.clone());
         let boundary_bytes = self.boundary_bytes(&plans);
         let rank = world.global_rank();
         let actions = self.schedule.ranks.get(&rank).ok_or_else(|| {
@@ -116,7 +163,73 @@ impl Trainer {
             )));
         }
         let seconds = start.elapsed().as_secs_f64();
-        Ok(StepLog { step, report, lr: self.lr.at(step), tokens, seconds, boundary_bytes })
+        let data_wait = self.data.waited() - waited;
+        Ok(StepLog {
+            step,
+            report,
+            lr: self.lr.at(step),
+            tokens,
+            seconds,
+            boundary_bytes,
+            data_wait,
+            manifest,
+        })
+    }
+
+    /// The manifest of training step `step` (the same on every rank).
+    pub fn manifest(&self, step: usize) -> Result<BatchManifest, RuntimeError> {
+        self.data.manifest(step)
+    }
+
+    /// Whether the data has a held-out split to evaluate.
+    pub fn has_heldout(&self) -> bool {
+        self.data.heldout_batches() > 0
+    }
+
+    /// Held-out loss and answer accuracy with the current parameters: every held-out
+    /// batch forwards only through the same stages and layout; every rank calls it.
+    pub fn evaluate(&mut self, world: &dyn Communicator) -> Result<EvalReport, RuntimeError> {
+        let batches = self.data.heldout_batches();
+        if batches == 0 {
+            return Err(RuntimeError::Data(
+                "no held-out records to evaluate (data.heldout, or heldout.json next to data.path)"
+                    .into(),
+            ));
+        }
+        let rank = world.global_rank();
+        let actions = self.eval_schedule.ranks.get(&rank).cloned().unwrap_or_default();
+        let mut out = EvalReport::default();
+        let mut loss_sum = 0.0;
+        for h in 0..batches {
+            let batch = HELDOUT + h;
+            let manifest = self.data.manifest(batch)?;
+            let (n, seq) = (manifest.samples().len(), manifest.seq_len());
+            let plans = StepPlans::new(&self.graph, manifest);
+            let report = self.exec.step(world, &actions, batch, &plans)?;
+            // Per position: [targets scored, of them correct], summed over the job (each
+            // target is scored by one rank).
+            let mut marks = vec![0.0f64; 2 * n * seq];
+            for s in &report.scored {
+                marks[s.sample * seq + s.pos] += 1.0;
+                marks[n * seq + s.sample * seq + s.pos] += f64::from(u8::from(s.correct));
+            }
+            world.all_reduce(&mut marks, ReduceOp::Sum)?;
+            let (scored, correct) = marks.split_at(n * seq);
+            let targets = scored.iter().sum::<f64>() as usize;
+            out.targets += targets;
+            out.correct_tokens += correct.iter().sum::<f64>() as usize;
+            loss_sum += report.loss * targets as f64;
+            for (s, answers) in self.data.answers(batch)?.iter().enumerate() {
+                for a in answers {
+                    let right = a.positions.clone().all(|p| correct[s * seq + p] > 0.5);
+                    let tally = out.answers.entry(a.kind).or_default();
+                    tally.0 += 1;
+                    tally.1 += usize::from(right);
+                }
+            }
+        }
+        out.loss = loss_sum / out.targets.max(1) as f64;
+        Ok(out)
     }
 
     /// Bytes each edge moves in a step: rows of its programs times the row width (the

@@ -7,7 +7,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::DType;
@@ -15,7 +14,6 @@ use hetpar_comm::{LocalOptions, launch};
 use hetpar_layout::ModelGraph;
 use hetpar_nn::io::read_header;
 use hetpar_runtime::checkpoint::{committed, latest};
-use hetpar_runtime::synthetic::Synthetic;
 use hetpar_runtime::testing::fault_graph;
 use hetpar_runtime::{RuntimeError, Sources, Trainer};
 
@@ -44,8 +42,7 @@ fn train(
     save: &[usize],
     root: &Path,
 ) -> Result<Vec<f64>, String> {
-    let data = Arc::new(Synthetic::new(g));
-    let sources = Sources { text: data.clone(), items: data };
+    let sources = Sources::synthetic(g);
     let out = launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let mut t = Trainer::new(c, g, DType::F32, STEPS, &sources)?;
         let start = match resume {

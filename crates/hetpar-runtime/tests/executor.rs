@@ -60,7 +60,7 @@ impl TextSource for Pattern {
                 }
             })
             .collect();
-        Ok(TextBatch { seq: SEQ, tokens, targets })
+        Ok(TextBatch { seq: SEQ, tokens, targets, score: false })
     }
 }
 

@@ -4,7 +4,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
@@ -17,7 +16,6 @@ use hetpar_nn::models::llama::{Llama, LlamaConfig};
 use hetpar_nn::testing::{last_logits, rel_err};
 use hetpar_nn::{Build, HasParams, ParallelCtx};
 use hetpar_runtime::export::export_hf;
-use hetpar_runtime::synthetic::Synthetic;
 use hetpar_runtime::testing::{fault_config, fault_graph};
 use hetpar_runtime::{Sources, Trainer};
 
@@ -27,8 +25,7 @@ fn the_exported_llm_loads_in_candle_transformers_with_the_same_logits() {
     let _ = std::fs::remove_dir_all(&dir);
     // Two steps of the colocated model (vision dp2, LLM tp2 on 2 ranks), then a checkpoint.
     let g = fault_graph(false);
-    let data = Arc::new(Synthetic::new(&g));
-    let sources = Sources { text: data.clone(), items: data };
+    let sources = Sources::synthetic(&g);
     let root = dir.join("checkpoints");
     launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let mut t = Trainer::new(c, &g, DType::F32, 2, &sources).unwrap();

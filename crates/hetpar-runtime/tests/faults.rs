@@ -43,7 +43,7 @@ fn run_with(
     if let Some((rank, index)) = drop {
         schedule.ranks.get_mut(&rank).unwrap().remove(index);
     }
-    let sources = Sources { text, items };
+    let sources = Sources { batches: Arc::new(Synthetic::new(g)), text, items };
     launch(g.world, LocalOptions { timeout: Duration::from_secs(3) }, |c| {
         let stages = build_stages(c, g, DType::F32, &sources)?;
         let mut opts = train_options(g, 2);

@@ -7,14 +7,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::DType;
 use hetpar_comm::{LocalOptions, launch};
 use hetpar_layout::{BatchManifest, Config, ModelGraph, ModuleId};
 use hetpar_nn::testing::{Global, RankReport, assemble, snapshot_values};
-use hetpar_runtime::synthetic::Synthetic;
 use hetpar_runtime::testing::{compare_steps, compare_values};
 use hetpar_runtime::{
     AdamW, Executor, LrSchedule, OnNonFinite, Sources, StepPlans, StepReport, TrainOptions,
@@ -108,8 +106,7 @@ impl Run {
 
 fn run(graph: &ModelGraph, dtype: DType) -> Run {
     let schedule = Schedule::build(&PipelineGraph::from_model(graph), Options::default()).unwrap();
-    let data = Arc::new(Synthetic::new(graph));
-    let sources = Sources { text: data.clone(), items: data };
+    let sources = Sources::synthetic(graph);
     let out = launch(graph.world, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let stages = build_stages(c, graph, dtype, &sources).unwrap();
         let initial: Vec<RankReport> =

@@ -49,6 +49,40 @@ pub struct Schedule {
 }
 
 impl Schedule {
+    /// The forward half of this schedule, for evaluation: every forward and the messages
+    /// and boundary transforms that carry activations, in the same order on each rank;
+    /// backwards, gradient messages, reductions, optimizer steps and offloads dropped. It
+    /// deadlocks no more than the whole does: both sides of every message it keeps are
+    /// kept, and each rank runs them in the order the whole ran them.
+    pub fn forward_only(&self) -> Schedule {
+        let forward = |p: &Post| match p.msg {
+            MsgId::Act { .. } => true,
+            MsgId::Boundary { dir, .. } => dir == Direction::Forward,
+            MsgId::Grad { .. } | MsgId::Reduce { .. } => false,
+        };
+        let ranks = self
+            .ranks
+            .iter()
+            .map(|(&r, actions)| {
+                let kept = actions
+                    .iter()
+                    .filter_map(|a| match a {
+                        Action::Compute(c) if c.pass == Pass::Forward => Some(a.clone()),
+                        Action::Comm(posts) => {
+                            let p: Vec<Post> =
+                                posts.iter().filter(|p| forward(p)).cloned().collect();
+                            (!p.is_empty()).then_some(Action::Comm(p))
+                        }
+                        Action::Boundary(p) if forward(p) => Some(a.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                (r, kept)
+            })
+            .collect();
+        Schedule { ranks, backward: vec![false; self.backward.len()], ..self.clone() }
+    }
+
     /// The schedule of `graph`: three-phase when modules share ranks, graph-aware 1F1B when
     /// every module has its own island.
     pub fn build(graph: &PipelineGraph, opts: Options) -> Result<Schedule, ScheduleError> {

@@ -23,6 +23,33 @@ proptest! {
         }
     }
 
+    /// The forward half (evaluation) of every built schedule validates, keeps every forward
+    /// in its order, and holds no backward, gradient, reduction or optimizer step.
+    #[test]
+    fn the_forward_half_of_every_schedule_is_valid(g in arb_graph()) {
+        let s = Schedule::build(&g, Options::default()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let f = s.forward_only();
+        validate(&f, &UnitDurations).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for (r, actions) in &f.ranks {
+            let fwd = |a: &[Action]| -> Vec<Action> {
+                a.iter().filter(|a| matches!(a, Action::Compute(c) if c.pass == Pass::Forward)).cloned().collect()
+            };
+            prop_assert_eq!(fwd(actions), fwd(&s.ranks[r]));
+            for a in actions {
+                let forward = match a {
+                    Action::Compute(c) => c.pass == Pass::Forward,
+                    Action::Comm(_) | Action::Boundary(_) => a.posts().iter().all(|p| match p.msg {
+                        MsgId::Act { .. } => true,
+                        MsgId::Boundary { dir, .. } => dir == Direction::Forward,
+                        MsgId::Grad { .. } | MsgId::Reduce { .. } => false,
+                    }),
+                    Action::Reduce(_) | Action::Step(_) | Action::Offload(_) | Action::Reload(_) => false,
+                };
+                prop_assert!(forward, "rank {} keeps {:?}", r, a);
+            }
+        }
+    }
+
     #[test]
     fn a_dropped_receive_is_rejected(g in arb_graph(), pick in any::<Index>()) {
         let mut s = Schedule::build(&g, Options::default()).map_err(|e| TestCaseError::fail(e.to_string()))?;

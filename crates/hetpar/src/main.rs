@@ -6,6 +6,7 @@ mod bench_train;
 mod check_cmd;
 mod config_load;
 mod data_cmd;
+mod data_open;
 mod export_cmd;
 mod flops;
 mod layout_cmd;

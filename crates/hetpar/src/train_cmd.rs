@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
-use hetpar_layout::{BatchManifest, Config, ModelGraph};
-use hetpar_runtime::synthetic::Synthetic;
-use hetpar_runtime::{Resident, RuntimeError, Sources, StepLog, Trainer};
+use hetpar_layout::{Config, ModelGraph};
+use hetpar_runtime::{EvalReport, Resident, RuntimeError, StepLog, Trainer};
+
+use crate::data_open::RunData;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
@@ -53,6 +54,10 @@ pub struct Args {
     /// start, a matmul on all of this machine's cores; under MPI, that times the ranks).
     #[arg(long, value_name = "TFLOPS")]
     pub peak_tflops: Option<f64>,
+    /// Evaluate held-out loss and answer accuracy every N steps (0: only before the first
+    /// step and after the last). Runs whose data has a held-out split only.
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<usize>,
     /// Override a config value before validation (repeatable): a dotted key and a TOML
     /// value, e.g. `--set train.lr=1e-4 --set modules.llm.parallel.tp=2`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -107,15 +112,64 @@ struct Report {
     names: Vec<String>,
     steps: usize,
     start: Instant,
-    graph: ModelGraph,
     flops: crate::flops::StepFlops,
     /// The job's peak FLOP/s.
     peak: f64,
     /// Model FLOPs and seconds of the steps so far (for the summary's MFU).
     done: Mutex<(f64, f64)>,
+    /// Evaluations so far: after how many steps, and what they found.
+    evals: Mutex<Vec<(usize, EvalReport)>>,
+}
+
+/// "loss 2.31, answers 41/100 right (image 20/60, audio 9/25, text 12/15), tokens 71.2%".
+pub fn describe_eval(e: &EvalReport) -> String {
+    let (n, right) = e.answers.values().fold((0, 0), |(n, r), &(a, b)| (n + a, r + b));
+    let kinds: Vec<String> = e.answers.iter().map(|(k, (n, r))| format!("{k} {r}/{n}")).collect();
+    format!(
+        "loss {:.4}, answers {right}/{n} right ({:.1}%: {}), top token right on {:.1}% of {} answer tokens",
+        e.loss,
+        100.0 * e.accuracy(),
+        kinds.join(", "),
+        100.0 * e.correct_tokens as f64 / e.targets.max(1) as f64,
+        e.targets
+    )
 }
 
 impl Report {
+    /// Writes and prints an evaluation after `done` steps.
+    fn eval(&self, done: usize, e: &EvalReport) -> anyhow::Result<()> {
+        let kinds: serde_json::Map<String, serde_json::Value> = e
+            .answers
+            .iter()
+            .map(|(k, (n, right))| {
+                ((*k).to_string(), serde_json::json!({"answers": n, "right": right}))
+            })
+            .collect();
+        let token_accuracy = e.correct_tokens as f64 / e.targets.max(1) as f64;
+        let mut line = serde_json::json!({
+            "step": done,
+            "heldout": {
+                "loss": if e.loss.is_finite() { serde_json::json!(e.loss) } else { serde_json::Value::Null },
+                "answer_accuracy": e.accuracy(),
+                "token_accuracy": token_accuracy,
+                "targets": e.targets,
+                "by_kind": kinds,
+            },
+        });
+        if !e.loss.is_finite() {
+            line["nonfinite"] = serde_json::json!(["heldout.loss"]);
+        }
+        let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
+        self.evals.lock().unwrap_or_else(|e| e.into_inner()).push((done, e.clone()));
+        let text = format!("held-out after {done} steps: {}", describe_eval(e));
+        match &self.bar {
+            Some(b) => b.println(text),
+            None => say(&text),
+        }
+        Ok(())
+    }
+
     fn step(&self, log: &StepLog) -> anyhow::Result<()> {
         let r = &log.report;
         let tps = log.tokens as f64 / log.seconds.max(1e-9);
@@ -130,7 +184,7 @@ impl Report {
             self.names.iter().enumerate().map(|(m, n)| (n.clone(), f(m))).collect()
         };
         let collective = per_module(&|m| r.collective_bytes[m].into());
-        let flops = self.flops.per_module(&BatchManifest::synthetic(&self.graph, log.step as u64));
+        let flops = self.flops.per_module(&log.manifest);
         let total: f64 = flops.iter().sum();
         let model_flops = per_module(&|m| flops[m].into());
         {
@@ -160,6 +214,7 @@ impl Report {
             "model_flops": model_flops,
             "tflops": total / log.seconds.max(1e-9) / 1e12,
             "mfu": mfu,
+            "data_wait_s": log.data_wait,
         });
         // JSON has no NaN: a non-finite value is written as null and named here.
         let mut line = line;
@@ -284,16 +339,27 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             say(&format!("frozen (trainable = false): {}", frozen.join(", ")));
         }
     }
+    let data = crate::data_open::open(&graph, &|l| {
+        if lead {
+            say(l)
+        }
+    })?;
     let on_step = |log: &StepLog| report.as_ref().map_or(Ok(()), |r| r.step(log));
+    let on_eval = |done: usize, e: &EvalReport| report.as_ref().map_or(Ok(()), |r| r.eval(done, e));
+    let every = a.eval_every.unwrap_or(steps.div_ceil(4));
+    let evals = Some(Evals { every, on_eval: &on_eval });
     let logs = match &mpi {
         None => {
-            let ranks = local_ranks(&graph, dtype, steps, timeout, &on_step, &ckpt)?;
+            let run = LocalRun { data: &data, on_step: &on_step, evals, ckpt: &ckpt };
+            let ranks = local_ranks(&graph, (dtype, steps), timeout, &run)?;
             ranks.into_iter().next().expect("rank 0")
         }
-        Some(world) => match rank_run(world.as_ref(), &graph, dtype, steps, &on_step, &ckpt) {
-            Ok(logs) => logs,
-            Err(e) => fail_job(world.rank(), e)?,
-        },
+        Some(world) => {
+            match rank_run(world.as_ref(), &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
+                Ok(logs) => logs,
+                Err(e) => fail_job(world.rank(), e)?,
+            }
+        }
     };
     let Some(report) = report else { return Ok(()) };
     if let Some(b) = &report.bar {
@@ -304,6 +370,20 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         bail!("stopped by a signal before the first step finished; nothing new to save");
     }
     summary(&graph, &logs, report.start.elapsed());
+    let evals = report.evals.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if let (Some(first), Some(last)) = (evals.first(), evals.last())
+        && evals.len() > 1
+    {
+        say(&format!(
+            "held-out: loss {:.4} -> {:.4}, answer accuracy {:.1}% -> {:.1}% (after {} -> {} steps)",
+            first.1.loss,
+            last.1.loss,
+            100.0 * first.1.accuracy(),
+            100.0 * last.1.accuracy(),
+            first.0,
+            last.0
+        ));
+    }
     let (flops, secs) = *report.done.lock().unwrap_or_else(|e| e.into_inner());
     let rate = |f: f64| {
         if f >= 1e12 {
@@ -478,10 +558,10 @@ impl Report {
             names: graph.modules.iter().map(|m| m.name.clone()).collect(),
             steps,
             start: Instant::now(),
-            graph: graph.clone(),
             flops: crate::flops::StepFlops::new(graph),
             peak,
             done: Mutex::new((0.0, 0.0)),
+            evals: Mutex::new(Vec::new()),
         })
     }
 }
@@ -573,18 +653,31 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
 /// Reports a step (rank 0 calls it).
 pub type OnStep<'a> = &'a (dyn Fn(&StepLog) -> anyhow::Result<()> + Sync);
 
-/// Trains one rank up to step `steps` on the synthetic data, calling `on_step` on rank 0;
-/// with `ckpt`, first loads its checkpoint and commits checkpoints as it asks.
+/// Reports an evaluation after the given number of steps (rank 0 calls it).
+pub type OnEval<'a> = &'a (dyn Fn(usize, &EvalReport) -> anyhow::Result<()> + Sync);
+
+/// Held-out evaluation of a run: when, and who hears of it.
+#[derive(Clone, Copy)]
+pub struct Evals<'a> {
+    /// Every N steps besides before the first and after the last (0: those two only).
+    pub every: usize,
+    /// Called on rank 0.
+    pub on_eval: OnEval<'a>,
+}
+
+/// Trains one rank of `graph` up to step `steps` on `data`, calling `on_step` on rank 0;
+/// with `ckpt`, first loads its checkpoint and commits checkpoints as it asks; with
+/// `evals` and held-out data, evaluates as it asks.
 fn rank_run(
     c: &dyn Communicator,
     graph: &ModelGraph,
-    dtype: DType,
-    steps: usize,
+    data: &RunData,
+    (dtype, steps): (DType, usize),
     on_step: OnStep<'_>,
+    evals: Option<Evals<'_>>,
     ckpt: &Option<Checkpoints>,
 ) -> Result<Vec<StepLog>, RuntimeError> {
-    let data = Arc::new(Synthetic::new(graph));
-    let sources = Sources { text: data.clone(), items: data };
+    let sources = data.sources(graph, c.global_rank());
     let mut trainer = Trainer::new(c, graph, dtype, steps, &sources)?;
     let mut start = 0;
     if let Some(k) = ckpt {
@@ -593,8 +686,21 @@ fn rank_run(
             start = trainer.resume(c, dir)?.manifest.step;
         }
     }
+    let evals = evals.filter(|_| trainer.has_heldout());
+    let evaluate = |trainer: &mut Trainer, done: usize| -> Result<(), RuntimeError> {
+        let Some(e) = evals else { return Ok(()) };
+        let report = trainer.evaluate(c)?;
+        if c.global_rank() == 0 {
+            (e.on_eval)(done, &report).map_err(|e| RuntimeError::Model(format!("{e:#}")))?;
+        }
+        Ok(())
+    };
     let mut logs = Vec::with_capacity(steps - start);
+    let mut stopped = false;
     for step in start..steps {
+        if step == start || evals.is_some_and(|e| e.every > 0 && step.is_multiple_of(e.every)) {
+            evaluate(&mut trainer, step)?;
+        }
         let log = trainer.step(c, step)?;
         if c.global_rank() == 0 {
             on_step(&log).map_err(|e| RuntimeError::Model(format!("{e:#}")))?;
@@ -610,9 +716,13 @@ fn rank_run(
                 trainer.save(c, done, &k.root, k.keep)?;
             }
             if stop {
+                stopped = true;
                 break;
             }
         }
+    }
+    if !stopped {
+        evaluate(&mut trainer, steps)?;
     }
     Ok(logs)
 }
@@ -626,7 +736,9 @@ pub fn train_local(
     timeout: Duration,
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<StepLog>> {
-    Ok(local_ranks(graph, dtype, steps, timeout, on_step, &Checkpoints::none())?.swap_remove(0))
+    let data = crate::data_open::open(graph, &|_| {})?;
+    let run = LocalRun { data: &data, on_step, evals: None, ckpt: &Checkpoints::none() };
+    Ok(local_ranks(graph, (dtype, steps), timeout, &run)?.swap_remove(0))
 }
 
 /// Trains with this process as one rank of an MPI job (`--backend mpi`); the logs on
@@ -639,10 +751,12 @@ pub fn train_mpi(
 ) -> anyhow::Result<Option<Vec<StepLog>>> {
     let world = open_mpi(timeout, graph)?;
     let rank = world.rank();
-    let logs = match rank_run(world.as_ref(), graph, dtype, steps, &|_| Ok(()), &None) {
-        Ok(logs) => logs,
-        Err(e) => fail_job(rank, e)?,
-    };
+    let data = crate::data_open::open(graph, &|_| {})?;
+    let logs =
+        match rank_run(world.as_ref(), graph, &data, (dtype, steps), &|_| Ok(()), None, &None) {
+            Ok(logs) => logs,
+            Err(e) => fail_job(rank, e)?,
+        };
     Ok((rank == 0).then_some(logs))
 }
 
@@ -654,21 +768,29 @@ pub fn train_local_ranks(
     timeout: Duration,
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
-    local_ranks(graph, dtype, steps, timeout, on_step, &Checkpoints::none())
+    let data = crate::data_open::open(graph, &|_| {})?;
+    let run = LocalRun { data: &data, on_step, evals: None, ckpt: &Checkpoints::none() };
+    local_ranks(graph, (dtype, steps), timeout, &run)
+}
+
+/// What every rank of a local run shares.
+struct LocalRun<'a> {
+    data: &'a RunData,
+    on_step: OnStep<'a>,
+    evals: Option<Evals<'a>>,
+    ckpt: &'a Option<Checkpoints>,
 }
 
 /// Every rank's logs of a local run, by rank.
 fn local_ranks(
     graph: &ModelGraph,
-    dtype: DType,
-    steps: usize,
+    (dtype, steps): (DType, usize),
     timeout: Duration,
-    on_step: OnStep<'_>,
-    ckpt: &Option<Checkpoints>,
+    run: &LocalRun<'_>,
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
     let opts = hetpar_comm::LocalOptions { timeout };
     let results = hetpar_comm::launch(graph.world, opts, |c| {
-        rank_run(c, graph, dtype, steps, on_step, ckpt)
+        rank_run(c, graph, run.data, (dtype, steps), run.on_step, run.evals, run.ckpt)
     })?;
     let (mut ok, mut errors) = (Vec::new(), Vec::new());
     for r in results {

@@ -179,7 +179,7 @@ impl Stage for EncoderStage {
                 let (rows, hidden) = self.model.hidden_shape()?;
                 Tensor::zeros((0, rows, hidden), self.dtype, cpu)?
             };
-            return Ok(Forward { out: Some(out), loss: None, reported: 0.0 });
+            return Ok(Forward { out: Some(out), loss: None, reported: 0.0, scored: Vec::new() });
         }
         let x = match input {
             Some(x) if vstage > 0 => x.clone(),
@@ -200,10 +200,15 @@ impl Stage for EncoderStage {
         };
         let y = self.model.forward(&x)?;
         if !last {
-            return Ok(Forward { out: Some(y), loss: None, reported: 0.0 });
+            return Ok(Forward { out: Some(y), loss: None, reported: 0.0, scored: Vec::new() });
         }
         let (n, rows, w) = y.dims3()?;
-        Ok(Forward { out: Some(y.reshape((n * rows, w))?), loss: None, reported: 0.0 })
+        Ok(Forward {
+            out: Some(y.reshape((n * rows, w))?),
+            loss: None,
+            reported: 0.0,
+            scored: Vec::new(),
+        })
     }
 
     fn params(&self) -> Vec<&Param> {

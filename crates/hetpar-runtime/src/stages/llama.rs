@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
+use hetpar_comm::{CommExt, ReduceOp};
 use hetpar_layout::ownership::SeqSplit;
 use hetpar_layout::{BatchManifest, ModuleId};
 use hetpar_nn::layers::attention::CpPositions;
@@ -15,7 +16,7 @@ use hetpar_nn::models::llama::{Boundary, Llama, LlamaBatch, LlamaConfig};
 use hetpar_nn::{Build, HasParams, ParallelCtx, Param};
 
 use crate::error::RuntimeError;
-use crate::stage::{BoundaryIn, Forward, Stage};
+use crate::stage::{BoundaryIn, Forward, Scored, Stage};
 
 /// The text of one step: every sample's token ids and next-token targets (negative where
 /// no loss is taken: padding, encoder rows and the positions before them), `seq` per
@@ -28,6 +29,9 @@ pub struct TextBatch {
     pub tokens: Vec<u32>,
     /// Targets, `[samples, seq]`.
     pub targets: Vec<i64>,
+    /// Whether the last stage scores each target (held-out batches: is the model's top
+    /// token the target?).
+    pub score: bool,
 }
 
 impl TextBatch {
@@ -190,6 +194,35 @@ impl LlamaStage {
         Ok(self.samples(mb)?.flat_map(|s| own.iter().map(move |&p| field[s * seq + p])).collect())
     }
 
+    /// Whether the top logit at each target position this rank holds the column of is the
+    /// target: the row's maximum over the whole vocabulary (one max all-reduce over tp),
+    /// compared with the target's logit by the tp rank holding it, so each target is
+    /// scored once. A tie counts as correct.
+    fn score(&self, mb: usize, logits: &Tensor) -> Result<Vec<Scored>, RuntimeError> {
+        let targets = self.local(mb, &self.step()?.0.targets)?;
+        let rows = logits.detach().to_dtype(DType::F64)?.to_vec2::<f64>()?;
+        let width = rows.first().map_or(0, Vec::len);
+        let mut max: Vec<f64> =
+            rows.iter().map(|r| r.iter().copied().fold(f64::NEG_INFINITY, f64::max)).collect();
+        if let Some(c) = self.ctx.tp.comm() {
+            c.all_reduce(&mut max, ReduceOp::Max)?;
+        }
+        let cols = self.ctx.tp.rank * width..(self.ctx.tp.rank + 1) * width;
+        let (own, samples) = (self.positions.own(), self.samples(mb)?);
+        let mut out = Vec::new();
+        for (r, &t) in targets.iter().enumerate() {
+            let Ok(t) = usize::try_from(t) else { continue };
+            if cols.contains(&t) {
+                out.push(Scored {
+                    sample: samples.start + r / own.len(),
+                    pos: own[r % own.len()],
+                    correct: rows[r][t - cols.start] >= max[r],
+                });
+            }
+        }
+        Ok(out)
+    }
+
     /// Token ids and targets of this rank's samples at its cp positions.
     fn batch(&self, mb: usize) -> Result<LlamaBatch, RuntimeError> {
         let text = &self.step()?.0;
@@ -260,11 +293,13 @@ impl Stage for LlamaStage {
         let (x, aux) = chunk.layers(&x, &self.positions)?;
         let aux = (self.cfg.experts > 0).then_some(aux);
         if vstage + 1 < self.n_vstages {
-            return Ok(Forward { out: Some(x), loss: aux, reported: 0.0 });
+            return Ok(Forward { out: Some(x), loss: aux, ..Forward::default() });
         }
         let text = &self.step()?.0;
         let (targets, n) = (Arc::new(self.local(mb, &text.targets)?), text.n_targets().max(1));
-        let loss_sum = cross_entropy(&self.ctx, &chunk.logits(&x)?, targets)?.sum_all()?;
+        let logits = chunk.logits(&x)?;
+        let scored = if text.score { self.score(mb, &logits)? } else { Vec::new() };
+        let loss_sum = cross_entropy(&self.ctx, &logits, targets)?.sum_all()?;
         let ce = (loss_sum / n as f64)?;
         // Every tp rank holds the same loss; tp rank 0 reports it.
         let reported = if self.ctx.coords.tp_idx == 0 {
@@ -276,7 +311,7 @@ impl Stage for LlamaStage {
             Some(a) => (ce + a)?,
             None => ce,
         };
-        Ok(Forward { out: None, loss: Some(loss), reported })
+        Ok(Forward { out: None, loss: Some(loss), reported, scored })
     }
 
     fn params(&self) -> Vec<&Param> {

@@ -1,0 +1,195 @@
+//! The data a run reads, from `[data]`: the in-process synthetic source, a LLaVA JSON file
+//! (or a `hetpar data synth` directory), or the synth set generated once into the cache.
+//! Every process opens it the same way (metadata only); payloads are decoded later by the
+//! ranks that run them.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use hetpar_data::dataset::{BadData, Fronts};
+use hetpar_data::{Dataset, DatasetSpec, SynthOptions};
+use hetpar_layout::config::{DataSource, OnBad};
+use hetpar_layout::{ModelGraph, ModuleSpec};
+use hetpar_runtime::Sources;
+
+/// What a run's ranks read.
+#[derive(Clone, Debug)]
+pub enum RunData {
+    /// `source = "synthetic"`: generated in-process, nothing to open.
+    Synthetic,
+    /// Records from files.
+    Files {
+        /// The training records.
+        train: Arc<Dataset>,
+        /// Held-out records, where there are some.
+        heldout: Option<Arc<Dataset>>,
+    },
+}
+
+impl RunData {
+    /// Rank `rank`'s sources.
+    pub fn sources(&self, graph: &ModelGraph, rank: usize) -> Sources {
+        match self {
+            RunData::Synthetic => Sources::synthetic(graph),
+            RunData::Files { train, heldout } => {
+                Sources::files(graph, rank, train.clone(), heldout.clone())
+            }
+        }
+    }
+}
+
+/// The cache directory: `$HETPAR_CACHE`, else `$XDG_CACHE_HOME/hetpar`, else
+/// `~/.cache/hetpar`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("HETPAR_CACHE") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("hetpar");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache").join("hetpar"),
+        None => PathBuf::from(".hetpar-cache"),
+    }
+}
+
+/// The synth set of `samples` samples seeded by `seed` under the cache, generated if it is
+/// not there yet (into a temporary directory renamed into place, so an interrupted or
+/// concurrent generation never leaves a half-written set). `say` reports what it did.
+pub fn synth_cache(samples: usize, seed: u64, say: &dyn Fn(&str)) -> anyhow::Result<PathBuf> {
+    let root = cache_dir();
+    let name =
+        format!("synth-{}-n{samples}-seed{seed}", hetpar_data::synth::FORMAT.replace('/', "-"));
+    let dir = root.join(name);
+    if dir.join("synth.json").is_file() {
+        return Ok(dir);
+    }
+    say(&format!("generating the synthetic dataset ({samples} samples) into {}", dir.display()));
+    std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
+    let tmp = root.join(format!(
+        ".tmp-{}-{}",
+        std::process::id(),
+        dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+    ));
+    let opts = SynthOptions { seed, ..SynthOptions::with_samples(samples) };
+    let start = std::time::Instant::now();
+    let summary = hetpar_data::synth::generate(&tmp, &opts, &mut |_| {})
+        .with_context(|| format!("writing the synthetic dataset to {}", tmp.display()))?;
+    if std::fs::rename(&tmp, &dir).is_err() {
+        // Another process finished first: keep its copy (the same bytes).
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !dir.join("synth.json").is_file() {
+            bail!("cannot move the synthetic dataset into {}", dir.display());
+        }
+    }
+    say(&format!(
+        "  {} training and {} held-out samples, {} images, {} clips, {:.1} MiB in {:.1} s",
+        summary.train,
+        summary.heldout,
+        summary.images,
+        summary.clips,
+        summary.bytes as f64 / (1024.0 * 1024.0),
+        start.elapsed().as_secs_f64()
+    ));
+    Ok(dir)
+}
+
+/// Opens `graph`'s data; `say` reports what was opened and skipped (the lead passes a
+/// printer, the other processes a no-op).
+pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {
+    let data = &graph.data;
+    let (json, heldout, tokenizer, root) = match data.source {
+        DataSource::Synthetic => return Ok(RunData::Synthetic),
+        DataSource::Synth => {
+            let dir = synth_cache(data.samples, graph.train.seed, say)?;
+            (dir.join("train.json"), Some(dir.join("heldout.json")), None, None)
+        }
+        DataSource::Llava => {
+            let path = PathBuf::from(data.path.as_deref().expect("validated: llava has a path"));
+            if path.is_dir() {
+                let held = path.join("heldout.json");
+                (path.join("train.json"), held.is_file().then_some(held), None, None)
+            } else {
+                let held = path.with_file_name("heldout.json");
+                let held = (held != path && held.is_file()).then_some(held);
+                (path, held, None, None)
+            }
+        }
+    };
+    let heldout = data.heldout.as_ref().map(PathBuf::from).or(heldout);
+    let dir = json.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+    let tokenizer = data
+        .tokenizer
+        .as_ref()
+        .map(PathBuf::from)
+        .or(tokenizer)
+        .unwrap_or_else(|| dir.join("tokenizer.json"));
+    let media_root = data.image_root.as_ref().map(PathBuf::from).or(root).unwrap_or(dir);
+    let spec = DatasetSpec {
+        path: json,
+        media_root,
+        tokenizer,
+        seq_len: graph.train.seq_len,
+        vocab: llm_vocab(graph),
+        fronts: fronts(graph),
+        on_bad: match data.on_bad {
+            OnBad::Error => BadData::Error,
+            OnBad::Skip => BadData::Skip,
+        },
+    };
+    let one = |spec: DatasetSpec| -> anyhow::Result<Arc<Dataset>> {
+        let path = spec.path.clone();
+        let ds = Dataset::open(spec).with_context(|| format!("data {}", path.display()))?;
+        let skipped = ds.skipped();
+        say(&format!(
+            "data {}: {} records{}",
+            path.display(),
+            ds.entries().len(),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                let first = &skipped[0];
+                format!(
+                    ", {} left out by data.on_bad = \"skip\" (first: record {} id {:?}: {})",
+                    skipped.len(),
+                    first.index,
+                    first.id,
+                    first.reason
+                )
+            }
+        ));
+        Ok(Arc::new(ds))
+    };
+    let train = one(spec.clone())?;
+    let heldout = match heldout {
+        Some(path) => Some(one(DatasetSpec { path, ..spec })?),
+        None => None,
+    };
+    Ok(RunData::Files { train, heldout })
+}
+
+fn llm_vocab(graph: &ModelGraph) -> usize {
+    graph
+        .modules
+        .iter()
+        .find_map(|m| match m.spec {
+            ModuleSpec::Llama { vocab, .. } => Some(vocab),
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
+/// The front ends of the graph's encoders.
+fn fronts(graph: &ModelGraph) -> Fronts {
+    let mut f = Fronts::default();
+    for m in &graph.modules {
+        let rows = m.rows_per_item().unwrap_or(0);
+        match m.spec {
+            ModuleSpec::Vit { image_size, .. } => f.image = Some((image_size as u32, rows)),
+            ModuleSpec::Audio { n_mels, frames } => f.audio = Some((n_mels, frames, rows)),
+            ModuleSpec::Llama { .. } => {}
+        }
+    }
+    f
+}
