@@ -236,7 +236,8 @@ fn max_items_must_fit_and_apply() {
         "train.seq_len: seq_len(128) cannot hold data.max_items(4) items per encoder (4 x (16 vision + 16 audio rows) = 128) plus a text token"
     );
     assert_eq!(
-        validate(&with("source = \"llava\"\npath = \"d\"\nmax_items = 2")).expect_err("not synthetic"),
+        validate(&with("source = \"llava\"\npath = \"d\"\nmax_items = 2"))
+            .expect_err("not synthetic"),
         "data.max_items: applies to source = \"synthetic\" only; source \"llava\" takes its items from the data"
     );
     assert_eq!(
@@ -247,7 +248,10 @@ fn max_items_must_fit_and_apply() {
         validate(&with("source = \"synth\"\nsamples = 1")).expect_err("too few"),
         "data.samples: the synth set needs at least 2 samples (one held out), got 1"
     );
-    assert_eq!(validate(&with("source = \"synth\"\non_bad = \"skip\"")).expect("ok").data.samples, 1000);
+    assert_eq!(
+        validate(&with("source = \"synth\"\non_bad = \"skip\"")).expect("ok").data.samples,
+        1000
+    );
 }
 
 #[test]

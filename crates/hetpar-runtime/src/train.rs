@@ -55,13 +55,27 @@ pub struct EvalReport {
     /// ("image", "audio", "text"). An answer is right when every one of its tokens, the
     /// closing marker included, is the model's top token given the reference before it:
     /// exactly when greedy decoding from the question reproduces it.
-    pub answers: BTreeMap<&'static str, (usize, usize)>,
+    pub answers: BTreeMap<&'static str, Tally>,
+}
+
+/// Answers of one kind of question.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Tally {
+    /// Answers.
+    pub answers: usize,
+    /// Of them, right.
+    pub right: usize,
+    /// Their tokens.
+    pub tokens: usize,
+    /// Of them, the model's top token.
+    pub right_tokens: usize,
 }
 
 impl EvalReport {
     /// Answers right over answers, every kind together.
     pub fn accuracy(&self) -> f64 {
-        let (n, right) = self.answers.values().fold((0, 0), |(n, r), &(a, b)| (n + a, r + b));
+        let (n, right) =
+            self.answers.values().fold((0, 0), |(n, r), t| (n + t.answers, r + t.right));
         if n == 0 { 0.0 } else { right as f64 / n as f64 }
     }
 }
@@ -221,10 +235,12 @@ impl Trainer {
             loss_sum += report.loss * targets as f64;
             for (s, answers) in self.data.answers(batch)?.iter().enumerate() {
                 for a in answers {
-                    let right = a.positions.clone().all(|p| correct[s * seq + p] > 0.5);
-                    let tally = out.answers.entry(a.kind).or_default();
-                    tally.0 += 1;
-                    tally.1 += usize::from(right);
+                    let good = a.positions.clone().filter(|p| correct[s * seq + p] > 0.5).count();
+                    let t = out.answers.entry(a.kind).or_default();
+                    t.answers += 1;
+                    t.right += usize::from(good == a.positions.len());
+                    t.tokens += a.positions.len();
+                    t.right_tokens += good;
                 }
             }
         }

@@ -149,7 +149,9 @@ fn file_data_trains_and_evaluates_as_one_rank_under_both_placements() {
     let one = graph([0, 1], [0, 1], [0, 1], 1);
     let want = train(&one);
     let (ref_losses, ref_eval) = (&want[0].0, &want[0].1);
-    assert!(ref_eval.targets > 0 && ref_eval.answers.values().map(|a| a.0).sum::<usize>() > 0);
+    assert!(
+        ref_eval.targets > 0 && ref_eval.answers.values().map(|a| a.answers).sum::<usize>() > 0
+    );
     let layouts = [
         // Vision colocated with the LLM (dp 2 next to tp 2), audio on an island.
         ("colocated", graph([0, 2], [2, 3], [0, 2], 2)),

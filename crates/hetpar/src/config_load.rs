@@ -19,6 +19,15 @@ pub fn load(path: Option<&Path>, sets: &[String]) -> anyhow::Result<(Config, Mod
         ),
         None => (DEMO.to_string(), "the built-in demo".to_string()),
     };
+    load_text(text, name, sets)
+}
+
+/// The config `text` (called `name` in errors) with `sets` applied, and its graph.
+pub fn load_text(
+    text: String,
+    name: String,
+    sets: &[String],
+) -> anyhow::Result<(Config, ModelGraph)> {
     let (text, name) = if sets.is_empty() {
         (text, name)
     } else {

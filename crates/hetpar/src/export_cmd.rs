@@ -19,7 +19,7 @@ pub struct Args {
 }
 
 /// The checkpoint `path` names.
-fn checkpoint(path: &Path) -> anyhow::Result<PathBuf> {
+pub fn checkpoint(path: &Path) -> anyhow::Result<PathBuf> {
     if path.join("manifest.json").is_file() {
         return Ok(path.to_path_buf());
     }

@@ -7,10 +7,12 @@ mod check_cmd;
 mod config_load;
 mod data_cmd;
 mod data_open;
+mod eval_cmd;
 mod export_cmd;
 mod flops;
 mod layout_cmd;
 mod plan_cmd;
+mod plots;
 mod schedule_cmd;
 mod train_cmd;
 
@@ -34,10 +36,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model graph (the built-in demo without a config): a progress bar, metrics.jsonl
-    /// and the resolved config under --out.
+    /// Train a model graph (the built-in demo without a config): a progress bar, metrics.jsonl,
+    /// loss.svg, time.svg, checkpoints and the resolved config under --out.
     #[command(
-        after_help = "Examples:\n  hetpar train\n  hetpar train examples/colocated-fanin.toml --steps 5\n  hetpar train --dtype f64 --out runs/demo-f64\n  mpirun -n 3 hetpar train --backend mpi   (build with --features mpi)"
+        after_help = "Examples:\n  hetpar train\n  hetpar train examples/colocated-fanin.toml --steps 5\n  hetpar train examples/synth-llava.toml --eval-every 50   (the synthetic LLaVA set, held-out accuracy)\n  hetpar train examples/synth-llava.toml --set data.source=llava --set data.path=/tmp/d\n  hetpar train --dtype f64 --out runs/demo-f64\n  mpirun -n 3 hetpar train --backend mpi   (build with --features mpi)"
     )]
     Train(train_cmd::Args),
     /// Parity: train CONFIG and a reference (default: the same model on one rank) step by
@@ -77,6 +79,12 @@ enum Command {
         after_help = "Examples:\n  hetpar export runs/demo --hf /tmp/demo-hf\n  hetpar export runs/demo/checkpoints/step-00000100 --hf /tmp/demo-hf"
     )]
     Export(export_cmd::Args),
+    /// Held-out loss and answer accuracy of a checkpoint (greedy decoding of each answer,
+    /// scored as exact match), on the layout it was saved under.
+    #[command(
+        after_help = "Examples:\n  hetpar eval runs/demo --data ~/.cache/hetpar/synth-hetpar-synth-1-n1000-seed1234\n  hetpar data synth --out /tmp/d && hetpar eval runs/demo/checkpoints/step-00000100 --data /tmp/d/heldout.json --json"
+    )]
+    Eval(eval_cmd::Args),
 }
 
 /// Reads and validates a config file with `--set` overrides; errors name the file.
@@ -95,6 +103,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(args) => bench_cmd::run(&args),
         Command::Data(args) => data_cmd::run(&args),
         Command::Export(args) => export_cmd::run(&args),
+        Command::Eval(args) => eval_cmd::run(&args),
     }
 }
 

@@ -123,8 +123,15 @@ struct Report {
 
 /// "loss 2.31, answers 41/100 right (image 20/60, audio 9/25, text 12/15), tokens 71.2%".
 pub fn describe_eval(e: &EvalReport) -> String {
-    let (n, right) = e.answers.values().fold((0, 0), |(n, r), &(a, b)| (n + a, r + b));
-    let kinds: Vec<String> = e.answers.iter().map(|(k, (n, r))| format!("{k} {r}/{n}")).collect();
+    let (n, right) = e.answers.values().fold((0, 0), |(n, r), t| (n + t.answers, r + t.right));
+    let kinds: Vec<String> = e
+        .answers
+        .iter()
+        .map(|(k, t)| {
+            let pct = 100.0 * t.right_tokens as f64 / t.tokens.max(1) as f64;
+            format!("{k} {}/{} ({pct:.0}% of tokens)", t.right, t.answers)
+        })
+        .collect();
     format!(
         "loss {:.4}, answers {right}/{n} right ({:.1}%: {}), top token right on {:.1}% of {} answer tokens",
         e.loss,
@@ -138,13 +145,7 @@ pub fn describe_eval(e: &EvalReport) -> String {
 impl Report {
     /// Writes and prints an evaluation after `done` steps.
     fn eval(&self, done: usize, e: &EvalReport) -> anyhow::Result<()> {
-        let kinds: serde_json::Map<String, serde_json::Value> = e
-            .answers
-            .iter()
-            .map(|(k, (n, right))| {
-                ((*k).to_string(), serde_json::json!({"answers": n, "right": right}))
-            })
-            .collect();
+        let kinds = serde_json::to_value(&e.answers).context("cannot write the evaluation")?;
         let token_accuracy = e.correct_tokens as f64 / e.targets.max(1) as f64;
         let mut line = serde_json::json!({
             "step": done,
@@ -348,16 +349,35 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let on_eval = |done: usize, e: &EvalReport| report.as_ref().map_or(Ok(()), |r| r.eval(done, e));
     let every = a.eval_every.unwrap_or(steps.div_ceil(4));
     let evals = Some(Evals { every, on_eval: &on_eval });
-    let logs = match &mpi {
+    // Seconds by kind of action, per rank (under MPI rank 0 sees its own only).
+    let per_rank = |ranks: &[Vec<StepLog>]| -> Vec<std::collections::BTreeMap<String, f64>> {
+        ranks
+            .iter()
+            .map(|logs| {
+                let mut m = std::collections::BTreeMap::new();
+                for l in logs {
+                    for (k, v) in &l.report.seconds {
+                        *m.entry((*k).to_string()).or_default() += v;
+                    }
+                }
+                m
+            })
+            .collect()
+    };
+    let (logs, seconds) = match &mpi {
         None => {
             let run = LocalRun { data: &data, on_step: &on_step, evals, ckpt: &ckpt };
             let ranks = local_ranks(&graph, (dtype, steps), timeout, &run)?;
-            ranks.into_iter().next().expect("rank 0")
+            let seconds = per_rank(&ranks);
+            (ranks.into_iter().next().expect("rank 0"), seconds)
         }
         Some(world) => {
             match rank_run(world.as_ref(), &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
-                Ok(logs) => logs,
-                Err(e) => fail_job(world.rank(), e)?,
+                Ok(logs) => {
+                    let seconds = per_rank(std::slice::from_ref(&logs));
+                    (logs, seconds)
+                }
+                Err(e) => (fail_job(world.rank(), e)?, Vec::new()),
             }
         }
     };
@@ -384,6 +404,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             last.0
         ));
     }
+    let loss = crate::plots::loss_curve(&out, &graph.name)?;
+    let time = crate::plots::time_bars(&out, &graph.name, &seconds)?;
+    say(&format!(
+        "pictures: {} (loss), {} (time per rank by action)",
+        loss.display(),
+        time.display()
+    ));
     let (flops, secs) = *report.done.lock().unwrap_or_else(|e| e.into_inner());
     let rate = |f: f64| {
         if f >= 1e12 {

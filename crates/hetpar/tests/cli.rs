@@ -10,9 +10,15 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// The cache every command of this test process shares (the synthetic sets it generates).
+fn cache() -> PathBuf {
+    std::env::temp_dir().join(format!("hetpar-cli-cache-{}", std::process::id()))
+}
+
 fn hetpar(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_hetpar"))
         .args(args)
+        .env("HETPAR_CACHE", cache())
         .current_dir(root())
         .output()
         .expect("hetpar runs")
@@ -287,6 +293,58 @@ fn temp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("hetpar-cli-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&d).expect("temp dir");
     d
+}
+
+/// Training on files: the synth set generated once into the cache, held-out loss and
+/// answer accuracy before the first step, every --eval-every steps and after the last, the
+/// data wait of each step, the two pictures; `hetpar eval` of the checkpoint finds what
+/// the last evaluation found.
+#[test]
+fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
+    let out_dir = temp("synth");
+    let out = out_dir.to_str().expect("utf-8");
+    let args = ["train", "examples/synth-llava.toml", "--steps", "4", "--eval-every", "2"];
+    let run = hetpar(&[&args[..], &["--out", out, "--set", "data.samples=60"]].concat());
+    let text = stdout(&run);
+    assert!(run.status.success(), "{text}{}", String::from_utf8_lossy(&run.stderr));
+    let generated = text
+        .lines()
+        .find_map(|l| l.strip_prefix("generating the synthetic dataset (60 samples) into "))
+        .expect("the set is generated on first use");
+    assert!(text.contains("54 records") && text.contains("6 records"), "{text}");
+    let evals: Vec<&str> = text.lines().filter(|l| l.starts_with("held-out after ")).collect();
+    assert_eq!(evals.len(), 3, "{text}");
+    assert!(evals[2].starts_with("held-out after 4 steps: loss "), "{text}");
+    assert!(text.contains("pictures: "), "{text}");
+    for svg in ["loss.svg", "time.svg"] {
+        let picture = std::fs::read_to_string(out_dir.join(svg)).expect("svg");
+        assert!(picture.starts_with("<svg ") && picture.trim_end().ends_with("</svg>"), "{svg}");
+    }
+    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
+    let lines: Vec<Value> =
+        metrics.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    let held: Vec<&Value> = lines.iter().filter(|l| l.get("heldout").is_some()).collect();
+    let at: Vec<u64> = held.iter().map(|l| l["step"].as_u64().expect("step")).collect();
+    assert_eq!(at, [0, 2, 4]);
+    let (first, last) = (&held[0]["heldout"], &held[2]["heldout"]);
+    assert!(last["loss"].as_f64() < first["loss"].as_f64(), "{first} -> {last}");
+    for kind in ["image", "audio"] {
+        assert!(last["by_kind"][kind]["answers"].as_u64() > Some(0), "{kind}: {last}");
+    }
+    let steps: Vec<&Value> = lines.iter().filter(|l| l.get("loss").is_some()).collect();
+    assert_eq!(steps.len(), 4);
+    assert!(steps.iter().all(|s| s["data_wait_s"].as_f64() >= Some(0.0)), "{metrics}");
+    // The same checkpoint, evaluated on its own: the same numbers.
+    let eval = hetpar(&["eval", out, "--data", generated, "--json"]);
+    let e: Value = serde_json::from_str(&stdout(&eval)).expect("json");
+    assert_eq!(e["step"], 4);
+    for key in ["loss", "answer_accuracy", "token_accuracy", "targets", "by_kind"] {
+        assert_eq!(e[key], last[key], "{key}: {e} vs {last}");
+    }
+    // A data directory that is not there is named.
+    let missing = hetpar(&["eval", out, "--data", "/nonexistent/set"]);
+    let err = String::from_utf8_lossy(&missing.stderr).to_string();
+    assert!(!missing.status.success() && err.contains("/nonexistent/set"), "{err}");
 }
 
 #[test]

@@ -1,0 +1,85 @@
+//! `hetpar eval CKPT --data DIR`: held-out loss and answer accuracy of a checkpoint, on the
+//! layout it was saved under (its own config), one thread per rank.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use hetpar_runtime::checkpoint::CONFIG_FILE;
+use hetpar_runtime::{EvalReport, RuntimeError, Trainer};
+
+use crate::export_cmd::checkpoint;
+use crate::train_cmd::{describe_eval, dtype, timeout};
+
+/// Arguments of `hetpar eval`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// A checkpoint directory (`step-NNNNNNNN`), or a run's `--out` directory or its
+    /// `checkpoints/` (then the latest committed checkpoint).
+    pub ckpt: PathBuf,
+    /// The records to evaluate: a `hetpar data synth` directory (its heldout.json) or a
+    /// LLaVA JSON file, with its tokenizer.json next to it.
+    #[arg(long, value_name = "DIR")]
+    pub data: PathBuf,
+    /// Override a value of the checkpoint's config (repeatable), e.g. `--set
+    /// train.global_batch=16` for larger evaluation batches.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// One JSON object on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds a rank waits in a communication call before the run fails naming it.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let ckpt = checkpoint(&a.ckpt)?;
+    let file = ckpt.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&file)
+        .with_context(|| format!("{}: the checkpoint holds no config", file.display()))?;
+    let data = a.data.display().to_string();
+    // The records to evaluate are the held-out split: a directory's heldout.json, or the
+    // file itself.
+    let mut sets = vec!["data.source=\"llava\"".to_string(), format!("data.path={data:?}")];
+    if !a.data.is_dir() {
+        sets.push(format!("data.heldout={data:?}"));
+    }
+    sets.extend(a.set.iter().cloned());
+    let (_, graph) = crate::config_load::load_text(text, file.display().to_string(), &sets)?;
+    let dt = dtype(None, &graph)?;
+    let run_data = crate::data_open::open(&graph, &|_| {})?;
+    let opts = hetpar_comm::LocalOptions { timeout: timeout(a.timeout)? };
+    let results = hetpar_comm::launch(graph.world, opts, |c| {
+        let rank = hetpar_comm::CommExt::global_rank(c);
+        let mut t =
+            Trainer::new(c, &graph, dt, graph.train.steps, &run_data.sources(&graph, rank))?;
+        let step = t.resume(c, &ckpt)?.manifest.step;
+        Ok::<_, RuntimeError>((step, t.evaluate(c)?))
+    })?;
+    let (step, report): (usize, EvalReport) = match results.into_iter().next() {
+        Some(r) => r?,
+        None => anyhow::bail!("the checkpoint's layout has no ranks"),
+    };
+    #[allow(clippy::print_stdout)]
+    if a.json {
+        let kinds = serde_json::to_value(&report.answers)?;
+        let out = serde_json::json!({
+            "checkpoint": ckpt.display().to_string(),
+            "step": step,
+            "loss": if report.loss.is_finite() { serde_json::json!(report.loss) } else { serde_json::Value::Null },
+            "answer_accuracy": report.accuracy(),
+            "token_accuracy": report.correct_tokens as f64 / report.targets.max(1) as f64,
+            "targets": report.targets,
+            "by_kind": kinds,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "{} after {step} steps on {}: {}",
+            ckpt.display(),
+            a.data.display(),
+            describe_eval(&report)
+        );
+    }
+    Ok(())
+}
