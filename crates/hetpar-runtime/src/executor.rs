@@ -89,6 +89,9 @@ pub struct StepReport {
     pub resident: Vec<Resident>,
     /// Target tokens this rank scored (held-out batches; see [`Scored`]).
     pub scored: Vec<Scored>,
+    /// Each rank's peak over the step of everything the executor holds for all its
+    /// modules, by global rank.
+    pub rank_peaks: Vec<u64>,
 }
 
 type Key = (ModuleId, usize, usize);
@@ -357,6 +360,7 @@ impl Executor {
         let mut seconds: BTreeMap<&'static str, f64> = BTreeMap::new();
         let traffic: Vec<u64> = self.stages.iter().map(|s| s.ctx().traffic.bytes()).collect();
         let mut resident = vec![Resident::default(); plans.names.len()];
+        let mut rank_peak = 0u64;
         for a in actions {
             let start = std::time::Instant::now();
             let kind = match a {
@@ -416,18 +420,23 @@ impl Executor {
             let took = start.elapsed().as_secs_f64();
             *seconds.entry(kind).or_default() += took;
             durations.push(took);
-            self.sample(a, &grads, &stash, plans, &mut resident);
+            rank_peak = rank_peak.max(self.sample(a, &grads, &stash, plans, &mut resident));
             executed.push(a.clone());
         }
         let o = match outcome {
             Some(o) => o,
             None => self.finish(world, &grads, reported, &traffic, plans)?,
         };
-        // The largest of each module's memory over its ranks.
+        // The largest of each module's memory over its ranks, and each rank's own peak (its
+        // slot, zero elsewhere), in one reduction.
         let mut peaks: Vec<f64> =
             resident.iter().flat_map(|r| [r.peak, r.llm_phase, r.host]).map(|b| b as f64).collect();
+        let modules = peaks.len();
+        peaks.resize(modules + world.size(), 0.0);
+        peaks[modules + world.rank()] = rank_peak as f64;
         world.all_reduce(&mut peaks, ReduceOp::Max)?;
-        let resident = peaks
+        let rank_peaks = peaks[modules..].iter().map(|&b| b as u64).collect();
+        let resident = peaks[..modules]
             .chunks_exact(3)
             .map(|c| Resident { peak: c[0] as u64, llm_phase: c[1] as u64, host: c[2] as u64 })
             .collect();
@@ -443,6 +452,7 @@ impl Executor {
             collective_bytes: o.collective_bytes,
             resident,
             scored: stash.scored,
+            rank_peaks,
         })
     }
 
@@ -498,7 +508,7 @@ impl Executor {
         Ok(())
     }
 
-    /// Records each module's memory after action `a`.
+    /// Records each module's memory after action `a`; returns this rank's total.
     fn sample(
         &self,
         a: &Action,
@@ -506,10 +516,11 @@ impl Executor {
         stash: &Stash,
         plans: &StepPlans,
         resident: &mut [Resident],
-    ) {
+    ) -> u64 {
         // The LLM (the module no edge leaves) computing: phase 2 of a colocated step.
         let llm_phase =
             matches!(a, Action::Compute(c) if !plans.edges.iter().any(|e| e.0 == c.module));
+        let mut total = 0;
         for (i, s) in self.stages.iter().enumerate() {
             let m = s.module();
             let params = bytes(s.params().iter().map(|p| p.tensor()));
@@ -521,7 +532,9 @@ impl Executor {
             let host = self.offloaded[i].as_ref().map_or(0, |o| o.copy.len());
             let now = Resident { peak: held, llm_phase: if llm_phase { held } else { 0 }, host };
             resident[m] = resident[m].max(now);
+            total += held;
         }
+        total
     }
 
     fn forward(&mut self, c: &Compute, stash: &mut Stash, plans: &StepPlans) -> Result<f64> {

@@ -40,6 +40,10 @@ pub struct StepLog {
     pub data_wait: f64,
     /// The step's manifest.
     pub manifest: BatchManifest,
+    /// Payloads (images, clips) each rank has decoded so far, by global rank: the items
+    /// its encoder replicas ran and those of the next step decoded ahead; zero on a rank
+    /// that runs no encoder's first stage.
+    pub decodes: Vec<u64>,
 }
 
 /// Held-out loss and answer accuracy, the same on every rank.
@@ -178,6 +182,10 @@ impl Trainer {
         }
         let seconds = start.elapsed().as_secs_f64();
         let data_wait = self.data.waited() - waited;
+        let mut decodes = vec![0.0f64; world.size()];
+        decodes[world.rank()] = self.data.decodes() as f64;
+        world.all_reduce(&mut decodes, ReduceOp::Max)?;
+        let decodes = decodes.into_iter().map(|d| d as u64).collect();
         Ok(StepLog {
             step,
             report,
@@ -187,6 +195,7 @@ impl Trainer {
             boundary_bytes,
             data_wait,
             manifest,
+            decodes,
         })
     }
 

@@ -14,6 +14,7 @@ mod layout_cmd;
 mod plan_cmd;
 mod plots;
 mod schedule_cmd;
+mod tensorboard;
 mod train_cmd;
 
 use std::path::Path;

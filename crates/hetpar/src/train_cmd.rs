@@ -119,6 +119,8 @@ struct Report {
     done: Mutex<(f64, f64)>,
     /// Evaluations so far: after how many steps, and what they found.
     evals: Mutex<Vec<(usize, EvalReport)>>,
+    /// The TensorBoard event file.
+    events: Mutex<crate::tensorboard::Events>,
 }
 
 /// "loss 2.31, answers 41/100 right (image 20/60, audio 9/25, text 12/15), tokens 71.2%".
@@ -162,6 +164,13 @@ impl Report {
         }
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
         writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
+        let scalars = [
+            ("heldout/loss", e.loss),
+            ("heldout/answer_accuracy", e.accuracy()),
+            ("heldout/token_accuracy", token_accuracy),
+        ];
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        events.scalars(done, &scalars).context("cannot write the TensorBoard events")?;
         self.evals.lock().unwrap_or_else(|e| e.into_inner()).push((done, e.clone()));
         let text = format!("held-out after {done} steps: {}", describe_eval(e));
         match &self.bar {
@@ -216,6 +225,8 @@ impl Report {
             "tflops": total / log.seconds.max(1e-9) / 1e12,
             "mfu": mfu,
             "data_wait_s": log.data_wait,
+            "rank_peak_bytes": r.rank_peaks,
+            "decodes_per_rank": log.decodes,
         });
         // JSON has no NaN: a non-finite value is written as null and named here.
         let mut line = line;
@@ -227,6 +238,17 @@ impl Report {
         if !nonfinite.is_empty() {
             line["nonfinite"] = serde_json::json!(nonfinite);
         }
+        let scalars = [
+            ("loss", r.loss),
+            ("grad_norm", r.grad_norm),
+            ("lr", log.lr),
+            ("tokens_per_s", tps),
+            ("tflops", total / log.seconds.max(1e-9) / 1e12),
+            ("mfu", mfu),
+            ("data_wait_s", log.data_wait),
+        ];
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        events.scalars(log.step, &scalars).context("cannot write the TensorBoard events")?;
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
         writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
         let text = format!(
@@ -411,6 +433,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         loss.display(),
         time.display()
     ));
+    {
+        let events = report.events.lock().unwrap_or_else(|e| e.into_inner());
+        say(&format!(
+            "TensorBoard events: {} (tensorboard --logdir {})",
+            events.path().display(),
+            out.display()
+        ));
+    }
     let (flops, secs) = *report.done.lock().unwrap_or_else(|e| e.into_inner());
     let rate = |f: f64| {
         if f >= 1e12 {
@@ -589,6 +619,9 @@ impl Report {
             peak,
             done: Mutex::new((0.0, 0.0)),
             evals: Mutex::new(Vec::new()),
+            events: Mutex::new(crate::tensorboard::Events::create(out).with_context(|| {
+                format!("cannot write a TensorBoard event file in {}", out.display())
+            })?),
         })
     }
 }
@@ -664,6 +697,14 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
         })
         .collect();
     say(&format!("memory and collectives: {}", modules.join("; ")));
+    let ranks = logs[0].report.rank_peaks.len();
+    let per_rank: Vec<String> = (0..ranks)
+        .map(|r| {
+            let peak = logs.iter().map(|l| l.report.rank_peaks[r]).max().unwrap_or(0);
+            format!("rank {r} {}", size(peak as f64))
+        })
+        .collect();
+    say(&format!("peak held per rank (all its modules): {}", per_rank.join(", ")));
     say(&format!(
         "{}: loss {:.4} -> {:.4} over {} steps, {:.0} tokens/s ({} tokens in {:.1} s), {} steps skipped",
         graph.name,

@@ -334,6 +334,20 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     let steps: Vec<&Value> = lines.iter().filter(|l| l.get("loss").is_some()).collect();
     assert_eq!(steps.len(), 4);
     assert!(steps.iter().all(|s| s["data_wait_s"].as_f64() >= Some(0.0)), "{metrics}");
+    // Each rank's peak of what it holds: all three ranks hold parameters.
+    for s in &steps {
+        let peaks = s["rank_peak_bytes"].as_array().expect("per rank");
+        assert!(peaks.len() == 3 && peaks.iter().all(|p| p.as_u64() > Some(0)), "{s}");
+    }
+    // TensorBoard's event file, next to metrics.jsonl (its format is tested in the binary).
+    let events: Vec<_> = std::fs::read_dir(&out_dir)
+        .expect("out")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents."))
+        .collect();
+    assert_eq!(events.len(), 1);
+    assert!(events[0].metadata().expect("meta").len() > 100);
+    assert!(text.contains("TensorBoard events: "), "{text}");
     // The same checkpoint, evaluated on its own: the same numbers.
     let eval = hetpar(&["eval", out, "--data", generated, "--json"]);
     let e: Value = serde_json::from_str(&stdout(&eval)).expect("json");
