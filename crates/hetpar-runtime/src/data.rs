@@ -265,13 +265,19 @@ impl TextSource for FileData {
         let drawn = self.shared.drawn(batch)?;
         let seq = manifest.seq_len();
         let (mut tokens, mut targets) = (Vec::new(), Vec::new());
-        for &e in &drawn.entries {
+        // Held-out batches score each target: whether the model's top token is it. A slot
+        // that repeats a record to fill the last held-out batch has no target, so each
+        // record counts once in the loss and the scores.
+        let score = batch >= HELDOUT;
+        for (&e, &scored) in drawn.entries.iter().zip(&drawn.scored) {
             let enc = &drawn.dataset.entries()[e].encoded;
             tokens.extend_from_slice(&enc.ids[..seq]);
-            targets.extend_from_slice(&enc.targets[..seq]);
+            if score && !scored {
+                targets.extend(std::iter::repeat_n(-1, seq));
+            } else {
+                targets.extend_from_slice(&enc.targets[..seq]);
+            }
         }
-        // Held-out batches score each target: whether the model's top token is it.
-        let score = batch >= HELDOUT;
         Ok(TextBatch { seq, tokens, targets, score })
     }
 }
@@ -289,8 +295,9 @@ impl ItemSource for FileData {
         let payload = if queued {
             let mut ready = self.shared.ready.lock().unwrap_or_else(|e| e.into_inner());
             loop {
-                if let Some(done) = ready.get_mut(&batch) {
-                    break done.remove(&(item.sample, item.index));
+                // Kept until the batch is evicted: a recomputed forward asks again.
+                if let Some(done) = ready.get(&batch) {
+                    break done.get(&(item.sample, item.index)).cloned();
                 }
                 // The loader holds the other reference while it runs.
                 if Arc::strong_count(&self.shared) < 2 {

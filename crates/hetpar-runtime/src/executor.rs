@@ -266,6 +266,8 @@ pub struct Executor {
     opts: TrainOptions,
     skipped: usize,
     groups: Groups,
+    /// Forwards keep no autograd graph (held-out batches: no backward follows).
+    evaluating: bool,
 }
 
 impl std::fmt::Debug for Executor {
@@ -283,7 +285,15 @@ impl Executor {
             .map(|s| AdamState::new(&trained(s.as_ref(), &opts)))
             .collect::<Result<_>>()?;
         let offloaded = stages.iter().map(|_| None).collect();
-        Ok(Executor { stages, states, offloaded, opts, skipped: 0, groups: Groups::new() })
+        Ok(Executor {
+            stages,
+            states,
+            offloaded,
+            opts,
+            skipped: 0,
+            groups: Groups::new(),
+            evaluating: false,
+        })
     }
 
     /// The parameters of stage `i` that train (none of a frozen module).
@@ -294,6 +304,12 @@ impl Executor {
     /// This rank's stages.
     pub fn stages(&self) -> &[Box<dyn Stage>] {
         &self.stages
+    }
+
+    /// While `on`, every forward keeps only its values, no autograd graph, as a module that
+    /// runs forwards only does: for steps of forwards alone (held-out batches).
+    pub fn set_evaluating(&mut self, on: bool) {
+        self.evaluating = on;
     }
 
     /// Steps skipped for non-finite gradients so far.
@@ -573,7 +589,7 @@ impl Executor {
         let reported = fwd.reported;
         stash.scored.append(&mut fwd.scored);
         let recompute = self.opts.recompute.contains(&c.module);
-        if recompute || self.opts.forward_only.contains(&c.module) {
+        if recompute || self.evaluating || self.opts.forward_only.contains(&c.module) {
             // Keep the values the next stage or the edge reads, drop the graph behind them.
             fwd.out = fwd.out.map(|t| t.detach());
             fwd.loss = fwd.loss.map(|t| t.detach());

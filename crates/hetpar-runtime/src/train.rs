@@ -58,7 +58,8 @@ pub struct EvalReport {
     /// Answers (assistant turns) and how many were right, by the kind of question
     /// ("image", "audio", "text"). An answer is right when every one of its tokens, the
     /// closing marker included, is the model's top token given the reference before it:
-    /// exactly when greedy decoding from the question reproduces it.
+    /// exactly when greedy decoding from the question reproduces it (a tie for the top
+    /// logit counts as right; greedy decoding would break it one way).
     pub answers: BTreeMap<&'static str, Tally>,
 }
 
@@ -199,11 +200,6 @@ impl Trainer {
         })
     }
 
-    /// The manifest of training step `step` (the same on every rank).
-    pub fn manifest(&self, step: usize) -> Result<BatchManifest, RuntimeError> {
-        self.data.manifest(step)
-    }
-
     /// Whether the data has a held-out split to evaluate.
     pub fn has_heldout(&self) -> bool {
         self.data.heldout_batches() > 0
@@ -223,12 +219,29 @@ impl Trainer {
         let actions = self.eval_schedule.ranks.get(&rank).cloned().unwrap_or_default();
         let mut out = EvalReport::default();
         let mut loss_sum = 0.0;
+        // No backward follows: keep no autograd graph of any module.
+        self.exec.set_evaluating(true);
+        let result = self.evaluate_batches(world, &actions, batches, &mut out, &mut loss_sum);
+        self.exec.set_evaluating(false);
+        result?;
+        out.loss = loss_sum / out.targets.max(1) as f64;
+        Ok(out)
+    }
+
+    fn evaluate_batches(
+        &mut self,
+        world: &dyn Communicator,
+        actions: &[hetpar_schedule::Action],
+        batches: usize,
+        out: &mut EvalReport,
+        loss_sum: &mut f64,
+    ) -> Result<(), RuntimeError> {
         for h in 0..batches {
             let batch = HELDOUT + h;
             let manifest = self.data.manifest(batch)?;
             let (n, seq) = (manifest.samples().len(), manifest.seq_len());
             let plans = StepPlans::new(&self.graph, manifest);
-            let report = self.exec.step(world, &actions, batch, &plans)?;
+            let report = self.exec.step(world, actions, batch, &plans)?;
             // Per position: [targets scored, of them correct], summed over the job (each
             // target is scored by one rank).
             let mut marks = vec![0.0f64; 2 * n * seq];
@@ -241,7 +254,7 @@ impl Trainer {
             let targets = scored.iter().sum::<f64>() as usize;
             out.targets += targets;
             out.correct_tokens += correct.iter().sum::<f64>() as usize;
-            loss_sum += report.loss * targets as f64;
+            *loss_sum += report.loss * targets as f64;
             for (s, answers) in self.data.answers(batch)?.iter().enumerate() {
                 for a in answers {
                     let good = a.positions.clone().filter(|p| correct[s * seq + p] > 0.5).count();
@@ -253,8 +266,7 @@ impl Trainer {
                 }
             }
         }
-        out.loss = loss_sum / out.targets.max(1) as f64;
-        Ok(out)
+        Ok(())
     }
 
     /// Bytes each edge moves in a step: rows of its programs times the row width (the

@@ -186,3 +186,31 @@ fn file_data_trains_and_evaluates_as_one_rank_under_both_placements() {
         }
     }
 }
+
+/// The last held-out batch is filled up with records from the start; those slots carry no
+/// target, so each record counts once: three records in a batch of four give exactly their
+/// own targets and answers.
+#[test]
+fn filler_slots_of_the_last_heldout_batch_count_nothing() {
+    let g = graph([0, 1], [0, 1], [0, 1], 1);
+    let (train, heldout) = data(&g);
+    let dir = heldout.spec().path.parent().unwrap().to_path_buf();
+    let three: Vec<_> = heldout.entries()[..3].iter().map(|e| e.record.clone()).collect();
+    let file = dir.join("three.json");
+    hetpar_data::llava::save(&file, &three).unwrap();
+    let spec = DatasetSpec { path: file, ..heldout.spec().clone() };
+    let small = Arc::new(Dataset::open(spec).unwrap());
+    assert_eq!(small.eval_batches(g.train.global_batch), 1);
+    let want_targets: usize =
+        small.entries().iter().map(|e| e.encoded.targets.iter().filter(|&&t| t >= 0).count()).sum();
+    let want_answers: usize = (0..3).map(|e| small.answers(e).len()).sum();
+    let out = launch(1, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
+        let sources = Sources::files(&g, 0, train.clone(), Some(small.clone()));
+        let mut t = Trainer::new(c, &g, DType::F64, STEPS, &sources)?;
+        t.evaluate(c)
+    })
+    .unwrap();
+    let eval = out.into_iter().next().unwrap().unwrap();
+    assert_eq!(eval.targets, want_targets);
+    assert_eq!(eval.answers.values().map(|t| t.answers).sum::<usize>(), want_answers);
+}

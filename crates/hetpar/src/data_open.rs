@@ -61,17 +61,19 @@ pub fn synth_cache(samples: usize, seed: u64, say: &dyn Fn(&str)) -> anyhow::Res
     let root = cache_dir();
     let name =
         format!("synth-{}-n{samples}-seed{seed}", hetpar_data::synth::FORMAT.replace('/', "-"));
-    let dir = root.join(name);
+    let dir = root.join(&name);
     if dir.join("synth.json").is_file() {
         return Ok(dir);
     }
     say(&format!("generating the synthetic dataset ({samples} samples) into {}", dir.display()));
     std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
-    let tmp = root.join(format!(
-        ".tmp-{}-{}",
-        std::process::id(),
-        dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
-    ));
+    // Unique per process and moment (processes of one job on several hosts may share the
+    // cache), removed first should an earlier one have been left behind.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = root.join(format!(".tmp-{}-{nanos}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
     let opts = SynthOptions { seed, ..SynthOptions::with_samples(samples) };
     let start = std::time::Instant::now();
     let summary = hetpar_data::synth::generate(&tmp, &opts, &mut |_| {})
@@ -95,37 +97,55 @@ pub fn synth_cache(samples: usize, seed: u64, say: &dyn Fn(&str)) -> anyhow::Res
     Ok(dir)
 }
 
-/// Opens `graph`'s data; `say` reports what was opened and skipped (the lead passes a
-/// printer, the other processes a no-op).
-pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {
+/// Where a run's files are.
+pub struct Paths {
+    /// The training records.
+    pub json: PathBuf,
+    /// The held-out records, where there are some.
+    pub heldout: Option<PathBuf>,
+    /// The tokenizer.
+    pub tokenizer: PathBuf,
+    /// What media paths are relative to.
+    pub media_root: PathBuf,
+}
+
+/// The files `graph`'s data reads (`None` for the in-process source); the synth set is
+/// generated into the cache if it is not there.
+pub fn paths(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<Option<Paths>> {
     let data = &graph.data;
-    let (json, heldout, tokenizer, root) = match data.source {
-        DataSource::Synthetic => return Ok(RunData::Synthetic),
+    let (json, heldout) = match data.source {
+        DataSource::Synthetic => return Ok(None),
         DataSource::Synth => {
             let dir = synth_cache(data.samples, graph.train.seed, say)?;
-            (dir.join("train.json"), Some(dir.join("heldout.json")), None, None)
+            (dir.join("train.json"), Some(dir.join("heldout.json")))
         }
         DataSource::Llava => {
             let path = PathBuf::from(data.path.as_deref().expect("validated: llava has a path"));
             if path.is_dir() {
                 let held = path.join("heldout.json");
-                (path.join("train.json"), held.is_file().then_some(held), None, None)
+                (path.join("train.json"), held.is_file().then_some(held))
             } else {
                 let held = path.with_file_name("heldout.json");
                 let held = (held != path && held.is_file()).then_some(held);
-                (path, held, None, None)
+                (path, held)
             }
         }
     };
     let heldout = data.heldout.as_ref().map(PathBuf::from).or(heldout);
     let dir = json.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-    let tokenizer = data
-        .tokenizer
-        .as_ref()
-        .map(PathBuf::from)
-        .or(tokenizer)
-        .unwrap_or_else(|| dir.join("tokenizer.json"));
-    let media_root = data.image_root.as_ref().map(PathBuf::from).or(root).unwrap_or(dir);
+    let tokenizer =
+        data.tokenizer.as_ref().map_or_else(|| dir.join("tokenizer.json"), PathBuf::from);
+    let media_root = data.image_root.as_ref().map_or(dir, PathBuf::from);
+    Ok(Some(Paths { json, heldout, tokenizer, media_root }))
+}
+
+/// Opens `graph`'s data; `say` reports what was opened and skipped (the lead passes a
+/// printer, the other processes a no-op).
+pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {
+    let Some(Paths { json, heldout, tokenizer, media_root }) = paths(graph, say)? else {
+        return Ok(RunData::Synthetic);
+    };
+    let data = &graph.data;
     let spec = DatasetSpec {
         path: json,
         media_root,

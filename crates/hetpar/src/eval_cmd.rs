@@ -34,18 +34,32 @@ pub struct Args {
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let ckpt = checkpoint(&a.ckpt)?;
-    let file = ckpt.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&file)
-        .with_context(|| format!("{}: the checkpoint holds no config", file.display()))?;
-    let data = a.data.display().to_string();
-    // The records to evaluate are the held-out split: a directory's heldout.json, or the
-    // file itself.
-    let mut sets = vec!["data.source=\"llava\"".to_string(), format!("data.path={data:?}")];
-    if !a.data.is_dir() {
-        sets.push(format!("data.heldout={data:?}"));
+    let config = ckpt.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&config)
+        .with_context(|| format!("{}: the checkpoint holds no config", config.display()))?;
+    // The records to evaluate: a directory's heldout.json, or the file itself, with the
+    // tokenizer next to them and media relative to them; the checkpoint's own data keys
+    // are all replaced (its training split is not opened: the held-out file stands in).
+    let (file, dir) = if a.data.is_dir() {
+        (a.data.join("heldout.json"), a.data.clone())
+    } else {
+        let dir = a.data.parent().map_or_else(|| PathBuf::from("."), PathBuf::from);
+        (a.data.clone(), dir)
+    };
+    if !file.is_file() {
+        anyhow::bail!("--data {}: no {} there", a.data.display(), file.display());
     }
+    let (f, d) = (file.display().to_string(), dir.display().to_string());
+    let tok = dir.join("tokenizer.json").display().to_string();
+    let mut sets = vec![
+        "data.source=\"llava\"".to_string(),
+        format!("data.path={f:?}"),
+        format!("data.heldout={f:?}"),
+        format!("data.tokenizer={tok:?}"),
+        format!("data.image_root={d:?}"),
+    ];
     sets.extend(a.set.iter().cloned());
-    let (_, graph) = crate::config_load::load_text(text, file.display().to_string(), &sets)?;
+    let (_, graph) = crate::config_load::load_text(text, config.display().to_string(), &sets)?;
     let dt = dtype(None, &graph)?;
     let run_data = crate::data_open::open(&graph, &|_| {})?;
     let opts = hetpar_comm::LocalOptions { timeout: timeout(a.timeout)? };

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use hetpar_runtime::checkpoint::latest;
 use hetpar_runtime::export::export_hf;
 
@@ -34,9 +34,56 @@ pub fn checkpoint(path: &Path) -> anyhow::Result<PathBuf> {
     )
 }
 
+/// The chat template of `hetpar-data` in the Jinja form HF tokenizers apply: a role marker,
+/// the text, `<|end|>` after each turn; `<|assistant|>` opens the reply to generate.
+const CHAT_TEMPLATE: &str = "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}";
+
+/// Copies the run's `tokenizer.json` next to the exported LLM with a `tokenizer_config.json`
+/// (special tokens, chat template, length) and a `special_tokens_map.json`; `None` when the
+/// run trained on in-process synthetic tokens, which have no tokenizer.
+fn export_tokenizer(ckpt: &Path, hf: &Path) -> anyhow::Result<Option<PathBuf>> {
+    let graph = hetpar_runtime::export::checkpoint_graph(ckpt)?;
+    let Some(paths) = crate::data_open::paths(&graph, &|_| {})? else { return Ok(None) };
+    let llm = graph
+        .modules
+        .iter()
+        .find(|m| matches!(m.spec, hetpar_layout::ModuleSpec::Llama { .. }))
+        .map(|m| hf.join(&m.name))
+        .context("the checkpoint's graph has no LLM")?;
+    let dst = llm.join("tokenizer.json");
+    std::fs::copy(&paths.tokenizer, &dst).with_context(|| {
+        format!(
+            "cannot copy the run's tokenizer {} to {}",
+            paths.tokenizer.display(),
+            dst.display()
+        )
+    })?;
+    let special: Vec<&str> = hetpar_data::chat::SPECIAL.to_vec();
+    let config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": hetpar_data::chat::PAD,
+        "eos_token": hetpar_data::chat::END,
+        "additional_special_tokens": special,
+        "model_max_length": graph.train.seq_len,
+        "chat_template": CHAT_TEMPLATE,
+    });
+    let map = serde_json::json!({
+        "pad_token": hetpar_data::chat::PAD,
+        "eos_token": hetpar_data::chat::END,
+        "additional_special_tokens": special,
+    });
+    for (name, v) in [("tokenizer_config.json", config), ("special_tokens_map.json", map)] {
+        let file = llm.join(name);
+        std::fs::write(&file, serde_json::to_string_pretty(&v)? + "\n")
+            .with_context(|| format!("cannot write {}", file.display()))?;
+    }
+    Ok(Some(dst))
+}
+
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let ckpt = checkpoint(&a.ckpt)?;
     let done = export_hf(&ckpt, &a.hf)?;
+    let tokenizer = export_tokenizer(&ckpt, &a.hf)?;
     #[allow(clippy::print_stdout)]
     {
         println!("exported {} to {}:", ckpt.display(), a.hf.display());
@@ -48,6 +95,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 e.tensors,
                 e.bytes as f64 / (1024.0 * 1024.0)
             );
+        }
+        match tokenizer {
+            Some(t) => println!(
+                "  tokenizer: {} with tokenizer_config.json (chat template) and special_tokens_map.json",
+                t.display()
+            ),
+            None => println!("  no tokenizer: the run trained on in-process synthetic tokens"),
         }
     }
     Ok(())

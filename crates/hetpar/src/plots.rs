@@ -20,8 +20,9 @@ pub fn losses(metrics: &str) -> (Curve, Curve) {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
         let Some(step) = v["step"].as_f64() else { continue };
         if let Some(l) = v["loss"].as_f64() {
-            // Step s's loss is the loss of the s-th update's batch: plotted after it.
-            train.push((step + 1.0, l));
+            // Step s's loss is measured with the parameters after s updates, as the
+            // held-out loss at s is.
+            train.push((step, l));
         }
         if let Some(l) = v["heldout"]["loss"].as_f64() {
             held.push((step, l));
@@ -163,7 +164,7 @@ mod tests {
         ]
         .join("\n");
         let (train, held) = losses(&m);
-        assert_eq!(train, vec![(1.0, 6.0), (3.0, 4.0)]);
+        assert_eq!(train, vec![(0.0, 6.0), (2.0, 4.0)]);
         assert_eq!(held, vec![(0.0, 6.5), (3.0, 4.5)]);
     }
 }

@@ -1,4 +1,4 @@
-//! TensorBoard event files, written here: `OUT/events.out.tfevents.<seconds>.hetpar`, read
+//! TensorBoard event files, written here: `OUT/events.out.tfevents.<seconds>.hetpar.<pid>`, read
 //! by `tensorboard --logdir OUT` and `wandb sync`. Each record is TFRecord framing (the
 //! length as a little-endian u64, its masked CRC-32C, the bytes, their masked CRC-32C)
 //! around a serialized `tensorflow.Event` protobuf: the first holds `file_version =
@@ -82,7 +82,8 @@ impl Events {
     /// A new event file under `dir` (a resumed run adds one; TensorBoard reads them all).
     pub fn create(dir: &Path) -> std::io::Result<Events> {
         let t = now();
-        let path = dir.join(format!("events.out.tfevents.{}.hetpar", t as u64));
+        let path =
+            dir.join(format!("events.out.tfevents.{}.hetpar.{}", t as u64, std::process::id()));
         let mut file = std::fs::File::create(&path)?;
         file.write_all(&record(&event(t, 0, Some("brain.Event:2"), &[])))?;
         Ok(Events { file, path })

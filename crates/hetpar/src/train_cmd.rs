@@ -135,7 +135,7 @@ pub fn describe_eval(e: &EvalReport) -> String {
         })
         .collect();
     format!(
-        "loss {:.4}, answers {right}/{n} right ({:.1}%: {}), top token right on {:.1}% of {} answer tokens",
+        "loss {:.4}, answers {right}/{n} right ({:.1}%: {}), top token right on {:.1}% of {} target tokens",
         e.loss,
         100.0 * e.accuracy(),
         kinds.join(", "),
@@ -362,11 +362,20 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             say(&format!("frozen (trainable = false): {}", frozen.join(", ")));
         }
     }
-    let data = crate::data_open::open(&graph, &|l| {
+    let opened = crate::data_open::open(&graph, &|l| {
         if lead {
             say(l)
         }
-    })?;
+    });
+    let data = match (opened, &mpi) {
+        (Ok(d), _) => d,
+        // One process failing to open the data ends the whole job at once.
+        (Err(e), Some(world)) => {
+            fail_job(world.rank(), RuntimeError::Data(format!("{e:#}")))?;
+            return Ok(());
+        }
+        (Err(e), None) => return Err(e),
+    };
     let on_step = |log: &StepLog| report.as_ref().map_or(Ok(()), |r| r.step(log));
     let on_eval = |done: usize, e: &EvalReport| report.as_ref().map_or(Ok(()), |r| r.eval(done, e));
     let every = a.eval_every.unwrap_or(steps.div_ceil(4));
@@ -789,7 +798,8 @@ fn rank_run(
             }
         }
     }
-    if !stopped {
+    // After the last step, even when a signal came during it.
+    if !stopped || start + logs.len() == steps {
         evaluate(&mut trainer, steps)?;
     }
     Ok(logs)
@@ -819,7 +829,13 @@ pub fn train_mpi(
 ) -> anyhow::Result<Option<Vec<StepLog>>> {
     let world = open_mpi(timeout, graph)?;
     let rank = world.rank();
-    let data = crate::data_open::open(graph, &|_| {})?;
+    let data = match crate::data_open::open(graph, &|_| {}) {
+        Ok(d) => d,
+        Err(e) => {
+            fail_job(rank, RuntimeError::Data(format!("{e:#}")))?;
+            return Ok(None);
+        }
+    };
     let logs =
         match rank_run(world.as_ref(), graph, &data, (dtype, steps), &|_| Ok(()), None, &None) {
             Ok(logs) => logs,

@@ -355,6 +355,21 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     for key in ["loss", "answer_accuracy", "token_accuracy", "targets", "by_kind"] {
         assert_eq!(e[key], last[key], "{key}: {e} vs {last}");
     }
+    // The export carries the run's tokenizer next to the LLM, loadable as the data's own.
+    let hf = out_dir.join("hf");
+    let exp = hetpar(&["export", out, "--hf", hf.to_str().expect("utf-8")]);
+    assert!(stdout(&exp).contains("tokenizer: "), "{}", stdout(&exp));
+    let tok = hf.join("llm").join("tokenizer.json");
+    let theirs = PathBuf::from(generated).join("tokenizer.json");
+    assert_eq!(std::fs::read(&tok).expect("tokenizer"), std::fs::read(&theirs).expect("data's"));
+    let vocab = hetpar_data::chat::Vocab::load(&tok).expect("loads");
+    assert_eq!(vocab.id("<|end|>"), Some(4));
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(hf.join("llm").join("tokenizer_config.json")).expect("config"),
+    )
+    .expect("json");
+    assert_eq!(cfg["eos_token"], "<|end|>");
+    assert!(cfg["chat_template"].as_str().expect("template").contains("<|assistant|>"));
     // A data directory that is not there is named.
     let missing = hetpar(&["eval", out, "--data", "/nonexistent/set"]);
     let err = String::from_utf8_lossy(&missing.stderr).to_string();
