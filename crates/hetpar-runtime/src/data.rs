@@ -101,6 +101,16 @@ impl Shared {
 
     fn decode(&self, batch: usize, sample: usize, index: usize) -> Result<Payload, String> {
         let drawn = self.drawn(batch).map_err(|e| e.to_string())?;
+        self.decode_drawn(&drawn, sample, index)
+    }
+
+    /// Item `index` of `sample` of a batch already drawn.
+    fn decode_drawn(
+        &self,
+        drawn: &Drawn<'_>,
+        sample: usize,
+        index: usize,
+    ) -> Result<Payload, String> {
         self.decodes.fetch_add(1, Ordering::Relaxed);
         drawn.dataset.payload(drawn.entries[sample], index).map_err(|e| e.to_string())
     }
@@ -220,8 +230,14 @@ impl FileData {
 /// done; it ends when its rank drops the sender.
 fn load(shared: &Shared, jobs: &Receiver<Job>) {
     while let Ok((batch, items)) = jobs.recv() {
-        let done: Decoded =
-            items.into_iter().map(|(s, i)| ((s, i), shared.decode(batch, s, i))).collect();
+        // The batch's records are drawn once for all its items.
+        let done: Decoded = match shared.drawn(batch) {
+            Ok(drawn) => items
+                .into_iter()
+                .map(|(s, i)| ((s, i), shared.decode_drawn(&drawn, s, i)))
+                .collect(),
+            Err(e) => items.into_iter().map(|(s, i)| ((s, i), Err(e.to_string()))).collect(),
+        };
         shared.ready.lock().unwrap_or_else(|e| e.into_inner()).insert(batch, done);
         shared.cond.notify_all();
     }
