@@ -78,12 +78,17 @@ to = "llm"
 
 /// The training and held-out splits of a 40-sample synthetic set for `g`.
 fn data(g: &ModelGraph) -> (Arc<Dataset>, Arc<Dataset>) {
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("hetpar-runtime-data-{}", std::process::id()));
-    if !dir.join("synth.json").is_file() {
-        let _ = std::fs::remove_dir_all(&dir);
-        synth::generate(&dir, &SynthOptions::with_samples(40), &mut |_| {}).unwrap();
-    }
+    // Generated once per test process: the tests run in parallel and share it.
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let dir = DIR
+        .get_or_init(|| {
+            let dir: PathBuf =
+                std::env::temp_dir().join(format!("hetpar-runtime-data-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            synth::generate(&dir, &SynthOptions::with_samples(40), &mut |_| {}).unwrap();
+            dir
+        })
+        .clone();
     let spec = |json: &str| DatasetSpec {
         path: dir.join(json),
         media_root: dir.clone(),
