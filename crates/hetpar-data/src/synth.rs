@@ -32,7 +32,7 @@ use crate::llava::{self, AUDIO, IMAGE, Media, Record, Role, Turn};
 /// Sample rate of the clips, Whisper's.
 pub const SAMPLE_RATE: u32 = 16_000;
 /// The format tag in `synth.json`.
-pub const FORMAT: &str = "hetpar-synth/1";
+pub const FORMAT: &str = "hetpar-synth/2";
 
 const SHAPES: [&str; 3] = ["circle", "square", "triangle"];
 const COLOURS: [(&str, [u8; 3]); 4] = [
@@ -248,22 +248,25 @@ fn below(rng: &mut ChaCha8Rng, n: usize) -> usize {
     (rng.next_u64() % n as u64) as usize
 }
 
-/// Draws `p` on a `size`-pixel square: `p.count` shapes, placed apart where they fit.
+/// Draws `p` on a `size`-pixel square: `p.count` shapes of radius a sixth of the side (a
+/// shape spans more than one patch of the ViT's usual grid), none touching another. A
+/// placement that leaves no room for the next shape starts over, so the picture always
+/// shows the count its caption says (three shapes fit with room to spare).
 pub fn render(p: &Picture, size: u32, rng: &mut ChaCha8Rng) -> image::RgbImage {
     let s = f64::from(size);
-    let r = s / 9.0;
+    let r = s / 6.0;
+    let apart = 2.0 * r + 2.0;
     let mut centres: Vec<(f64, f64)> = Vec::new();
-    for _ in 0..p.count {
-        let mut at = (0.0, 0.0);
-        for _ in 0..100 {
+    while centres.len() < p.count {
+        let placed = (0..100).find_map(|_| {
             let x = r + 1.0 + unit(rng) * (s - 2.0 * r - 2.0);
             let y = r + 1.0 + unit(rng) * (s - 2.0 * r - 2.0);
-            at = (x, y);
-            if centres.iter().all(|&(cx, cy)| (cx - x).hypot(cy - y) > 2.0 * r + 2.0) {
-                break;
-            }
+            centres.iter().all(|&(cx, cy)| (cx - x).hypot(cy - y) > apart).then_some((x, y))
+        });
+        match placed {
+            Some(at) => centres.push(at),
+            None => centres.clear(),
         }
-        centres.push(at);
     }
     let colour = image::Rgb(COLOURS[p.colour].1);
     image::RgbImage::from_fn(size, size, |x, y| {

@@ -20,7 +20,7 @@ fn synthetic_records_make_the_demos_manifest() {
     let g = demo();
     let edges = Edges::of(&g).unwrap();
     let (image_rows, audio_rows) = edges.rows();
-    assert_eq!((image_rows, audio_rows), (16, 8));
+    assert_eq!((image_rows, audio_rows), (16, 64));
     let opts = SynthOptions { max_images: 1, ..SynthOptions::with_samples(40) };
     let records: Vec<_> = (0..opts.samples).map(|i| synth::sample(opts.seed, i, &opts).0).collect();
     let texts: Vec<String> =

@@ -90,6 +90,33 @@ fn records_load_and_every_kind_of_sample_occurs() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The 4-connected regions of `img` painted `rgb`.
+fn regions(img: &image::RgbImage, rgb: [u8; 3]) -> usize {
+    let (w, h) = img.dimensions();
+    let mut seen = vec![false; (w * h) as usize];
+    let mut count = 0;
+    for start in 0..w * h {
+        if seen[start as usize] || img.get_pixel(start % w, start / w).0 != rgb {
+            continue;
+        }
+        count += 1;
+        let mut stack = vec![start];
+        seen[start as usize] = true;
+        while let Some(i) = stack.pop() {
+            let (x, y) = (i % w, i / w);
+            let next = [(x.wrapping_sub(1), y), (x + 1, y), (x, y.wrapping_sub(1)), (x, y + 1)];
+            for (nx, ny) in next {
+                let j = (ny * w + nx) as usize;
+                if nx < w && ny < h && !seen[j] && img.get_pixel(nx, ny).0 == rgb {
+                    seen[j] = true;
+                    stack.push(ny * w + nx);
+                }
+            }
+        }
+    }
+    count
+}
+
 #[test]
 fn images_and_clips_show_what_the_answers_say() {
     let opts = SynthOptions::with_samples(30);
@@ -118,6 +145,8 @@ fn images_and_clips_show_what_the_answers_say() {
             let (name, rgb) = colours.iter().find(|(n, _)| said.contains(n)).unwrap();
             let painted: BTreeSet<[u8; 3]> = img.pixels().map(|px| px.0).collect();
             assert_eq!(painted, BTreeSet::from([[24, 24, 28], *rgb]), "{}: {name}", record.id);
+            // As many separate shapes as the answer counts: no two touch.
+            assert_eq!(regions(&img, *rgb), p.count, "{}: {said}", record.id);
             seen_images += 1;
         }
         for (c, path) in sounds.iter().zip(record.audio.paths()) {

@@ -1,6 +1,8 @@
 //! HF export: a checkpoint written as HF model directories loads in candle-transformers'
-//! Llama, which computes the logits hetpar's LLM computes on the exported weights; every
-//! exported tensor is bitwise the checkpoint's parameter, and no optimizer state leaks in.
+//! Llama, which computes the logits hetpar's LLM computes on the exported weights, and in
+//! its SigLIP vision tower, which with the exported LLaVA projector computes the rows
+//! hetpar's ViT gives the LLM; every exported tensor is bitwise the checkpoint's
+//! parameter, and no optimizer state leaks in.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,6 +15,7 @@ use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
 use hetpar_nn::io::{load_params, read_header};
 use hetpar_nn::layers::attention::CpMode;
 use hetpar_nn::models::llama::{Llama, LlamaConfig};
+use hetpar_nn::models::vit::{Vit, VitConfig};
 use hetpar_nn::testing::{last_logits, rel_err};
 use hetpar_nn::{Build, HasParams, ParallelCtx};
 use hetpar_runtime::export::export_hf;
@@ -20,7 +23,7 @@ use hetpar_runtime::testing::{fault_config, fault_graph};
 use hetpar_runtime::{Sources, Trainer};
 
 #[test]
-fn the_exported_llm_loads_in_candle_transformers_with_the_same_logits() {
+fn the_export_loads_in_candle_transformers_with_the_same_outputs() {
     let dir = std::env::temp_dir().join(format!("hetpar-export-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     // Two steps of the colocated model (vision dp2, LLM tp2 on 2 ranks), then a checkpoint.
@@ -109,8 +112,87 @@ fn the_exported_llm_loads_in_candle_transformers_with_the_same_logits() {
     .unwrap()
     .pop()
     .unwrap();
-    let (a, b): (Vec<f64>, Vec<f64>) =
-        (mine.iter().map(|&x| x.into()).collect(), theirs.iter().map(|&x| x.into()).collect());
-    let e = rel_err(&a, &b);
+    let e = rel_err_f32(&mine, &theirs);
     assert!(e <= 1e-5, "the exported LLM's logits differ from hetpar's by {e:e}");
+
+    // candle-transformers' SigLIP vision tower from the vision directory's config.json and
+    // model.safetensors, then the LLaVA projector (linear, exact GELU, linear) from the same
+    // file: the rows the LLM receives ...
+    use candle_core::Module;
+    let vision = hf.join("vision");
+    let text = std::fs::read_to_string(vision.join("config.json")).unwrap();
+    let vcfg: candle_transformers::models::siglip::VisionConfig =
+        serde_json::from_str(&text).unwrap();
+    // Two steps leave the weights near their initialization (zero biases, unit norms, small
+    // matrices), where a wrong GELU or a missing bias hardly shows: both sides load the
+    // exported tensors moved by a fixed pattern, so every weight counts.
+    let exported = candle_core::safetensors::load(vision.join("model.safetensors"), &Device::Cpu);
+    let weights: std::collections::HashMap<String, Tensor> = exported
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| {
+            let shift: Vec<f32> = (0..t.elem_count())
+                .map(|i| ((i * 13 + k.len() * 7) % 17) as f32 / 34.0 - 0.25)
+                .collect();
+            let shift = Tensor::from_vec(shift, t.shape(), &Device::Cpu).unwrap();
+            (k, (&t + shift).unwrap())
+        })
+        .collect();
+    let file = vision.join("moved.safetensors");
+    candle_core::safetensors::save(&weights, &file).unwrap();
+    let linear = |name: &str| {
+        let w = weights[&format!("{name}.weight")].clone();
+        candle_nn::Linear::new(w, Some(weights[&format!("{name}.bias")].clone()))
+    };
+    let (proj1, proj2) =
+        (linear("multi_modal_projector.linear_1"), linear("multi_modal_projector.linear_2"));
+    let vb = VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu);
+    let tower =
+        candle_transformers::models::siglip::VisionModel::new(&vcfg, false, vb.pp("vision_model"))
+            .unwrap();
+    let s = vcfg.image_size;
+    let values: Vec<f32> =
+        (0..2 * 3 * s * s).map(|i| (((i * 37 + 11) % 101) as f32 / 50.0) - 1.0).collect();
+    let pixels = Tensor::from_vec(values, (2, 3, s, s), &Device::Cpu).unwrap();
+    let hidden = tower.forward(&pixels).unwrap();
+    let rows = proj2.forward(&proj1.forward(&hidden).unwrap().gelu_erf().unwrap()).unwrap();
+    let theirs: Vec<f32> = rows.flatten_all().unwrap().to_vec1().unwrap();
+
+    // ... and hetpar's ViT on one rank with the exported weights.
+    let m = &g.modules[g.module_id("vision").unwrap()];
+    let hetpar_layout::ModuleSpec::Vit { image_size, patch_size } = m.spec else {
+        panic!("vision is a vit")
+    };
+    assert_eq!((image_size, patch_size), (s, vcfg.patch_size));
+    let cfg = VitConfig {
+        image_size,
+        patch_size,
+        hidden: m.dims.hidden,
+        layers: m.dims.layers,
+        heads: m.dims.heads,
+        ffn: m.dims.ffn,
+        out_hidden: g.modules[g.module_id("llm").unwrap()].dims.hidden,
+        ln_eps: vcfg.layer_norm_eps,
+        cp_mode: CpMode::AllGather,
+    };
+    let one = ModuleLayout::new("vision", Span::new(0, 1), LayoutSpec::default()).unwrap();
+    let mine: Vec<f32> = launch(1, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let ctx = ParallelCtx::new(c, &one).unwrap();
+        let vit = Vit::new(&Build { ctx, seed: 98, dtype: DType::F32 }, cfg).unwrap();
+        load_params(&file, &vit.params()).unwrap();
+        let out = vit.forward(&pixels).unwrap();
+        assert_eq!(out.dims(), rows.dims());
+        out.flatten_all().unwrap().to_vec1().unwrap()
+    })
+    .unwrap()
+    .pop()
+    .unwrap();
+    let e = rel_err_f32(&mine, &theirs);
+    assert!(e <= 1e-5, "the exported vision tower's rows differ from hetpar's by {e:e}");
+}
+
+/// [`rel_err`] of two f32 vectors.
+fn rel_err_f32(a: &[f32], b: &[f32]) -> f64 {
+    let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    rel_err(&wide(a), &wide(b))
 }

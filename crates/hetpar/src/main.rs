@@ -40,7 +40,7 @@ enum Command {
     /// Train a model graph (the built-in demo without a config): a progress bar, metrics.jsonl,
     /// loss.svg, time.svg, checkpoints and the resolved config under --out.
     #[command(
-        after_help = "Examples:\n  hetpar train\n  hetpar train examples/colocated-fanin.toml --steps 5\n  hetpar train examples/synth-llava.toml --eval-every 50   (the synthetic LLaVA set, held-out accuracy)\n  hetpar train examples/synth-llava.toml --set data.source=llava --set data.path=/tmp/d\n  hetpar train --dtype f64 --out runs/demo-f64\n  mpirun -n 3 hetpar train --backend mpi   (build with --features mpi)"
+        after_help = "Examples:\n  hetpar train   (the built-in demo on the synthetic LLaVA set: held-out loss and answers)\n  hetpar train --eval-every 50 --set train.lr=2e-3\n  hetpar data synth --out /tmp/d && hetpar train --set data.source=llava --set data.path=/tmp/d\n  hetpar train examples/in-memory.toml --steps 20   (no files: quick)\n  hetpar train examples/colocated-fanin.toml --steps 5\n  hetpar train --dtype f64 --out runs/demo-f64\n  hetpar train --resume auto   (go on from the latest checkpoint under --out)\n  mpirun -n 3 hetpar train --backend mpi   (build with --features mpi)"
     )]
     Train(train_cmd::Args),
     /// Parity: train CONFIG and a reference (default: the same model on one rank) step by

@@ -19,8 +19,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Config file (TOML); without one, the built-in demo: a vision encoder colocated with
-    /// the LLM and an audio encoder on its own rank.
+    /// Config file (TOML); without one, the built-in demo (examples/demo.toml): a vision
+    /// encoder colocated with the LLM and an audio encoder on its own rank, trained on the
+    /// synthetic LLaVA set (generated once into the cache).
     pub config: Option<PathBuf>,
     /// Steps to run (default: the config's train.steps).
     #[arg(long)]
@@ -311,13 +312,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         None => 0,
     };
+    let resolved = toml::to_string(&cfg).context("cannot write the resolved config")?;
     let ckpt = Some(Checkpoints {
         root,
         every: a.save_every.unwrap_or(0),
         keep: a.keep,
         resume,
         stop: stop_on_signals()?,
-        config: toml::to_string(&cfg).context("cannot write the resolved config")?,
+        config: resolved.clone(),
     });
     let report = if lead {
         let peak = match a.peak_tflops {
@@ -328,7 +330,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 one * mpi.as_ref().map_or(1, |w| w.size()) as f64
             }
         };
-        Some(Report::create(&out, &cfg, &graph, (steps, start), peak)?)
+        Some(Report::create(&out, &resolved, &graph, (steps, start), peak)?)
     } else {
         None
     };
@@ -355,7 +357,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 l.span()
             ));
         }
-        say(&format!("resolved config: {}", out.join("config.toml").display()));
+        say(&format!("resolved config (saved as {}):", out.join("config.toml").display()));
+        for line in resolved.lines().filter(|l| !l.trim().is_empty()) {
+            say(&format!("  {line}"));
+        }
         let frozen: Vec<&str> =
             graph.modules.iter().filter(|m| !m.trainable).map(|m| m.name.as_str()).collect();
         if !frozen.is_empty() {
@@ -578,13 +583,12 @@ impl Report {
     /// progress bar when stderr is a terminal.
     fn create(
         out: &Path,
-        cfg: &Config,
+        resolved: &str,
         graph: &ModelGraph,
         (steps, start): (usize, usize),
         peak: f64,
     ) -> anyhow::Result<Report> {
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-        let resolved = toml::to_string(cfg).context("cannot write the resolved config")?;
         std::fs::write(out.join("config.toml"), resolved)
             .with_context(|| format!("cannot write {}", out.join("config.toml").display()))?;
         // A resumed run keeps the lines of the steps before it, so no step appears twice.

@@ -15,6 +15,9 @@ fn cache() -> PathBuf {
     std::env::temp_dir().join(format!("hetpar-cli-cache-{}", std::process::id()))
 }
 
+/// The small model on in-memory data: quick to train where a test needs many steps.
+const IN_MEMORY: &str = "examples/in-memory.toml";
+
 fn hetpar(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_hetpar"))
         .args(args)
@@ -295,7 +298,7 @@ fn temp(name: &str) -> PathBuf {
     d
 }
 
-/// Training on files: the synth set generated once into the cache, held-out loss and
+/// The bare `hetpar train` trains on files: the synth set generated once into the cache, held-out loss and
 /// answer accuracy before the first step, every --eval-every steps and after the last, the
 /// data wait of each step, the two pictures; `hetpar eval` of the checkpoint finds what
 /// the last evaluation found.
@@ -303,7 +306,7 @@ fn temp(name: &str) -> PathBuf {
 fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     let out_dir = temp("synth");
     let out = out_dir.to_str().expect("utf-8");
-    let args = ["train", "examples/synth-llava.toml", "--steps", "4", "--eval-every", "2"];
+    let args = ["train", "--steps", "4", "--eval-every", "2"];
     let run = hetpar(&[&args[..], &["--out", out, "--set", "data.samples=60"]].concat());
     let text = stdout(&run);
     assert!(run.status.success(), "{text}{}", String::from_utf8_lossy(&run.stderr));
@@ -377,14 +380,16 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
 }
 
 #[test]
-fn train_runs_the_demo_writes_metrics_and_the_loss_falls() {
+fn train_writes_metrics_and_the_loss_falls() {
     let out_dir = temp("train");
-    let out = hetpar(&["train", "--steps", "12", "--out", out_dir.to_str().expect("utf-8")]);
+    let (config, out) = ("examples/in-memory.toml", out_dir.to_str().expect("utf-8"));
+    let out = hetpar(&["train", config, "--steps", "12", "--out", out]);
     let text = stdout(&out);
-    assert!(text.contains("training demo on 3 ranks (local backend, F32) for 12 steps"), "{text}");
-    let summary = text.lines().find(|l| l.starts_with("demo: loss")).expect("a summary");
+    let head = "training in-memory on 3 ranks (local backend, F32) for 12 steps";
+    assert!(text.contains(head), "{text}");
+    let summary = text.lines().find(|l| l.starts_with("in-memory: loss")).expect("a summary");
     assert!(text.lines().last().expect("lines").starts_with("checkpoint committed: "), "{text}");
-    assert!(summary.starts_with("demo: loss ") && summary.contains("over 12 steps"), "{summary}");
+    assert!(summary.contains("over 12 steps"), "{summary}");
     assert!(text.contains("time on rank 0 by action: backward "), "{text}");
     assert!(text.contains("boundary bytes per step (all ranks): vision -> llm "), "{text}");
     // Without a terminal the progress is one line per step on stderr.
@@ -412,7 +417,7 @@ fn train_runs_the_demo_writes_metrics_and_the_loss_falls() {
     let loss = |i: usize| steps[i]["loss"].as_f64().expect("loss");
     assert!(loss(11) < loss(0) - 1.0, "the loss falls: {} -> {}", loss(0), loss(11));
     let resolved = std::fs::read_to_string(out_dir.join("config.toml")).expect("config");
-    assert!(resolved.contains("name = \"demo\""), "{resolved}");
+    assert!(resolved.contains("name = \"in-memory\""), "{resolved}");
     // The run's checkpoint exports to HF directories, one per module.
     let hf = out_dir.join("hf");
     let out =
@@ -432,7 +437,7 @@ fn train_runs_the_demo_writes_metrics_and_the_loss_falls() {
 #[test]
 fn train_refuses_what_it_cannot_run_in_one_line() {
     let dir = temp("train-bad");
-    let demo = std::fs::read_to_string(root().join("examples/demo.toml")).expect("demo");
+    let demo = std::fs::read_to_string(root().join("examples/in-memory.toml")).expect("demo");
     let path = dir.join("bf16.toml");
     std::fs::write(&path, demo.replacen("lr = 3e-3", "lr = 3e-3\ndtype = \"bf16\"", 1))
         .expect("write");
@@ -449,7 +454,7 @@ fn train_refuses_what_it_cannot_run_in_one_line() {
 #[test]
 fn train_offloads_a_colocated_encoder() {
     let dir = temp("train-offload");
-    let demo = std::fs::read_to_string(root().join("examples/demo.toml")).expect("demo");
+    let demo = std::fs::read_to_string(root().join("examples/in-memory.toml")).expect("demo");
     assert_eq!(demo.matches("tp = 1").count(), 1, "the vision layout is the one tp = 1");
     let path = dir.join("offload.toml");
     std::fs::write(&path, demo.replacen("tp = 1", "tp = 1\noffload = true", 1)).expect("write");
@@ -461,7 +466,7 @@ fn train_offloads_a_colocated_encoder() {
         let text = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
         text.lines().map(|l| serde_json::from_str(l).expect("json")).collect()
     };
-    let demo_path = root().join("examples/demo.toml");
+    let demo_path = root().join("examples/in-memory.toml");
     let plain = metrics(demo_path.to_str().expect("utf-8"), "plain");
     let off = metrics(path.to_str().expect("utf-8"), "off");
     for (a, b) in plain.iter().zip(&off) {
@@ -551,7 +556,7 @@ fn bench_train_and_executor_report_what_they_measure() {
 /// schedule; a bad one is a one-line error naming it.
 #[test]
 fn set_overrides_config_values_everywhere() {
-    let demo = root().join("examples/demo.toml");
+    let demo = root().join("examples/in-memory.toml");
     let demo = demo.to_str().expect("utf-8");
     let out = hetpar(&["layout", demo, "--json", "--set", "modules.llm.parallel.tp=1"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -584,10 +589,11 @@ fn losses(out: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
-/// Starts `hetpar train` on the demo for `steps` steps into `out` and waits until its
+/// Starts `hetpar train` on the in-memory example for `steps` steps into `out` and waits until its
 /// metrics hold `lines` steps.
 fn start_training(out: &Path, steps: &str, extra: &[&str], lines: usize) -> std::process::Child {
-    let mut args = vec!["train", "--steps", steps, "--out", out.to_str().expect("utf-8")];
+    let mut args =
+        vec!["train", IN_MEMORY, "--steps", steps, "--out", out.to_str().expect("utf-8")];
     args.extend(extra);
     let child = Command::new(env!("CARGO_BIN_EXE_hetpar"))
         .args(&args)
@@ -613,7 +619,7 @@ fn start_training(out: &Path, steps: &str, extra: &[&str], lines: usize) -> std:
 fn sigterm_commits_a_checkpoint_and_resume_auto_reproduces_the_run() {
     let (full, cut) = (temp("sigterm-full"), temp("sigterm-cut"));
     let _ = std::fs::remove_dir_all(&cut);
-    stdout(&hetpar(&["train", "--steps", "40", "--out", full.to_str().expect("utf-8")]));
+    stdout(&hetpar(&["train", IN_MEMORY, "--steps", "40", "--out", full.to_str().expect("utf-8")]));
     let mut child = start_training(&cut, "40", &[], 2);
     let pid = child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
@@ -623,6 +629,7 @@ fn sigterm_commits_a_checkpoint_and_resume_auto_reproduces_the_run() {
     assert!(stopped < 40, "the signal came after the run ended");
     let out = hetpar(&[
         "train",
+        IN_MEMORY,
         "--steps",
         "40",
         "--out",
@@ -661,8 +668,16 @@ fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
         .filter(|e| e.as_ref().expect("entry").file_name().to_string_lossy().starts_with("step-"))
         .count();
     assert!(kept <= 3, "--keep 2 (plus one being replaced): {kept}");
-    let args =
-        ["train", "--steps", "60", "--out", dir.to_str().expect("utf-8"), "--resume", "auto"];
+    let args = [
+        "train",
+        IN_MEMORY,
+        "--steps",
+        "60",
+        "--out",
+        dir.to_str().expect("utf-8"),
+        "--resume",
+        "auto",
+    ];
     let text = stdout(&hetpar(&args));
     assert!(text.contains("resuming from "), "{text}");
     let steps: Vec<u64> = losses(&dir).iter().map(|x| x.0).collect();
@@ -670,12 +685,21 @@ fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
 
     let fresh = temp("resume-fresh");
     let _ = std::fs::remove_dir_all(&fresh);
-    let args =
-        ["train", "--steps", "1", "--out", fresh.to_str().expect("utf-8"), "--resume", "auto"];
+    let args = [
+        "train",
+        IN_MEMORY,
+        "--steps",
+        "1",
+        "--out",
+        fresh.to_str().expect("utf-8"),
+        "--resume",
+        "auto",
+    ];
     let text = stdout(&hetpar(&args));
     assert!(text.contains("--resume auto: no committed checkpoint under"), "{text}");
     assert!(text.contains("starting fresh"), "{text}");
-    let out = hetpar(&["train", "--steps", "1", "--resume", "/nonexistent/step-00000003"]);
+    let out =
+        hetpar(&["train", IN_MEMORY, "--steps", "1", "--resume", "/nonexistent/step-00000003"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.contains("--resume /nonexistent/step-00000003: no checkpoint there"), "{err}");

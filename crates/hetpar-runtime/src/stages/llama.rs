@@ -198,25 +198,34 @@ impl LlamaStage {
     /// target: the row's maximum over the whole vocabulary (one max all-reduce over tp),
     /// compared with the target's logit by the tp rank holding it, so each target is
     /// scored once. A tie counts as correct.
+    /// Only two values per row leave the logits (its maximum and the target's logit), so
+    /// scoring costs no copy of the vocabulary shard.
     fn score(&self, mb: usize, logits: &Tensor) -> Result<Vec<Scored>, RuntimeError> {
         let targets = self.local(mb, &self.step()?.0.targets)?;
-        let rows = logits.detach().to_dtype(DType::F64)?.to_vec2::<f64>()?;
-        let width = rows.first().map_or(0, Vec::len);
-        let mut max: Vec<f64> =
-            rows.iter().map(|r| r.iter().copied().fold(f64::NEG_INFINITY, f64::max)).collect();
+        let logits = logits.detach();
+        let width = logits.dim(1)?;
+        let host = |t: Tensor| -> Result<Vec<f64>, RuntimeError> {
+            Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
+        };
+        let mut max = host(logits.max_keepdim(1)?)?;
         if let Some(c) = self.ctx.tp.comm() {
             c.all_reduce(&mut max, ReduceOp::Max)?;
         }
         let cols = self.ctx.tp.rank * width..(self.ctx.tp.rank + 1) * width;
+        // The column of each row's target in this shard (0 where another rank holds it).
+        let mine = |t: i64| usize::try_from(t).ok().filter(|t| cols.contains(t));
+        let at: Vec<u32> =
+            targets.iter().map(|&t| mine(t).map_or(0, |t| (t - cols.start) as u32)).collect();
+        let at = Tensor::from_vec(at, (targets.len(), 1), logits.device())?;
+        let picked = host(logits.gather(&at, 1)?)?;
         let (own, samples) = (self.positions.own(), self.samples(mb)?);
         let mut out = Vec::new();
         for (r, &t) in targets.iter().enumerate() {
-            let Ok(t) = usize::try_from(t) else { continue };
-            if cols.contains(&t) {
+            if mine(t).is_some() {
                 out.push(Scored {
                     sample: samples.start + r / own.len(),
                     pos: own[r % own.len()],
-                    correct: rows[r][t - cols.start] >= max[r],
+                    correct: picked[r] >= max[r],
                 });
             }
         }
