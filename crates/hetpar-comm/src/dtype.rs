@@ -114,11 +114,12 @@ fn view<T: bytemuck::Pod>(bytes: &[u8]) -> Cow<'_, [T]> {
     }
 }
 
+/// `add` is generic (not a function pointer) so the sum loop inlines and vectorizes.
 fn fold_typed<T: bytemuck::Pod + PartialOrd + std::ops::Add<Output = T>>(
     acc: &mut [u8],
     rest: &[&[u8]],
     op: ReduceOp,
-    add: fn(T, T) -> T,
+    add: impl Fn(T, T) -> T + Copy,
 ) {
     let fold = |acc: &mut [T]| {
         for p in rest {

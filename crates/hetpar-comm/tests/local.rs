@@ -88,6 +88,61 @@ fn a_rank_that_never_joins_times_out_naming_it() {
     assert!(out[2].is_ok());
 }
 
+/// The direct collectives read peers' buffers in place: a member that gave up on a call
+/// (here after a timeout) has closed it, so a late member fails instead of reading a buffer
+/// its owner has already reused, and neither buffer is written.
+#[test]
+fn a_late_member_of_an_abandoned_all_reduce_reads_nothing() {
+    let out = launch(2, opts(0.3), |c| {
+        let mine = 1.0f32 + c.rank() as f32;
+        let mut x = vec![mine; 1 << 16];
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        let r = c.all_reduce(&mut x, ReduceOp::Sum);
+        let untouched = x.iter().all(|&v| v == mine);
+        // The owner reuses its buffer at once, and stays alive while the late one arrives.
+        x.fill(f32::NAN);
+        if c.rank() == 0 {
+            std::thread::sleep(Duration::from_millis(1200));
+        }
+        (r, untouched)
+    })
+    .expect("no panic");
+    assert!(out[0].1 && out[1].1, "a buffer was written");
+    let e = out[0].0.clone().expect_err("timed out");
+    assert!(matches!(e, CommError::Timeout { .. }), "{e}");
+    let e = out[1].0.clone().expect_err("the call was abandoned").to_string();
+    assert!(
+        e.starts_with("rank 0 failed: left all-reduce #0 after an error: all-reduce #0"),
+        "{e}"
+    );
+}
+
+/// A send-receive lends its send buffer while it receives; a receiver that comes later
+/// gets a copy made before the call returned, not what the sender wrote afterwards.
+#[test]
+fn a_send_receive_taken_late_delivers_what_was_sent() {
+    let out = launch(2, opts(10.0), |c| {
+        if c.rank() == 0 {
+            let mut a = vec![7i64; 1000];
+            let mut r = [0i64; 4];
+            c.send_recv(&a, 1, 5, &mut r, 1, 6).expect("send-receive");
+            a.fill(-1);
+            r.to_vec()
+        } else {
+            c.send(&[3i64; 4], 0, 6).expect("send");
+            std::thread::sleep(Duration::from_millis(200));
+            let mut got = vec![0i64; 1000];
+            c.recv(&mut got, 0, 5).expect("recv");
+            got
+        }
+    })
+    .expect("no panic");
+    assert_eq!(out[0], [3; 4]);
+    assert!(out[1].iter().all(|&v| v == 7), "the receiver saw the buffer after the call");
+}
+
 #[test]
 fn a_rank_that_returns_early_fails_the_others_fast() {
     let start = Instant::now();
@@ -148,6 +203,19 @@ fn mismatched_sizes_are_errors_not_hangs() {
             || e.contains("rank 0 called barrier while rank 1 called all-reduce"),
         "{e}"
     );
+    // All-to-all counts that disagree: the receiver names them, and the sender, whose
+    // buffer it was about to read, fails with it rather than leaving early.
+    let out = launch(2, opts(2.0), |c| {
+        let send = [5u8; 6];
+        let (sc, rc) = if c.rank() == 0 { ([2, 4], [2, 3]) } else { ([3, 3], [3, 3]) };
+        let mut recv = vec![0u8; rc.iter().sum()];
+        c.all_to_all_v_bytes(&send, &sc, &mut recv, &rc)
+    })
+    .expect("no panic");
+    let e = out[1].clone().expect_err("counts").to_string();
+    assert!(e.contains("rank 0 sends 4 bytes to rank 1, which expects 3"), "{e}");
+    let e = out[0].clone().expect_err("abandoned").to_string();
+    assert!(e.starts_with("rank 1 failed: left all-to-all-v #0 after an error"), "{e}");
 }
 
 #[test]

@@ -1,11 +1,24 @@
 //! The `local` backend: N ranks as threads of one process.
 //!
-//! [`launch`] runs a closure on every rank with its world communicator. Collectives deposit
-//! contributions in a shared slot and combine them in member order, so results are bitwise
-//! identical from run to run; all-reduce reduces one chunk per member (reduce-scatter) and
-//! then gathers the chunks, so each rank touches the data about twice. Sends are buffered
-//! (they never block); receives wait. A rank that panics or returns makes every rank waiting
-//! on it fail at once with its rank in the error.
+//! [`launch`] runs a closure on every rank with its world communicator. Collectives combine
+//! contributions in member order, so results are bitwise identical from run to run.
+//! The collectives are direct: each member posts its own buffer and the others read it in
+//! place, one copy per byte instead of a copy into shared memory and another out of it (the
+//! single-copy transfers of MPI's shared-memory transports). All-reduce reduces one chunk
+//! per member (in place where member order allows, else block by block through a
+//! cache-sized accumulator) and then copies the other chunks from their owners. Sends are
+//! buffered (they never block); receives wait; a send-receive lends its send buffer while
+//! it receives (when the world has no more ranks than cores), so a receiver that takes it
+//! meanwhile copies it once. A rank that panics or returns makes every rank waiting on it fail at once
+//! with its rank in the error.
+//!
+//! This module is the workspace's one user of `unsafe`: reading a peer's buffer in place
+//! needs its address. [`state::Region`] and `Shared::direct` hold the protocol that keeps
+//! it sound: a buffer is posted only while its owner is inside the call, phases are
+//! separated by waits for every member and touch disjoint ranges, and no member leaves,
+//! on success, error or panic, while another is inside a phase.
+
+#![allow(unsafe_code)]
 
 mod state;
 
@@ -15,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use self::state::{CallSite, Shared, Signature};
+use self::state::{CallSite, Letter, Region, Shared, Signature};
 use crate::comm::{
     Communicator, P2p, args, check_batch, check_peer, check_subgroup, length_mismatch,
 };
@@ -131,6 +144,9 @@ impl LocalComm {
     }
 }
 
+/// Bytes reduced at a time: a block of the accumulator stays in the L1 cache.
+const BLOCK: usize = 32 << 10;
+
 fn chunk(len_elems: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
     i * len_elems / parts..(i + 1) * len_elems / parts
 }
@@ -168,41 +184,73 @@ impl Communicator for LocalComm {
             len: Some(data.len()),
             ..Signature::new("all-reduce")
         };
-        let site = self.site("all-reduce");
-        let (deposits, _) = self.shared.gather_deposits(
-            &site,
-            sig,
-            Arc::new(self.shared.pool.copy_of(data)),
-            None,
-        )?;
-        // Reduce my chunk over all members in member order, then gather every chunk.
-        let (n, es) = (self.size(), dtype.size());
-        let mine = chunk(data.len() / es, n, self.me);
-        let parts: Vec<&[u8]> =
-            deposits.iter().map(|d| &d[mine.start * es..mine.end * es]).collect();
-        let mut reduced = self.shared.pool.copy_of(parts[0]);
-        reduce_onto(&mut reduced, &parts[1..], dtype, op);
-        drop(parts);
-        drop(deposits);
-        // The reduced chunks are copied out and dropped before `finish` so they recycle.
-        let outcome = self.shared.gather_second(&site, Arc::new(reduced)).map(|parts| {
-            for (i, part) in parts.iter().enumerate() {
-                let c = chunk(data.len() / es, n, i);
-                data[c.start * es..c.end * es].copy_from_slice(part);
+        let (n, es, me) = (self.size(), dtype.size(), self.me);
+        let elems = data.len() / es;
+        let bytes = |i: usize| {
+            let c = chunk(elems, n, i);
+            c.start * es..c.end * es
+        };
+        let own = Region::of_mut(data);
+        // Phase 0 reduces my chunk of every member's buffer, in member order, into mine;
+        // phase 1 copies every other chunk from its owner.
+        let mut block = vec![0u64; BLOCK / 8];
+        self.shared.direct(&self.site("all-reduce"), sig, (own, None), 2, |phase, regions, _| {
+            if phase == 0 && (me == 0 || (n == 2 && op == ReduceOp::Sum)) {
+                // In place: my values come first in member order, or the one other
+                // member's sum with mine commutes exactly.
+                let mine = bytes(me);
+                // SAFETY: in phase 0 chunk `me` of every buffer is touched by this member
+                // alone; the peers' parts and my own part are distinct buffers.
+                let peers: Vec<&[u8]> = regions
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| i != me)
+                    .map(|(_, g)| unsafe { g.bytes(mine.clone()) })
+                    .collect();
+                reduce_onto(unsafe { own.bytes_mut(mine.clone()) }, &peers, dtype, op);
+            } else if phase == 0 {
+                let mine = bytes(me);
+                let mut at = mine.start;
+                while at < mine.end {
+                    let r = at..(at + BLOCK).min(mine.end);
+                    let acc = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut block)[..r.len()];
+                    // SAFETY: in phase 0 chunk `me` of every buffer is touched by this
+                    // member alone (each member reduces its own chunk).
+                    let parts: Vec<&[u8]> =
+                        regions.iter().map(|g| unsafe { g.bytes(r.clone()) }).collect();
+                    acc.copy_from_slice(parts[0]);
+                    reduce_onto(acc, &parts[1..], dtype, op);
+                    drop(parts);
+                    // SAFETY: as above; the reads of this range have ended.
+                    unsafe { own.bytes_mut(r.clone()) }.copy_from_slice(acc);
+                    at = r.end;
+                }
+            } else {
+                for (i, g) in regions.iter().enumerate().filter(|&(i, _)| i != me) {
+                    // SAFETY: in phase 1 chunk `i` is final in member i's buffer and only
+                    // read; this member writes chunks other than its own in its buffer,
+                    // which nobody reads in this phase.
+                    unsafe { own.bytes_mut(bytes(i)) }
+                        .copy_from_slice(unsafe { g.bytes(bytes(i)) });
+                }
             }
-        });
-        self.shared.finish(&site);
-        outcome
+            Ok(())
+        })
     }
 
     fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<()> {
         check_peer(self, root, "broadcast root")?;
         let sig =
             Signature { len: Some(data.len()), root: Some(root), ..Signature::new("broadcast") };
-        let mine = if self.me == root { self.shared.pool.copy_of(data) } else { Vec::new() };
-        self.exchange("broadcast", sig, mine, None, |d, _| {
-            if self.me != root {
-                data.copy_from_slice(&d[root]);
+        let (site, me) = (self.site("broadcast"), self.me);
+        let own = Region::of_mut(data);
+        self.shared.direct(&site, sig, (own, None), 1, |_, regions, _| {
+            if me != root {
+                let len = regions[root].len();
+                // SAFETY: the root's buffer is only read in this phase, and this member
+                // writes only its own.
+                unsafe { own.bytes_mut(0..len) }
+                    .copy_from_slice(unsafe { regions[root].bytes(0..len) });
             }
             Ok(())
         })
@@ -211,11 +259,13 @@ impl Communicator for LocalComm {
     fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
         args::all_gather_v(self, send, recv, counts)?;
         let sig = Signature { counts: Some(counts.to_vec()), ..Signature::new("all-gather-v") };
-        self.exchange("all-gather-v", sig, self.shared.pool.copy_of(send), None, |d, _| {
+        let site = self.site("all-gather-v");
+        self.shared.direct(&site, sig, (Region::of(send), None), 1, |_, regions, _| {
             let mut at = 0;
-            for part in d {
-                recv[at..at + part.len()].copy_from_slice(part);
-                at += part.len();
+            for (g, &len) in regions.iter().zip(counts) {
+                // SAFETY: send buffers are only read, and `recv` is this member's own.
+                recv[at..at + len].copy_from_slice(unsafe { g.bytes(0..len) });
+                at += len;
             }
             Ok(())
         })
@@ -235,11 +285,14 @@ impl Communicator for LocalComm {
             len: Some(send.len()),
             ..Signature::new("reduce-scatter")
         };
-        let block = recv.len();
-        self.exchange("reduce-scatter", sig, self.shared.pool.copy_of(send), None, |d, _| {
+        let (block, me) = (recv.len(), self.me);
+        let site = self.site("reduce-scatter");
+        self.shared.direct(&site, sig, (Region::of(send), None), 1, |_, regions, _| {
             if block > 0 {
+                let r = me * block..(me + 1) * block;
+                // SAFETY: send buffers are only read, and `recv` is this member's own.
                 let parts: Vec<&[u8]> =
-                    d.iter().map(|p| &p[self.me * block..(self.me + 1) * block]).collect();
+                    regions.iter().map(|g| unsafe { g.bytes(r.clone()) }).collect();
                 reduce_into(recv, &parts, dtype, op);
             }
             Ok(())
@@ -255,34 +308,36 @@ impl Communicator for LocalComm {
     ) -> Result<()> {
         args::all_to_all_v(self, send, sc, recv, rc)?;
         let sig = Signature::new("all-to-all-v");
-        let seq = self.seq.load(Ordering::Relaxed);
-        self.exchange(
-            "all-to-all-v",
-            sig,
-            self.shared.pool.copy_of(send),
-            Some(sc.to_vec()),
-            |d, counts| {
-                let mut at = 0;
-                for (j, (data, their)) in d.iter().zip(counts).enumerate() {
-                    let their = their.as_ref().expect("all-to-all-v deposits counts");
-                    let offset: usize = their[..self.me].iter().sum();
-                    let len = their[self.me];
-                    if len != rc[j] {
-                        return Err(CommError::Mismatch {
-                            op: format!("all-to-all-v #{seq}"),
-                            group: self.members.clone(),
-                            detail: format!(
-                                "rank {} sends {len} bytes to rank {}, which expects {}",
-                                self.members[j], self.members[self.me], rc[j]
-                            ),
-                        });
-                    }
-                    recv[at..at + len].copy_from_slice(&data[offset..offset + len]);
-                    at += len;
+        let site = self.site("all-to-all-v");
+        let (seq, me) = (site.seq, self.me);
+        let own = (Region::of(send), Some(sc.to_vec()));
+        self.shared.direct(&site, sig, own, 1, |_, regions, counts| {
+            // Every member's counts first, so a mismatch moves nothing.
+            let mut parts = Vec::with_capacity(regions.len());
+            for (j, their) in counts.iter().enumerate() {
+                let their = their.as_ref().expect("all-to-all-v posts counts");
+                let (offset, len) = (their[..me].iter().sum::<usize>(), their[me]);
+                if len != rc[j] {
+                    return Err(CommError::Mismatch {
+                        op: format!("all-to-all-v #{seq}"),
+                        group: self.members.clone(),
+                        detail: format!(
+                            "rank {} sends {len} bytes to rank {}, which expects {}",
+                            self.members[j], self.members[me], rc[j]
+                        ),
+                    });
                 }
-                Ok(())
-            },
-        )
+                parts.push(offset..offset + len);
+            }
+            let mut at = 0;
+            for (g, r) in regions.iter().zip(parts) {
+                let len = r.len();
+                // SAFETY: send buffers are only read, and `recv` is this member's own.
+                recv[at..at + len].copy_from_slice(unsafe { g.bytes(r) });
+                at += len;
+            }
+            Ok(())
+        })
     }
 
     fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()> {
@@ -293,15 +348,33 @@ impl Communicator for LocalComm {
 
     fn recv_bytes(&self, data: &mut [u8], src: usize, tag: u32) -> Result<()> {
         check_peer(self, src, "recv")?;
-        let msg = self.shared.take(self.group_id, &self.members, src, self.me, tag)?;
-        if msg.len() != data.len() {
-            let (got, want) = (msg.len(), data.len());
-            self.shared.pool.give(msg);
-            return Err(length_mismatch(&self.members, self.me, src, tag, got, want));
+        let letter = self.shared.take(self.group_id, &self.members, src, self.me, tag)?;
+        let mismatch =
+            |got: usize| length_mismatch(&self.members, self.me, src, tag, got, data.len());
+        match letter {
+            Letter::Copy(msg) => {
+                let out = if msg.len() == data.len() {
+                    data.copy_from_slice(&msg);
+                    Ok(())
+                } else {
+                    Err(mismatch(msg.len()))
+                };
+                self.shared.pool.give(msg);
+                out
+            }
+            Letter::Lent(region, id) => {
+                let out = if region.len() == data.len() {
+                    // SAFETY: the sender waits in `reclaim` until this taker has returned
+                    // the buffer, and only reads it meanwhile.
+                    data.copy_from_slice(unsafe { region.bytes(0..data.len()) });
+                    Ok(())
+                } else {
+                    Err(mismatch(region.len()))
+                };
+                self.shared.returned(id);
+                out
+            }
         }
-        data.copy_from_slice(&msg);
-        self.shared.pool.give(msg);
-        Ok(())
     }
 
     fn send_recv_bytes(
@@ -313,8 +386,20 @@ impl Communicator for LocalComm {
         src: usize,
         rt: u32,
     ) -> Result<()> {
-        self.send_bytes(send, dst, st)?;
-        self.recv_bytes(recv, src, rt)
+        // The send is lent while this member receives (when every rank has a core): a
+        // receiver that takes it meanwhile copies straight from `send` (one copy instead of
+        // two); otherwise it becomes a buffered copy, as `send_bytes` makes, before this
+        // call returns.
+        if !self.shared.lends {
+            self.send_bytes(send, dst, st)?;
+            return self.recv_bytes(recv, src, rt);
+        }
+        check_peer(self, dst, "send")?;
+        let key = (self.group_id, self.me, dst, st);
+        let id = self.shared.lend(key.0, key.1, key.2, key.3, Region::of(send));
+        let got = self.recv_bytes(recv, src, rt);
+        self.shared.reclaim(key, (id, send.len()), || self.shared.pool.copy_of(send));
+        got
     }
 
     fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {

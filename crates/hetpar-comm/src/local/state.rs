@@ -6,6 +6,8 @@
 //! bookkeeping.
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -60,15 +62,93 @@ impl Signature {
     }
 }
 
+/// A member's own buffer in a direct collective, which the other members read in place
+/// (one copy instead of a copy in and a copy out) and its owner writes.
+///
+/// The protocol that makes this sound (see [`Shared::direct`]): a region is posted only
+/// while its owner is inside the call, so its buffer is alive; members access buffers only
+/// in phases separated by waits for every member, and each phase's work touches ranges
+/// that no other member touches in that phase (the caller's plan); a member leaves the call,
+/// on success or error, only once no live member is inside a phase, and after an error the
+/// slot is closed so no phase starts again. The owner touches its buffer only through the
+/// region while the call lasts.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Region {
+    addr: usize,
+    len: usize,
+}
+
+impl Region {
+    /// The region of `data`, read by the other members.
+    pub fn of(data: &[u8]) -> Region {
+        Region { addr: data.as_ptr() as usize, len: data.len() }
+    }
+
+    /// The region of `data`, which its owner also writes through the region.
+    pub fn of_mut(data: &mut [u8]) -> Region {
+        Region { addr: data.as_mut_ptr() as usize, len: data.len() }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Bytes `r` of the region.
+    ///
+    /// # Safety
+    /// The region was posted in a direct collective still in progress, the caller is inside
+    /// one of its phases, and no member writes `r` in this phase.
+    pub unsafe fn bytes(&self, r: Range<usize>) -> &[u8] {
+        assert!(r.start <= r.end && r.end <= self.len, "{r:?} outside {} bytes", self.len);
+        // SAFETY: in bounds of a live buffer (the caller's contract) that nobody writes
+        // in this range meanwhile.
+        unsafe { std::slice::from_raw_parts((self.addr as *const u8).add(r.start), r.len()) }
+    }
+
+    /// Bytes `r` of the caller's own region, to write.
+    ///
+    /// # Safety
+    /// As for [`Region::bytes`], and no other member reads or writes `r` in this phase.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, r: Range<usize>) -> &mut [u8] {
+        assert!(r.start <= r.end && r.end <= self.len, "{r:?} outside {} bytes", self.len);
+        // SAFETY: in bounds of the caller's own live buffer; no one else touches `r` in
+        // this phase.
+        unsafe { std::slice::from_raw_parts_mut((self.addr as *mut u8).add(r.start), r.len()) }
+    }
+}
+
 /// One collective call in progress.
 #[derive(Debug)]
 pub(crate) struct Slot {
     signature: Option<(usize, Signature)>,
     pub deposits: Vec<Option<Arc<Vec<u8>>>>,
     pub counts: Vec<Option<Vec<usize>>>,
-    pub second: Vec<Option<Arc<Vec<u8>>>>,
     finished: usize,
     poisoned: Option<String>,
+    /// Direct collectives: each member's buffer, the phases it has finished, whether it
+    /// is inside a phase, and why the call was abandoned (the member's global rank).
+    regions: Vec<Option<Region>>,
+    phases: Vec<usize>,
+    reading: Vec<bool>,
+    closed: Option<(usize, CommError)>,
+}
+
+impl Slot {
+    fn new(n: usize) -> Slot {
+        Slot {
+            signature: None,
+            deposits: vec![None; n],
+            counts: vec![None; n],
+            finished: 0,
+            poisoned: None,
+            regions: vec![None; n],
+            phases: vec![0; n],
+            reading: vec![false; n],
+            closed: None,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -78,7 +158,30 @@ pub(crate) struct State {
     next_group: u64,
     pub groups: HashMap<(u64, Vec<usize>, usize), u64>,
     slots: HashMap<(u64, u64), Slot>,
-    mail: HashMap<(u64, usize, usize, u32), VecDeque<Vec<u8>>>,
+    mail: HashMap<(u64, usize, usize, u32), VecDeque<Letter>>,
+    /// Lent buffers by id: whether the receiver has started and finished reading each.
+    lent: HashMap<u64, Lend>,
+    next_lend: u64,
+}
+
+/// Bytes per second a copy is assumed to move, to bound how long a lent buffer waits for
+/// its receiver before it is copied.
+const COPY_RATE: f64 = 8e9;
+
+/// A queued message: a copy, or the sender's own buffer while the sender is inside a
+/// combined send-receive (the receiver copies from it in place).
+#[derive(Debug)]
+pub(crate) enum Letter {
+    Copy(Vec<u8>),
+    Lent(Region, u64),
+}
+
+/// Where a lent buffer stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Lend {
+    Posted,
+    Reading,
+    Read,
 }
 
 /// The world of one `launch`.
@@ -89,6 +192,10 @@ pub(crate) struct Shared {
     cond: Condvar,
     /// Payload buffers to reuse.
     pub pool: BufferPool,
+    /// Whether every rank can have a core of its own: only then does a send-receive lend
+    /// its buffer (with more ranks than cores the receiver may wait for a core while the
+    /// sender waits for it, and a buffered copy is faster).
+    pub lends: bool,
 }
 
 /// Identifies a collective call for error messages.
@@ -109,7 +216,14 @@ impl CallSite<'_> {
 impl Shared {
     pub fn new(world: usize, timeout: Duration) -> Self {
         let state = State { exited: vec![false; world], next_group: 1, ..State::default() };
-        Shared { timeout, state: Mutex::new(state), cond: Condvar::new(), pool: BufferPool::new() }
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        Shared {
+            timeout,
+            state: Mutex::new(state),
+            cond: Condvar::new(),
+            pool: BufferPool::new(),
+            lends: world <= cores,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -203,28 +317,11 @@ impl Shared {
         let n = site.members.len();
         let key = (site.group_id, site.seq);
         let mut st = self.lock();
-        let slot = st.slots.entry(key).or_insert_with(|| Slot {
-            signature: None,
-            deposits: vec![None; n],
-            counts: vec![None; n],
-            second: vec![None; n],
-            finished: 0,
-            poisoned: None,
-        });
-        match &slot.signature {
-            None => slot.signature = Some((site.me, sig)),
-            Some((first, theirs)) => {
-                if let Some(d) = theirs.differs(site.members[*first], &sig, site.members[site.me]) {
-                    slot.poisoned = Some(d.clone());
-                    drop(st);
-                    self.cond.notify_all();
-                    return Err(CommError::Mismatch {
-                        op: site.op_name(),
-                        group: site.members.to_vec(),
-                        detail: d,
-                    });
-                }
-            }
+        let slot = st.slots.entry(key).or_insert_with(|| Slot::new(n));
+        if let Err(e) = agree(slot, site, sig) {
+            drop(st);
+            self.cond.notify_all();
+            return Err(e);
         }
         slot.deposits[site.me] = Some(data);
         slot.counts[site.me] = counts;
@@ -258,37 +355,150 @@ impl Shared {
         )
     }
 
-    /// Second round of a collective (all-reduce's reduced chunks).
-    pub fn gather_second(
+    /// Runs a direct collective: posts this member's `region` (and `counts`), then for
+    /// each of `phases` phases waits until every member has posted and finished the
+    /// phases before, and runs `work(phase, regions, counts)` with every member's region
+    /// and counts in member order; then waits until every member has finished every phase
+    /// (so none still reads this member's buffer) and leaves.
+    ///
+    /// On any error (a mismatch, a failed, exited or missing peer, a timeout, an error of
+    /// `work`) the member closes the slot, so no member starts another phase, and leaves
+    /// only once no live member is inside a phase: after the call returns, however it
+    /// returns, nobody touches the caller's buffer.
+    #[allow(clippy::type_complexity)]
+    pub fn direct(
         &self,
         site: &CallSite<'_>,
-        data: Arc<Vec<u8>>,
-    ) -> Result<Vec<Arc<Vec<u8>>>> {
+        sig: Signature,
+        (region, counts): (Region, Option<Vec<usize>>),
+        phases: usize,
+        mut work: impl FnMut(usize, &[Region], &[Option<Vec<usize>>]) -> Result<()>,
+    ) -> Result<()> {
         let n = site.members.len();
         let key = (site.group_id, site.seq);
         let mut st = self.lock();
-        st.slots.get_mut(&key).expect("slot").second[site.me] = Some(data);
+        let slot = st.slots.entry(key).or_insert_with(|| Slot::new(n));
+        if let Err(e) = agree(slot, site, sig) {
+            // Not posted: nobody reads this buffer.
+            drop(st);
+            self.cond.notify_all();
+            return Err(e);
+        }
+        slot.regions[site.me] = Some(region);
+        slot.counts[site.me] = counts;
+        drop(st);
         self.cond.notify_all();
         let op = || site.op_name();
-        self.wait(
-            st,
-            site.members,
-            site.me,
-            &op,
-            |st| {
-                let slot = &st.slots[&key];
-                Ok(slot
-                    .second
-                    .iter()
-                    .all(Option::is_some)
-                    .then(|| slot.second.iter().map(|d| d.clone().expect("present")).collect()))
-            },
-            |st| {
-                let slot = &st.slots[&key];
-                (0..n).filter(|&i| slot.second[i].is_none()).map(|i| site.members[i]).collect()
-            },
-            ("finishing it", "finished"),
-        )
+        for phase in 0..=phases {
+            let st = self.lock();
+            let entered = self.wait(
+                st,
+                site.members,
+                site.me,
+                &op,
+                |st| {
+                    let slot = st.slots.get_mut(&key).expect("slot lives until all leave");
+                    if let Some(d) = &slot.poisoned {
+                        return Err(CommError::Mismatch {
+                            op: site.op_name(),
+                            group: site.members.to_vec(),
+                            detail: d.clone(),
+                        });
+                    }
+                    if let Some((closer, err)) = &slot.closed {
+                        // A peer's failure passes on as it is; any other error names the
+                        // member that met it.
+                        return Err(match err {
+                            CommError::PeerFailed { .. } => err.clone(),
+                            other => CommError::PeerFailed {
+                                failed: *closer,
+                                message: format!("left {} after an error: {other}", site.op_name()),
+                            },
+                        });
+                    }
+                    let ready = slot.regions.iter().all(Option::is_some)
+                        && slot.phases.iter().all(|&p| p >= phase);
+                    if !ready {
+                        return Ok(None);
+                    }
+                    if phase == phases {
+                        return Ok(Some(None));
+                    }
+                    slot.reading[site.me] = true;
+                    let regions: Vec<Region> =
+                        slot.regions.iter().map(|r| r.expect("present")).collect();
+                    Ok(Some(Some((regions, slot.counts.clone()))))
+                },
+                |st| {
+                    let slot = &st.slots[&key];
+                    (0..n)
+                        .filter(|&i| slot.regions[i].is_none() || slot.phases[i] < phase)
+                        .map(|i| site.members[i])
+                        .collect()
+                },
+                if phase == 0 { ("joining it", "joined") } else { ("finishing it", "finished") },
+            );
+            let (regions, counts) = match entered {
+                Ok(Some(v)) => v,
+                Ok(None) => break,
+                Err(e) => return Err(self.abandon(site, e)),
+            };
+            // A panic in `work` must not unwind past the peers reading this buffer: it is
+            // an error here first (the slot closed, the readers waited out), then goes on.
+            let done = match catch_unwind(AssertUnwindSafe(|| work(phase, &regions, &counts))) {
+                Ok(done) => done,
+                Err(payload) => {
+                    let message = "panicked inside the collective".to_string();
+                    let err = CommError::PeerFailed { failed: site.members[site.me], message };
+                    self.abandon(site, err);
+                    resume_unwind(payload);
+                }
+            };
+            let mut st = self.lock();
+            let slot = st.slots.get_mut(&key).expect("slot lives until all leave");
+            slot.reading[site.me] = false;
+            match &done {
+                Ok(()) => slot.phases[site.me] = phase + 1,
+                // Closed before the phase counts as done, so no member leaves thinking
+                // the call succeeded.
+                Err(e) => {
+                    if slot.closed.is_none() {
+                        slot.closed = Some((site.members[site.me], e.clone()));
+                    }
+                }
+            }
+            drop(st);
+            self.cond.notify_all();
+            if let Err(e) = done {
+                return Err(self.abandon(site, e));
+            }
+        }
+        self.finish(site);
+        Ok(())
+    }
+
+    /// Closes a direct collective after `err`, waits until no live member is inside a
+    /// phase (each phase is bounded work, without waiting), leaves it and returns `err`.
+    fn abandon(&self, site: &CallSite<'_>, err: CommError) -> CommError {
+        let key = (site.group_id, site.seq);
+        let mut st = self.lock();
+        loop {
+            let exited = st.exited.clone();
+            let Some(slot) = st.slots.get_mut(&key) else { return err };
+            slot.reading[site.me] = false;
+            if slot.closed.is_none() {
+                slot.closed = Some((site.members[site.me], err.clone()));
+                self.cond.notify_all();
+            }
+            let busy = (0..site.members.len()).any(|i| slot.reading[i] && !exited[site.members[i]]);
+            if !busy {
+                break;
+            }
+            st = self.cond.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(st);
+        self.finish(site);
+        err
     }
 
     /// Marks this member done with the slot (it must have dropped its copies of the
@@ -301,7 +511,7 @@ impl Shared {
         if slot.finished == site.members.len() {
             let slot = st.slots.remove(&key).expect("slot");
             drop(st);
-            for a in slot.deposits.into_iter().chain(slot.second).flatten() {
+            for a in slot.deposits.into_iter().flatten() {
                 if let Ok(v) = Arc::try_unwrap(a) {
                     self.pool.give(v);
                 }
@@ -311,11 +521,90 @@ impl Shared {
 
     /// Queues a message (buffered send: never blocks).
     pub fn post(&self, group_id: u64, src: usize, dst: usize, tag: u32, data: Vec<u8>) {
-        self.lock().mail.entry((group_id, src, dst, tag)).or_default().push_back(data);
+        self.lock()
+            .mail
+            .entry((group_id, src, dst, tag))
+            .or_default()
+            .push_back(Letter::Copy(data));
         self.cond.notify_all();
     }
 
-    /// Takes the next message from `src` to `dst` with `tag`, waiting for it.
+    /// Queues the sender's own buffer as a message; the sender must [`Shared::reclaim`] it
+    /// before its buffer may change or go.
+    pub fn lend(&self, group_id: u64, src: usize, dst: usize, tag: u32, region: Region) -> u64 {
+        let mut st = self.lock();
+        let id = st.next_lend;
+        st.next_lend += 1;
+        st.lent.insert(id, Lend::Posted);
+        st.mail.entry((group_id, src, dst, tag)).or_default().push_back(Letter::Lent(region, id));
+        drop(st);
+        self.cond.notify_all();
+        id
+    }
+
+    /// Marks lent buffer `id` read (the receiver has finished with it).
+    pub fn returned(&self, id: u64) {
+        self.lock().lent.insert(id, Lend::Read);
+        self.cond.notify_all();
+    }
+
+    /// Takes lent buffer `id` back: done when it was read; waited for while it is being
+    /// read; replaced by `copy()` in its queue when nobody has taken it yet, so the message
+    /// is still delivered, as a buffered send's is.
+    pub fn reclaim(
+        &self,
+        (group_id, src, dst, tag): (u64, usize, usize, u32),
+        (id, len): (u64, usize),
+        copy: impl FnOnce() -> Vec<u8>,
+    ) {
+        let key = (group_id, src, dst, tag);
+        let mut copy = Some(copy);
+        let mut made: Option<Vec<u8>> = None;
+        let mut waited = false;
+        let mut st = self.lock();
+        loop {
+            match st.lent.get(&id).copied() {
+                Some(Lend::Read) | None => {
+                    st.lent.remove(&id);
+                    drop(st);
+                    if let Some(v) = made {
+                        self.pool.give(v);
+                    }
+                    return;
+                }
+                Some(Lend::Reading) => st = self.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(Lend::Posted) => match made.take() {
+                    // First wait about as long as the copy would take (a receiver that is
+                    // on its way then copies once), then copy outside the lock and swap
+                    // the copy in if still nobody took the letter.
+                    None if !waited => {
+                        waited = true;
+                        let secs = (len as f64 / COPY_RATE).clamp(20e-6, 0.05);
+                        let wait = Duration::from_secs_f64(secs);
+                        st = self.cond.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner()).0;
+                    }
+                    None => {
+                        drop(st);
+                        made = Some((copy.take().expect("copied once"))());
+                        st = self.lock();
+                    }
+                    Some(v) => {
+                        let queue = st.mail.get_mut(&key).expect("a lent letter is queued");
+                        let at = queue
+                            .iter()
+                            .position(|l| matches!(l, Letter::Lent(_, i) if *i == id))
+                            .expect("a posted letter is in its queue");
+                        queue[at] = Letter::Copy(v);
+                        st.lent.remove(&id);
+                        return;
+                    }
+                },
+            }
+        }
+    }
+
+    /// Takes the next message from `src` to `dst` with `tag`, waiting for it. A lent buffer
+    /// is the taker's to read until it calls [`Shared::returned`].
     pub fn take(
         &self,
         group_id: u64,
@@ -323,7 +612,7 @@ impl Shared {
         src: usize,
         dst: usize,
         tag: u32,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<Letter> {
         let key = (group_id, src, dst, tag);
         let st = self.lock();
         let op = || format!("recv from rank {} (tag {tag})", members[src]);
@@ -332,9 +621,34 @@ impl Shared {
             members,
             dst,
             &op,
-            |st| Ok(st.mail.get_mut(&key).and_then(VecDeque::pop_front)),
+            |st| {
+                let letter = st.mail.get_mut(&key).and_then(VecDeque::pop_front);
+                if let Some(Letter::Lent(_, id)) = &letter {
+                    st.lent.insert(*id, Lend::Reading);
+                }
+                Ok(letter)
+            },
             |_| vec![members[src]],
             ("sending the message", "sent it"),
         )
     }
+}
+
+/// Records the first member's signature in `slot`, or checks this member's against it
+/// (poisoning the slot on a mismatch, so every member fails).
+fn agree(slot: &mut Slot, site: &CallSite<'_>, sig: Signature) -> Result<()> {
+    match &slot.signature {
+        None => slot.signature = Some((site.me, sig)),
+        Some((first, theirs)) => {
+            if let Some(d) = theirs.differs(site.members[*first], &sig, site.members[site.me]) {
+                slot.poisoned = Some(d.clone());
+                return Err(CommError::Mismatch {
+                    op: site.op_name(),
+                    group: site.members.to_vec(),
+                    detail: d,
+                });
+            }
+        }
+    }
+    Ok(())
 }
