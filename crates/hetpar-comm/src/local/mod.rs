@@ -125,23 +125,6 @@ impl LocalComm {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         CallSite { group_id: self.group_id, seq, members: &self.members, me: self.me, op }
     }
-
-    /// Deposits, waits for all, runs `read` on every deposit, frees the slot.
-    fn exchange<T>(
-        &self,
-        op: &'static str,
-        sig: Signature,
-        data: Vec<u8>,
-        counts: Option<Vec<usize>>,
-        read: impl FnOnce(&[Arc<Vec<u8>>], &[Option<Vec<usize>>]) -> Result<T>,
-    ) -> Result<T> {
-        let site = self.site(op);
-        let (deposits, counts) = self.shared.gather_deposits(&site, sig, Arc::new(data), counts)?;
-        let out = read(&deposits, &counts);
-        drop(deposits);
-        self.shared.finish(&site);
-        out
-    }
 }
 
 /// Bytes reduced at a time: a block of the accumulator stays in the L1 cache.
@@ -173,7 +156,16 @@ impl Communicator for LocalComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.exchange("barrier", Signature::new("barrier"), Vec::new(), None, |_, _| Ok(()))
+        // A direct collective of no phase: every member posts (an empty buffer) and waits
+        // until all have.
+        let site = self.site("barrier");
+        self.shared.direct(
+            &site,
+            Signature::new("barrier"),
+            (Region::of(&[]), None),
+            0,
+            |_, _, _| Ok(()),
+        )
     }
 
     fn all_reduce_bytes(&self, data: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {

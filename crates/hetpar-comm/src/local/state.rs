@@ -2,13 +2,14 @@
 //! collective slots keyed by (group, sequence number), point-to-point mailboxes, and the
 //! failure and exit flags that make waiting ranks fail fast.
 //!
-//! Payloads are copied outside the lock and shared as `Arc<Vec<u8>>`; the lock only guards
+//! Collectives post their members' own buffers ([`Region`]) and copy between them outside
+//! the lock; messages are copies from the pool or lent buffers. The lock only guards
 //! bookkeeping.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::dtype::{DType, ReduceOp};
@@ -123,12 +124,11 @@ impl Region {
 #[derive(Debug)]
 pub(crate) struct Slot {
     signature: Option<(usize, Signature)>,
-    pub deposits: Vec<Option<Arc<Vec<u8>>>>,
     pub counts: Vec<Option<Vec<usize>>>,
     finished: usize,
     poisoned: Option<String>,
     /// Direct collectives: each member's buffer, the phases it has finished, whether it
-    /// is inside a phase, and why the call was abandoned (the member's global rank).
+    /// is inside a phase, and why the call was abandoned (by which member).
     regions: Vec<Option<Region>>,
     phases: Vec<usize>,
     reading: Vec<bool>,
@@ -139,7 +139,6 @@ impl Slot {
     fn new(n: usize) -> Slot {
         Slot {
             signature: None,
-            deposits: vec![None; n],
             counts: vec![None; n],
             finished: 0,
             poisoned: None,
@@ -304,57 +303,6 @@ impl Shared {
         }
     }
 
-    /// Deposits this member's contribution to a collective and waits for all members'.
-    /// Returns every deposit and count list, in member order.
-    #[allow(clippy::type_complexity)]
-    pub fn gather_deposits(
-        &self,
-        site: &CallSite<'_>,
-        sig: Signature,
-        data: Arc<Vec<u8>>,
-        counts: Option<Vec<usize>>,
-    ) -> Result<(Vec<Arc<Vec<u8>>>, Vec<Option<Vec<usize>>>)> {
-        let n = site.members.len();
-        let key = (site.group_id, site.seq);
-        let mut st = self.lock();
-        let slot = st.slots.entry(key).or_insert_with(|| Slot::new(n));
-        if let Err(e) = agree(slot, site, sig) {
-            drop(st);
-            self.cond.notify_all();
-            return Err(e);
-        }
-        slot.deposits[site.me] = Some(data);
-        slot.counts[site.me] = counts;
-        self.cond.notify_all();
-        let op = || site.op_name();
-        self.wait(
-            st,
-            site.members,
-            site.me,
-            &op,
-            |st| {
-                let slot = st.slots.get(&key).expect("slot lives until all finish");
-                if let Some(d) = &slot.poisoned {
-                    return Err(CommError::Mismatch {
-                        op: site.op_name(),
-                        group: site.members.to_vec(),
-                        detail: d.clone(),
-                    });
-                }
-                if slot.deposits.iter().all(Option::is_some) {
-                    let data = slot.deposits.iter().map(|d| d.clone().expect("present")).collect();
-                    return Ok(Some((data, slot.counts.clone())));
-                }
-                Ok(None)
-            },
-            |st| {
-                let slot = &st.slots[&key];
-                (0..n).filter(|&i| slot.deposits[i].is_none()).map(|i| site.members[i]).collect()
-            },
-            ("joining it", "joined"),
-        )
-    }
-
     /// Runs a direct collective: posts this member's `region` (and `counts`), then for
     /// each of `phases` phases waits until every member has posted and finished the
     /// phases before, and runs `work(phase, regions, counts)` with every member's region
@@ -405,19 +353,28 @@ impl Shared {
                             detail: d.clone(),
                         });
                     }
-                    if let Some((closer, err)) = &slot.closed {
-                        // A peer's failure passes on as it is; any other error names the
-                        // member that met it.
-                        return Err(match err {
-                            CommError::PeerFailed { .. } => err.clone(),
-                            other => CommError::PeerFailed {
-                                failed: *closer,
-                                message: format!("left {} after an error: {other}", site.op_name()),
-                            },
-                        });
-                    }
                     let ready = slot.regions.iter().all(Option::is_some)
                         && slot.phases.iter().all(|&p| p >= phase);
+                    // A closed call starts no phase, and a member waiting on the one that
+                    // closed it would wait in vain; a member waiting on others goes on
+                    // waiting, to report what it sees itself (a timeout, an exit).
+                    if let Some((closer, err)) = &slot.closed {
+                        let c = *closer;
+                        if ready || slot.regions[c].is_none() || slot.phases[c] < phase {
+                            // A peer's failure passes on as it is; any other error names
+                            // the member that met it.
+                            return Err(match err {
+                                CommError::PeerFailed { .. } => err.clone(),
+                                other => CommError::PeerFailed {
+                                    failed: site.members[c],
+                                    message: format!(
+                                        "left {} after an error: {other}",
+                                        site.op_name()
+                                    ),
+                                },
+                            });
+                        }
+                    }
                     if !ready {
                         return Ok(None);
                     }
@@ -463,7 +420,7 @@ impl Shared {
                 // the call succeeded.
                 Err(e) => {
                     if slot.closed.is_none() {
-                        slot.closed = Some((site.members[site.me], e.clone()));
+                        slot.closed = Some((site.me, e.clone()));
                     }
                 }
             }
@@ -487,7 +444,7 @@ impl Shared {
             let Some(slot) = st.slots.get_mut(&key) else { return err };
             slot.reading[site.me] = false;
             if slot.closed.is_none() {
-                slot.closed = Some((site.members[site.me], err.clone()));
+                slot.closed = Some((site.me, err.clone()));
                 self.cond.notify_all();
             }
             let busy = (0..site.members.len()).any(|i| slot.reading[i] && !exited[site.members[i]]);
@@ -501,21 +458,14 @@ impl Shared {
         err
     }
 
-    /// Marks this member done with the slot (it must have dropped its copies of the
-    /// deposits); the last one frees the slot and recycles its buffers.
+    /// Marks this member done with the slot; the last one frees it.
     pub fn finish(&self, site: &CallSite<'_>) {
         let key = (site.group_id, site.seq);
         let mut st = self.lock();
         let slot = st.slots.get_mut(&key).expect("slot");
         slot.finished += 1;
         if slot.finished == site.members.len() {
-            let slot = st.slots.remove(&key).expect("slot");
-            drop(st);
-            for a in slot.deposits.into_iter().flatten() {
-                if let Ok(v) = Arc::try_unwrap(a) {
-                    self.pool.give(v);
-                }
-            }
+            st.slots.remove(&key);
         }
     }
 
