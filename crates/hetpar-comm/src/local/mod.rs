@@ -185,11 +185,13 @@ impl Communicator for LocalComm {
         let own = Region::of_mut(data);
         // Phase 0 reduces my chunk of every member's buffer, in member order, into mine;
         // phase 1 copies every other chunk from its owner.
-        let mut block = vec![0u64; BLOCK / 8];
+        // The accumulator of the block path (made there only).
+        let mut block: Vec<u64> = Vec::new();
         self.shared.direct(&self.site("all-reduce"), sig, (own, None), 2, |phase, regions, _| {
             if phase == 0 && (me == 0 || (n == 2 && op == ReduceOp::Sum)) {
                 // In place: my values come first in member order, or the one other
-                // member's sum with mine commutes exactly.
+                // member's sum with mine commutes exactly (IEEE addition of two operands
+                // commutes; only which NaN payload survives two NaNs may differ).
                 let mine = bytes(me);
                 // SAFETY: in phase 0 chunk `me` of every buffer is touched by this member
                 // alone; the peers' parts and my own part are distinct buffers.
@@ -205,6 +207,9 @@ impl Communicator for LocalComm {
                 let mut at = mine.start;
                 while at < mine.end {
                     let r = at..(at + BLOCK).min(mine.end);
+                    if block.is_empty() {
+                        block = vec![0u64; BLOCK / 8];
+                    }
                     let acc = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut block)[..r.len()];
                     // SAFETY: in phase 0 chunk `me` of every buffer is touched by this
                     // member alone (each member reduces its own chunk).
@@ -389,9 +394,10 @@ impl Communicator for LocalComm {
         check_peer(self, dst, "send")?;
         let key = (self.group_id, self.me, dst, st);
         let id = self.shared.lend(key.0, key.1, key.2, key.3, Region::of(send));
-        let got = self.recv_bytes(recv, src, rt);
+        // Reclaimed on every way out, a panic included, before `send` can go.
+        let got = catch_unwind(AssertUnwindSafe(|| self.recv_bytes(recv, src, rt)));
         self.shared.reclaim(key, (id, send.len()), || self.shared.pool.copy_of(send));
-        got
+        got.unwrap_or_else(|payload| std::panic::resume_unwind(payload))
     }
 
     fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {

@@ -133,6 +133,8 @@ pub(crate) struct Slot {
     phases: Vec<usize>,
     reading: Vec<bool>,
     closed: Option<(usize, CommError)>,
+    /// Members that abandoned the call (they will not finish a phase).
+    left: Vec<bool>,
 }
 
 impl Slot {
@@ -146,6 +148,7 @@ impl Slot {
             phases: vec![0; n],
             reading: vec![false; n],
             closed: None,
+            left: vec![false; n],
         }
     }
 }
@@ -355,12 +358,13 @@ impl Shared {
                     }
                     let ready = slot.regions.iter().all(Option::is_some)
                         && slot.phases.iter().all(|&p| p >= phase);
-                    // A closed call starts no phase, and a member waiting on the one that
-                    // closed it would wait in vain; a member waiting on others goes on
+                    // A closed call starts no phase, and a member waiting on one that has
+                    // left it would wait in vain; a member waiting on others goes on
                     // waiting, to report what it sees itself (a timeout, an exit).
                     if let Some((closer, err)) = &slot.closed {
                         let c = *closer;
-                        if ready || slot.regions[c].is_none() || slot.phases[c] < phase {
+                        let behind = |i: usize| slot.regions[i].is_none() || slot.phases[i] < phase;
+                        if ready || (0..n).any(|i| slot.left[i] && behind(i)) {
                             // A peer's failure passes on as it is; any other error names
                             // the member that met it.
                             return Err(match err {
@@ -440,20 +444,26 @@ impl Shared {
         let key = (site.group_id, site.seq);
         let mut st = self.lock();
         loop {
-            let exited = st.exited.clone();
             let Some(slot) = st.slots.get_mut(&key) else { return err };
             slot.reading[site.me] = false;
             if slot.closed.is_none() {
                 slot.closed = Some((site.me, err.clone()));
                 self.cond.notify_all();
             }
-            let busy = (0..site.members.len()).any(|i| slot.reading[i] && !exited[site.members[i]]);
+            // A member's flag is set only while its thread (or any thread using its
+            // communicator) runs a phase's work, and cleared after it, panics included;
+            // an exited rank proves nothing, since its communicator may live on elsewhere.
+            let busy = slot.reading.iter().any(|&r| r);
             if !busy {
                 break;
             }
             st = self.cond.wait(st).unwrap_or_else(|e| e.into_inner());
         }
+        if let Some(slot) = st.slots.get_mut(&key) {
+            slot.left[site.me] = true;
+        }
         drop(st);
+        self.cond.notify_all();
         self.finish(site);
         err
     }
