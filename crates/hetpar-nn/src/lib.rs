@@ -9,6 +9,7 @@ pub mod ctx;
 pub mod error;
 pub mod init;
 pub mod io;
+pub mod kernels;
 pub mod layers;
 pub mod models;
 pub mod ops;

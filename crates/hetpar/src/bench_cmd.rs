@@ -23,7 +23,7 @@ enum What {
     Comm(CommArgs),
     /// Forward+backward throughput of a transformer layer and of the models on one rank.
     #[command(
-        after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench nn\n  hetpar bench nn --dtype f64 --iters 2"
+        after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench nn\n  hetpar bench nn --dtype f64 --iters 2\n  hetpar bench nn --only layer,vit"
     )]
     Nn(NnArgs),
     /// Step time per rank by kind of action, measured idle next to the schedule's bubble.
@@ -44,7 +44,14 @@ struct NnArgs {
     /// Timed iterations per measurement (the best is reported, after one warm-up).
     #[arg(long, default_value_t = 3)]
     iters: usize,
+    /// Run only these measurements (comma-separated): layer, moe-layer, model, moe-model,
+    /// vit. Default: all.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
+
+/// The measurements of `bench nn`, in order.
+const NN_BENCHES: [&str; 5] = ["layer", "moe-layer", "model", "moe-model", "vit"];
 
 #[derive(clap::Args)]
 struct CommArgs {
@@ -183,6 +190,10 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         "f64" => DType::F64,
         other => bail!("--dtype {other:?}: use f32 or f64 (bf16 runs on the GPU build)"),
     };
+    if let Some(bad) = a.only.iter().find(|o| !NN_BENCHES.contains(&o.as_str())) {
+        bail!("--only {bad:?}: choose from {}", NN_BENCHES.join(", "));
+    }
+    let wanted = |name: &str| a.only.is_empty() || a.only.iter().any(|o| o == name);
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
     // The reference rate: the best of many square matmuls (one measurement is noisy on a
     // shared machine).
@@ -238,13 +249,18 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         ))
     };
     let runs: Vec<anyhow::Result<NnBench>> = launch(1, LocalOptions::default(), |c| {
-        vec![
-            bench_llama_layer(c, llama, 1, 512, iters, dtype).map_err(anyhow::Error::from),
-            bench_llama_layer(c, moe, 1, 512, iters, dtype).map_err(anyhow::Error::from),
-            bench_llama(c, llama, 2, 256, iters, dtype).map_err(anyhow::Error::from),
-            bench_llama(c, moe, 2, 256, iters, dtype).map_err(anyhow::Error::from),
-            bench_vit(c, vit, 4, iters, dtype).map_err(anyhow::Error::from),
-        ]
+        let run = |name: &str| match name {
+            "layer" => bench_llama_layer(c, llama, 1, 512, iters, dtype),
+            "moe-layer" => bench_llama_layer(c, moe, 1, 512, iters, dtype),
+            "model" => bench_llama(c, llama, 2, 256, iters, dtype),
+            "moe-model" => bench_llama(c, moe, 2, 256, iters, dtype),
+            _ => bench_vit(c, vit, 4, iters, dtype),
+        };
+        NN_BENCHES
+            .iter()
+            .filter(|n| wanted(n))
+            .map(|n| run(n).map_err(anyhow::Error::from))
+            .collect::<Vec<_>>()
     })
     .context("local world")?
     .pop()

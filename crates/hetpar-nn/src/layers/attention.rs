@@ -7,17 +7,21 @@
 //! gradients reduce-scattered back), or by passing K/V blocks around the `cp` ring and
 //! combining them with an online softmax (`CpMode::Ring`, Liu et al. 2023; Milakov and
 //! Gimelshein 2018). Masks come from global positions, so the zigzag order never has to be
-//! undone. With autograd keeping every block, the ring moves the same bytes point to point
-//! instead of all-gathering them but does not yet lower activation memory.
+//! undone. Attention itself is the fused kernel [`FlashAttention`] on `[b, s, heads, d]`: no
+//! score matrix is stored, blocks of keys after every query are skipped, and grouped K/V
+//! heads are read in place. The ring merges its blocks' outputs by their log-sum-exp; with
+//! autograd keeping every block it moves the same bytes point to point instead of
+//! all-gathering them but does not yet lower activation memory.
 
 use std::sync::Arc;
 
-use candle_core::{D, Device, Tensor};
+use candle_core::{D, Tensor};
 use hetpar_layout::ModuleLayout;
 use hetpar_layout::ownership::SeqSplit;
 
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
+use crate::kernels::attention::FlashAttention;
 use crate::layers::comm::gather_dim;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::layers::rope::Rope;
@@ -134,36 +138,23 @@ impl Attention {
         })
     }
 
+    /// `[b, s, n * d]` projections viewed as `[b, s, n, d]` (no copy).
     fn heads(&self, x: &Tensor, n: usize) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let d = self.spec.hidden / self.spec.heads;
-        Ok(x.reshape((b, s, n, d))?.transpose(1, 2)?.contiguous()?)
+        Ok(x.reshape((b, s, n, d))?)
     }
 
-    /// Additive mask `[q, k]`: 0 where `k_pos <= q_pos` (causal) or everywhere.
-    fn mask(&self, q_pos: &[usize], k_pos: &[usize], like: &Tensor) -> Result<Option<Tensor>> {
-        if !self.spec.causal {
-            return Ok(None);
-        }
-        let m: Vec<f64> = q_pos
-            .iter()
-            .flat_map(|&q| k_pos.iter().map(move |&k| if k <= q { 0.0 } else { f64::NEG_INFINITY }))
-            .collect();
-        Ok(Some(
-            Tensor::from_vec(m, (q_pos.len(), k_pos.len()), &Device::Cpu)?
-                .to_dtype(like.dtype())?,
-        ))
-    }
-
-    /// `[b, heads, s_q, s_k]` scores of `q` against `k` (K/V heads repeated for GQA).
-    fn scores(&self, q: &Tensor, k: &Tensor, q_pos: &[usize], k_pos: &[usize]) -> Result<Tensor> {
+    /// The fused attention of queries at `q_pos` over keys at `k_pos`.
+    fn attend(&self, q_pos: &[usize], k_pos: &[usize], lse: bool) -> FlashAttention {
         let d = (self.spec.hidden / self.spec.heads) as f64;
-        let k = repeat_kv(k, self.spec.heads / self.spec.kv_heads)?;
-        let s = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? / d.sqrt())?;
-        Ok(match self.mask(q_pos, k_pos, &s)? {
-            Some(m) => s.broadcast_add(&m)?,
-            None => s,
-        })
+        FlashAttention::new(
+            Arc::new(q_pos.to_vec()),
+            Arc::new(k_pos.to_vec()),
+            self.spec.causal,
+            1.0 / d.sqrt(),
+            lse,
+        )
     }
 
     /// `x` `[b, s, hidden]` (this rank's tokens; sequence-sharded again under SP) at
@@ -175,68 +166,57 @@ impl Attention {
         let mut k = self.heads(&self.k.forward(x)?, hkv)?;
         let v = self.heads(&self.v.forward(x)?, hkv)?;
         let own = positions.own();
-        if let Some(_rope) = &self.rope {
-            let (cos, sin) = self.rope.as_ref().expect("rope").tables(own, q.dtype())?;
-            q = Rope::apply(&q, &cos, &sin)?;
-            k = Rope::apply(&k, &cos, &sin)?;
+        if let Some(rope) = &self.rope {
+            let tables = rope.tables(own);
+            q = Rope::apply(&q, &tables)?;
+            k = Rope::apply(&k, &tables)?;
         }
         let out = if self.ctx.cp.size() == 1 {
-            softmax(&self.scores(&q, &k, own, own)?)?
-                .matmul(&repeat_kv(&v, self.spec.heads / self.spec.kv_heads)?)?
+            self.attend(own, own, false).apply(&q, &k, &v)?
         } else {
             match self.spec.cp_mode {
                 CpMode::AllGather => self.all_gather(&q, &k, &v, positions)?,
                 CpMode::Ring => self.ring(&q, &k, &v, positions)?,
             }
         };
-        let (b, h, s, d) = out.dims4()?;
-        let merged = out.transpose(1, 2)?.contiguous()?.reshape((b, s, h * d))?;
-        self.o.forward(&merged)
+        let (b, s, h, d) = out.dims4()?;
+        self.o.forward(&out.reshape((b, s, h * d))?)
     }
 
     fn all_gather(&self, q: &Tensor, k: &Tensor, v: &Tensor, p: &CpPositions) -> Result<Tensor> {
-        let k = gather_dim(&self.ctx.cp, k, 2)?;
-        let v = gather_dim(&self.ctx.cp, v, 2)?;
-        let k_pos: Vec<usize> = p.ranks.concat();
-        let probs = softmax(&self.scores(q, &k, p.own(), &k_pos)?)?;
-        Ok(probs.matmul(&repeat_kv(&v, self.spec.heads / self.spec.kv_heads)?)?)
+        let k = gather_dim(&self.ctx.cp, k, 1)?;
+        let v = gather_dim(&self.ctx.cp, v, 1)?;
+        Ok(self.attend(p.own(), &p.ranks.concat(), false).apply(q, &k, &v)?)
     }
 
+    /// Each ring step attends to the block it holds, keeping each row's log-sum-exp; the
+    /// blocks merge by those weights at the end (the online softmax across ranks).
     fn ring(&self, q: &Tensor, k: &Tensor, v: &Tensor, p: &CpPositions) -> Result<Tensor> {
         let comm = self.ctx.cp.comm().expect("cp > 1 has a communicator").clone();
         let n = p.ranks.len();
-        let rep = self.spec.heads / self.spec.kv_heads;
-        let (mut k, mut v) = (k.clone(), v.clone());
-        // Running max (a constant for stability), numerator and denominator.
-        let mut state: Option<(Tensor, Tensor, Tensor)> = None;
+        let d = q.dim(3)?;
+        let (mut k, mut v) = (k.contiguous()?, v.contiguous()?);
+        let (mut outs, mut lses) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for step in 0..n {
             if step > 0 {
-                k = k.contiguous()?.apply_op1(RingShift { comm: comm.clone(), forward: true })?;
-                v = v.contiguous()?.apply_op1(RingShift { comm: comm.clone(), forward: true })?;
+                k = k.apply_op1(RingShift { comm: comm.clone(), forward: true })?;
+                v = v.apply_op1(RingShift { comm: comm.clone(), forward: true })?;
             }
             // After `step` shifts this rank holds the block of cp rank `me - step`.
             let src = (p.me + n - step) % n;
-            let s = self.scores(q, &k, p.own(), &p.ranks[src])?;
-            let block_max = s.max_keepdim(D::Minus1)?.detach();
-            let vv = repeat_kv(&v, rep)?;
-            state = Some(match state {
-                None => {
-                    let e = s.broadcast_sub(&block_max)?.exp()?;
-                    let l = e.sum_keepdim(D::Minus1)?;
-                    (block_max, e.matmul(&vv)?, l)
-                }
-                Some((m, acc, l)) => {
-                    let m_new = m.maximum(&block_max)?;
-                    let scale = (m - &m_new)?.exp()?;
-                    let e = s.broadcast_sub(&m_new)?.exp()?;
-                    let acc = (acc.broadcast_mul(&scale)? + e.matmul(&vv)?)?;
-                    let l = (l.broadcast_mul(&scale)? + e.sum_keepdim(D::Minus1)?)?;
-                    (m_new, acc, l)
-                }
-            });
+            let block = self.attend(p.own(), &p.ranks[src], true).apply(q, &k, &v)?;
+            outs.push(block.narrow(3, 0, d)?);
+            lses.push(block.narrow(3, d, 1)?);
         }
-        let (_, acc, l) = state.expect("at least one block");
-        Ok(acc.broadcast_div(&l)?)
+        // Every row sees its own position in the first block, so the maximum is finite.
+        let lse = Tensor::cat(&lses, 3)?;
+        let top = lse.max_keepdim(3)?.detach();
+        let w = lse.broadcast_sub(&top)?.exp()?;
+        let mut acc = outs[0].broadcast_mul(&w.narrow(3, 0, 1)?)?;
+        for (i, o) in outs.iter().enumerate().skip(1) {
+            acc = (acc + o.broadcast_mul(&w.narrow(3, i, 1)?)?)?;
+        }
+        Ok(acc.broadcast_div(&w.sum_keepdim(3)?)?)
     }
 }
 
@@ -245,20 +225,6 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
     let m = x.max_keepdim(D::Minus1)?.detach();
     let e = x.broadcast_sub(&m)?.exp()?;
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
-}
-
-/// `[b, kv, s, d]` to `[b, kv * rep, s, d]`, each K/V head serving `rep` query heads.
-pub fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
-    if rep == 1 {
-        return Ok(x.clone());
-    }
-    let (b, kv, s, d) = x.dims4()?;
-    Ok(x.unsqueeze(2)?.broadcast_as((b, kv, rep, s, d))?.contiguous()?.reshape((
-        b,
-        kv * rep,
-        s,
-        d,
-    ))?)
 }
 
 impl HasParams for Attention {

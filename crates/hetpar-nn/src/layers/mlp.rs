@@ -5,6 +5,7 @@
 use candle_core::Tensor;
 
 use crate::error::Result;
+use crate::kernels::pointwise::swiglu;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::params::{HasParams, Param};
 
@@ -35,7 +36,7 @@ impl SwiGlu {
 
     /// `[b, s, hidden]` to `[b, s, hidden]` (sequence-sharded in and out under SP).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (self.gate.forward(x)?.silu()? * self.up.forward(x)?)?;
+        let h = swiglu(&self.gate.forward(x)?, &self.up.forward(x)?)?;
         self.down.forward(&h)
     }
 }

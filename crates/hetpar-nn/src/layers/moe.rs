@@ -23,6 +23,7 @@ use hetpar_layout::Axis;
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
+use crate::kernels::pointwise::swiglu;
 use crate::layers::attention::softmax;
 use crate::layers::comm::{gather_rows, split_rows};
 use crate::layers::linear::{Build, matmul_t};
@@ -53,7 +54,7 @@ struct Expert {
 
 impl Expert {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (matmul_t(x, self.w1.tensor())?.silu()? * matmul_t(x, self.w3.tensor())?)?;
+        let h = swiglu(&matmul_t(x, self.w1.tensor())?, &matmul_t(x, self.w3.tensor())?)?;
         matmul_t(&h, self.w2.tensor())
     }
 }

@@ -1,10 +1,12 @@
 //! RMSNorm (Zhang and Sennrich 2019) and LayerNorm (Ba et al. 2016) over the last dim,
-//! written with differentiable tensor ops. Their scales are replicated over `tp`.
+//! RMSNorm through the fused kernel, LayerNorm with differentiable tensor ops. Their scales
+//! are replicated over `tp`.
 
 use candle_core::{D, Tensor};
 
 use crate::error::Result;
 use crate::init::Init;
+use crate::kernels::pointwise::rms_norm;
 use crate::layers::linear::Build;
 use crate::params::{HasParams, Param};
 
@@ -26,9 +28,7 @@ impl RmsNorm {
 
     /// Normalizes the last dim.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-        let y = x.broadcast_div(&(ms + self.eps)?.sqrt()?)?;
-        Ok(y.broadcast_mul(self.weight.tensor())?)
+        Ok(rms_norm(x, self.weight.tensor(), self.eps)?)
     }
 }
 

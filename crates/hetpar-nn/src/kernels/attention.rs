@@ -1,0 +1,413 @@
+//! Attention over blocks with an online softmax (Milakov and Gimelshein 2018; the tiling of
+//! FlashAttention-2, Dao 2023), forward and backward, on the CPU.
+//!
+//! Queries `[b, s_q, heads, d]`, keys and values `[b, s_k, kv_heads, d]` (grouped-query:
+//! each key/value head serves `heads / kv_heads` query heads, read in place, never
+//! repeated), output `[b, s_q, heads, d]`: the layouts the projections produce and consume,
+//! so no transpose or copy sits around the kernel. Masks come from global positions
+//! (`k_pos <= q_pos` under the causal mask), so context-parallel ranks pass their zigzag
+//! positions; a block of keys all after its queries is skipped, one all before them runs
+//! unmasked, and only blocks on the diagonal test elements. The score matrix is never
+//! stored: each `64 x 64` block is a gemm into a buffer, exponentiated, and multiplied into
+//! the output; the backward recomputes it from the log-sum-exp kept per row.
+//!
+//! With `with_lse` the output gains a last column, the row's log-sum-exp (`-inf` for a row
+//! that sees no key), whose gradient the backward takes too: ring attention merges the
+//! blocks of several calls through it.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, DType, Error, Layout, Shape, Tensor};
+
+use super::gemm::{View, matmul};
+use super::{CResult, Real, by_real, slice, with_data};
+
+/// Query rows per block.
+const BQ: usize = 64;
+/// Keys per block.
+const BK: usize = 64;
+
+/// `softmax(scale * q k^T + mask) v` over the positions given.
+#[derive(Debug)]
+pub struct FlashAttention {
+    q_pos: Arc<Vec<usize>>,
+    k_pos: Arc<Vec<usize>>,
+    causal: bool,
+    scale: f64,
+    with_lse: bool,
+    /// Log-sum-exp per `[b, heads, s_q]` row, from the forward.
+    lse: Mutex<Vec<f64>>,
+}
+
+impl FlashAttention {
+    /// Queries at `q_pos`, keys at `k_pos` (global positions, used by the causal mask only).
+    pub fn new(
+        q_pos: Arc<Vec<usize>>,
+        k_pos: Arc<Vec<usize>>,
+        causal: bool,
+        scale: f64,
+        with_lse: bool,
+    ) -> Self {
+        FlashAttention { q_pos, k_pos, causal, scale, with_lse, lse: Mutex::new(Vec::new()) }
+    }
+
+    /// Applies the op: `q` `[b, s_q, heads, d]`, `k`, `v` `[b, s_k, kv_heads, d]`.
+    pub fn apply(self, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<Tensor> {
+        q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, self)
+    }
+
+    fn dims(&self, q: &Shape, k: &Shape, v: &Shape) -> CResult<Dims> {
+        let (b, sq, hq, d) = q.dims4()?;
+        let (kb, sk, hkv, kd) = k.dims4()?;
+        if (kb, kd) != (b, d) || k != v || hkv == 0 || hq % hkv != 0 {
+            return Err(Error::Msg(format!(
+                "attention: queries {q:?} and keys/values {k:?} / {v:?} do not fit"
+            )));
+        }
+        if self.q_pos.len() != sq || self.k_pos.len() != sk {
+            return Err(Error::Msg(format!(
+                "attention: {} query and {} key positions for {sq} queries and {sk} keys",
+                self.q_pos.len(),
+                self.k_pos.len()
+            )));
+        }
+        Ok(Dims { b, sq, sk, hq, hkv, d, od: d + usize::from(self.with_lse) })
+    }
+
+    fn stored_lse(&self) -> Vec<f64> {
+        self.lse.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    b: usize,
+    sq: usize,
+    sk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    /// Output row width: `d`, plus one with the log-sum-exp.
+    od: usize,
+}
+
+/// A block of consecutive rows and the range of their positions.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    start: usize,
+    len: usize,
+    min: usize,
+    max: usize,
+}
+
+fn blocks(pos: &[usize], size: usize) -> Vec<Block> {
+    (0..pos.len())
+        .step_by(size)
+        .map(|start| {
+            let p = &pos[start..(start + size).min(pos.len())];
+            Block {
+                start,
+                len: p.len(),
+                min: *p.iter().min().expect("non-empty"),
+                max: *p.iter().max().expect("non-empty"),
+            }
+        })
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Visible {
+    None,
+    Some,
+    All,
+}
+
+fn visible(causal: bool, q: &Block, k: &Block) -> Visible {
+    if !causal || k.max <= q.min {
+        Visible::All
+    } else if k.min > q.max {
+        Visible::None
+    } else {
+        Visible::Some
+    }
+}
+
+/// Sets the masked scores of a diagonal block to `-inf`.
+fn mask<T: Real>(s: &mut [T], q_pos: &[usize], k_pos: &[usize]) {
+    for (i, &qp) in q_pos.iter().enumerate() {
+        for (j, &kp) in k_pos.iter().enumerate() {
+            if kp > qp {
+                s[i * BK + j] = T::NEG_INF;
+            }
+        }
+    }
+}
+
+/// Where head `h` of batch row `bi` starts in each tensor, and the row strides.
+#[derive(Clone, Copy)]
+struct Bases {
+    q: usize,
+    k: usize,
+    o: usize,
+    qrs: usize,
+    krs: usize,
+    ors: usize,
+}
+
+impl Dims {
+    fn bases(&self, bi: usize, h: usize) -> Bases {
+        let g = h / (self.hq / self.hkv);
+        let (qrs, krs, ors) = (self.hq * self.d, self.hkv * self.d, self.hq * self.od);
+        Bases {
+            q: bi * self.sq * qrs + h * self.d,
+            k: bi * self.sk * krs + g * self.d,
+            o: bi * self.sq * ors + h * self.od,
+            qrs,
+            krs,
+            ors,
+        }
+    }
+}
+
+impl FlashAttention {
+    /// `scale * q k^T` of one block pair into `s` (`BK` apart), masked where needed.
+    #[allow(clippy::too_many_arguments)]
+    fn scores<T: Real>(
+        &self,
+        s: &mut [T],
+        q: &[T],
+        k: &[T],
+        x: &Bases,
+        d: usize,
+        qb: &Block,
+        kb: &Block,
+        vis: Visible,
+    ) -> (View, View, View) {
+        let sv = View::rows(0, qb.len, kb.len, BK);
+        let qv = View::rows(x.q + qb.start * x.qrs, qb.len, d, x.qrs);
+        let kv = View::rows(x.k + kb.start * x.krs, kb.len, d, x.krs);
+        matmul(s, sv, q, qv, k, kv.t(), false, T::from_f64(self.scale));
+        if vis == Visible::Some {
+            mask(
+                s,
+                &self.q_pos[qb.start..qb.start + qb.len],
+                &self.k_pos[kb.start..kb.start + kb.len],
+            );
+        }
+        (sv, qv, kv)
+    }
+
+    fn forward<T: Real>(&self, q: &[T], k: &[T], v: &[T], dm: Dims) -> (Vec<T>, Vec<f64>) {
+        let d = dm.d;
+        let mut out = vec![T::ZERO; dm.b * dm.sq * dm.hq * dm.od];
+        let mut lse = vec![f64::NEG_INFINITY; dm.b * dm.hq * dm.sq];
+        let (qbl, kbl) = (blocks(&self.q_pos, BQ), blocks(&self.k_pos, BK));
+        let mut s = vec![T::ZERO; BQ * BK];
+        let (mut m, mut l) = ([T::NEG_INF; BQ], [T::ZERO; BQ]);
+        for bi in 0..dm.b {
+            for h in 0..dm.hq {
+                let x = dm.bases(bi, h);
+                for qb in &qbl {
+                    let rows = qb.len;
+                    m[..rows].fill(T::NEG_INF);
+                    l[..rows].fill(T::ZERO);
+                    let ov = View::rows(x.o + qb.start * x.ors, rows, d, x.ors);
+                    for kb in &kbl {
+                        let vis = visible(self.causal, qb, kb);
+                        if vis == Visible::None {
+                            continue;
+                        }
+                        let (sv, _, kv) = self.scores(&mut s, q, k, &x, d, qb, kb, vis);
+                        for i in 0..rows {
+                            let row = &mut s[i * BK..i * BK + kb.len];
+                            let top = row.iter().fold(T::NEG_INF, |a, &b| a.larger(b));
+                            let m_new = m[i].larger(top);
+                            if m_new == T::NEG_INF {
+                                row.fill(T::ZERO);
+                                continue;
+                            }
+                            row.iter_mut().for_each(|e| *e -= m_new);
+                            T::exp_in_place(row);
+                            let sum = row.iter().fold(T::ZERO, |a, &b| a + b);
+                            if m[i] != m_new {
+                                let alpha = (m[i] - m_new).exp();
+                                l[i] *= alpha;
+                                let o = ov.offset + i * x.ors;
+                                out[o..o + d].iter_mut().for_each(|e| *e *= alpha);
+                                m[i] = m_new;
+                            }
+                            l[i] += sum;
+                        }
+                        matmul(&mut out, ov, &s, sv, v, kv, true, T::ONE);
+                    }
+                    for i in 0..rows {
+                        let o = ov.offset + i * x.ors;
+                        let row_lse = if l[i] > T::ZERO {
+                            let inv = T::ONE / l[i];
+                            out[o..o + d].iter_mut().for_each(|e| *e *= inv);
+                            m[i].to_f64() + l[i].to_f64().ln()
+                        } else {
+                            f64::NEG_INFINITY
+                        };
+                        lse[(bi * dm.hq + h) * dm.sq + qb.start + i] = row_lse;
+                        if self.with_lse {
+                            out[o + d] = T::from_f64(row_lse);
+                        }
+                    }
+                }
+            }
+        }
+        (out, lse)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward<T: Real>(
+        &self,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        o: &[T],
+        go: &[T],
+        lse: &[f64],
+        dm: Dims,
+    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let d = dm.d;
+        let mut dq = vec![T::ZERO; q.len()];
+        let mut dk = vec![T::ZERO; k.len()];
+        let mut dv = vec![T::ZERO; v.len()];
+        let (qbl, kbl) = (blocks(&self.q_pos, BQ), blocks(&self.k_pos, BK));
+        let (mut s, mut dp) = (vec![T::ZERO; BQ * BK], vec![T::ZERO; BQ * BK]);
+        let (mut delta, mut row_lse) = ([T::ZERO; BQ], [T::ZERO; BQ]);
+        let scale = T::from_f64(self.scale);
+        for bi in 0..dm.b {
+            for h in 0..dm.hq {
+                let x = dm.bases(bi, h);
+                for qb in &qbl {
+                    let rows = qb.len;
+                    let gv = View::rows(x.o + qb.start * x.ors, rows, d, x.ors);
+                    for i in 0..rows {
+                        let r = gv.offset + i * x.ors;
+                        let dot = (0..d).fold(T::ZERO, |a, c| a + go[r + c] * o[r + c]);
+                        // With the log-sum-exp an output, its gradient joins the softmax's.
+                        delta[i] = if self.with_lse { dot - go[r + d] } else { dot };
+                        row_lse[i] = T::from_f64(lse[(bi * dm.hq + h) * dm.sq + qb.start + i]);
+                    }
+                    for kb in &kbl {
+                        let vis = visible(self.causal, qb, kb);
+                        if vis == Visible::None {
+                            continue;
+                        }
+                        let (sv, qv, kv) = self.scores(&mut s, q, k, &x, d, qb, kb, vis);
+                        for i in 0..rows {
+                            let row = &mut s[i * BK..i * BK + kb.len];
+                            if row_lse[i] == T::NEG_INF {
+                                row.fill(T::ZERO);
+                            } else {
+                                row.iter_mut().for_each(|e| *e -= row_lse[i]);
+                                T::exp_in_place(row);
+                            }
+                        }
+                        // s now holds the probabilities P.
+                        matmul(&mut dv, kv, &s, sv.t(), go, gv, true, T::ONE);
+                        matmul(&mut dp, sv, go, gv, v, kv.t(), false, T::ONE);
+                        for ((dr, pr), &di) in
+                            dp.chunks_exact_mut(BK).zip(s.chunks_exact(BK)).zip(&delta[..rows])
+                        {
+                            for (g, &p) in dr[..kb.len].iter_mut().zip(&pr[..kb.len]) {
+                                *g = p * (*g - di);
+                            }
+                        }
+                        matmul(&mut dq, qv, &dp, sv, k, kv, true, scale);
+                        matmul(&mut dk, kv, &dp, sv.t(), q, qv, true, scale);
+                    }
+                }
+            }
+        }
+        (dq, dk, dv)
+    }
+}
+
+impl CustomOp3 for FlashAttention {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let dm = self.dims(l1.shape(), l2.shape(), l3.shape())?;
+        by_real!(s1, "attention", |T| {
+            let (q, k, v) = (
+                slice::<T>(s1, l1, "attention")?,
+                slice::<T>(s2, l2, "attention")?,
+                slice::<T>(s3, l3, "attention")?,
+            );
+            let (out, lse) = self.forward(q, k, v, dm);
+            *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(out),
+                Shape::from((dm.b, dm.sq, dm.hq, dm.od)),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dm = self.dims(q.shape(), k.shape(), v.shape())?;
+        let lse = self.stored_lse();
+        let grad = grad.contiguous()?;
+        let (dq, dk, dv) = match q.dtype() {
+            DType::F32 => self.grads::<f32>(q, k, v, res, &grad, &lse, dm)?,
+            DType::F64 => self.grads::<f64>(q, k, v, res, &grad, &lse, dm)?,
+            other => {
+                return Err(Error::Msg(format!("attention runs in f32 and f64, not {other:?}")));
+            }
+        };
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+impl FlashAttention {
+    #[allow(clippy::too_many_arguments)]
+    fn grads<T: Real>(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+        lse: &[f64],
+        dm: Dims,
+    ) -> CResult<(Tensor, Tensor, Tensor)> {
+        let op = "attention backward";
+        let (dq, dk, dv) = with_data::<T, _>(q, op, |qd| {
+            with_data::<T, _>(k, op, |kd| {
+                with_data::<T, _>(v, op, |vd| {
+                    with_data::<T, _>(res, op, |od| {
+                        with_data::<T, _>(grad, op, |gd| {
+                            Ok(self.backward(qd, kd, vd, od, gd, lse, dm))
+                        })
+                    })
+                })
+            })
+        })?;
+        let dev = q.device();
+        Ok((
+            Tensor::from_vec(dq, q.shape(), dev)?,
+            Tensor::from_vec(dk, k.shape(), dev)?,
+            Tensor::from_vec(dv, v.shape(), dev)?,
+        ))
+    }
+}

@@ -1,0 +1,183 @@
+//! Strided matrix products over slices, on gemm's kernels (the ones candle's matmul runs,
+//! AVX-512 where the CPU has it). The one call into gemm's `unsafe` entry point sits behind
+//! bound and aliasing checks made here, so callers stay safe.
+#![allow(unsafe_code)]
+
+use gemm::Parallelism;
+
+use super::Real;
+
+/// A matrix inside a slice: element `(r, c)` at `offset + r * rs + c * cs`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct View {
+    /// Index of element `(0, 0)`.
+    pub offset: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+    /// Row stride.
+    pub rs: usize,
+    /// Column stride.
+    pub cs: usize,
+}
+
+impl View {
+    /// `rows x cols` with rows `rs` apart and unit column stride.
+    pub fn rows(offset: usize, rows: usize, cols: usize, rs: usize) -> View {
+        View { offset, rows, cols, rs, cs: 1 }
+    }
+
+    /// The transpose (the same elements).
+    pub fn t(self) -> View {
+        View { offset: self.offset, rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs }
+    }
+
+    /// One past the last element, or `offset` when empty.
+    fn end(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            self.offset
+        } else {
+            self.offset + (self.rows - 1) * self.rs + (self.cols - 1) * self.cs + 1
+        }
+    }
+
+    /// Whether distinct `(r, c)` name distinct elements (required of a destination).
+    fn injective(&self) -> bool {
+        let (r, c) = (self.rows, self.cols);
+        r <= 1 && (c <= 1 || self.cs >= 1)
+            || c <= 1 && self.rs >= 1
+            || self.cs >= 1 && self.rs >= 1 && (self.rs >= c * self.cs || self.cs >= r * self.rs)
+    }
+}
+
+/// `dst = (dst if accumulate else 0) + beta * lhs @ rhs` over the views, on one thread.
+///
+/// # Panics
+/// If the shapes do not chain, a view leaves its slice, or `dst`'s view names an element
+/// twice: the conditions under which gemm's pointer-based call is sound.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul<T: Real>(
+    dst: &mut [T],
+    dv: View,
+    lhs: &[T],
+    lv: View,
+    rhs: &[T],
+    rv: View,
+    accumulate: bool,
+    beta: T,
+) {
+    let (m, n, k) = (dv.rows, dv.cols, lv.cols);
+    assert!(lv.rows == m && rv.cols == n && rv.rows == k, "matmul shapes {dv:?} {lv:?} {rv:?}");
+    assert!(
+        dv.end() <= dst.len() && lv.end() <= lhs.len() && rv.end() <= rhs.len(),
+        "matmul view out of bounds"
+    );
+    assert!(dv.injective(), "matmul destination {dv:?} aliases itself");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                for c in 0..n {
+                    dst[dv.offset + r * dv.rs + c * dv.cs] = T::zero();
+                }
+            }
+        }
+        return;
+    }
+    // SAFETY: every element gemm touches lies inside its slice (checked above: the last
+    // element of each view is in bounds and strides are non-negative); `dst` is borrowed
+    // mutably, so it cannot overlap `lhs` or `rhs`, and its view is injective, so no
+    // element is written twice; gemm reads `dst` only when `accumulate` (read_dst), and
+    // every element of the slices is initialized.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr().add(dv.offset),
+            dv.cs as isize,
+            dv.rs as isize,
+            accumulate,
+            lhs.as_ptr().add(lv.offset),
+            lv.cs as isize,
+            lv.rs as isize,
+            rhs.as_ptr().add(rv.offset),
+            rv.cs as isize,
+            rv.rs as isize,
+            T::one(),
+            beta,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f64], av: View, b: &[f64], bv: View) -> Vec<f64> {
+        let mut out = vec![0.0; av.rows * bv.cols];
+        for r in 0..av.rows {
+            for c in 0..bv.cols {
+                out[r * bv.cols + c] = (0..av.cols)
+                    .map(|i| {
+                        a[av.offset + r * av.rs + i * av.cs] * b[bv.offset + i * bv.rs + c * bv.cs]
+                    })
+                    .sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn strided_products_match_a_loop() {
+        let a: Vec<f64> = (0..200).map(|i| (i as f64 * 0.37).sin()).collect();
+        let b: Vec<f64> = (0..300).map(|i| (i as f64 * 0.11).cos()).collect();
+        // A 5x7 block with row stride 9 at offset 3, times the transpose of a 4x7 block.
+        let av = View::rows(3, 5, 7, 9);
+        let bv = View::rows(10, 4, 7, 11).t();
+        let want = naive(&a, av, &b, bv);
+        let mut dst = vec![1.0; 5 * 4 * 2];
+        let dv = View::rows(0, 5, 4, 8);
+        matmul(&mut dst, dv, &a, av, &b, bv, true, 2.0);
+        for r in 0..5 {
+            for c in 0..4 {
+                let got = dst[r * 8 + c];
+                assert!((got - (1.0 + 2.0 * want[r * 4 + c])).abs() < 1e-12);
+                assert_eq!(dst[r * 8 + 4 + c], 1.0, "outside the view untouched");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "out of bounds")]
+    fn a_view_past_its_slice_is_refused() {
+        let a = vec![0.0f32; 10];
+        let mut d = vec![0.0f32; 4];
+        matmul(
+            &mut d,
+            View::rows(0, 2, 2, 2),
+            &a,
+            View::rows(0, 2, 3, 5),
+            &a,
+            View::rows(6, 3, 2, 2),
+            false,
+            1.0,
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "aliases itself")]
+    fn an_aliasing_destination_is_refused() {
+        let a = vec![0.0f32; 16];
+        let mut d = vec![0.0f32; 4];
+        let dv = View { offset: 0, rows: 2, cols: 2, rs: 1, cs: 1 };
+        matmul(&mut d, dv, &a, View::rows(0, 2, 2, 2), &a, View::rows(0, 2, 2, 2), false, 1.0);
+    }
+}

@@ -1,0 +1,189 @@
+//! Fused CPU kernels as candle custom ops, each with its backward: attention that skips
+//! masked blocks ([`attention`]), RMSNorm, RoPE and SwiGLU ([`pointwise`]). They replace
+//! chains of small tensor ops (and the copies between them) on the training path; the
+//! unfused compositions they replace stay in [`reference`], and the tests hold each kernel
+//! to them at the parity tolerances (f32 1e-5, f64 1e-10, relative).
+//!
+//! Kernels run on contiguous f32 or f64 CPU storage, one thread per rank, and combine in a
+//! fixed order, so a result never depends on timing.
+
+pub mod attention;
+pub mod gemm;
+pub mod pointwise;
+pub mod reference;
+
+use candle_core::{CpuStorage, Error, Layout, Storage, Tensor, WithDType};
+
+pub(crate) type CResult<T> = candle_core::Result<T>;
+
+/// The float types the kernels run in.
+pub trait Real: WithDType + std::ops::Neg<Output = Self> {
+    /// 0.
+    const ZERO: Self;
+    /// 1.
+    const ONE: Self;
+    /// Negative infinity.
+    const NEG_INF: Self;
+    /// `e^self`.
+    fn exp(self) -> Self;
+    /// Natural logarithm.
+    fn ln(self) -> Self;
+    /// Square root.
+    fn sqrt(self) -> Self;
+    /// The larger (either, if equal).
+    fn larger(self, other: Self) -> Self;
+    /// `e^x` of every element, in place: in f32 [`exp_f32`], which the compiler vectorizes,
+    /// in f64 the library's.
+    fn exp_in_place(xs: &mut [Self]);
+}
+
+impl Real for f64 {
+    const ZERO: f64 = 0.0;
+    const ONE: f64 = 1.0;
+    const NEG_INF: f64 = f64::NEG_INFINITY;
+    fn exp(self) -> f64 {
+        f64::exp(self)
+    }
+    fn ln(self) -> f64 {
+        f64::ln(self)
+    }
+    fn sqrt(self) -> f64 {
+        f64::sqrt(self)
+    }
+    fn larger(self, other: f64) -> f64 {
+        f64::max(self, other)
+    }
+    fn exp_in_place(xs: &mut [f64]) {
+        for x in xs {
+            *x = x.exp();
+        }
+    }
+}
+
+impl Real for f32 {
+    const ZERO: f32 = 0.0;
+    const ONE: f32 = 1.0;
+    const NEG_INF: f32 = f32::NEG_INFINITY;
+    fn exp(self) -> f32 {
+        exp_f32(self)
+    }
+    fn ln(self) -> f32 {
+        f32::ln(self)
+    }
+    fn sqrt(self) -> f32 {
+        f32::sqrt(self)
+    }
+    fn larger(self, other: f32) -> f32 {
+        f32::max(self, other)
+    }
+    fn exp_in_place(xs: &mut [f32]) {
+        for x in xs {
+            *x = exp_f32(*x);
+        }
+    }
+}
+
+/// `e^x` in f32 without a branch (so loops over it vectorize), computed in f64 and rounded
+/// once: `x = n ln 2 + r` with `n` rounded to nearest and `|r| <= ln 2 / 2`, `e^r` by its
+/// Taylor series to `r^9` (truncation below 3e-10 relative), `2^n` assembled in the
+/// exponent bits. The f64 result is within 3e-10 of `e^x`, so the one rounding to f32 gives
+/// the correctly rounded value but in rare near-ties, as the C library's `expf` does; a
+/// cheaper f32 polynomial off by up to 2 ulp made results differ between layouts several
+/// times more (an input's rounding jitter turned into a jumpier output). 0 below `-87.3`
+/// (where f32 turns subnormal; `-inf` included), `+inf` above `88.7`; NaN stays NaN.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f64 = std::f64::consts::LOG2_E;
+    const LN2: f64 = std::f64::consts::LN_2;
+    // 1.5 * 2^52: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f64 = 6_755_399_441_055_744.0;
+    let c = (x as f64).clamp(-88.0, 89.0);
+    let n = (c * LOG2E + ROUND) - ROUND;
+    let r = c - n * LN2;
+    let mut p = 1.0 / 362_880.0;
+    p = p * r + 1.0 / 40_320.0;
+    p = p * r + 1.0 / 5_040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    let scale = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    let y = (p * scale) as f32;
+    let y = if x < -87.3 { 0.0 } else { y };
+    let y = if x > 88.7 { f32::INFINITY } else { y };
+    if x.is_nan() { x } else { y }
+}
+
+/// The contiguous elements behind a CPU tensor storage and its layout.
+pub(crate) fn slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<&'a [T]> {
+    let all = s.as_slice::<T>()?;
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| Error::Msg(format!("{op} needs a contiguous input")))?;
+    Ok(&all[a..b])
+}
+
+/// A tensor's contiguous elements, read under its storage lock (for a backward, whose
+/// arguments arrive as tensors).
+pub(crate) fn with_data<T: WithDType, R>(
+    t: &Tensor,
+    op: &str,
+    f: impl FnOnce(&[T]) -> CResult<R>,
+) -> CResult<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(s) => f(slice::<T>(s, layout, op)?),
+        _ => Err(Error::Msg(format!("{op} runs on the CPU only"))),
+    }
+}
+
+/// Runs `$body` with `$t` the element type of CPU storage `$s` (f32 or f64).
+macro_rules! by_real {
+    ($s:expr, $op:expr, |$t:ident| $body:expr) => {
+        match $s {
+            candle_core::CpuStorage::F32(_) => {
+                type $t = f32;
+                $body
+            }
+            candle_core::CpuStorage::F64(_) => {
+                type $t = f64;
+                $body
+            }
+            other => Err(candle_core::Error::Msg(format!(
+                "{} runs in f32 and f64, not {:?}",
+                $op,
+                candle_core::backend::BackendStorage::dtype(other)
+            ))),
+        }
+    };
+}
+pub(crate) use by_real;
+
+#[cfg(test)]
+mod tests {
+    use super::exp_f32;
+
+    #[test]
+    fn fast_exp_rounds_correctly_and_is_exact_at_the_edges() {
+        let (mut x, mut n, mut off) = (-87.3f32, 0, 0);
+        while x <= 88.7 {
+            let want = (x as f64).exp();
+            let got = exp_f32(x);
+            // Within half an ulp of the f64 value but in near-ties.
+            let ulp = (f32::from_bits(got.to_bits() + 1) - got) as f64;
+            assert!((got as f64 - want).abs() <= 0.5001 * ulp, "exp({x}) = {got}, want {want}");
+            off += usize::from(got != want as f32);
+            n += 1;
+            x += 0.000_913;
+        }
+        assert!(off * 1000 < n, "{off} of {n} not correctly rounded");
+        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_f32(-100.0), 0.0);
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert_eq!(exp_f32(100.0), f32::INFINITY);
+        assert!(exp_f32(f32::NAN).is_nan());
+    }
+}

@@ -1,0 +1,310 @@
+//! Row-wise and element-wise kernels with their backward: RMSNorm (Zhang and Sennrich
+//! 2019), rotary embedding in HF Llama's rotate-half form (Su et al. 2021) on
+//! `[b, s, heads, d]`, and the SwiGLU product `silu(gate) * up` (Shazeer 2020). Each runs
+//! one pass over its input where the unfused form ran four to eight tensor ops, each
+//! writing a tensor.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Error, Layout, Shape, Tensor};
+
+use super::{CResult, Real, by_real, slice, with_data};
+
+/// `sum a_i b_i` with eight partial sums, so the loop vectorizes (a fixed order all the
+/// same: the result never depends on timing).
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::ZERO; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = T::ZERO;
+    for (x, y) in ra.iter().zip(rb) {
+        tail += *x * *y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dim: `x` `[.., h]`, `weight` `[h]`.
+#[derive(Clone, Debug)]
+pub struct RmsNormOp {
+    /// Added to the mean square.
+    pub eps: f64,
+}
+
+impl RmsNormOp {
+    fn check(x: &Shape, w: &Shape) -> CResult<usize> {
+        let h = x.dims().last().copied().unwrap_or(0);
+        if w.dims() != [h] || h == 0 {
+            return Err(Error::Msg(format!("rms-norm: weight {w:?} for rows of {x:?}")));
+        }
+        Ok(h)
+    }
+
+    fn forward<T: Real>(&self, x: &[T], w: &[T], h: usize) -> Vec<T> {
+        let mut out = vec![T::ZERO; x.len()];
+        for (xr, yr) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+            let r = self.inv_rms(xr, h);
+            for ((y, &xv), &wv) in yr.iter_mut().zip(xr).zip(w) {
+                *y = xv * r * wv;
+            }
+        }
+        out
+    }
+
+    fn inv_rms<T: Real>(&self, xr: &[T], h: usize) -> T {
+        T::ONE / (dot(xr, xr) / T::from_f64(h as f64) + T::from_f64(self.eps)).sqrt()
+    }
+
+    /// `dx = r (g - xhat mean(g xhat))` with `g = dy w`, `xhat = r x`; `dw = sum dy xhat`.
+    fn backward<T: Real>(&self, x: &[T], w: &[T], dy: &[T], h: usize) -> (Vec<T>, Vec<T>) {
+        let mut dx = vec![T::ZERO; x.len()];
+        let mut dw = vec![T::ZERO; h];
+        let mut g = vec![T::ZERO; h];
+        let mut xhat = vec![T::ZERO; h];
+        let hf = T::from_f64(h as f64);
+        for ((xr, dyr), dxr) in
+            x.chunks_exact(h).zip(dy.chunks_exact(h)).zip(dx.chunks_exact_mut(h))
+        {
+            let r = self.inv_rms(xr, h);
+            for j in 0..h {
+                xhat[j] = xr[j] * r;
+                g[j] = dyr[j] * w[j];
+                dw[j] += dyr[j] * xhat[j];
+            }
+            let c = dot(&g, &xhat) / hf;
+            for j in 0..h {
+                dxr[j] = r * (g[j] - xhat[j] * c);
+            }
+        }
+        (dx, dw)
+    }
+}
+
+impl CustomOp2 for RmsNormOp {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let h = Self::check(l1.shape(), l2.shape())?;
+        by_real!(s1, "rms-norm", |T| {
+            let (x, w) = (slice::<T>(s1, l1, "rms-norm")?, slice::<T>(s2, l2, "rms-norm")?);
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(self.forward(x, w, h)),
+                l1.shape().clone(),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let h = Self::check(x.shape(), w.shape())?;
+        let grad = grad.contiguous()?;
+        fn run<T: Real>(
+            op: &RmsNormOp,
+            x: &Tensor,
+            w: &Tensor,
+            grad: &Tensor,
+            h: usize,
+        ) -> CResult<(Tensor, Tensor)> {
+            let (dx, dw) = with_data::<T, _>(x, "rms-norm", |xd| {
+                with_data::<T, _>(w, "rms-norm", |wd| {
+                    with_data::<T, _>(grad, "rms-norm", |gd| Ok(op.backward(xd, wd, gd, h)))
+                })
+            })?;
+            Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, h, x.device())?))
+        }
+        let (dx, dw) = match x.dtype() {
+            DType::F32 => run::<f32>(self, x, w, &grad, h)?,
+            DType::F64 => run::<f64>(self, x, w, &grad, h)?,
+            other => {
+                return Err(Error::Msg(format!("rms-norm runs in f32 and f64, not {other:?}")));
+            }
+        };
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// Rotation tables of a list of positions: `cos` and `sin` of `position * inv_freq[j]`,
+/// `[positions, half]` row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeTables {
+    /// Half the head dim.
+    pub half: usize,
+    /// Cosines.
+    pub cos: Vec<f64>,
+    /// Sines.
+    pub sin: Vec<f64>,
+}
+
+/// Rotates `x` `[b, s, heads, 2 * half]` by the angles of its `s` positions (the inverse
+/// rotation is the backward).
+#[derive(Clone, Debug)]
+pub struct RopeOp {
+    /// The tables, one row per position of `x`'s dim 1.
+    pub tables: Arc<RopeTables>,
+    /// Rotate by the negated angles.
+    pub inverse: bool,
+}
+
+impl RopeOp {
+    fn rotate<T: Real>(&self, x: &[T], s: usize, heads: usize) -> Vec<T> {
+        let half = self.tables.half;
+        let sign = if self.inverse { -T::ONE } else { T::ONE };
+        let cos: Vec<T> = self.tables.cos.iter().map(|&c| T::from_f64(c)).collect();
+        let sin: Vec<T> = self.tables.sin.iter().map(|&c| T::from_f64(c) * sign).collect();
+        let mut out = vec![T::ZERO; x.len()];
+        for (r, (xr, yr)) in
+            x.chunks_exact(2 * half).zip(out.chunks_exact_mut(2 * half)).enumerate()
+        {
+            let p = (r / heads) % s;
+            let (c, sn) = (&cos[p * half..(p + 1) * half], &sin[p * half..(p + 1) * half]);
+            let (x1, x2) = xr.split_at(half);
+            let (y1, y2) = yr.split_at_mut(half);
+            for j in 0..half {
+                y1[j] = x1[j] * c[j] - x2[j] * sn[j];
+                y2[j] = x2[j] * c[j] + x1[j] * sn[j];
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp1 for RopeOp {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (_, s, heads, d) = l1.shape().dims4()?;
+        let t = &self.tables;
+        if d != 2 * t.half || t.cos.len() != s * t.half || t.sin.len() != s * t.half {
+            return Err(Error::Msg(format!(
+                "rope: tables of {} positions x {} for input {:?}",
+                t.cos.len() / t.half.max(1),
+                t.half,
+                l1.shape()
+            )));
+        }
+        by_real!(s1, "rope", |T| {
+            let x = slice::<T>(s1, l1, "rope")?;
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(self.rotate(x, s, heads)),
+                l1.shape().clone(),
+            ))
+        })
+    }
+
+    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let back = RopeOp { tables: self.tables.clone(), inverse: !self.inverse };
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&back)?))
+    }
+}
+
+/// `silu(gate) * up`, element-wise over equal shapes.
+#[derive(Clone, Copy, Debug)]
+pub struct SwiGluOp;
+
+fn sigmoid<T: Real>(x: T) -> T {
+    T::ONE / (T::ONE + (-x).exp())
+}
+
+impl SwiGluOp {
+    fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
+        g.iter().zip(u).map(|(&g, &u)| g * sigmoid(g) * u).collect()
+    }
+
+    /// `dg = dh u sig(g) (1 + g (1 - sig(g)))`, `du = dh silu(g)`.
+    fn backward<T: Real>(g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
+        let mut dg = vec![T::ZERO; g.len()];
+        let mut du = vec![T::ZERO; g.len()];
+        for i in 0..g.len() {
+            let sg = sigmoid(g[i]);
+            du[i] = dh[i] * g[i] * sg;
+            dg[i] = dh[i] * u[i] * sg * (T::ONE + g[i] * (T::ONE - sg));
+        }
+        (dg, du)
+    }
+}
+
+impl CustomOp2 for SwiGluOp {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            return Err(Error::Msg(format!("swiglu: gate {:?}, up {:?}", l1.shape(), l2.shape())));
+        }
+        by_real!(s1, "swiglu", |T| {
+            let (g, u) = (slice::<T>(s1, l1, "swiglu")?, slice::<T>(s2, l2, "swiglu")?);
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(Self::forward(g, u)),
+                l1.shape().clone(),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        fn run<T: Real>(g: &Tensor, u: &Tensor, grad: &Tensor) -> CResult<(Tensor, Tensor)> {
+            let (dg, du) = with_data::<T, _>(g, "swiglu", |gd| {
+                with_data::<T, _>(u, "swiglu", |ud| {
+                    with_data::<T, _>(grad, "swiglu", |hd| Ok(SwiGluOp::backward(gd, ud, hd)))
+                })
+            })?;
+            Ok((
+                Tensor::from_vec(dg, g.shape(), g.device())?,
+                Tensor::from_vec(du, u.shape(), u.device())?,
+            ))
+        }
+        let (dg, du) = match g.dtype() {
+            DType::F32 => run::<f32>(g, u, &grad)?,
+            DType::F64 => run::<f64>(g, u, &grad)?,
+            other => return Err(Error::Msg(format!("swiglu runs in f32 and f64, not {other:?}"))),
+        };
+        Ok((Some(dg), Some(du)))
+    }
+}
+
+/// `RMSNorm(x) * weight` through the fused op (`x` made contiguous).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> CResult<Tensor> {
+    x.contiguous()?.apply_op2(&weight.contiguous()?, RmsNormOp { eps })
+}
+
+/// `silu(gate) * up` through the fused op.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
+    gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGluOp)
+}
+
+/// Rotates `x` `[b, s, heads, d]` by `tables` (one row per position of dim 1).
+pub fn rope(x: &Tensor, tables: &Arc<RopeTables>) -> CResult<Tensor> {
+    x.contiguous()?.apply_op1(RopeOp { tables: tables.clone(), inverse: false })
+}

@@ -1,0 +1,104 @@
+//! The unfused compositions of candle tensor ops that the kernels replace, kept as the
+//! references the kernel tests hold them to (and readable statements of what each kernel
+//! computes).
+
+use candle_core::{D, Device, Tensor};
+
+use super::CResult;
+use super::pointwise::RopeTables;
+
+/// `[b, kv, s, d]` to `[b, kv * rep, s, d]`, each K/V head serving `rep` query heads.
+pub fn repeat_kv(x: &Tensor, rep: usize) -> CResult<Tensor> {
+    if rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kv, s, d) = x.dims4()?;
+    x.unsqueeze(2)?.broadcast_as((b, kv, rep, s, d))?.contiguous()?.reshape((b, kv * rep, s, d))
+}
+
+/// Masked scores `[b, heads, s_q, s_k]` of `q` `[b, s_q, heads, d]` against `k`
+/// `[b, s_k, kv_heads, d]`, and the values with their heads repeated, head-major.
+fn scores(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pos: (&[usize], &[usize]),
+    causal: bool,
+    scale: f64,
+) -> CResult<(Tensor, Tensor)> {
+    let rep = q.dim(2)? / k.dim(2)?;
+    let heads = |t: &Tensor| t.transpose(1, 2)?.contiguous();
+    let (q, k, v) = (heads(q)?, repeat_kv(&heads(k)?, rep)?, repeat_kv(&heads(v)?, rep)?);
+    let s = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * scale)?;
+    if !causal {
+        return Ok((s, v));
+    }
+    let (q_pos, k_pos) = pos;
+    let m: Vec<f64> = q_pos
+        .iter()
+        .flat_map(|&q| k_pos.iter().map(move |&k| if k <= q { 0.0 } else { f64::NEG_INFINITY }))
+        .collect();
+    let m = Tensor::from_vec(m, (q_pos.len(), k_pos.len()), &Device::Cpu)?.to_dtype(s.dtype())?;
+    Ok((s.broadcast_add(&m)?, v))
+}
+
+/// `softmax(scale * q k^T + mask) v`, `[b, s_q, heads, d]`, with the full score matrix.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pos: (&[usize], &[usize]),
+    causal: bool,
+    scale: f64,
+) -> CResult<Tensor> {
+    let (s, v) = scores(q, k, v, pos, causal, scale)?;
+    softmax(&s)?.matmul(&v)?.transpose(1, 2)?.contiguous()
+}
+
+/// [`attention`] and the log-sum-exp of each row's scores, `[b, s_q, heads, 1]`.
+pub fn attention_lse(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pos: (&[usize], &[usize]),
+    causal: bool,
+    scale: f64,
+) -> CResult<(Tensor, Tensor)> {
+    let (s, vr) = scores(q, k, v, pos, causal, scale)?;
+    let m = s.max_keepdim(D::Minus1)?.detach();
+    let lse = (s.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?;
+    let out = softmax(&s)?.matmul(&vr)?.transpose(1, 2)?.contiguous()?;
+    Ok((out, lse.transpose(1, 2)?.contiguous()?))
+}
+
+/// Softmax over the last dim, the row maximum subtracted.
+pub fn softmax(x: &Tensor) -> CResult<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dim.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> CResult<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(weight)
+}
+
+/// Rotate-half RoPE of `x` `[b, s, heads, d]` by `tables` (one row per position).
+pub fn rope(x: &Tensor, tables: &RopeTables) -> CResult<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let s = x.dim(1)?;
+    let table = |v: &[f64]| {
+        Tensor::from_vec(v.to_vec(), (1, s, 1, tables.half), &Device::Cpu)?.to_dtype(x.dtype())
+    };
+    let (cos, sin) = (table(&tables.cos)?, table(&tables.sin)?);
+    let (x1, x2) = (x.narrow(D::Minus1, 0, d / 2)?, x.narrow(D::Minus1, d / 2, d / 2)?);
+    let a = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+    let b = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+    Tensor::cat(&[a, b], D::Minus1)
+}
+
+/// `silu(gate) * up`.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
+    gate.silu()? * up
+}

@@ -1,0 +1,289 @@
+//! The fused kernels against the unfused compositions they replace
+//! (`hetpar_nn::kernels::reference`): outputs and every input gradient, f32 within 1e-5 and
+//! f64 within 1e-10 of the reference's largest value.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use hetpar_nn::Init;
+use hetpar_nn::kernels::attention::FlashAttention;
+use hetpar_nn::kernels::pointwise::{RopeTables, rms_norm, rope, swiglu};
+use hetpar_nn::kernels::reference;
+use hetpar_nn::testing::{flat, rel_err};
+
+fn tolerance(dtype: DType) -> f64 {
+    if dtype == DType::F64 { 1e-10 } else { 1e-5 }
+}
+
+fn var(name: &str, shape: &[usize], dtype: DType) -> Var {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|i| Init::Normal(1.0).value(11, name, i as u64)).collect();
+    Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap())
+        .unwrap()
+}
+
+fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+    let e = rel_err(&flat(got).unwrap(), &flat(want).unwrap());
+    assert!(e <= tol, "{what}: relative error {e:e} above {tol:e}");
+}
+
+/// A loss that weighs every output element differently, so every gradient path shows.
+fn weigh(t: &Tensor, name: &str) -> Tensor {
+    let w = var(name, t.dims(), t.dtype());
+    (t * w.as_tensor()).unwrap().sum_all().unwrap()
+}
+
+struct Case {
+    name: &'static str,
+    b: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    q_pos: Vec<usize>,
+    k_pos: Vec<usize>,
+    causal: bool,
+}
+
+fn cases() -> Vec<Case> {
+    // Two chunks of a 4-way zigzag split of 200 positions: rank 1 holds chunks 1 and 6.
+    let chunk = |c: usize| (c * 25..(c + 1) * 25).collect::<Vec<_>>();
+    let zig_q = [chunk(1), chunk(6)].concat();
+    let zig_k: Vec<usize> = [0, 7, 1, 6, 2, 5, 3, 4].iter().flat_map(|&c| chunk(c)).collect();
+    vec![
+        Case {
+            name: "causal GQA, 150 tokens (blocks not dividing)",
+            b: 2,
+            heads: 4,
+            kv_heads: 2,
+            d: 16,
+            q_pos: (0..150).collect(),
+            k_pos: (0..150).collect(),
+            causal: true,
+        },
+        Case {
+            name: "causal, zigzag queries over all-gathered zigzag keys",
+            b: 1,
+            heads: 2,
+            kv_heads: 1,
+            d: 8,
+            q_pos: zig_q,
+            k_pos: zig_k,
+            causal: true,
+        },
+        Case {
+            name: "bidirectional MHA, 70 queries over 130 keys",
+            b: 2,
+            heads: 3,
+            kv_heads: 3,
+            d: 12,
+            q_pos: (0..70).collect(),
+            k_pos: (0..130).collect(),
+            causal: false,
+        },
+    ]
+}
+
+fn inputs(c: &Case, dtype: DType) -> (Var, Var, Var) {
+    let (sq, sk) = (c.q_pos.len(), c.k_pos.len());
+    (
+        var("q", &[c.b, sq, c.heads, c.d], dtype),
+        var("k", &[c.b, sk, c.kv_heads, c.d], dtype),
+        var("v", &[c.b, sk, c.kv_heads, c.d], dtype),
+    )
+}
+
+#[test]
+fn attention_matches_the_unfused_reference() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = tolerance(dtype);
+        for c in cases() {
+            let scale = 1.0 / (c.d as f64).sqrt();
+            let run = |fused: bool| {
+                let (q, k, v) = inputs(&c, dtype);
+                let out = if fused {
+                    FlashAttention::new(
+                        Arc::new(c.q_pos.clone()),
+                        Arc::new(c.k_pos.clone()),
+                        c.causal,
+                        scale,
+                        false,
+                    )
+                    .apply(&q, &k, &v)
+                    .unwrap()
+                } else {
+                    reference::attention(&q, &k, &v, (&c.q_pos, &c.k_pos), c.causal, scale).unwrap()
+                };
+                let grads = weigh(&out, "w").backward().unwrap();
+                let g = |x: &Var| grads.get(x).unwrap().clone();
+                (out, g(&q), g(&k), g(&v))
+            };
+            let (got, want) = (run(true), run(false));
+            let what = |t: &str| format!("{} ({dtype:?}): {t}", c.name);
+            close(&what("output"), &got.0, &want.0, tol);
+            close(&what("dq"), &got.1, &want.1, tol);
+            close(&what("dk"), &got.2, &want.2, tol);
+            close(&what("dv"), &got.3, &want.3, tol);
+        }
+    }
+}
+
+#[test]
+fn attention_with_log_sum_exp_matches_and_takes_its_gradient() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = tolerance(dtype);
+        let c = &cases()[0];
+        let d = c.d;
+        let scale = 0.3;
+        let run = |fused: bool| {
+            let (q, k, v) = inputs(c, dtype);
+            let (out, lse) = if fused {
+                let both = FlashAttention::new(
+                    Arc::new(c.q_pos.clone()),
+                    Arc::new(c.k_pos.clone()),
+                    true,
+                    scale,
+                    true,
+                )
+                .apply(&q, &k, &v)
+                .unwrap();
+                (both.narrow(3, 0, d).unwrap(), both.narrow(3, d, 1).unwrap())
+            } else {
+                reference::attention_lse(&q, &k, &v, (&c.q_pos, &c.k_pos), true, scale).unwrap()
+            };
+            let loss = (weigh(&out, "w") + weigh(&lse, "w-lse")).unwrap();
+            let grads = loss.backward().unwrap();
+            let g = |x: &Var| grads.get(x).unwrap().clone();
+            (out, lse, g(&q), g(&k), g(&v))
+        };
+        let (got, want) = (run(true), run(false));
+        close(&format!("{dtype:?} output"), &got.0, &want.0, tol);
+        close(&format!("{dtype:?} log-sum-exp"), &got.1, &want.1, tol);
+        close(&format!("{dtype:?} dq"), &got.2, &want.2, tol);
+        close(&format!("{dtype:?} dk"), &got.3, &want.3, tol);
+        close(&format!("{dtype:?} dv"), &got.4, &want.4, tol);
+    }
+}
+
+#[test]
+fn rows_that_see_no_key_give_zero_and_minus_infinity() {
+    // Queries at 0..10 against keys at 20..40 (a ring step's block from a later rank).
+    let (q_pos, k_pos): (Vec<usize>, Vec<usize>) = ((0..10).collect(), (20..40).collect());
+    let q = var("q", &[1, 10, 2, 4], DType::F32);
+    let k = var("k", &[1, 20, 2, 4], DType::F32);
+    let v = var("v", &[1, 20, 2, 4], DType::F32);
+    let out = FlashAttention::new(Arc::new(q_pos), Arc::new(k_pos), true, 0.5, true)
+        .apply(&q, &k, &v)
+        .unwrap();
+    let vals = flat(&out).unwrap();
+    for row in vals.chunks(5) {
+        assert_eq!(&row[..4], &[0.0; 4]);
+        assert_eq!(row[4], f64::NEG_INFINITY);
+    }
+    let grads = out.narrow(3, 0, 4).unwrap().sum_all().unwrap().backward().unwrap();
+    for x in [&q, &k, &v] {
+        assert!(flat(grads.get(x).unwrap()).unwrap().iter().all(|g| *g == 0.0));
+    }
+}
+
+#[test]
+fn mismatched_attention_inputs_are_refused() {
+    let q = var("q", &[1, 8, 3, 4], DType::F32);
+    let k = var("k", &[1, 8, 2, 4], DType::F32);
+    let pos = Arc::new((0..8).collect::<Vec<_>>());
+    let e = FlashAttention::new(pos.clone(), pos.clone(), true, 1.0, false)
+        .apply(&q, &k, &k)
+        .unwrap_err();
+    assert!(e.to_string().contains("do not fit"), "{e}");
+    let k = var("k", &[1, 8, 1, 4], DType::F32);
+    let e = FlashAttention::new(Arc::new(vec![0; 7]), pos, true, 1.0, false)
+        .apply(&q, &k, &k)
+        .unwrap_err();
+    assert!(e.to_string().contains("7 query"), "{e}");
+    let q16 = q.to_dtype(DType::BF16).unwrap();
+    let k16 = k.to_dtype(DType::BF16).unwrap();
+    let e = FlashAttention::new(
+        Arc::new((0..8).collect()),
+        Arc::new((0..8).collect()),
+        true,
+        1.0,
+        false,
+    )
+    .apply(&q16, &k16, &k16)
+    .unwrap_err();
+    assert!(e.to_string().contains("f32 and f64"), "{e}");
+}
+
+#[test]
+fn rms_norm_matches_the_unfused_reference() {
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            let x = var("x", &[3, 7, 40], dtype);
+            let w = var("w", &[40], dtype);
+            let y = if fused {
+                rms_norm(&x, &w, 1e-6).unwrap()
+            } else {
+                reference::rms_norm(&x, &w, 1e-6).unwrap()
+            };
+            let grads = weigh(&y, "dy").backward().unwrap();
+            (y, grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone())
+        };
+        let (got, want) = (run(true), run(false));
+        let tol = tolerance(dtype);
+        close(&format!("rms-norm {dtype:?}"), &got.0, &want.0, tol);
+        close(&format!("rms-norm {dtype:?} dx"), &got.1, &want.1, tol);
+        close(&format!("rms-norm {dtype:?} dw"), &got.2, &want.2, tol);
+    }
+}
+
+#[test]
+fn rope_matches_the_unfused_reference() {
+    let half = 6;
+    let positions = [3usize, 9, 0, 41, 7];
+    let angles: Vec<f64> = positions
+        .iter()
+        .flat_map(|&p| (0..half).map(move |j| p as f64 * 10_000f64.powf(-(j as f64) / half as f64)))
+        .collect();
+    let tables = Arc::new(RopeTables {
+        half,
+        cos: angles.iter().map(|a| a.cos()).collect(),
+        sin: angles.iter().map(|a| a.sin()).collect(),
+    });
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            let x = var("x", &[2, 5, 3, 2 * half], dtype);
+            let y = if fused {
+                rope(&x, &tables).unwrap()
+            } else {
+                reference::rope(&x, &tables).unwrap()
+            };
+            let grads = weigh(&y, "dy").backward().unwrap();
+            (y, grads.get(&x).unwrap().clone())
+        };
+        let (got, want) = (run(true), run(false));
+        let tol = tolerance(dtype);
+        close(&format!("rope {dtype:?}"), &got.0, &want.0, tol);
+        close(&format!("rope {dtype:?} dx"), &got.1, &want.1, tol);
+    }
+}
+
+#[test]
+fn swiglu_matches_the_unfused_reference() {
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            let g = var("g", &[4, 9, 33], dtype);
+            let u = var("u", &[4, 9, 33], dtype);
+            let h =
+                if fused { swiglu(&g, &u).unwrap() } else { reference::swiglu(&g, &u).unwrap() };
+            let grads = weigh(&h, "dh").backward().unwrap();
+            (h, grads.get(&g).unwrap().clone(), grads.get(&u).unwrap().clone())
+        };
+        let (got, want) = (run(true), run(false));
+        let tol = tolerance(dtype);
+        close(&format!("swiglu {dtype:?}"), &got.0, &want.0, tol);
+        close(&format!("swiglu {dtype:?} dgate"), &got.1, &want.1, tol);
+        close(&format!("swiglu {dtype:?} dup"), &got.2, &want.2, tol);
+    }
+}

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Side-by-side CPU compute benchmark: `hetpar bench nn` next to the same shapes in PyTorch.
+
+Runs both on one core (RAYON_NUM_THREADS=1 for hetpar, torch.set_num_threads(1) here), in
+alternating rounds within one run, keeps each row's best time, and prints a Markdown table
+with both columns and their ratio. PyTorch is optional and never used by CI:
+
+    python3 -m venv /tmp/torch && /tmp/torch/bin/pip install torch numpy
+    cargo build --release -p hetpar
+    /tmp/torch/bin/python scripts/peer-bench/compare.py --hetpar target/release/hetpar
+
+The PyTorch models mirror crates/hetpar-nn/src/bench.rs and crates/hetpar/src/bench_cmd.rs:
+a Llama layer (hidden 512, 8 heads / 2 KV heads, SwiGLU 1408, RMSNorm, RoPE, causal SDPA)
+on 1 x 512 tokens, its MoE variant (8 experts of 704, top-2, load-balancing loss), the
+4-layer models (vocabulary 4096) on 2 x 256 tokens with the mean cross-entropy, and the
+ViT (224 px, 16 px patches, hidden 384, 6 heads, MLP 1536, exact GELU, LayerNorm) with the
+LLaVA projector to 512 on 4 images; each timed as forward + backward of the same loss.
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+H, HEADS, KV, FFN, VOCAB, THETA, EPS = 512, 8, 2, 1408, 4096, 10_000.0, 1e-5
+
+
+def rope_tables(s, d, dtype):
+    inv = 1.0 / THETA ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rotate(x, cos, sin):
+    # x [b, heads, s, d], rotate-half (HF Llama).
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class SwiGlu(nn.Module):
+    def __init__(self, ffn):
+        super().__init__()
+        self.gate = nn.Linear(H, ffn, bias=False)
+        self.up = nn.Linear(H, ffn, bias=False)
+        self.down = nn.Linear(ffn, H, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Moe(nn.Module):
+    """Mixtral-style top-k routing, no token dropped, Switch load-balancing loss."""
+
+    def __init__(self, experts=8, ffn=704, top_k=2, coef=0.01):
+        super().__init__()
+        self.router = nn.Linear(H, experts, bias=False)
+        self.experts = nn.ModuleList(SwiGlu(ffn) for _ in range(experts))
+        self.top_k, self.coef = top_k, coef
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, H)
+        probs = F.softmax(self.router(x), dim=-1)
+        gates, picked = probs.topk(self.top_k, dim=-1)
+        gates = gates / gates.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        e_count = len(self.experts)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (picked == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out.index_add_(0, tok, expert(x[tok]) * gates[tok, slot, None])
+        f = torch.bincount(picked.flatten(), minlength=e_count).to(x.dtype) / picked.numel()
+        aux = self.coef * e_count * (f * probs.mean(0)).sum()
+        return out.reshape(shape), aux
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        d = H // HEADS
+        self.n1, self.n2 = nn.RMSNorm(H, eps=EPS), nn.RMSNorm(H, eps=EPS)
+        self.q = nn.Linear(H, HEADS * d, bias=False)
+        self.k = nn.Linear(H, KV * d, bias=False)
+        self.v = nn.Linear(H, KV * d, bias=False)
+        self.o = nn.Linear(HEADS * d, H, bias=False)
+        self.ffn = Moe() if moe else SwiGlu(FFN)
+        self.moe = moe
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        d = H // HEADS
+        h = self.n1(x)
+        q = self.q(h).view(b, s, HEADS, d).transpose(1, 2)
+        k = self.k(h).view(b, s, KV, d).transpose(1, 2)
+        v = self.v(h).view(b, s, KV, d).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, H))
+        y = self.ffn(self.n2(x))
+        if self.moe:
+            y, aux = y
+        else:
+            aux = x.new_zeros(())
+        return x + y, aux
+
+
+class Llama(nn.Module):
+    def __init__(self, moe, layers=4):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, H)
+        self.layers = nn.ModuleList(LlamaLayer(moe) for _ in range(layers))
+        self.norm = nn.RMSNorm(H, eps=EPS)
+        self.head = nn.Linear(H, VOCAB, bias=False)
+
+    def forward(self, tokens, targets, cos, sin):
+        x = self.embed(tokens)
+        aux = x.new_zeros(())
+        for layer in self.layers:
+            x, a = layer(x, cos, sin)
+            aux = aux + a
+        logits = self.head(self.norm(x)).reshape(-1, VOCAB)
+        return F.cross_entropy(logits, targets.reshape(-1)) + aux
+
+
+class VitLayer(nn.Module):
+    def __init__(self, h=384, heads=6, ffn=1536):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(h, eps=1e-6), nn.LayerNorm(h, eps=1e-6)
+        self.qkv = nn.ModuleList(nn.Linear(h, h) for _ in range(3))
+        self.out = nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, ffn), nn.Linear(ffn, h)
+        self.heads = heads
+
+    def forward(self, x):
+        n, s, h = x.shape
+        y = self.ln1(x)
+        q, k, v = (p(y).view(n, s, self.heads, -1).transpose(1, 2) for p in self.qkv)
+        a = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.out(a.transpose(1, 2).reshape(n, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Vit(nn.Module):
+    def __init__(self, size=224, patch=16, h=384, layers=4, out=512):
+        super().__init__()
+        self.patch, self.g = patch, size // patch
+        self.embed = nn.Linear(3 * patch * patch, h)
+        self.pos = nn.Parameter(torch.randn(self.g * self.g, h) * 0.02)
+        self.layers = nn.ModuleList(VitLayer(h) for _ in range(layers))
+        self.post = nn.LayerNorm(h, eps=1e-6)
+        self.proj1, self.proj2 = nn.Linear(h, out), nn.Linear(out, out)
+
+    def forward(self, pixels):
+        n, p, g = pixels.shape[0], self.patch, self.g
+        patches = pixels.reshape(n, 3, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(n, g * g, -1)
+        x = self.embed(patches) + self.pos
+        for layer in self.layers:
+            x = layer(x)
+        return self.proj2(F.gelu(self.proj1(self.post(x))))
+
+
+def best(iters, step):
+    step()
+    t = float("inf")
+    for _ in range(max(iters, 1)):
+        start = time.perf_counter()
+        step()
+        t = min(t, time.perf_counter() - start)
+    return t
+
+
+def torch_rows(iters, dtype):
+    """Seconds per forward+backward of each row, keyed like hetpar's --only names."""
+    torch.manual_seed(0)
+    d = H // HEADS
+    rows = {}
+
+    def layer(moe):
+        m = LlamaLayer(moe).to(dtype)
+        x = torch.randn(1, 512, H, dtype=dtype)
+        cos, sin = rope_tables(512, d, dtype)
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            y, aux = m(x, cos, sin)
+            (y.sum() + aux).backward()
+
+        return best(iters, step)
+
+    def model(moe):
+        m = Llama(moe).to(dtype)
+        n = 2 * 256
+        tokens = torch.tensor([(i * 7919) % VOCAB for i in range(n)]).reshape(2, 256)
+        targets = torch.tensor([(i * 104_729) % VOCAB for i in range(n)]).reshape(2, 256)
+        cos, sin = rope_tables(256, d, dtype)
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            m(tokens, targets, cos, sin).backward()
+
+        return best(iters, step)
+
+    def vit():
+        m = Vit().to(dtype)
+        pixels = torch.randn(4, 3, 224, 224, dtype=dtype)
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            m(pixels).sum().backward()
+
+        return best(iters, step)
+
+    rows["layer"] = layer(False)
+    rows["moe-layer"] = layer(True)
+    rows["model"] = model(False)
+    rows["moe-model"] = model(True)
+    rows["vit"] = vit()
+    return rows
+
+
+def torch_matmul(iters, dtype):
+    rate = 0.0
+    for n in (512, 1024):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        rate = max(rate, 2 * n**3 / best(10 * iters, lambda: a @ b) / 1e9)
+    return rate
+
+
+KEYS = ["layer", "moe-layer", "model", "moe-model", "vit"]
+
+
+def hetpar_rows(binary, iters, dtype):
+    """Runs `hetpar bench nn`; returns (matmul GFLOP/s, {key: (name, seconds, GFLOP/s)})."""
+    env = {"RAYON_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [binary, "bench", "nn", "--iters", str(iters), "--dtype", dtype],
+        env=env, check=True, capture_output=True, text=True,
+    ).stdout
+    peak = float(re.search(r"matmul .*?: ([\d.]+) GFLOP/s", out).group(1))
+    rows = re.findall(r"^(\S.*?\))\s+([\d.]+)ms\s+\d+\s+([\d.]+)", out, re.M)
+    if len(rows) != len(KEYS):
+        sys.exit(f"unexpected `hetpar bench nn` output:\n{out}")
+    return peak, {k: (n, float(t) / 1e3, float(g)) for k, (n, t, g) in zip(KEYS, rows)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hetpar", default="target/release/hetpar", help="the hetpar binary")
+    ap.add_argument("--iters", type=int, default=3, help="timed iterations per row and round")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (best kept)")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "f64"])
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    tdtype = torch.float32 if a.dtype == "f32" else torch.float64
+    het, pt, het_mm, pt_mm = {}, {}, 0.0, 0.0
+    for r in range(a.rounds):
+        print(f"round {r + 1}/{a.rounds}: hetpar ...", file=sys.stderr, flush=True)
+        peak, rows = hetpar_rows(a.hetpar, a.iters, a.dtype)
+        het_mm = max(het_mm, peak)
+        for k, v in rows.items():
+            het[k] = v if k not in het or v[1] < het[k][1] else het[k]
+        print(f"round {r + 1}/{a.rounds}: PyTorch {torch.__version__} ...", file=sys.stderr, flush=True)
+        pt_mm = max(pt_mm, torch_matmul(a.iters, tdtype))
+        for k, t in torch_rows(a.iters, tdtype).items():
+            pt[k] = min(pt.get(k, t), t)
+    print(f"one core, {a.dtype}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
+          f"PyTorch {torch.__version__}")
+    print()
+    print("| what (forward+backward) | hetpar | PyTorch | hetpar / PyTorch | hetpar GFLOP/s | of hetpar's matmul |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| matmul rate (best of 512^3, 1024^3) | {het_mm:.1f} GFLOP/s | {pt_mm:.1f} GFLOP/s | "
+          f"{pt_mm / het_mm:.2f} (time) | | |")
+    for k in KEYS:
+        name, t, g = het[k]
+        print(f"| {name} | {t * 1e3:.1f} ms | {pt[k] * 1e3:.1f} ms | {t / pt[k]:.2f} | {g:.1f} | "
+              f"{100 * g / het_mm:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
