@@ -9,7 +9,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use hetpar_nn::Init;
 use hetpar_nn::kernels::attention::FlashAttention;
-use hetpar_nn::kernels::pointwise::{RopeTables, rms_norm, rope, swiglu};
+use hetpar_nn::kernels::pointwise::{
+    RopeTables, bias_add, gelu, layer_norm, rms_norm, rope, swiglu,
+};
 use hetpar_nn::kernels::reference;
 use hetpar_nn::testing::{flat, rel_err};
 
@@ -285,5 +287,71 @@ fn swiglu_matches_the_unfused_reference() {
         close(&format!("swiglu {dtype:?}"), &got.0, &want.0, tol);
         close(&format!("swiglu {dtype:?} dgate"), &got.1, &want.1, tol);
         close(&format!("swiglu {dtype:?} dup"), &got.2, &want.2, tol);
+    }
+}
+
+#[test]
+fn layer_norm_matches_the_unfused_reference() {
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            // Rows with an offset, so the centring matters.
+            let x = (var("x", &[3, 7, 40], dtype).as_tensor() + 3.0).unwrap();
+            let x = Var::from_tensor(&x).unwrap();
+            let w = var("w", &[40], dtype);
+            let b = var("b", &[40], dtype);
+            let y = if fused {
+                layer_norm(&x, &w, &b, 1e-5).unwrap()
+            } else {
+                reference::layer_norm(&x, &w, &b, 1e-5).unwrap()
+            };
+            let grads = weigh(&y, "dy").backward().unwrap();
+            let g = |v: &Var| grads.get(v).unwrap().clone();
+            (y, g(&x), g(&w), g(&b))
+        };
+        let (got, want) = (run(true), run(false));
+        let tol = tolerance(dtype);
+        close(&format!("layer-norm {dtype:?}"), &got.0, &want.0, tol);
+        close(&format!("layer-norm {dtype:?} dx"), &got.1, &want.1, tol);
+        close(&format!("layer-norm {dtype:?} dw"), &got.2, &want.2, tol);
+        close(&format!("layer-norm {dtype:?} db"), &got.3, &want.3, tol);
+    }
+}
+
+#[test]
+fn gelu_matches_the_unfused_reference() {
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            let x =
+                Var::from_tensor(&(var("x", &[5, 61], dtype).as_tensor() * 3.0).unwrap()).unwrap();
+            let y = if fused { gelu(&x).unwrap() } else { reference::gelu(&x).unwrap() };
+            let grads = weigh(&y, "dy").backward().unwrap();
+            (y, grads.get(&x).unwrap().clone())
+        };
+        let (got, want) = (run(true), run(false));
+        let tol = tolerance(dtype);
+        close(&format!("gelu {dtype:?}"), &got.0, &want.0, tol);
+        close(&format!("gelu {dtype:?} dx"), &got.1, &want.1, tol);
+    }
+}
+
+#[test]
+fn bias_add_matches_the_unfused_reference() {
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            let x = var("x", &[3, 5, 17], dtype);
+            let b = var("b", &[17], dtype);
+            let y = if fused {
+                bias_add(&x, &b).unwrap()
+            } else {
+                reference::bias_add(&x, &b).unwrap()
+            };
+            let grads = weigh(&y, "dy").backward().unwrap();
+            (y, grads.get(&x).unwrap().clone(), grads.get(&b).unwrap().clone())
+        };
+        let (got, want) = (run(true), run(false));
+        let tol = tolerance(dtype);
+        close(&format!("bias-add {dtype:?}"), &got.0, &want.0, tol);
+        close(&format!("bias-add {dtype:?} dx"), &got.1, &want.1, tol);
+        close(&format!("bias-add {dtype:?} db"), &got.2, &want.2, tol);
     }
 }

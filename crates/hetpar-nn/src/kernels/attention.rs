@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, DType, Error, Layout, Shape, Tensor};
 
 use super::gemm::{View, matmul};
-use super::{CResult, Real, by_real, slice, with_data};
+use super::{CResult, Real, by_real, simd, slice, with_data};
 
 /// Query rows per block.
 const BQ: usize = 64;
@@ -172,6 +172,7 @@ impl Dims {
 impl FlashAttention {
     /// `scale * q k^T` of one block pair into `s` (`BK` apart), masked where needed.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn scores<T: Real>(
         &self,
         s: &mut [T],
@@ -197,6 +198,7 @@ impl FlashAttention {
         (sv, qv, kv)
     }
 
+    #[inline(always)]
     fn forward<T: Real>(&self, q: &[T], k: &[T], v: &[T], dm: Dims) -> (Vec<T>, Vec<f64>) {
         let d = dm.d;
         let mut out = vec![T::ZERO; dm.b * dm.sq * dm.hq * dm.od];
@@ -261,6 +263,7 @@ impl FlashAttention {
     }
 
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn backward<T: Real>(
         &self,
         q: &[T],
@@ -348,7 +351,7 @@ impl CustomOp3 for FlashAttention {
                 slice::<T>(s2, l2, "attention")?,
                 slice::<T>(s3, l3, "attention")?,
             );
-            let (out, lse) = self.forward(q, k, v, dm);
+            let (out, lse) = simd::fast(|| self.forward(q, k, v, dm));
             *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(out),
@@ -397,7 +400,7 @@ impl FlashAttention {
                 with_data::<T, _>(v, op, |vd| {
                     with_data::<T, _>(res, op, |od| {
                         with_data::<T, _>(grad, op, |gd| {
-                            Ok(self.backward(qd, kd, vd, od, gd, lse, dm))
+                            Ok(simd::fast(|| self.backward(qd, kd, vd, od, gd, lse, dm)))
                         })
                     })
                 })

@@ -1,17 +1,20 @@
 //! Row-wise and element-wise kernels with their backward: RMSNorm (Zhang and Sennrich
-//! 2019), rotary embedding in HF Llama's rotate-half form (Su et al. 2021) on
+//! 2019), LayerNorm (Ba et al. 2016), the exact GELU, rotary embedding in HF Llama's rotate-half form (Su et al. 2021) on
 //! `[b, s, heads, d]`, and the SwiGLU product `silu(gate) * up` (Shazeer 2020). Each runs
 //! one pass over its input where the unfused form ran four to eight tensor ops, each
 //! writing a tensor.
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Error, Layout, Shape, Tensor};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor,
+};
 
-use super::{CResult, Real, by_real, slice, with_data};
+use super::{CResult, Real, by_real, simd, slice, with_data};
 
 /// `sum a_i b_i` with eight partial sums, so the loop vectorizes (a fixed order all the
 /// same: the result never depends on timing).
+#[inline(always)]
 fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     let mut acc = [T::ZERO; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -28,6 +31,30 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// `sum a_i` with eight partial sums (see [`dot`]).
+#[inline(always)]
+fn sum<T: Real>(a: &[T]) -> T {
+    let mut acc = [T::ZERO; 8];
+    let c = a.chunks_exact(8);
+    let tail = c.remainder().iter().fold(T::ZERO, |s, &x| s + x);
+    for x in c {
+        for l in 0..8 {
+            acc[l] += x[l];
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// The row width `h` of `x` `[.., h]`, checking that each of `params` is `[h]`.
+fn row_width(op: &str, x: &Shape, params: &[&Shape]) -> CResult<usize> {
+    let h = x.dims().last().copied().unwrap_or(0);
+    match params.iter().find(|p| p.dims() != [h]) {
+        Some(p) => Err(Error::Msg(format!("{op}: parameter {p:?} for rows of {x:?}"))),
+        None if h == 0 => Err(Error::Msg(format!("{op}: empty rows in {x:?}"))),
+        None => Ok(h),
+    }
+}
+
 /// `x / sqrt(mean(x^2) + eps) * weight` over the last dim: `x` `[.., h]`, `weight` `[h]`.
 #[derive(Clone, Debug)]
 pub struct RmsNormOp {
@@ -36,14 +63,7 @@ pub struct RmsNormOp {
 }
 
 impl RmsNormOp {
-    fn check(x: &Shape, w: &Shape) -> CResult<usize> {
-        let h = x.dims().last().copied().unwrap_or(0);
-        if w.dims() != [h] || h == 0 {
-            return Err(Error::Msg(format!("rms-norm: weight {w:?} for rows of {x:?}")));
-        }
-        Ok(h)
-    }
-
+    #[inline(always)]
     fn forward<T: Real>(&self, x: &[T], w: &[T], h: usize) -> Vec<T> {
         let mut out = vec![T::ZERO; x.len()];
         for (xr, yr) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
@@ -55,11 +75,13 @@ impl RmsNormOp {
         out
     }
 
+    #[inline(always)]
     fn inv_rms<T: Real>(&self, xr: &[T], h: usize) -> T {
         T::ONE / (dot(xr, xr) / T::from_f64(h as f64) + T::from_f64(self.eps)).sqrt()
     }
 
     /// `dx = r (g - xhat mean(g xhat))` with `g = dy w`, `xhat = r x`; `dw = sum dy xhat`.
+    #[inline(always)]
     fn backward<T: Real>(&self, x: &[T], w: &[T], dy: &[T], h: usize) -> (Vec<T>, Vec<T>) {
         let mut dx = vec![T::ZERO; x.len()];
         let mut dw = vec![T::ZERO; h];
@@ -96,11 +118,13 @@ impl CustomOp2 for RmsNormOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let h = Self::check(l1.shape(), l2.shape())?;
+        let h = row_width("rms-norm", l1.shape(), &[l2.shape()])?;
         by_real!(s1, "rms-norm", |T| {
             let (x, w) = (slice::<T>(s1, l1, "rms-norm")?, slice::<T>(s2, l2, "rms-norm")?);
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(self.forward(x, w, h)),
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                    self.forward(x, w, h)
+                })),
                 l1.shape().clone(),
             ))
         })
@@ -113,7 +137,7 @@ impl CustomOp2 for RmsNormOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let h = Self::check(x.shape(), w.shape())?;
+        let h = row_width("rms-norm", x.shape(), &[w.shape()])?;
         let grad = grad.contiguous()?;
         fn run<T: Real>(
             op: &RmsNormOp,
@@ -124,7 +148,9 @@ impl CustomOp2 for RmsNormOp {
         ) -> CResult<(Tensor, Tensor)> {
             let (dx, dw) = with_data::<T, _>(x, "rms-norm", |xd| {
                 with_data::<T, _>(w, "rms-norm", |wd| {
-                    with_data::<T, _>(grad, "rms-norm", |gd| Ok(op.backward(xd, wd, gd, h)))
+                    with_data::<T, _>(grad, "rms-norm", |gd| {
+                        Ok(simd::fast(|| op.backward(xd, wd, gd, h)))
+                    })
                 })
             })?;
             Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, h, x.device())?))
@@ -138,6 +164,222 @@ impl CustomOp2 for RmsNormOp {
         };
         Ok((Some(dx), Some(dw)))
     }
+}
+
+/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dim: `x` `[.., h]`,
+/// `weight` and `bias` `[h]`.
+#[derive(Clone, Debug)]
+pub struct LayerNormOp {
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+impl LayerNormOp {
+    /// Mean and `1 / sqrt(var + eps)` of a row.
+    #[inline(always)]
+    fn stats<T: Real>(&self, xr: &[T], hf: T) -> (T, T) {
+        let mean = sum(xr) / hf;
+        let var = xr.iter().fold(T::ZERO, |a, &x| a + (x - mean) * (x - mean)) / hf;
+        (mean, T::ONE / (var + T::from_f64(self.eps)).sqrt())
+    }
+
+    #[inline(always)]
+    fn forward<T: Real>(&self, x: &[T], w: &[T], b: &[T], h: usize) -> Vec<T> {
+        let hf = T::from_f64(h as f64);
+        let mut out = vec![T::ZERO; x.len()];
+        for (xr, yr) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+            let (mean, r) = self.stats(xr, hf);
+            for j in 0..h {
+                yr[j] = (xr[j] - mean) * r * w[j] + b[j];
+            }
+        }
+        out
+    }
+
+    /// `dx = r (g - mean(g) - xhat mean(g xhat))` with `g = dy w`; `dw = sum dy xhat`,
+    /// `db = sum dy`.
+    #[inline(always)]
+    fn backward<T: Real>(&self, x: &[T], w: &[T], dy: &[T], h: usize) -> [Vec<T>; 3] {
+        let hf = T::from_f64(h as f64);
+        let mut dx = vec![T::ZERO; x.len()];
+        let (mut dw, mut db) = (vec![T::ZERO; h], vec![T::ZERO; h]);
+        let (mut g, mut xhat) = (vec![T::ZERO; h], vec![T::ZERO; h]);
+        for ((xr, dyr), dxr) in
+            x.chunks_exact(h).zip(dy.chunks_exact(h)).zip(dx.chunks_exact_mut(h))
+        {
+            let (mean, r) = self.stats(xr, hf);
+            for j in 0..h {
+                xhat[j] = (xr[j] - mean) * r;
+                g[j] = dyr[j] * w[j];
+                dw[j] += dyr[j] * xhat[j];
+                db[j] += dyr[j];
+            }
+            let (mg, mgx) = (sum(&g) / hf, dot(&g, &xhat) / hf);
+            for j in 0..h {
+                dxr[j] = r * (g[j] - mg - xhat[j] * mgx);
+            }
+        }
+        [dx, dw, db]
+    }
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let h = row_width("layer-norm", l1.shape(), &[l2.shape(), l3.shape()])?;
+        by_real!(s1, "layer-norm", |T| {
+            let x = slice::<T>(s1, l1, "layer-norm")?;
+            let (w, b) = (slice::<T>(s2, l2, "layer-norm")?, slice::<T>(s3, l3, "layer-norm")?);
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                    self.forward(x, w, b, h)
+                })),
+                l1.shape().clone(),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let h = row_width("layer-norm", x.shape(), &[w.shape(), b.shape()])?;
+        let grad = grad.contiguous()?;
+        fn run<T: Real>(
+            op: &LayerNormOp,
+            x: &Tensor,
+            w: &Tensor,
+            grad: &Tensor,
+            h: usize,
+        ) -> CResult<[Tensor; 3]> {
+            let [dx, dw, db] = with_data::<T, _>(x, "layer-norm", |xd| {
+                with_data::<T, _>(w, "layer-norm", |wd| {
+                    with_data::<T, _>(grad, "layer-norm", |gd| {
+                        Ok(simd::fast(|| op.backward(xd, wd, gd, h)))
+                    })
+                })
+            })?;
+            let dev = x.device();
+            Ok([
+                Tensor::from_vec(dx, x.shape(), dev)?,
+                Tensor::from_vec(dw, h, dev)?,
+                Tensor::from_vec(db, h, dev)?,
+            ])
+        }
+        let [dx, dw, db] = match x.dtype() {
+            DType::F32 => run::<f32>(self, x, w, &grad, h)?,
+            DType::F64 => run::<f64>(self, x, w, &grad, h)?,
+            other => {
+                return Err(Error::Msg(format!("layer-norm runs in f32 and f64, not {other:?}")));
+            }
+        };
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// The exact GELU `x Phi(x) = x (1 + erf(x / sqrt 2)) / 2` (Hendrycks and Gimpel 2016),
+/// and its backward `Phi(x) + x phi(x)` (candle's own `gelu_erf` backward rounds
+/// `1 / sqrt(2 pi)` to six digits). `Phi` in f32 is [`super::normal_cdf_f32`], within two
+/// ulp and vectorizable; in f64 it is through candle's `erf`.
+#[derive(Clone, Copy, Debug)]
+pub struct GeluOp;
+
+/// The standard normal CDF of the element type.
+trait NormalCdf: Real {
+    fn cdf(self) -> Self;
+}
+
+impl NormalCdf for f32 {
+    #[inline(always)]
+    fn cdf(self) -> f32 {
+        super::normal_cdf_f32(self)
+    }
+}
+
+impl NormalCdf for f64 {
+    fn cdf(self) -> f64 {
+        0.5 * (1.0 + candle_core::cpu::erf::erf_f64(self * std::f64::consts::FRAC_1_SQRT_2))
+    }
+}
+
+impl GeluOp {
+    #[inline(always)]
+    fn forward<T: NormalCdf>(x: &[T]) -> Vec<T> {
+        let mut out = vec![T::ZERO; x.len()];
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = v * v.cdf();
+        }
+        out
+    }
+
+    #[inline(always)]
+    fn backward<T: NormalCdf>(x: &[T], dy: &[T]) -> Vec<T> {
+        let (half, pdf) =
+            (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
+        let mut dx = vec![T::ZERO; x.len()];
+        for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+            *o = g * (v.cdf() + v * pdf * (-(v * v) * half).exp());
+        }
+        dx
+    }
+}
+
+impl CustomOp1 for GeluOp {
+    fn name(&self) -> &'static str {
+        "gelu"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> CResult<(CpuStorage, Shape)> {
+        by_real!(s1, "gelu", |T| {
+            let x = slice::<T>(s1, l1, "gelu")?;
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                    Self::forward(x)
+                })),
+                l1.shape().clone(),
+            ))
+        })
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        fn run<T: NormalCdf>(x: &Tensor, grad: &Tensor) -> CResult<Tensor> {
+            let dx = with_data::<T, _>(x, "gelu", |xd| {
+                with_data::<T, _>(grad, "gelu", |gd| Ok(simd::fast(|| GeluOp::backward(xd, gd))))
+            })?;
+            Tensor::from_vec(dx, x.shape(), x.device())
+        }
+        Ok(Some(match x.dtype() {
+            DType::F32 => run::<f32>(x, &grad)?,
+            DType::F64 => run::<f64>(x, &grad)?,
+            other => return Err(Error::Msg(format!("gelu runs in f32 and f64, not {other:?}"))),
+        }))
+    }
+}
+
+/// `LayerNorm(x) * weight + bias` through the fused op.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> CResult<Tensor> {
+    x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNormOp { eps })
+}
+
+/// The exact GELU through the fused op.
+pub fn gelu(x: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op1(GeluOp)
 }
 
 /// Rotation tables of a list of positions: `cos` and `sin` of `position * inv_freq[j]`,
@@ -163,6 +405,7 @@ pub struct RopeOp {
 }
 
 impl RopeOp {
+    #[inline(always)]
     fn rotate<T: Real>(&self, x: &[T], s: usize, heads: usize) -> Vec<T> {
         let half = self.tables.half;
         let sign = if self.inverse { -T::ONE } else { T::ONE };
@@ -204,7 +447,9 @@ impl CustomOp1 for RopeOp {
         by_real!(s1, "rope", |T| {
             let x = slice::<T>(s1, l1, "rope")?;
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(self.rotate(x, s, heads)),
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                    self.rotate(x, s, heads)
+                })),
                 l1.shape().clone(),
             ))
         })
@@ -220,16 +465,23 @@ impl CustomOp1 for RopeOp {
 #[derive(Clone, Copy, Debug)]
 pub struct SwiGluOp;
 
+#[inline(always)]
 fn sigmoid<T: Real>(x: T) -> T {
     T::ONE / (T::ONE + (-x).exp())
 }
 
 impl SwiGluOp {
+    #[inline(always)]
     fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
-        g.iter().zip(u).map(|(&g, &u)| g * sigmoid(g) * u).collect()
+        let mut h = vec![T::ZERO; g.len()];
+        for ((o, &g), &u) in h.iter_mut().zip(g).zip(u) {
+            *o = g * sigmoid(g) * u;
+        }
+        h
     }
 
     /// `dg = dh u sig(g) (1 + g (1 - sig(g)))`, `du = dh silu(g)`.
+    #[inline(always)]
     fn backward<T: Real>(g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
         let mut dg = vec![T::ZERO; g.len()];
         let mut du = vec![T::ZERO; g.len()];
@@ -260,7 +512,9 @@ impl CustomOp2 for SwiGluOp {
         by_real!(s1, "swiglu", |T| {
             let (g, u) = (slice::<T>(s1, l1, "swiglu")?, slice::<T>(s2, l2, "swiglu")?);
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(Self::forward(g, u)),
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                    Self::forward(g, u)
+                })),
                 l1.shape().clone(),
             ))
         })
@@ -277,7 +531,9 @@ impl CustomOp2 for SwiGluOp {
         fn run<T: Real>(g: &Tensor, u: &Tensor, grad: &Tensor) -> CResult<(Tensor, Tensor)> {
             let (dg, du) = with_data::<T, _>(g, "swiglu", |gd| {
                 with_data::<T, _>(u, "swiglu", |ud| {
-                    with_data::<T, _>(grad, "swiglu", |hd| Ok(SwiGluOp::backward(gd, ud, hd)))
+                    with_data::<T, _>(grad, "swiglu", |hd| {
+                        Ok(simd::fast(|| SwiGluOp::backward(gd, ud, hd)))
+                    })
                 })
             })?;
             Ok((
@@ -292,6 +548,91 @@ impl CustomOp2 for SwiGluOp {
         };
         Ok((Some(dg), Some(du)))
     }
+}
+
+/// `x + bias` over rows: `x` `[.., n]`, `bias` `[n]`. Its backward sums the gradient's rows
+/// into the bias gradient in one pass (a broadcast add's backward reduces across rows with
+/// a strided sum).
+#[derive(Clone, Copy, Debug)]
+pub struct BiasAddOp;
+
+impl BiasAddOp {
+    #[inline(always)]
+    fn forward<T: Real>(x: &[T], b: &[T], n: usize) -> Vec<T> {
+        let mut out = vec![T::ZERO; x.len()];
+        for (yr, xr) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+            for ((y, &xv), &bv) in yr.iter_mut().zip(xr).zip(b) {
+                *y = xv + bv;
+            }
+        }
+        out
+    }
+
+    #[inline(always)]
+    fn bias_grad<T: Real>(g: &[T], n: usize) -> Vec<T> {
+        let mut db = vec![T::ZERO; n];
+        for gr in g.chunks_exact(n) {
+            for (d, &gv) in db.iter_mut().zip(gr) {
+                *d += gv;
+            }
+        }
+        db
+    }
+}
+
+impl CustomOp2 for BiasAddOp {
+    fn name(&self) -> &'static str {
+        "bias-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let n = row_width("bias-add", l1.shape(), &[l2.shape()])?;
+        by_real!(s1, "bias-add", |T| {
+            let (x, b) = (slice::<T>(s1, l1, "bias-add")?, slice::<T>(s2, l2, "bias-add")?);
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                    Self::forward(x, b, n)
+                })),
+                l1.shape().clone(),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let n = row_width("bias-add", x.shape(), &[b.shape()])?;
+        let grad = grad.contiguous()?;
+        fn run<T: Real>(grad: &Tensor, n: usize) -> CResult<Tensor> {
+            let db = with_data::<T, _>(grad, "bias-add", |g| {
+                Ok(simd::fast(|| BiasAddOp::bias_grad(g, n)))
+            })?;
+            Tensor::from_vec(db, n, grad.device())
+        }
+        let db = match x.dtype() {
+            DType::F32 => run::<f32>(&grad, n)?,
+            DType::F64 => run::<f64>(&grad, n)?,
+            other => {
+                return Err(Error::Msg(format!("bias-add runs in f32 and f64, not {other:?}")));
+            }
+        };
+        Ok((Some(grad), Some(db)))
+    }
+}
+
+/// `x + bias` over the rows of `x` through the fused op.
+pub fn bias_add(x: &Tensor, bias: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op2(&bias.contiguous()?, BiasAddOp)
 }
 
 /// `RMSNorm(x) * weight` through the fused op (`x` made contiguous).

@@ -84,6 +84,19 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> CResult<Tensor> {
     x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(weight)
 }
 
+/// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dim.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> CResult<Tensor> {
+    let centered = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    centered.broadcast_div(&(var + eps)?.sqrt()?)?.broadcast_mul(weight)?.broadcast_add(bias)
+}
+
+/// The exact GELU `x (1 + erf(x / sqrt 2)) / 2`, through candle's `erf` (whose backward is
+/// exact, unlike that of its fused `gelu_erf`).
+pub fn gelu(x: &Tensor) -> CResult<Tensor> {
+    (x * 0.5)? * ((x * std::f64::consts::FRAC_1_SQRT_2)?.erf()? + 1.0)?
+}
+
 /// Rotate-half RoPE of `x` `[b, s, heads, d]` by `tables` (one row per position).
 pub fn rope(x: &Tensor, tables: &RopeTables) -> CResult<Tensor> {
     let d = x.dim(D::Minus1)?;
@@ -96,6 +109,11 @@ pub fn rope(x: &Tensor, tables: &RopeTables) -> CResult<Tensor> {
     let a = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
     let b = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
     Tensor::cat(&[a, b], D::Minus1)
+}
+
+/// `x + bias` broadcast over the rows of `x`.
+pub fn bias_add(x: &Tensor, bias: &Tensor) -> CResult<Tensor> {
+    x.broadcast_add(bias)
 }
 
 /// `silu(gate) * up`.

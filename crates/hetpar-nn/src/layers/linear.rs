@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
+use crate::kernels::pointwise::bias_add;
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
 use crate::params::{HasParams, Param, even_split, replicated_reduce, sharded_reduce};
 
@@ -109,8 +110,8 @@ impl ColumnParallel {
     pub fn local(&self, x: &Tensor) -> Result<Tensor> {
         let y = matmul_t(x, self.weight.tensor())?;
         Ok(match &self.bias {
-            Some(b) if self.bias_detached => y.broadcast_add(&b.tensor().detach())?,
-            Some(b) => y.broadcast_add(b.tensor())?,
+            Some(b) if self.bias_detached => bias_add(&y, &b.tensor().detach())?,
+            Some(b) => bias_add(&y, b.tensor())?,
             None => y,
         })
     }
@@ -163,7 +164,7 @@ impl RowParallel {
             reduce_from(&self.ctx.tp, &partial)?
         };
         Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b.tensor())?,
+            Some(b) => bias_add(&y, b.tensor())?,
             None => y,
         })
     }

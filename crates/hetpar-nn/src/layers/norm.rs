@@ -1,12 +1,11 @@
 //! RMSNorm (Zhang and Sennrich 2019) and LayerNorm (Ba et al. 2016) over the last dim,
-//! RMSNorm through the fused kernel, LayerNorm with differentiable tensor ops. Their scales
-//! are replicated over `tp`.
+//! through the fused kernels. Their scales are replicated over `tp`.
 
-use candle_core::{D, Tensor};
+use candle_core::Tensor;
 
 use crate::error::Result;
 use crate::init::Init;
-use crate::kernels::pointwise::rms_norm;
+use crate::kernels::pointwise::{layer_norm, rms_norm};
 use crate::layers::linear::Build;
 use crate::params::{HasParams, Param};
 
@@ -62,11 +61,7 @@ impl LayerNorm {
 
     /// Normalizes the last dim.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let centered = x.broadcast_sub(&mean)?;
-        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-        let y = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        Ok(y.broadcast_mul(self.weight.tensor())?.broadcast_add(self.bias.tensor())?)
+        Ok(layer_norm(x, self.weight.tensor(), self.bias.tensor(), self.eps)?)
     }
 }
 

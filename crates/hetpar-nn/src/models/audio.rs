@@ -26,6 +26,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
+use crate::kernels::pointwise::{bias_add, gelu};
 use crate::layers::attention::{CpMode, CpPositions};
 use crate::layers::linear::{Build, matmul_t};
 use crate::models::encoder::{self, HeadNames, LayerNames, LayerShape, Trunk};
@@ -122,7 +123,7 @@ fn conv3(x: &Tensor, w: &Tensor, bias: &Tensor, stride: usize) -> Result<Tensor>
     // Weight [out, in, 3] -> [out, 3, in] to match the columns' (k, channel) order.
     let out = w.dims()[0];
     let w = w.permute((0, 2, 1))?.contiguous()?.reshape((out, 3 * input))?;
-    Ok(matmul_t(&cols, &w)?.broadcast_add(bias)?)
+    Ok(bias_add(&matmul_t(&cols, &w)?, bias)?)
 }
 
 /// The convolution stem and fixed positions (the first pipeline stage's).
@@ -230,8 +231,8 @@ impl AudioEncoder {
         }
         let dtype = stem.conv1.weight.tensor().dtype();
         let x = features.to_dtype(dtype)?.transpose(1, 2)?.contiguous()?;
-        let x = stem.conv1.forward(&x)?.gelu_erf()?;
-        let x = stem.conv2.forward(&x)?.gelu_erf()?;
+        let x = gelu(&stem.conv1.forward(&x)?)?;
+        let x = gelu(&stem.conv2.forward(&x)?)?;
         let local = self.local_positions()?;
         let idx = Tensor::from_vec(
             local.iter().map(|&i| i as u32).collect::<Vec<_>>(),
