@@ -11,6 +11,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Error, Layout, Shape, Tensor, WithDType};
 use hetpar_comm::{CommExt, Communicator, Element, ReduceOp};
 
+use crate::kernels::{Real, simd, with_data};
+
 type CResult<T> = candle_core::Result<T>;
 
 fn comm_err(op: &str, e: impl std::fmt::Display) -> Error {
@@ -355,7 +357,7 @@ impl VocabCrossEntropy {
         }
     }
 
-    fn forward<T: WithDType>(&self, x: &[T], shape: &Shape) -> CResult<Vec<T>> {
+    fn forward<T: Real>(&self, x: &[T], shape: &Shape) -> CResult<Vec<T>> {
         let (n, v) = shape.dims2()?;
         if n != self.targets.len() {
             return Err(Error::Msg(format!(
@@ -364,12 +366,25 @@ impl VocabCrossEntropy {
             )));
         }
         let row = |i: usize| &x[i * v..(i + 1) * v];
-        let mut max: Vec<f64> = (0..n)
-            .map(|i| row(i).iter().map(|a| a.to_f64()).fold(f64::NEG_INFINITY, f64::max))
-            .collect();
+        let mut max: Vec<f64> = simd::fast(|| {
+            (0..n).map(|i| row(i).iter().fold(T::NEG_INF, |a, &b| a.larger(b)).to_f64()).collect()
+        });
         self.reduce(&mut max, ReduceOp::Max)?;
-        let mut sum: Vec<f64> =
-            (0..n).map(|i| row(i).iter().map(|a| (a.to_f64() - max[i]).exp()).sum()).collect();
+        // `e^(x - max)` in the element type (f32 through the correctly rounding exp), summed
+        // in f64.
+        let mut sum: Vec<f64> = simd::fast(|| {
+            let mut e = vec![T::ZERO; v];
+            (0..n)
+                .map(|i| {
+                    let m = T::from_f64(max[i]);
+                    for (d, &a) in e.iter_mut().zip(row(i)) {
+                        *d = a - m;
+                    }
+                    T::exp_in_place(&mut e);
+                    sum_f64(&e)
+                })
+                .collect()
+        });
         self.reduce(&mut sum, ReduceOp::Sum)?;
         let local = self.vocab_start..self.vocab_start + v;
         let mut target: Vec<f64> = (0..n)
@@ -395,6 +410,46 @@ impl VocabCrossEntropy {
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = max.into_iter().zip(sum).collect();
         Ok(loss)
     }
+
+    /// `(softmax - onehot) * g` of each row with a target, from the forward's statistics.
+    #[inline(always)]
+    fn logits_grad<T: Real>(&self, x: &[T], stats: &[(f64, f64)], g: &[f64], v: usize) -> Vec<T> {
+        let mut out = vec![T::ZERO; x.len()];
+        for (i, (o, xr)) in out.chunks_exact_mut(v).zip(x.chunks_exact(v)).enumerate() {
+            let t = self.targets[i];
+            if t < 0 {
+                continue;
+            }
+            let (max, sum) = stats[i];
+            let (m, scale) = (T::from_f64(max), T::from_f64(g[i] / sum));
+            for (d, &a) in o.iter_mut().zip(xr) {
+                *d = a - m;
+            }
+            T::exp_in_place(o);
+            for d in o.iter_mut() {
+                *d *= scale;
+            }
+            let t = t as usize;
+            if (self.vocab_start..self.vocab_start + v).contains(&t) {
+                o[t - self.vocab_start] -= T::from_f64(g[i]);
+            }
+        }
+        out
+    }
+}
+
+/// `sum a_i` in f64 with eight partial sums (vectorizes; a fixed order).
+#[inline(always)]
+fn sum_f64<T: Real>(a: &[T]) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let c = a.chunks_exact(8);
+    let tail: f64 = c.remainder().iter().map(|x| x.to_f64()).sum();
+    for x in c {
+        for l in 0..8 {
+            acc[l] += x[l].to_f64();
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 impl CustomOp1 for VocabCrossEntropy {
@@ -411,22 +466,28 @@ impl CustomOp1 for VocabCrossEntropy {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let (n, v) = arg.dims2()?;
         let stats = self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let logits: Vec<f64> = arg.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1()?;
         let g: Vec<f64> = grad.to_dtype(candle_core::DType::F64)?.to_vec1()?;
-        let mut out = vec![0.0f64; n * v];
-        for i in 0..n {
-            let t = self.targets[i];
-            if t < 0 {
-                continue;
-            }
-            let (max, sum) = stats[i];
-            for j in 0..v {
-                let p = (logits[i * v + j] - max).exp() / sum;
-                let onehot = if t as usize == self.vocab_start + j { 1.0 } else { 0.0 };
-                out[i * v + j] = (p - onehot) * g[i];
-            }
+        fn run<T: Real>(
+            op: &VocabCrossEntropy,
+            arg: &Tensor,
+            stats: &[(f64, f64)],
+            g: &[f64],
+            (n, v): (usize, usize),
+        ) -> CResult<Tensor> {
+            let out = with_data::<T, _>(arg, "cross-entropy backward", |x| {
+                Ok(simd::fast(|| op.logits_grad(x, stats, g, v)))
+            })?;
+            Tensor::from_vec(out, (n, v), arg.device())
         }
-        Ok(Some(Tensor::from_vec(out, (n, v), arg.device())?.to_dtype(arg.dtype())?))
+        Ok(Some(match arg.dtype() {
+            candle_core::DType::F32 => run::<f32>(self, arg, &stats, &g, (n, v))?,
+            candle_core::DType::F64 => run::<f64>(self, arg, &stats, &g, (n, v))?,
+            other => {
+                return Err(Error::Msg(format!(
+                    "cross-entropy runs in f32 and f64, not {other:?}"
+                )));
+            }
+        }))
     }
 }
 

@@ -9,10 +9,12 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use hetpar_nn::Init;
 use hetpar_nn::kernels::attention::FlashAttention;
+use hetpar_nn::kernels::linear::linear;
 use hetpar_nn::kernels::pointwise::{
     RopeTables, bias_add, gelu, layer_norm, rms_norm, rope, swiglu,
 };
 use hetpar_nn::kernels::reference;
+use hetpar_nn::ops::VocabCrossEntropy;
 use hetpar_nn::testing::{flat, rel_err};
 
 fn tolerance(dtype: DType) -> f64 {
@@ -354,4 +356,49 @@ fn bias_add_matches_the_unfused_reference() {
         close(&format!("bias-add {dtype:?} dx"), &got.1, &want.1, tol);
         close(&format!("bias-add {dtype:?} db"), &got.2, &want.2, tol);
     }
+}
+
+#[test]
+fn cross_entropy_matches_the_unfused_reference() {
+    let targets: Vec<i64> = (0..37).map(|i| if i % 5 == 3 { -1 } else { (i * 13) % 300 }).collect();
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            let x =
+                Var::from_tensor(&(var("logits", &[37, 300], dtype).as_tensor() * 4.0).unwrap())
+                    .unwrap();
+            let loss = if fused {
+                let op = VocabCrossEntropy::new(None, Arc::new(targets.clone()), 0);
+                x.as_tensor().apply_op1(op).unwrap()
+            } else {
+                reference::cross_entropy(&x, &targets).unwrap()
+            };
+            let grads = weigh(&loss, "dl").backward().unwrap();
+            (loss, grads.get(&x).unwrap().clone())
+        };
+        let (got, want) = (run(true), run(false));
+        let tol = tolerance(dtype);
+        close(&format!("cross-entropy {dtype:?}"), &got.0, &want.0, tol);
+        close(&format!("cross-entropy {dtype:?} dlogits"), &got.1, &want.1, tol);
+    }
+}
+
+#[test]
+fn linear_matches_the_unfused_reference() {
+    for dtype in [DType::F32, DType::F64] {
+        let run = |fused: bool| {
+            let x = var("x", &[3, 7, 40], dtype);
+            let w = var("w", &[23, 40], dtype);
+            let y =
+                if fused { linear(&x, &w).unwrap() } else { reference::linear(&x, &w).unwrap() };
+            let grads = weigh(&y, "dy").backward().unwrap();
+            (y, grads.get(&x).unwrap().clone(), grads.get(&w).unwrap().clone())
+        };
+        let (got, want) = (run(true), run(false));
+        let tol = tolerance(dtype);
+        close(&format!("linear {dtype:?}"), &got.0, &want.0, tol);
+        close(&format!("linear {dtype:?} dx"), &got.1, &want.1, tol);
+        close(&format!("linear {dtype:?} dw"), &got.2, &want.2, tol);
+    }
+    let e = linear(&var("x", &[2, 5], DType::F32), &var("w", &[3, 4], DType::F32)).unwrap_err();
+    assert!(e.to_string().contains("do not fit"), "{e}");
 }

@@ -54,8 +54,7 @@ impl View {
 /// `dst = (dst if accumulate else 0) + beta * lhs @ rhs` over the views, on one thread.
 ///
 /// # Panics
-/// If the shapes do not chain, a view leaves its slice, or `dst`'s view names an element
-/// twice: the conditions under which gemm's pointer-based call is sound.
+/// As [`matmul_on`].
 #[allow(clippy::too_many_arguments)]
 pub fn matmul<T: Real>(
     dst: &mut [T],
@@ -66,6 +65,43 @@ pub fn matmul<T: Real>(
     rv: View,
     accumulate: bool,
     beta: T,
+) {
+    matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, beta, 1);
+}
+
+/// [`matmul`] on as many threads as candle's matmuls use (`RAYON_NUM_THREADS`, else every
+/// core): for the products of whole layers.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_wide<T: Real>(
+    dst: &mut [T],
+    dv: View,
+    lhs: &[T],
+    lv: View,
+    rhs: &[T],
+    rv: View,
+    accumulate: bool,
+    beta: T,
+) {
+    let threads = candle_core::utils::get_num_threads();
+    matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads);
+}
+
+/// [`matmul`] on `threads` threads.
+///
+/// # Panics
+/// If the shapes do not chain, a view leaves its slice, or `dst`'s view names an element
+/// twice: the conditions under which gemm's pointer-based call is sound.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_on<T: Real>(
+    dst: &mut [T],
+    dv: View,
+    lhs: &[T],
+    lv: View,
+    rhs: &[T],
+    rv: View,
+    accumulate: bool,
+    beta: T,
+    threads: usize,
 ) {
     let (m, n, k) = (dv.rows, dv.cols, lv.cols);
     assert!(lv.rows == m && rv.cols == n && rv.rows == k, "matmul shapes {dv:?} {lv:?} {rv:?}");
@@ -112,7 +148,7 @@ pub fn matmul<T: Real>(
             false,
             false,
             false,
-            Parallelism::None,
+            if threads > 1 { Parallelism::Rayon(threads) } else { Parallelism::None },
         );
     }
 }

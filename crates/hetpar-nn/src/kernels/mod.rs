@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod gemm;
+pub mod linear;
 pub mod pointwise;
 pub mod reference;
 pub mod simd;

@@ -111,9 +111,31 @@ pub fn rope(x: &Tensor, tables: &RopeTables) -> CResult<Tensor> {
     Tensor::cat(&[a, b], D::Minus1)
 }
 
+/// `x [.., in] @ w^T` with `w [out, in]`, as a reshape, a transpose and a matmul.
+pub fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
+    let dims = x.dims().to_vec();
+    let (rows, inner) = (dims[..dims.len() - 1].iter().product::<usize>(), dims[dims.len() - 1]);
+    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    let mut out = dims;
+    *out.last_mut().expect("a feature dim") = w.dims()[0];
+    y.reshape(out)
+}
+
 /// `x + bias` broadcast over the rows of `x`.
 pub fn bias_add(x: &Tensor, bias: &Tensor) -> CResult<Tensor> {
     x.broadcast_add(bias)
+}
+
+/// Per-row cross-entropy `logsumexp(row) - row[target]` of `logits` `[n, vocab]`, 0 where
+/// the target is negative.
+pub fn cross_entropy(logits: &Tensor, targets: &[i64]) -> CResult<Tensor> {
+    let m = logits.max_keepdim(D::Minus1)?.detach();
+    let lse = (logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?;
+    let idx: Vec<u32> = targets.iter().map(|&t| t.max(0) as u32).collect();
+    let idx = Tensor::from_vec(idx, (targets.len(), 1), &Device::Cpu)?;
+    let keep: Vec<f64> = targets.iter().map(|&t| if t < 0 { 0.0 } else { 1.0 }).collect();
+    let keep = Tensor::from_vec(keep, targets.len(), &Device::Cpu)?.to_dtype(logits.dtype())?;
+    (lse - logits.gather(&idx, 1)?)?.squeeze(1)? * keep
 }
 
 /// `silu(gate) * up`.

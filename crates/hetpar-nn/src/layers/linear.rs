@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
+use crate::kernels::linear::linear;
 use crate::kernels::pointwise::bias_add;
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
 use crate::params::{HasParams, Param, even_split, replicated_reduce, sharded_reduce};
@@ -55,14 +56,10 @@ impl Build {
     }
 }
 
-/// `x [b, s, in] @ W^T` with `W [out, in]`.
+/// `x [b, s, in] @ W^T` with `W [out, in]`, through the fused
+/// [`crate::kernels::linear::LinearOp`].
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let (rows, inner) = (dims[..dims.len() - 1].iter().product::<usize>(), dims[dims.len() - 1]);
-    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
-    let mut out = dims;
-    *out.last_mut().expect("a feature dim") = w.dims()[0];
-    Ok(y.reshape(out)?)
+    Ok(linear(x, w)?)
 }
 
 /// A linear layer with its output features split over `tp`.

@@ -164,7 +164,6 @@ impl Moe {
 
         let (recv, recv_counts) = self.exchange(&disp, &per_expert, per)?;
         // Each local expert computes its rows; rows from each source arrive grouped by expert.
-        let mut out_recv = recv.zeros_like()?;
         let mut offset = 0;
         let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); per];
         for src in &recv_counts {
@@ -173,14 +172,36 @@ impl Moe {
                 offset += c as usize;
             }
         }
+        // Grouped by expert (already so from one source), each expert's output is
+        // concatenated in that order and put back in receive order: one copy each way,
+        // where adding each expert's rows into a running tensor copied it per expert and
+        // gave the backward a full-size gradient sum per expert.
+        let order: Vec<u32> = rows_of.concat();
+        let grouped = order.iter().enumerate().all(|(i, &r)| i as u32 == r);
+        let by_expert = if grouped {
+            recv.clone()
+        } else {
+            recv.index_select(&Tensor::from_vec(order.clone(), order.len(), &Device::Cpu)?, 0)?
+        };
+        let mut outs = Vec::with_capacity(per);
+        let mut start = 0;
         for (le, (_, expert)) in self.experts.iter().enumerate() {
-            if rows_of[le].is_empty() {
-                continue;
+            let len = rows_of[le].len();
+            if len > 0 {
+                outs.push(expert.forward(&by_expert.narrow(0, start, len)?)?);
+                start += len;
             }
-            let idx = Tensor::from_vec(rows_of[le].clone(), rows_of[le].len(), &Device::Cpu)?;
-            let y = expert.forward(&recv.index_select(&idx, 0)?)?;
-            out_recv = out_recv.index_add(&idx, &y, 0)?;
         }
+        let y = if outs.is_empty() { recv.zeros_like()? } else { Tensor::cat(&outs, 0)? };
+        let out_recv = if grouped {
+            y
+        } else {
+            let mut inverse = vec![0u32; order.len()];
+            for (i, &r) in order.iter().enumerate() {
+                inverse[r as usize] = i as u32;
+            }
+            y.index_select(&Tensor::from_vec(inverse, order.len(), &Device::Cpu)?, 0)?
+        };
         let back = self.exchange_back(&out_recv, &per_expert, &recv_counts, per)?;
         let slot_idx = Tensor::from_vec(slots, a, &Device::Cpu)?;
         let g = gates.flatten_all()?.index_select(&slot_idx, 0)?.unsqueeze(1)?;
