@@ -255,6 +255,8 @@ def main():
     ap.add_argument("--iters", type=int, default=3, help="timed iterations per row and round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (best kept)")
     ap.add_argument("--dtype", default="f32", choices=["f32", "f64"])
+    ap.add_argument("--bf16", action="store_true",
+                    help="also compare the bf16 matmul rate (hetpar bench nn --dtype bf16)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     tdtype = torch.float32 if a.dtype == "f32" else torch.float64
@@ -280,6 +282,14 @@ def main():
         name, t, g = het[k]
         print(f"| {name} | {t * 1e3:.1f} ms | {pt[k] * 1e3:.1f} ms | {t / pt[k]:.2f} | {g:.1f} | "
               f"{100 * g / het_mm:.0f}% |")
+    if a.bf16:
+        env = {"RAYON_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([a.hetpar, "bench", "nn", "--dtype", "bf16", "--iters", str(a.iters)],
+                             env=env, check=True, capture_output=True, text=True).stdout
+        het_bf16 = float(re.search(r"bf16: ([\d.]+) GFLOP/s", out).group(1))
+        pt_bf16 = torch_matmul(a.iters, torch.bfloat16)
+        print(f"| bf16 matmul rate (best of 512^3, 1024^3) | {het_bf16:.1f} GFLOP/s | "
+              f"{pt_bf16:.1f} GFLOP/s | {pt_bf16 / het_bf16:.2f} (time) | | |")
 
 
 if __name__ == "__main__":
