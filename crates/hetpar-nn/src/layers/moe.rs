@@ -188,7 +188,12 @@ impl Moe {
         for (le, (_, expert)) in self.experts.iter().enumerate() {
             let len = rows_of[le].len();
             if len > 0 {
-                outs.push(expert.forward(&by_expert.narrow(0, start, len)?)?);
+                // Rows picked by index, not a narrow: candle's backward of a narrow builds a
+                // zero-padded full-size gradient per expert and adds it, that of an index
+                // select adds its rows into a copy of the input's gradient.
+                let idx: Vec<u32> = (start as u32..(start + len) as u32).collect();
+                let rows = by_expert.index_select(&Tensor::from_vec(idx, len, &Device::Cpu)?, 0)?;
+                outs.push(expert.forward(&rows)?);
                 start += len;
             }
         }
