@@ -402,3 +402,12 @@ fn linear_matches_the_unfused_reference() {
     let e = linear(&var("x", &[2, 5], DType::F32), &var("w", &[3, 4], DType::F32)).unwrap_err();
     assert!(e.to_string().contains("do not fit"), "{e}");
 }
+
+#[test]
+fn a_linear_of_no_features_keeps_its_rows() {
+    let x = Tensor::zeros((3, 0), DType::F32, &Device::Cpu).unwrap();
+    let w = Tensor::zeros((4, 0), DType::F32, &Device::Cpu).unwrap();
+    let y = linear(&x, &w).unwrap();
+    assert_eq!(y.dims(), &[3, 4]);
+    assert_eq!(flat(&y).unwrap(), vec![0.0; 12]);
+}

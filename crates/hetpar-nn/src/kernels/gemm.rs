@@ -33,21 +33,35 @@ impl View {
         View { offset: self.offset, rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs }
     }
 
-    /// One past the last element, or `offset` when empty.
-    fn end(&self) -> usize {
+    /// One past the last element (`offset` when empty), or `None` if that overflows.
+    fn end(&self) -> Option<usize> {
         if self.rows == 0 || self.cols == 0 {
-            self.offset
-        } else {
-            self.offset + (self.rows - 1) * self.rs + (self.cols - 1) * self.cs + 1
+            return Some(self.offset);
         }
+        self.offset
+            .checked_add((self.rows - 1).checked_mul(self.rs)?)?
+            .checked_add((self.cols - 1).checked_mul(self.cs)?)?
+            .checked_add(1)
     }
 
     /// Whether distinct `(r, c)` name distinct elements (required of a destination).
     fn injective(&self) -> bool {
         let (r, c) = (self.rows, self.cols);
+        let covers = |stride: usize, n: usize, other: usize| {
+            n.checked_mul(other).is_some_and(|span| stride >= span)
+        };
         r <= 1 && (c <= 1 || self.cs >= 1)
             || c <= 1 && self.rs >= 1
-            || self.cs >= 1 && self.rs >= 1 && (self.rs >= c * self.cs || self.cs >= r * self.rs)
+            || self.cs >= 1
+                && self.rs >= 1
+                && (covers(self.rs, c, self.cs) || covers(self.cs, r, self.rs))
+    }
+
+    /// Whether the view lies inside a slice of `len` elements, with strides that gemm's
+    /// signed offsets can hold.
+    fn inside(&self, len: usize) -> bool {
+        let max = isize::MAX as usize;
+        self.rs <= max && self.cs <= max && self.end().is_some_and(|e| e <= len)
     }
 }
 
@@ -106,7 +120,7 @@ pub fn matmul_on<T: Real>(
     let (m, n, k) = (dv.rows, dv.cols, lv.cols);
     assert!(lv.rows == m && rv.cols == n && rv.rows == k, "matmul shapes {dv:?} {lv:?} {rv:?}");
     assert!(
-        dv.end() <= dst.len() && lv.end() <= lhs.len() && rv.end() <= rhs.len(),
+        dv.inside(dst.len()) && lv.inside(lhs.len()) && rv.inside(rhs.len()),
         "matmul view out of bounds"
     );
     assert!(dv.injective(), "matmul destination {dv:?} aliases itself");
@@ -123,8 +137,9 @@ pub fn matmul_on<T: Real>(
         }
         return;
     }
-    // SAFETY: every element gemm touches lies inside its slice (checked above: the last
-    // element of each view is in bounds and strides are non-negative); `dst` is borrowed
+    // SAFETY: every element gemm touches lies inside its slice (checked above without
+    // overflow: the last element of each view is in bounds, and every stride fits in an
+    // isize, so the casts below keep it non-negative); `dst` is borrowed
     // mutably, so it cannot overlap `lhs` or `rhs`, and its view is injective, so no
     // element is written twice; gemm reads `dst` only when `accumulate` (read_dst), and
     // every element of the slices is initialized.
@@ -206,6 +221,16 @@ mod tests {
             false,
             1.0,
         );
+    }
+
+    #[test]
+    #[should_panic(expected = "out of bounds")]
+    fn a_stride_that_wraps_is_refused() {
+        let a = vec![0.0f32; 4];
+        let mut d = vec![0.0f32; 4];
+        // (rows - 1) * rs + 1 wraps to 0 in unchecked arithmetic.
+        let lv = View { offset: 0, rows: 2, cols: 1, rs: usize::MAX, cs: 1 };
+        matmul(&mut d, View::rows(0, 2, 1, 1), &a, lv, &a, View::rows(0, 1, 1, 1), false, 1.0);
     }
 
     #[test]

@@ -16,11 +16,11 @@ pub struct LinearOp;
 
 /// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`.
 fn dims(x: &Shape, w: &Shape) -> CResult<(usize, usize, usize)> {
-    let inner = x.dims().last().copied().unwrap_or(0);
+    let Some((&inner, lead)) = x.dims().split_last() else {
+        return Err(Error::Msg(format!("linear: input {x:?} has no feature dim")));
+    };
     match w.dims() {
-        &[out, i] if i == inner && !x.dims().is_empty() => {
-            Ok((x.elem_count() / inner.max(1), inner, out))
-        }
+        &[out, i] if i == inner => Ok((lead.iter().product(), inner, out)),
         _ => Err(Error::Msg(format!("linear: input {x:?} and weight {w:?} do not fit"))),
     }
 }

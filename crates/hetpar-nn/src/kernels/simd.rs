@@ -1,9 +1,11 @@
 //! Runs a kernel's loops compiled for AVX-512 where the CPU has it. The build targets
 //! baseline x86-64 (SSE2), where the compiler vectorizes f32 loops four lanes wide and
 //! leaves f64 loops that convert to integers (the exponent trick of `exp`) scalar; compiled
-//! for AVX-512 the same source runs sixteen lanes wide. Element-wise results are the same
-//! on both paths: nothing is reassociated and no multiply-add is fused (Rust contracts no
-//! float expression), so a run's numbers do not depend on the CPU it ran on.
+//! for AVX-512 the same source runs sixteen lanes wide. The loops' results are the same on
+//! both paths: nothing is reassociated and no multiply-add is fused (Rust contracts no
+//! float expression). Matrix products are another matter: gemm picks its AVX-512, AVX2 or
+//! scalar kernels and its block sizes at run time, so products (candle's and the kernels')
+//! may round differently on another CPU.
 #![allow(unsafe_code)]
 
 /// Whether this CPU runs the AVX-512 path.
