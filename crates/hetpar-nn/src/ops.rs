@@ -11,7 +11,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Error, Layout, Shape, Tensor, WithDType};
 use hetpar_comm::{CommExt, Communicator, Element, ReduceOp};
 
-use crate::kernels::{Real, simd, with_data};
+use crate::kernels::{Real, by_real_dtype, simd, with_data};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -479,15 +479,13 @@ impl CustomOp1 for VocabCrossEntropy {
             })?;
             Tensor::from_vec(out, (n, v), arg.device())
         }
-        Ok(Some(match arg.dtype() {
-            candle_core::DType::F32 => run::<f32>(self, arg, &stats, &g, (n, v))?,
-            candle_core::DType::F64 => run::<f64>(self, arg, &stats, &g, (n, v))?,
-            other => {
-                return Err(Error::Msg(format!(
-                    "cross-entropy runs in f32 and f64, not {other:?}"
-                )));
-            }
-        }))
+        Ok(Some(by_real_dtype!(arg.dtype(), "cross-entropy", |T| run::<T>(
+            self,
+            arg,
+            &stats,
+            &g,
+            (n, v)
+        ))?))
     }
 }
 

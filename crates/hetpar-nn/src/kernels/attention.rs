@@ -17,10 +17,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp3, DType, Error, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Error, Layout, Shape, Tensor};
 
 use super::gemm::{View, matmul};
-use super::{CResult, Real, by_real, simd, slice, with_data};
+use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
 
 /// Query rows per block.
 const BQ: usize = 64;
@@ -371,13 +371,8 @@ impl CustomOp3 for FlashAttention {
         let dm = self.dims(q.shape(), k.shape(), v.shape())?;
         let lse = self.stored_lse();
         let grad = grad.contiguous()?;
-        let (dq, dk, dv) = match q.dtype() {
-            DType::F32 => self.grads::<f32>(q, k, v, res, &grad, &lse, dm)?,
-            DType::F64 => self.grads::<f64>(q, k, v, res, &grad, &lse, dm)?,
-            other => {
-                return Err(Error::Msg(format!("attention runs in f32 and f64, not {other:?}")));
-            }
-        };
+        let (dq, dk, dv) = by_real_dtype!(q.dtype(), "attention", |T| self
+            .grads::<T>(q, k, v, res, &grad, &lse, dm))?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }

@@ -5,10 +5,10 @@
 //! per step. Here the backward computes `dx = dy w` and `dw = dy^T x` straight into their
 //! own layouts.
 
-use candle_core::{CpuStorage, CustomOp2, DType, Error, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Error, Layout, Shape, Tensor};
 
 use super::gemm::{View, matmul_wide};
-use super::{CResult, Real, by_real, slice, with_data};
+use super::{CResult, Real, by_real, by_real_dtype, slice, with_data};
 
 /// The product `x @ w^T`.
 #[derive(Clone, Copy, Debug)]
@@ -101,11 +101,8 @@ impl CustomOp2 for LinearOp {
                 Tensor::from_vec(dw, w.shape(), w.device())?,
             ))
         }
-        let (dx, dw) = match x.dtype() {
-            DType::F32 => run::<f32>(x, w, &grad, (rows, inner, out))?,
-            DType::F64 => run::<f64>(x, w, &grad, (rows, inner, out))?,
-            other => return Err(Error::Msg(format!("linear runs in f32 and f64, not {other:?}"))),
-        };
+        let (dx, dw) =
+            by_real_dtype!(x.dtype(), "linear", |T| run::<T>(x, w, &grad, (rows, inner, out)))?;
         Ok((Some(dx), Some(dw)))
     }
 }

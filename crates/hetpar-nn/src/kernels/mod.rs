@@ -205,6 +205,27 @@ macro_rules! by_real {
 }
 pub(crate) use by_real;
 
+/// Runs `$body` (a `CResult`) with `$t` the element type named by `$dtype` (f32 or f64),
+/// for a backward, whose arguments arrive as tensors.
+macro_rules! by_real_dtype {
+    ($dtype:expr, $op:expr, |$t:ident| $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            candle_core::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            other => {
+                Err(candle_core::Error::Msg(format!("{} runs in f32 and f64, not {other:?}", $op)))
+            }
+        }
+    };
+}
+pub(crate) use by_real_dtype;
+
 #[cfg(test)]
 mod tests {
     use super::{exp_f32, normal_cdf_f32};

@@ -6,11 +6,9 @@
 
 use std::sync::Arc;
 
-use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Shape, Tensor,
-};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
-use super::{CResult, Real, by_real, simd, slice, with_data};
+use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
 
 /// `sum a_i b_i` with eight partial sums, so the loop vectorizes (a fixed order all the
 /// same: the result never depends on timing).
@@ -155,13 +153,7 @@ impl CustomOp2 for RmsNormOp {
             })?;
             Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, h, x.device())?))
         }
-        let (dx, dw) = match x.dtype() {
-            DType::F32 => run::<f32>(self, x, w, &grad, h)?,
-            DType::F64 => run::<f64>(self, x, w, &grad, h)?,
-            other => {
-                return Err(Error::Msg(format!("rms-norm runs in f32 and f64, not {other:?}")));
-            }
-        };
+        let (dx, dw) = by_real_dtype!(x.dtype(), "rms-norm", |T| run::<T>(self, x, w, &grad, h))?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -281,13 +273,8 @@ impl CustomOp3 for LayerNormOp {
                 Tensor::from_vec(db, h, dev)?,
             ])
         }
-        let [dx, dw, db] = match x.dtype() {
-            DType::F32 => run::<f32>(self, x, w, &grad, h)?,
-            DType::F64 => run::<f64>(self, x, w, &grad, h)?,
-            other => {
-                return Err(Error::Msg(format!("layer-norm runs in f32 and f64, not {other:?}")));
-            }
-        };
+        let [dx, dw, db] =
+            by_real_dtype!(x.dtype(), "layer-norm", |T| run::<T>(self, x, w, &grad, h))?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
@@ -364,11 +351,7 @@ impl CustomOp1 for GeluOp {
             })?;
             Tensor::from_vec(dx, x.shape(), x.device())
         }
-        Ok(Some(match x.dtype() {
-            DType::F32 => run::<f32>(x, &grad)?,
-            DType::F64 => run::<f64>(x, &grad)?,
-            other => return Err(Error::Msg(format!("gelu runs in f32 and f64, not {other:?}"))),
-        }))
+        Ok(Some(by_real_dtype!(x.dtype(), "gelu", |T| run::<T>(x, &grad))?))
     }
 }
 
@@ -541,11 +524,7 @@ impl CustomOp2 for SwiGluOp {
                 Tensor::from_vec(du, u.shape(), u.device())?,
             ))
         }
-        let (dg, du) = match g.dtype() {
-            DType::F32 => run::<f32>(g, u, &grad)?,
-            DType::F64 => run::<f64>(g, u, &grad)?,
-            other => return Err(Error::Msg(format!("swiglu runs in f32 and f64, not {other:?}"))),
-        };
+        let (dg, du) = by_real_dtype!(g.dtype(), "swiglu", |T| run::<T>(g, u, &grad))?;
         Ok((Some(dg), Some(du)))
     }
 }
@@ -619,13 +598,7 @@ impl CustomOp2 for BiasAddOp {
             })?;
             Tensor::from_vec(db, n, grad.device())
         }
-        let db = match x.dtype() {
-            DType::F32 => run::<f32>(&grad, n)?,
-            DType::F64 => run::<f64>(&grad, n)?,
-            other => {
-                return Err(Error::Msg(format!("bias-add runs in f32 and f64, not {other:?}")));
-            }
-        };
+        let db = by_real_dtype!(x.dtype(), "bias-add", |T| run::<T>(&grad, n))?;
         Ok((Some(grad), Some(db)))
     }
 }
