@@ -11,21 +11,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Error, Layout, Shape, Tensor, WithDType};
 use hetpar_comm::{CommExt, Communicator, Element, ReduceOp};
 
-use crate::kernels::{Real, by_real_dtype, simd, with_data};
+use crate::kernels::{Real, by_real_dtype, simd, slice, with_data};
 
 type CResult<T> = candle_core::Result<T>;
 
 fn comm_err(op: &str, e: impl std::fmt::Display) -> Error {
     Error::Msg(format!("{op}: {e}"))
-}
-
-/// The contiguous elements of a tensor's storage.
-fn data<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<&'a [T]> {
-    let all = s.as_slice::<T>()?;
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| Error::Msg(format!("{op} needs a contiguous input")))?;
-    Ok(&all[a..b])
 }
 
 /// Runs `f` on the storage as f32 or f64.
@@ -34,12 +25,12 @@ macro_rules! by_dtype {
         match $s {
             CpuStorage::F32(_) => {
                 type $t = f32;
-                let $x = data::<f32>($s, $l, $op)?;
+                let $x = slice::<f32>($s, $l, $op)?;
                 $body
             }
             CpuStorage::F64(_) => {
                 type $t = f64;
-                let $x = data::<f64>($s, $l, $op)?;
+                let $x = slice::<f64>($s, $l, $op)?;
                 $body
             }
             other => {

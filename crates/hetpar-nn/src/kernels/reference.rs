@@ -6,6 +6,7 @@ use candle_core::{D, Device, Tensor};
 
 use super::CResult;
 use super::pointwise::RopeTables;
+use crate::layers::attention::softmax;
 
 /// `[b, kv, s, d]` to `[b, kv * rep, s, d]`, each K/V head serving `rep` query heads.
 pub fn repeat_kv(x: &Tensor, rep: usize) -> CResult<Tensor> {
@@ -69,13 +70,6 @@ pub fn attention_lse(
     let lse = (s.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?;
     let out = softmax(&s)?.matmul(&vr)?.transpose(1, 2)?.contiguous()?;
     Ok((out, lse.transpose(1, 2)?.contiguous()?))
-}
-
-/// Softmax over the last dim, the row maximum subtracted.
-pub fn softmax(x: &Tensor) -> CResult<Tensor> {
-    let m = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&m)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 /// `x / sqrt(mean(x^2) + eps) * weight` over the last dim.

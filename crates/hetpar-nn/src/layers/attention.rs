@@ -220,11 +220,12 @@ impl Attention {
     }
 }
 
-/// Softmax over the last dim with differentiable ops (max subtracted for stability).
-pub fn softmax(x: &Tensor) -> Result<Tensor> {
+/// Softmax over the last dim with differentiable ops (max subtracted for stability): the
+/// MoE router's, and the unfused attention references'.
+pub fn softmax(x: &Tensor) -> candle_core::Result<Tensor> {
     let m = x.max_keepdim(D::Minus1)?.detach();
     let e = x.broadcast_sub(&m)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 impl HasParams for Attention {
