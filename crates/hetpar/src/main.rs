@@ -23,6 +23,12 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use hetpar_layout::ModelGraph;
 
+/// mimalloc keeps freed memory for reuse: with glibc's malloc every large tensor of a step
+/// came from fresh pages (a page fault and the kernel's zeroing per 4 KiB), 5-10% of a
+/// step's time in `hetpar bench nn` and the demo.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "hetpar",
