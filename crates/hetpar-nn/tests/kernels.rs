@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use hetpar_nn::Init;
 use hetpar_nn::kernels::attention::FlashAttention;
-use hetpar_nn::kernels::linear::linear;
+use hetpar_nn::kernels::linear::{linear, linear_bias};
 use hetpar_nn::kernels::pointwise::{
     RopeTables, bias_add, gelu, layer_norm, rms_norm, rope, swiglu,
 };
@@ -401,6 +401,39 @@ fn linear_matches_the_unfused_reference() {
     }
     let e = linear(&var("x", &[2, 5], DType::F32), &var("w", &[3, 4], DType::F32)).unwrap_err();
     assert!(e.to_string().contains("do not fit"), "{e}");
+}
+
+#[test]
+fn linear_with_bias_matches_the_unfused_reference_and_the_two_fused_ops_bitwise() {
+    for dtype in [DType::F32, DType::F64] {
+        // 0: one fused op; 1: the fused linear, then the fused bias add; 2: the reference.
+        let run = |how: usize| {
+            let x = var("x", &[3, 7, 40], dtype);
+            let w = var("w", &[23, 40], dtype);
+            let b = var("b", &[23], dtype);
+            let y = match how {
+                0 => linear_bias(&x, &w, &b).unwrap(),
+                1 => bias_add(&linear(&x, &w).unwrap(), &b).unwrap(),
+                _ => reference::bias_add(&reference::linear(&x, &w).unwrap(), &b).unwrap(),
+            };
+            let grads = weigh(&y, "dy").backward().unwrap();
+            let g = |v: &Var| grads.get(v).unwrap().clone();
+            [y.clone(), g(&x), g(&w), g(&b)]
+        };
+        let (got, pair, want) = (run(0), run(1), run(2));
+        let tol = tolerance(dtype);
+        for (i, what) in ["y", "dx", "dw", "db"].iter().enumerate() {
+            close(&format!("linear-bias {dtype:?} {what}"), &got[i], &want[i], tol);
+            assert_eq!(
+                flat(&got[i]).unwrap(),
+                flat(&pair[i]).unwrap(),
+                "linear-bias {dtype:?} {what}: not the bits of linear then bias-add"
+            );
+        }
+    }
+    let (x, w) = (var("x", &[2, 4], DType::F32), var("w", &[3, 4], DType::F32));
+    let e = linear_bias(&x, &w, &var("b", &[4], DType::F32)).unwrap_err();
+    assert!(e.to_string().contains("does not fit"), "{e}");
 }
 
 #[test]

@@ -1,18 +1,26 @@
 //! `x @ w^T` as one autograd node, `x` `[.., in]` and `w` `[out, in]` (HF's layout) to
-//! `[.., out]`. Written with candle ops the same product is a reshape, a transpose, a matmul
-//! and a reshape, and candle's backward gives each node a gradient tensor it zero-fills and
-//! adds into: for a linear layer that is several full passes over activations and weights
-//! per step. Here the backward computes `dx = dy w` and `dw = dy^T x` straight into their
-//! own layouts.
+//! `[.., out]`, and the same with a bias added to every row. Written with candle ops the
+//! product is a reshape, a transpose, a matmul and a reshape, and candle's backward gives
+//! each node a gradient tensor it zero-fills and adds into: for a linear layer that is
+//! several full passes over activations and weights per step, and one more for a separate
+//! bias add. Here the backward computes `dx = dy w`, `dw = dy^T x` and the bias gradient
+//! (the column sums of `dy`) straight into their own layouts. With a bias the output is
+//! the product plus the bias, element by element, as the unfused bias add computes it, so
+//! the fused and unfused forms give the same bits.
 
-use candle_core::{CpuStorage, CustomOp2, Error, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
 use super::gemm::{View, matmul_wide};
-use super::{CResult, Real, by_real, by_real_dtype, slice, with_data};
+use super::pointwise::BiasAddOp;
+use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
 
 /// The product `x @ w^T`.
 #[derive(Clone, Copy, Debug)]
 pub struct LinearOp;
+
+/// The product `x @ w^T + b`, `b` `[out]` added to every row.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearBiasOp;
 
 /// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`.
 fn dims(x: &Shape, w: &Shape) -> CResult<(usize, usize, usize)> {
@@ -23,6 +31,63 @@ fn dims(x: &Shape, w: &Shape) -> CResult<(usize, usize, usize)> {
         &[out, i] if i == inner => Ok((lead.iter().product(), inner, out)),
         _ => Err(Error::Msg(format!("linear: input {x:?} and weight {w:?} do not fit"))),
     }
+}
+
+/// The output shape: `x`'s with its last dim `out`.
+fn out_shape(x: &Shape, out: usize) -> Shape {
+    let mut shape = x.dims().to_vec();
+    *shape.last_mut().expect("dims checked it has a feature dim") = out;
+    Shape::from(shape)
+}
+
+/// `x @ w^T` into a new row-major `[rows, out]`.
+fn product<T: Real>(x: &[T], w: &[T], (rows, inner, out): (usize, usize, usize)) -> Vec<T> {
+    let mut y = vec![T::ZERO; rows * out];
+    matmul_wide(
+        &mut y,
+        View::rows(0, rows, out, out),
+        x,
+        View::rows(0, rows, inner, inner),
+        w,
+        View::rows(0, out, inner, inner).t(),
+        false,
+        T::ONE,
+    );
+    y
+}
+
+/// `dx = dy w` and `dw = dy^T x` as tensors shaped like `x` and `w`.
+fn input_grads<T: Real>(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    (rows, inner, out): (usize, usize, usize),
+) -> CResult<(Tensor, Tensor)> {
+    let op = "linear backward";
+    let (dx, dw) = with_data::<T, _>(x, op, |xd| {
+        with_data::<T, _>(w, op, |wd| {
+            with_data::<T, _>(grad, op, |gd| {
+                let gv = View::rows(0, rows, out, out);
+                let xv = View::rows(0, rows, inner, inner);
+                let mut dx = vec![T::ZERO; rows * inner];
+                matmul_wide(
+                    &mut dx,
+                    xv,
+                    gd,
+                    gv,
+                    wd,
+                    View::rows(0, out, inner, inner),
+                    false,
+                    T::ONE,
+                );
+                let mut dw = vec![T::ZERO; out * inner];
+                let wv = View::rows(0, out, inner, inner);
+                matmul_wide(&mut dw, wv, gd, gv.t(), xd, xv, false, T::ONE);
+                Ok((dx, dw))
+            })
+        })
+    })?;
+    Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?))
 }
 
 impl CustomOp2 for LinearOp {
@@ -37,23 +102,13 @@ impl CustomOp2 for LinearOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (rows, inner, out) = dims(l1.shape(), l2.shape())?;
-        let mut shape = l1.shape().dims().to_vec();
-        *shape.last_mut().expect("checked") = out;
+        let dims = dims(l1.shape(), l2.shape())?;
         by_real!(s1, "linear", |T| {
             let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
-            let mut y = vec![<T as Real>::ZERO; rows * out];
-            matmul_wide(
-                &mut y,
-                View::rows(0, rows, out, out),
-                x,
-                View::rows(0, rows, inner, inner),
-                w,
-                View::rows(0, out, inner, inner).t(),
-                false,
-                <T as Real>::ONE,
-            );
-            Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), Shape::from(shape)))
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(product(x, w, dims)),
+                out_shape(l1.shape(), dims.2),
+            ))
         })
     }
 
@@ -64,50 +119,81 @@ impl CustomOp2 for LinearOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let (rows, inner, out) = dims(x.shape(), w.shape())?;
+        let dims = dims(x.shape(), w.shape())?;
+        let grad = grad.contiguous()?;
+        let (dx, dw) =
+            by_real_dtype!(x.dtype(), "linear", |T| input_grads::<T>(x, w, &grad, dims))?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for LinearBiasOp {
+    fn name(&self) -> &'static str {
+        "linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let dims = dims(l1.shape(), l2.shape())?;
+        if l3.shape().dims() != [dims.2] {
+            return Err(Error::Msg(format!(
+                "linear: bias {:?} does not fit weight {:?}",
+                l3.shape(),
+                l2.shape()
+            )));
+        }
+        by_real!(s1, "linear", |T| {
+            let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
+            let b = slice::<T>(s3, l3, "linear")?;
+            let mut y = product(x, w, dims);
+            simd::fast(|| BiasAddOp::add_rows(&mut y, b));
+            Ok((
+                <T as candle_core::WithDType>::to_cpu_storage_owned(y),
+                out_shape(l1.shape(), dims.2),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dims = dims(x.shape(), w.shape())?;
         let grad = grad.contiguous()?;
         fn run<T: Real>(
             x: &Tensor,
             w: &Tensor,
             grad: &Tensor,
-            (rows, inner, out): (usize, usize, usize),
-        ) -> CResult<(Tensor, Tensor)> {
-            let op = "linear backward";
-            let (dx, dw) = with_data::<T, _>(x, op, |xd| {
-                with_data::<T, _>(w, op, |wd| {
-                    with_data::<T, _>(grad, op, |gd| {
-                        let gv = View::rows(0, rows, out, out);
-                        let xv = View::rows(0, rows, inner, inner);
-                        let mut dx = vec![T::ZERO; rows * inner];
-                        matmul_wide(
-                            &mut dx,
-                            xv,
-                            gd,
-                            gv,
-                            wd,
-                            View::rows(0, out, inner, inner),
-                            false,
-                            T::ONE,
-                        );
-                        let mut dw = vec![T::ZERO; out * inner];
-                        let wv = View::rows(0, out, inner, inner);
-                        matmul_wide(&mut dw, wv, gd, gv.t(), xd, xv, false, T::ONE);
-                        Ok((dx, dw))
-                    })
-                })
+            dims: (usize, usize, usize),
+        ) -> CResult<(Tensor, Tensor, Tensor)> {
+            let (dx, dw) = input_grads::<T>(x, w, grad, dims)?;
+            let db = with_data::<T, _>(grad, "linear backward", |g| {
+                Ok(simd::fast(|| BiasAddOp::bias_grad(g, dims.2)))
             })?;
-            Ok((
-                Tensor::from_vec(dx, x.shape(), x.device())?,
-                Tensor::from_vec(dw, w.shape(), w.device())?,
-            ))
+            Ok((dx, dw, Tensor::from_vec(db, dims.2, grad.device())?))
         }
-        let (dx, dw) =
-            by_real_dtype!(x.dtype(), "linear", |T| run::<T>(x, w, &grad, (rows, inner, out)))?;
-        Ok((Some(dx), Some(dw)))
+        let (dx, dw, db) = by_real_dtype!(x.dtype(), "linear", |T| run::<T>(x, w, &grad, dims))?;
+        Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
 /// `x @ w^T` through the fused op (`x` `[.., in]`, `w` `[out, in]`).
 pub fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
     x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp)
+}
+
+/// `x @ w^T + b` through the fused op (`b` `[out]`, added to every row).
+pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearBiasOp)
 }

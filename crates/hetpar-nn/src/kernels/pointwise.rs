@@ -536,6 +536,19 @@ impl CustomOp2 for SwiGluOp {
 pub struct BiasAddOp;
 
 impl BiasAddOp {
+    /// `y + b` on every row of `y`, in place (the same sum as [`Self::forward`]).
+    #[inline(always)]
+    pub(super) fn add_rows<T: Real>(y: &mut [T], b: &[T]) {
+        if b.is_empty() {
+            return;
+        }
+        for yr in y.chunks_exact_mut(b.len()) {
+            for (v, &bv) in yr.iter_mut().zip(b) {
+                *v += bv;
+            }
+        }
+    }
+
     #[inline(always)]
     fn forward<T: Real>(x: &[T], b: &[T], n: usize) -> Vec<T> {
         let mut out = vec![T::ZERO; x.len()];
@@ -547,8 +560,9 @@ impl BiasAddOp {
         out
     }
 
+    /// The column sums of `g` `[.., n]`: the bias gradient.
     #[inline(always)]
-    fn bias_grad<T: Real>(g: &[T], n: usize) -> Vec<T> {
+    pub(super) fn bias_grad<T: Real>(g: &[T], n: usize) -> Vec<T> {
         let mut db = vec![T::ZERO; n];
         for gr in g.chunks_exact(n) {
             for (d, &gv) in db.iter_mut().zip(gr) {

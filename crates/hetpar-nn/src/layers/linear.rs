@@ -13,7 +13,7 @@ use candle_core::{DType, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
-use crate::kernels::linear::linear;
+use crate::kernels::linear::{linear, linear_bias};
 use crate::kernels::pointwise::bias_add;
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
 use crate::params::{HasParams, Param, even_split, replicated_reduce, sharded_reduce};
@@ -105,11 +105,11 @@ impl ColumnParallel {
 
     /// The local matmul on an already replicated (or gathered) input.
     pub fn local(&self, x: &Tensor) -> Result<Tensor> {
-        let y = matmul_t(x, self.weight.tensor())?;
+        let w = self.weight.tensor();
         Ok(match &self.bias {
-            Some(b) if self.bias_detached => bias_add(&y, &b.tensor().detach())?,
-            Some(b) => bias_add(&y, b.tensor())?,
-            None => y,
+            Some(b) if self.bias_detached => linear_bias(x, w, &b.tensor().detach())?,
+            Some(b) => linear_bias(x, w, b.tensor())?,
+            None => linear(x, w)?,
         })
     }
 }
@@ -154,7 +154,12 @@ impl RowParallel {
 
     /// `[b, s_full, in / tp]` to `[b, s, out]` (sequence-sharded under SP).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let partial = matmul_t(x, self.weight.tensor())?;
+        let w = self.weight.tensor();
+        if let (None, Some(b)) = (self.ctx.tp.comm(), &self.bias) {
+            // One rank: no partial sums to reduce, so the bias joins the product.
+            return Ok(linear_bias(x, w, b.tensor())?);
+        }
+        let partial = linear(x, w)?;
         let y = if self.ctx.sp() {
             reduce_scatter_dim(&self.ctx.tp, &partial, 1)?
         } else {

@@ -26,9 +26,10 @@ use candle_core::{DType, Device, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
-use crate::kernels::pointwise::{bias_add, gelu};
+use crate::kernels::linear::linear_bias;
+use crate::kernels::pointwise::gelu;
 use crate::layers::attention::{CpMode, CpPositions};
-use crate::layers::linear::{Build, matmul_t};
+use crate::layers::linear::Build;
 use crate::models::encoder::{self, HeadNames, LayerNames, LayerShape, Trunk};
 use crate::params::{HasParams, Param};
 
@@ -123,7 +124,7 @@ fn conv3(x: &Tensor, w: &Tensor, bias: &Tensor, stride: usize) -> Result<Tensor>
     // Weight [out, in, 3] -> [out, 3, in] to match the columns' (k, channel) order.
     let out = w.dims()[0];
     let w = w.permute((0, 2, 1))?.contiguous()?.reshape((out, 3 * input))?;
-    Ok(bias_add(&matmul_t(&cols, &w)?, bias)?)
+    Ok(linear_bias(&cols, &w, bias)?)
 }
 
 /// The convolution stem and fixed positions (the first pipeline stage's).

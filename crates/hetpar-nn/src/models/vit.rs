@@ -21,9 +21,9 @@ use candle_core::{Device, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
-use crate::kernels::pointwise::bias_add;
+use crate::kernels::linear::linear_bias;
 use crate::layers::attention::{CpMode, CpPositions};
-use crate::layers::linear::{Build, matmul_t};
+use crate::layers::linear::Build;
 use crate::models::encoder::{self, HeadNames, LayerNames, LayerShape, Trunk};
 use crate::params::{HasParams, Param};
 
@@ -192,7 +192,7 @@ impl Vit {
         )?;
         let patches = patches.index_select(&idx, 1)?.to_dtype(e.patch_w.tensor().dtype())?;
         let w = e.patch_w.tensor().reshape((self.cfg.hidden, 3 * p * p))?;
-        let x = bias_add(&matmul_t(&patches, &w)?, e.patch_b.tensor())?;
+        let x = linear_bias(&patches, &w, e.patch_b.tensor())?;
         Ok(x.broadcast_add(&e.pos.tensor().index_select(&idx, 0)?.unsqueeze(0)?)?)
     }
 }
