@@ -422,11 +422,12 @@ fn linear_with_bias_matches_the_unfused_reference_and_the_two_fused_ops_bitwise(
         };
         let (got, pair, want) = (run(0), run(1), run(2));
         let tol = tolerance(dtype);
+        let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for (i, what) in ["y", "dx", "dw", "db"].iter().enumerate() {
             close(&format!("linear-bias {dtype:?} {what}"), &got[i], &want[i], tol);
             assert_eq!(
-                flat(&got[i]).unwrap(),
-                flat(&pair[i]).unwrap(),
+                bits(&got[i]),
+                bits(&pair[i]),
                 "linear-bias {dtype:?} {what}: not the bits of linear then bias-add"
             );
         }
@@ -434,6 +435,29 @@ fn linear_with_bias_matches_the_unfused_reference_and_the_two_fused_ops_bitwise(
     let (x, w) = (var("x", &[2, 4], DType::F32), var("w", &[3, 4], DType::F32));
     let e = linear_bias(&x, &w, &var("b", &[4], DType::F32)).unwrap_err();
     assert!(e.to_string().contains("does not fit"), "{e}");
+}
+
+#[test]
+fn linear_with_bias_takes_strided_inputs_detached_biases_and_empty_outputs() {
+    // A transposed input, and a bias detached as k_proj's is: the input gets its gradient,
+    // the bias's variable none.
+    let xt = var("x", &[40, 7], DType::F64);
+    let (w, b) = (var("w", &[5, 40], DType::F64), var("b", &[5], DType::F64));
+    let x = xt.as_tensor().t().unwrap();
+    let y = linear_bias(&x, &w, &b.as_tensor().detach()).unwrap();
+    let want = reference::bias_add(&reference::linear(&x, &w).unwrap(), &b).unwrap();
+    close("linear-bias strided", &y, &want, tolerance(DType::F64));
+    let grads = weigh(&y, "dy").backward().unwrap();
+    assert_eq!(grads.get(&xt).unwrap().dims(), &[40, 7]);
+    assert!(grads.get(&b).is_none(), "a detached bias got a gradient");
+    // No outputs: an empty product, and its backward gives empty and zero gradients.
+    let x = var("x", &[3, 4], DType::F32);
+    let (w, b) = (var("w", &[0, 4], DType::F32), var("b", &[0], DType::F32));
+    let y = linear_bias(&x, &w, &b).unwrap();
+    assert_eq!(y.dims(), &[3, 0]);
+    let grads = y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(flat(grads.get(&x).unwrap()).unwrap(), vec![0.0; 12]);
+    assert_eq!(grads.get(&b).unwrap().dims(), &[0]);
 }
 
 #[test]

@@ -326,7 +326,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             Some(t) if t.is_finite() && t > 0.0 => t * 1e12,
             Some(t) => bail!("--peak-tflops {t}: use a positive number"),
             None => {
-                // The best of 512^3 and 1024^3 products, as `hetpar bench nn` measures it:
+                // The best of 512^3 and 1024^3 products (the sizes `hetpar bench nn` takes):
                 // a few 512^3 products alone moved the peak by a quarter run to run.
                 let mut one = 0.0f64;
                 for n in [512, 1024] {

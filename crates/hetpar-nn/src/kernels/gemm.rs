@@ -47,6 +47,10 @@ impl View {
     /// Whether distinct `(r, c)` name distinct elements (required of a destination).
     fn injective(&self) -> bool {
         let (r, c) = (self.rows, self.cols);
+        if r == 0 || c == 0 {
+            // No element at all (a linear with no outputs has a row stride of 0).
+            return true;
+        }
         let covers = |stride: usize, n: usize, other: usize| {
             n.checked_mul(other).is_some_and(|span| stride >= span)
         };
@@ -240,5 +244,22 @@ mod tests {
         let mut d = vec![0.0f32; 4];
         let dv = View { offset: 0, rows: 2, cols: 2, rs: 1, cs: 1 };
         matmul(&mut d, dv, &a, View::rows(0, 2, 2, 2), &a, View::rows(0, 2, 2, 2), false, 1.0);
+    }
+
+    #[test]
+    fn an_empty_destination_with_a_zero_stride_is_a_no_op() {
+        // A linear with no outputs: 3 rows of 0 columns, so a row stride of 0.
+        let a = vec![1.0f32; 12];
+        let mut d: Vec<f32> = Vec::new();
+        matmul(
+            &mut d,
+            View::rows(0, 3, 0, 0),
+            &a,
+            View::rows(0, 3, 4, 4),
+            &a,
+            View::rows(0, 4, 0, 0),
+            false,
+            1.0,
+        );
     }
 }

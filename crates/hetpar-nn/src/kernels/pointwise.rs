@@ -564,6 +564,9 @@ impl BiasAddOp {
     #[inline(always)]
     pub(super) fn bias_grad<T: Real>(g: &[T], n: usize) -> Vec<T> {
         let mut db = vec![T::ZERO; n];
+        if n == 0 {
+            return db;
+        }
         for gr in g.chunks_exact(n) {
             for (d, &gv) in db.iter_mut().zip(gr) {
                 *d += gv;
