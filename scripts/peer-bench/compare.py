@@ -14,7 +14,9 @@ a Llama layer (hidden 512, 8 heads / 2 KV heads, SwiGLU 1408, RMSNorm, RoPE, cau
 on 1 x 512 tokens, its MoE variant (8 experts of 704, top-2, load-balancing loss), the
 4-layer models (vocabulary 4096) on 2 x 256 tokens with the mean cross-entropy, and the
 ViT (224 px, 16 px patches, hidden 384, 6 heads, MLP 1536, exact GELU, LayerNorm) with the
-LLaVA projector to 512 on 4 images; each timed as forward + backward of the same loss.
+LLaVA projector to 512 on 4 images; each timed as forward + backward of the same loss. The
+last row is the optimizer alone: one AdamW update of 4M parameters (weight decay 0.1),
+hetpar's in-place kernel against the fastest of `torch.optim.AdamW`'s CPU implementations.
 """
 
 import argparse
@@ -244,9 +246,23 @@ def hetpar_rows(binary, iters, dtype):
     ).stdout
     peak = float(re.search(r"matmul .*?: ([\d.]+) GFLOP/s", out).group(1))
     rows = re.findall(r"^(\S.*?\))\s+([\d.]+)ms\s+\d+\s+([\d.]+)", out, re.M)
-    if len(rows) != len(KEYS):
+    adamw = re.search(r"^adamw update of (\d+) \S+ parameters: ([\d.]+) ms", out, re.M)
+    if len(rows) != len(KEYS) or not adamw:
         sys.exit(f"unexpected `hetpar bench nn` output:\n{out}")
-    return peak, {k: (n, float(t) / 1e3, float(g)) for k, (n, t, g) in zip(KEYS, rows)}
+    rows = {k: (n, float(t) / 1e3, float(g)) for k, (n, t, g) in zip(KEYS, rows)}
+    return peak, rows, (int(adamw.group(1)), float(adamw.group(2)) / 1e3)
+
+
+def torch_adamw(n, iters, dtype):
+    """Seconds of one `torch.optim.AdamW` step over `n` parameters, the fastest of its CPU
+    implementations (the per-tensor loop, `foreach` and `fused`)."""
+    w = torch.nn.Parameter(torch.randn(n, dtype=dtype))
+    w.grad = torch.randn(n, dtype=dtype)
+    times = []
+    for kind in ({}, {"foreach": True}, {"fused": True}):
+        opt = torch.optim.AdamW([w], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, **kind)
+        times.append(best(3 * iters, opt.step))
+    return min(times)
 
 
 def main():
@@ -261,9 +277,11 @@ def main():
     torch.set_num_threads(1)
     tdtype = torch.float32 if a.dtype == "f32" else torch.float64
     het, pt, het_mm, pt_mm = {}, {}, 0.0, 0.0
+    het_adam, pt_adam = (0, float("inf")), float("inf")
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: hetpar ...", file=sys.stderr, flush=True)
-        peak, rows = hetpar_rows(a.hetpar, a.iters, a.dtype)
+        peak, rows, adam = hetpar_rows(a.hetpar, a.iters, a.dtype)
+        het_adam = (adam[0], min(het_adam[1], adam[1]))
         het_mm = max(het_mm, peak)
         for k, v in rows.items():
             het[k] = v if k not in het or v[1] < het[k][1] else het[k]
@@ -271,6 +289,7 @@ def main():
         pt_mm = max(pt_mm, torch_matmul(a.iters, tdtype))
         for k, t in torch_rows(a.iters, tdtype).items():
             pt[k] = min(pt.get(k, t), t)
+        pt_adam = min(pt_adam, torch_adamw(het_adam[0], a.iters, tdtype))
     print(f"one core, {a.dtype}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
           f"PyTorch {torch.__version__}")
     print()
@@ -282,6 +301,9 @@ def main():
         name, t, g = het[k]
         print(f"| {name} | {t * 1e3:.1f} ms | {pt[k] * 1e3:.1f} ms | {t / pt[k]:.2f} | {g:.1f} | "
               f"{100 * g / het_mm:.0f}% |")
+    n, t = het_adam
+    print(f"| AdamW update of {n} parameters (no forward or backward) | {t * 1e3:.2f} ms | "
+          f"{pt_adam * 1e3:.2f} ms | {t / pt_adam:.2f} | | |")
     if a.bf16:
         env = {"RAYON_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
         out = subprocess.run([a.hetpar, "bench", "nn", "--dtype", "bf16", "--iters", str(a.iters)],

@@ -234,3 +234,30 @@ fn random(shape: &[usize], dtype: DType) -> Result<Tensor> {
     let v: Vec<f64> = (0..n).map(|i| Init::Normal(1.0).value(3, "bench-input", i as u64)).collect();
     Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?)
 }
+
+/// Seconds of one AdamW update of `n` parameters in `dtype`, best of `iters`: the fused
+/// in-place kernel ([`crate::kernels::adam::adamw_step`]) and the same update as
+/// element-wise tensor ops ([`crate::kernels::reference::adamw`]).
+pub fn bench_adamw(n: usize, iters: usize, dtype: DType) -> Result<(f64, f64)> {
+    use crate::kernels::adam::{AdamStep, adamw_step};
+    let step = AdamStep {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        scale: 1.0,
+        bc1: 0.1,
+        bc2: 0.001,
+        lr: 1e-3,
+        decay: 0.1,
+    };
+    let (w, g) = (random(&[n], dtype)?, random(&[n], dtype)?);
+    let (m, v) = (Tensor::zeros(n, dtype, &Device::Cpu)?, Tensor::zeros(n, dtype, &Device::Cpu)?);
+    let fused = time(iters, || Ok(adamw_step(&w, &g, &m, &v, step)?))?;
+    let composed = time(iters, || {
+        let (w2, m2, v2) = crate::kernels::reference::adamw(&w, &g, &m, &v, &step)?;
+        w2.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        drop((m2, v2));
+        Ok(())
+    })?;
+    Ok((fused, composed))
+}

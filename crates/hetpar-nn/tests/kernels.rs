@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use hetpar_nn::Init;
+use hetpar_nn::kernels::adam::{AdamStep, adamw_step};
 use hetpar_nn::kernels::attention::FlashAttention;
 use hetpar_nn::kernels::linear::{linear, linear_bias};
 use hetpar_nn::kernels::pointwise::{
@@ -467,4 +468,48 @@ fn a_linear_of_no_features_keeps_its_rows() {
     let y = linear(&x, &w).unwrap();
     assert_eq!(y.dims(), &[3, 4]);
     assert_eq!(flat(&y).unwrap(), vec![0.0; 12]);
+}
+
+#[test]
+fn adamw_in_place_gives_the_bits_of_the_element_wise_update() {
+    for dtype in [DType::F32, DType::F64] {
+        let w = var("w", &[9, 31], dtype).as_tensor().copy().unwrap();
+        let mut want = (w.copy().unwrap(), w.zeros_like().unwrap(), w.zeros_like().unwrap());
+        let (m, v) = (w.zeros_like().unwrap(), w.zeros_like().unwrap());
+        for t in 1..=4 {
+            let g = (var("g", &[9, 31], dtype).as_tensor() * t as f64).unwrap();
+            let s = AdamStep {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                scale: if t == 2 { 0.3 } else { 1.0 },
+                bc1: 1.0 - 0.9f64.powi(t),
+                bc2: 1.0 - 0.999f64.powi(t),
+                lr: 1e-2,
+                decay: 0.1,
+            };
+            adamw_step(&w, &g, &m, &v, s).unwrap();
+            want = reference::adamw(&want.0, &g, &want.1, &want.2, &s).unwrap();
+            let bits =
+                |t: &Tensor| flat(t).unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (what, got, want) in [("w", &w, &want.0), ("m", &m, &want.1), ("v", &v, &want.2)] {
+                assert_eq!(bits(got), bits(want), "adamw {dtype:?} step {t}: {what}");
+            }
+        }
+    }
+    let w = var("w", &[4], DType::F32).as_tensor().copy().unwrap();
+    let other = Tensor::zeros(5, DType::F32, &Device::Cpu).unwrap();
+    let step = AdamStep {
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        scale: 1.0,
+        bc1: 0.1,
+        bc2: 0.01,
+        lr: 0.1,
+        decay: 0.0,
+    };
+    let e = adamw_step(&w, &other, &w.zeros_like().unwrap(), &w.zeros_like().unwrap(), step)
+        .unwrap_err();
+    assert!(e.to_string().contains("for a parameter"), "{e}");
 }

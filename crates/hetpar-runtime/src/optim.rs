@@ -8,6 +8,7 @@
 
 use candle_core::Tensor;
 use hetpar_nn::Param;
+use hetpar_nn::kernels::adam::{AdamStep, adamw_step};
 
 use crate::error::RuntimeError;
 use crate::step::Grads;
@@ -87,7 +88,8 @@ impl AdamState {
     }
 
     /// Applies one update to `params` from `grads` scaled by `scale` (the clip factor) at
-    /// learning rate `lr`.
+    /// learning rate `lr`, in place: the moments and the parameters are written where they
+    /// lie (by the fused kernel, with the bits of the element-wise composition).
     pub fn update(
         &mut self,
         opt: &AdamW,
@@ -100,16 +102,24 @@ impl AdamState {
         let t = self.steps as i32;
         let (bc1, bc2) = (1.0 - opt.beta1.powi(t), 1.0 - opt.beta2.powi(t));
         for (i, p) in params.iter().enumerate() {
-            let g = grads.tensors[i].affine(scale, 0.0)?;
-            let m = ((&self.m[i] * opt.beta1)? + (&g * (1.0 - opt.beta1))?)?;
-            let v = ((&self.v[i] * opt.beta2)? + (g.sqr()? * (1.0 - opt.beta2))?)?;
-            let denom = ((&v / bc2)?.sqrt()? + opt.eps)?;
-            let step = ((&m / bc1)? / denom)?;
             let decay = if p.tensor().rank() >= 2 { opt.weight_decay } else { 0.0 };
-            let w = p.tensor().affine(1.0 - lr * decay, 0.0)?;
-            p.var.set(&(w - (step * lr)?)?)?;
-            self.m[i] = m;
-            self.v[i] = v;
+            let step = AdamStep {
+                beta1: opt.beta1,
+                beta2: opt.beta2,
+                eps: opt.eps,
+                scale,
+                bc1,
+                bc2,
+                lr,
+                decay,
+            };
+            // A moment loaded as a strided slice of a checkpoint tensor gets its own storage.
+            for t in [&mut self.m[i], &mut self.v[i]] {
+                if !t.is_contiguous() {
+                    *t = t.copy()?;
+                }
+            }
+            adamw_step(p.tensor(), &grads.tensors[i], &self.m[i], &self.v[i], step)?;
         }
         Ok(())
     }
@@ -120,6 +130,91 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    use candle_core::DType;
+    use hetpar_nn::Init;
+
+    /// The update through the element-wise reference, parameter by parameter, with the
+    /// constants derived here independently of [`AdamState::update`].
+    fn composed(
+        st: &mut (Vec<Tensor>, Vec<Tensor>, u64),
+        opt: &AdamW,
+        params: &[&Param],
+        grads: &Grads,
+        (lr, scale): (f64, f64),
+    ) {
+        st.2 += 1;
+        let t = st.2 as i32;
+        for (i, p) in params.iter().enumerate() {
+            let s = AdamStep {
+                beta1: opt.beta1,
+                beta2: opt.beta2,
+                eps: opt.eps,
+                scale,
+                bc1: 1.0 - opt.beta1.powi(t),
+                bc2: 1.0 - opt.beta2.powi(t),
+                lr,
+                decay: if p.tensor().rank() >= 2 { opt.weight_decay } else { 0.0 },
+            };
+            let (w, m, v) = hetpar_nn::kernels::reference::adamw(
+                p.tensor(),
+                &grads.tensors[i],
+                &st.0[i],
+                &st.1[i],
+                &s,
+            )
+            .unwrap();
+            p.var.set(&w).unwrap();
+            st.0[i] = m;
+            st.1[i] = v;
+        }
+    }
+
+    fn bits(t: &Tensor) -> Vec<u64> {
+        let t = t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+        t.to_vec1::<f64>().unwrap().iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn the_update_gives_the_bits_of_the_element_wise_reference() {
+        for dtype in [DType::F32, DType::F64] {
+            let make = |name: &str, shape: &[usize], seed| {
+                Param::new(name.into(), shape, None, vec![], Init::Normal(0.5), seed, dtype)
+                    .unwrap()
+            };
+            let (w1, b1) = (make("w", &[7, 13], 1), make("b", &[13], 2));
+            let (w2, b2) = (make("w", &[7, 13], 1), make("b", &[13], 2));
+            let opt = AdamW { weight_decay: 0.1, ..AdamW::default() };
+            let mut fused = AdamState::new(&[&w1, &b1]).unwrap();
+            // Its own zeros: a clone of the fused state's tensors would share their storage,
+            // which the fused update writes in place.
+            let zeros = AdamState::new(&[&w2, &b2]).unwrap();
+            let mut reference = (zeros.m, zeros.v, 0);
+            for step in 0..5u64 {
+                let grads = Grads {
+                    tensors: [(&w1, 3), (&b1, 4)]
+                        .iter()
+                        .map(|(p, s)| {
+                            let g = make("g", p.tensor().dims(), s * 10 + step);
+                            g.tensor().clone()
+                        })
+                        .collect(),
+                };
+                let (lr, scale) = (1e-2 * (step + 1) as f64, if step == 2 { 0.37 } else { 1.0 });
+                fused.update(&opt, &[&w1, &b1], &grads, lr, scale).unwrap();
+                composed(&mut reference, &opt, &[&w2, &b2], &grads, (lr, scale));
+                for (got, want) in [(w1.tensor(), w2.tensor()), (b1.tensor(), b2.tensor())] {
+                    assert_eq!(bits(got), bits(want), "{dtype:?} step {step}: parameters");
+                }
+                for i in 0..2 {
+                    assert_eq!(bits(&fused.m[i]), bits(&reference.0[i]), "{dtype:?} m");
+                    assert_eq!(bits(&fused.v[i]), bits(&reference.1[i]), "{dtype:?} v");
+                }
+            }
+            // The parameters moved, and the vector took no decay while the matrix did.
+            assert_ne!(bits(w1.tensor()), bits(make("w", &[7, 13], 1).tensor()));
+        }
+    }
 
     #[test]
     fn warmup_then_cosine() {

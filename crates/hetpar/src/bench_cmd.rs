@@ -45,13 +45,15 @@ struct NnArgs {
     #[arg(long, default_value_t = 3)]
     iters: usize,
     /// Run only these measurements (comma-separated): layer, moe-layer, model, moe-model,
-    /// vit. Default: all.
+    /// vit, adamw (the optimizer update alone). Default: all.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
 
 /// The measurements of `bench nn`, in order.
-const NN_BENCHES: [&str; 5] = ["layer", "moe-layer", "model", "moe-model", "vit"];
+const NN_BENCHES: [&str; 6] = ["layer", "moe-layer", "model", "moe-model", "vit", "adamw"];
+/// Parameters of the `adamw` measurement.
+const ADAMW_PARAMS: usize = 1 << 22;
 
 #[derive(clap::Args)]
 struct CommArgs {
@@ -203,7 +205,9 @@ fn bf16_matmul(iters: usize) -> anyhow::Result<()> {
 
 fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     use candle_core::DType;
-    use hetpar_nn::bench::{NnBench, bench_llama, bench_llama_layer, bench_vit, matmul_gflops};
+    use hetpar_nn::bench::{
+        NnBench, bench_adamw, bench_llama, bench_llama_layer, bench_vit, matmul_gflops,
+    };
     use hetpar_nn::layers::attention::CpMode;
     use hetpar_nn::models::llama::LlamaConfig;
     use hetpar_nn::models::vit::VitConfig;
@@ -282,7 +286,7 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         };
         NN_BENCHES
             .iter()
-            .filter(|n| wanted(n))
+            .filter(|n| wanted(n) && **n != "adamw")
             .map(|n| run(n).map_err(anyhow::Error::from))
             .collect::<Vec<_>>()
     })
@@ -291,6 +295,20 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     .expect("one rank");
     for r in runs {
         show(r?);
+    }
+    if wanted("adamw") {
+        let (fused, composed) = bench_adamw(ADAMW_PARAMS, 3 * iters.max(1), dtype)?;
+        // Memory traffic per parameter of the three passes: each moment read with the
+        // gradient and written (3 + 3), then weights and both moments read and weights
+        // written (4): 10 elements.
+        let bytes = 10.0 * ADAMW_PARAMS as f64 * dtype.size_in_bytes() as f64;
+        say(&format!(
+            "adamw update of {ADAMW_PARAMS} {} parameters: {:.2} ms in place ({:.1} GB/s), {:.2} ms as element-wise tensor ops",
+            a.dtype,
+            fused * 1e3,
+            bytes / fused / 1e9,
+            composed * 1e3
+        ));
     }
     Ok(())
 }

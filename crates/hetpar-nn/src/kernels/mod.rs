@@ -1,6 +1,7 @@
 //! Fused CPU kernels as candle custom ops, each with its backward: attention that skips
 //! masked blocks ([`attention`]), RMSNorm, LayerNorm, the exact GELU, RoPE, SwiGLU and the
-//! bias add ([`pointwise`]), and the linear product ([`linear`]). They replace chains of
+//! bias add ([`pointwise`]), and the linear product ([`linear`]); and AdamW's update in
+//! place ([`adam`]). They replace chains of
 //! small tensor ops (and the copies between them, and the zero-filled gradient candle's
 //! backward adds into at each node) on the training path; the unfused compositions they
 //! replace stay in [`reference`], and the tests hold each kernel to them at the parity
@@ -10,6 +11,7 @@
 //! result never depends on timing. Attention's block products run on one thread per rank;
 //! the linear products use as many threads as candle's matmuls (`RAYON_NUM_THREADS`).
 
+pub mod adam;
 pub mod attention;
 pub mod gemm;
 pub mod linear;

@@ -5,6 +5,7 @@
 use candle_core::{D, Device, Tensor};
 
 use super::CResult;
+use super::adam::AdamStep;
 use super::pointwise::RopeTables;
 use crate::layers::attention::softmax;
 
@@ -135,4 +136,22 @@ pub fn cross_entropy(logits: &Tensor, targets: &[i64]) -> CResult<Tensor> {
 /// `silu(gate) * up`.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
     gate.silu()? * up
+}
+
+/// One AdamW update as element-wise tensor ops: the new weights and moments of `w` from its
+/// gradient `g` and moments `m`, `v`.
+pub fn adamw(
+    w: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    s: &AdamStep,
+) -> CResult<(Tensor, Tensor, Tensor)> {
+    let g = g.affine(s.scale, 0.0)?;
+    let m = ((m * s.beta1)? + (&g * (1.0 - s.beta1))?)?;
+    let v = ((v * s.beta2)? + (g.sqr()? * (1.0 - s.beta2))?)?;
+    let denom = ((&v / s.bc2)?.sqrt()? + s.eps)?;
+    let step = ((&m / s.bc1)? / denom)?;
+    let w = (w.affine(1.0 - s.lr * s.decay, 0.0)? - (step * s.lr)?)?;
+    Ok((w, m, v))
 }
