@@ -66,6 +66,16 @@ pub fn matmul_gflops(n: usize, iters: usize, dtype: DType) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) / best / 1e9)
 }
 
+/// The reference matmul rate: the best of `iters` square products at 512 and at 1024 (one
+/// size or a few products alone move with the machine's noise), GFLOP/s.
+pub fn matmul_peak_gflops(iters: usize, dtype: DType) -> Result<f64> {
+    let mut best = 0.0f64;
+    for n in [512, 1024] {
+        best = best.max(matmul_gflops(n, iters, dtype)?);
+    }
+    Ok(best)
+}
+
 /// GFLOP/s of a bidirectional attention core (`softmax(q k^T / sqrt(d)) v` over `heads`
 /// heads of `s x d`, the fused kernel the layers run) in `dtype`, forward only, best of
 /// `iters`: `4 * heads * s^2 * d` FLOPs.

@@ -211,7 +211,7 @@ mod tests {
                     assert_eq!(bits(&fused.v[i]), bits(&reference.1[i]), "{dtype:?} v");
                 }
             }
-            // The parameters moved, and the vector took no decay while the matrix did.
+            // The parameters moved.
             assert_ne!(bits(w1.tensor()), bits(make("w", &[7, 13], 1).tensor()));
         }
     }

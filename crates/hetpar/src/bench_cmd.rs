@@ -183,15 +183,8 @@ fn run_mpi(_: &[usize], _: usize, _: &str) -> anyhow::Result<()> {
 /// bf16 on the CPU: the matmul rate next to f32's, and why no model row runs.
 fn bf16_matmul(iters: usize) -> anyhow::Result<()> {
     use candle_core::DType;
-    use hetpar_nn::bench::matmul_gflops;
-    let rate = |dtype| -> anyhow::Result<f64> {
-        Ok([512, 1024]
-            .iter()
-            .map(|&n| matmul_gflops(n, 10 * iters.max(1), dtype))
-            .collect::<Result<Vec<f64>, _>>()?
-            .into_iter()
-            .fold(0.0, f64::max))
-    };
+    use hetpar_nn::bench::matmul_peak_gflops;
+    let rate = |dtype| matmul_peak_gflops(10 * iters.max(1), dtype);
     let (bf16, f32) = (rate(DType::BF16)?, rate(DType::F32)?);
     say(&format!(
         "matmul (best of 512^3 and 1024^3) bf16: {bf16:.1} GFLOP/s, f32: {f32:.1} GFLOP/s"
@@ -206,7 +199,7 @@ fn bf16_matmul(iters: usize) -> anyhow::Result<()> {
 fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     use candle_core::DType;
     use hetpar_nn::bench::{
-        NnBench, bench_adamw, bench_llama, bench_llama_layer, bench_vit, matmul_gflops,
+        NnBench, bench_adamw, bench_llama, bench_llama_layer, bench_vit, matmul_peak_gflops,
     };
     use hetpar_nn::layers::attention::CpMode;
     use hetpar_nn::models::llama::LlamaConfig;
@@ -225,12 +218,7 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
     // The reference rate: the best of many square matmuls (one measurement is noisy on a
     // shared machine).
-    let peak = [512, 1024]
-        .iter()
-        .map(|&n| matmul_gflops(n, 10 * a.iters.max(1), dtype))
-        .collect::<Result<Vec<f64>, _>>()?
-        .into_iter()
-        .fold(0.0, f64::max);
+    let peak = matmul_peak_gflops(10 * a.iters.max(1), dtype)?;
     say(&format!(
         "matmul (best of 512^3 and 1024^3) {}: {peak:.1} GFLOP/s (threads: {threads})",
         a.dtype

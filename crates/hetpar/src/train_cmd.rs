@@ -326,12 +326,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             Some(t) if t.is_finite() && t > 0.0 => t * 1e12,
             Some(t) => bail!("--peak-tflops {t}: use a positive number"),
             None => {
-                // The best of 512^3 and 1024^3 products (the sizes `hetpar bench nn` takes):
-                // a few 512^3 products alone moved the peak by a quarter run to run.
-                let mut one = 0.0f64;
-                for n in [512, 1024] {
-                    one = one.max(hetpar_nn::bench::matmul_gflops(n, 10, dtype)? * 1e9);
-                }
+                // As `hetpar bench nn` measures it: a few 512^3 products alone moved the
+                // peak by a quarter run to run.
+                let one = hetpar_nn::bench::matmul_peak_gflops(10, dtype)? * 1e9;
                 one * mpi.as_ref().map_or(1, |w| w.size()) as f64
             }
         };

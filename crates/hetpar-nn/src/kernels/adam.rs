@@ -41,58 +41,60 @@ struct Moment {
 #[derive(Clone, Copy, Debug)]
 struct Apply(AdamStep);
 
-/// The contiguous elements of `dst` as f32 or f64 with `srcs` of the same type and length,
-/// handed to `f32_run` or `f64_run`.
+/// An in-place pass over a parameter's elements: `dst` written, `srcs` read, all of one
+/// length.
+trait Pass {
+    fn run<T: Real>(&self, dst: &mut [T], srcs: &[&[T]]);
+}
+
+/// Runs `pass` on the contiguous f32 or f64 elements of `dst` and `srcs`, compiled for
+/// AVX-512 where the CPU has it.
 fn dispatch(
     op: &str,
+    pass: &impl Pass,
     dst: &mut CpuStorage,
     l: &Layout,
     srcs: &[(&CpuStorage, &Layout)],
-    f32_run: impl FnOnce(&mut [f32], &[&[f32]]),
-    f64_run: impl FnOnce(&mut [f64], &[&[f64]]),
 ) -> CResult<()> {
     let (a, b) = l
         .contiguous_offsets()
         .ok_or_else(|| Error::Msg(format!("{op} needs a contiguous parameter")))?;
-    fn inputs<'a, T: Real>(
+    fn go<T: Real>(
         op: &str,
-        n: usize,
-        srcs: &[(&'a CpuStorage, &Layout)],
-    ) -> CResult<Vec<&'a [T]>> {
+        pass: &impl Pass,
+        dst: &mut [T],
+        srcs: &[(&CpuStorage, &Layout)],
+    ) -> CResult<()> {
         let s = srcs.iter().map(|(s, l)| slice::<T>(s, l, op)).collect::<CResult<Vec<_>>>()?;
-        if s.iter().any(|x| x.len() != n) {
-            return Err(Error::Msg(format!("{op}: inputs of different sizes")));
-        }
-        Ok(s)
-    }
-    match dst {
-        CpuStorage::F32(d) => {
-            let s = inputs::<f32>(op, b - a, srcs)?;
-            f32_run(&mut d[a..b], &s);
-        }
-        CpuStorage::F64(d) => {
-            let s = inputs::<f64>(op, b - a, srcs)?;
-            f64_run(&mut d[a..b], &s);
-        }
-        other => {
+        if let Some(x) = s.iter().find(|x| x.len() != dst.len()) {
             return Err(Error::Msg(format!(
-                "{op} runs in f32 and f64, not {:?}",
-                candle_core::backend::BackendStorage::dtype(other)
+                "{op}: an input of {} elements for a parameter of {}",
+                x.len(),
+                dst.len()
             )));
         }
+        simd::fast(|| pass.run(dst, &s));
+        Ok(())
     }
-    Ok(())
+    match dst {
+        CpuStorage::F32(d) => go(op, pass, &mut d[a..b], srcs),
+        CpuStorage::F64(d) => go(op, pass, &mut d[a..b], srcs),
+        other => Err(Error::Msg(format!(
+            "{op} runs in f32 and f64, not {:?}",
+            candle_core::backend::BackendStorage::dtype(other)
+        ))),
+    }
 }
 
-impl Moment {
+impl Pass for Moment {
     #[inline(always)]
-    fn run<T: Real>(&self, m: &mut [T], g: &[T]) {
+    fn run<T: Real>(&self, m: &mut [T], srcs: &[&[T]]) {
         let s = self.step;
         let (scale, zero) = (T::from_f64(s.scale), T::ZERO);
         let (beta, rest) =
             if self.second { (s.beta2, 1.0 - s.beta2) } else { (s.beta1, 1.0 - s.beta1) };
         let (beta, rest) = (T::from_f64(beta), T::from_f64(rest));
-        for (m, &gr) in m.iter_mut().zip(g) {
+        for (m, &gr) in m.iter_mut().zip(srcs[0]) {
             let g = gr * scale + zero;
             let g = if self.second { g * g } else { g };
             *m = (*m * beta + zero) + (g * rest + zero);
@@ -112,26 +114,19 @@ impl InplaceOp2 for Moment {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<()> {
-        dispatch(
-            "adam-moment",
-            s1,
-            l1,
-            &[(s2, l2)],
-            |m, g| simd::fast(|| self.run(m, g[0])),
-            |m, g| simd::fast(|| self.run(m, g[0])),
-        )
+        dispatch("adam-moment", self, s1, l1, &[(s2, l2)])
     }
 }
 
-impl Apply {
+impl Pass for Apply {
     #[inline(always)]
-    fn run<T: Real>(&self, w: &mut [T], m: &[T], v: &[T]) {
+    fn run<T: Real>(&self, w: &mut [T], srcs: &[&[T]]) {
         let s = self.0;
         let zero = T::ZERO;
         let (c1, c2) = (T::from_f64(1.0 / s.bc1), T::from_f64(1.0 / s.bc2));
         let (one, eps) = (T::ONE, T::from_f64(s.eps));
         let (keep, lr) = (T::from_f64(1.0 - s.lr * s.decay), T::from_f64(s.lr));
-        for ((w, &m), &v) in w.iter_mut().zip(m).zip(v) {
+        for ((w, &m), &v) in w.iter_mut().zip(srcs[0]).zip(srcs[1]) {
             let denom = (v * c2 + zero).sqrt() * one + eps;
             let step = (m * c1 + zero) / denom;
             *w = (*w * keep + zero) - (step * lr + zero);
@@ -153,14 +148,7 @@ impl InplaceOp3 for Apply {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> CResult<()> {
-        dispatch(
-            "adam-apply",
-            s1,
-            l1,
-            &[(s2, l2), (s3, l3)],
-            |w, mv| simd::fast(|| self.run(w, mv[0], mv[1])),
-            |w, mv| simd::fast(|| self.run(w, mv[0], mv[1])),
-        )
+        dispatch("adam-apply", self, s1, l1, &[(s2, l2), (s3, l3)])
     }
 }
 
