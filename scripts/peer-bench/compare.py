@@ -17,7 +17,15 @@ ViT (224 px, 16 px patches, hidden 384, 6 heads, MLP 1536, exact GELU, LayerNorm
 LLaVA projector to 512 on 4 images; each timed as forward + backward of the same loss. The
 last row is the optimizer alone: one AdamW update of 4M parameters (weight decay 0.1),
 hetpar's in-place kernel against the fastest of `torch.optim.AdamW`'s CPU implementations.
+
+In bf16 (`--dtype bf16`, or `--bf16` for a second table after the first) both keep f32
+weights and activations and multiply in bf16: hetpar's `bench nn --dtype bf16` (bf16
+products in the linear layers), PyTorch's f32 models under `torch.autocast("cpu",
+dtype=torch.bfloat16)`, its mixed-precision mode; the matmul row is each one's bf16 product
+and the AdamW row stays f32.
 """
+
+import contextlib
 
 import argparse
 import re
@@ -76,7 +84,8 @@ class Moe(nn.Module):
         for e, expert in enumerate(self.experts):
             tok, slot = (picked == e).nonzero(as_tuple=True)
             if tok.numel():
-                out.index_add_(0, tok, expert(x[tok]) * gates[tok, slot, None])
+                # (under autocast the expert's product is bf16; the sum keeps `out`'s type)
+                out.index_add_(0, tok, (expert(x[tok]) * gates[tok, slot, None]).to(out.dtype))
         f = torch.bincount(picked.flatten(), minlength=e_count).to(x.dtype) / picked.numel()
         aux = self.coef * e_count * (f * probs.mean(0)).sum()
         return out.reshape(shape), aux
@@ -177,9 +186,11 @@ def best(iters, step):
     return t
 
 
-def torch_rows(iters, dtype):
-    """Seconds per forward+backward of each row, keyed like hetpar's --only names."""
+def torch_rows(iters, dtype, autocast=False):
+    """Seconds per forward+backward of each row, keyed like hetpar's --only names; with
+    `autocast`, each forward under CPU autocast to bf16 (the backward follows its casts)."""
     torch.manual_seed(0)
+    mixed = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     d = H // HEADS
     rows = {}
 
@@ -190,8 +201,10 @@ def torch_rows(iters, dtype):
 
         def step():
             m.zero_grad(set_to_none=True)
-            y, aux = m(x, cos, sin)
-            (y.sum() + aux).backward()
+            with mixed():
+                y, aux = m(x, cos, sin)
+                loss = y.float().sum() + aux.float()
+            loss.backward()
 
         return best(iters, step)
 
@@ -204,7 +217,9 @@ def torch_rows(iters, dtype):
 
         def step():
             m.zero_grad(set_to_none=True)
-            m(tokens, targets, cos, sin).backward()
+            with mixed():
+                loss = m(tokens, targets, cos, sin).float()
+            loss.backward()
 
         return best(iters, step)
 
@@ -214,7 +229,9 @@ def torch_rows(iters, dtype):
 
         def step():
             m.zero_grad(set_to_none=True)
-            m(pixels).sum().backward()
+            with mixed():
+                loss = m(pixels).float().sum()
+            loss.backward()
 
         return best(iters, step)
 
@@ -244,7 +261,7 @@ def hetpar_rows(binary, iters, dtype):
         [binary, "bench", "nn", "--iters", str(iters), "--dtype", dtype],
         env=env, check=True, capture_output=True, text=True,
     ).stdout
-    peak = float(re.search(r"matmul .*?: ([\d.]+) GFLOP/s", out).group(1))
+    peak = float(re.search(r"^matmul \(best.*?: ([\d.]+) GFLOP/s", out, re.M).group(1))
     rows = re.findall(r"^(\S.*?\))\s+([\d.]+)ms\s+\d+\s+([\d.]+)", out, re.M)
     adamw = re.search(r"^adamw update of (\d+) \S+ parameters: ([\d.]+) ms", out, re.M)
     if len(rows) != len(KEYS) or not adamw:
@@ -270,27 +287,37 @@ def main():
     ap.add_argument("--hetpar", default="target/release/hetpar", help="the hetpar binary")
     ap.add_argument("--iters", type=int, default=3, help="timed iterations per row and round")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (best kept)")
-    ap.add_argument("--dtype", default="f32", choices=["f32", "f64"])
+    ap.add_argument("--dtype", default="f32", choices=["f32", "f64", "bf16"])
     ap.add_argument("--bf16", action="store_true",
-                    help="also compare the bf16 matmul rate (hetpar bench nn --dtype bf16)")
+                    help="after the table in --dtype, the same table in bf16")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    tdtype = torch.float32 if a.dtype == "f32" else torch.float64
+    for dtype in [a.dtype] + (["bf16"] if a.bf16 and a.dtype != "bf16" else []):
+        table(a, dtype)
+        print()
+
+
+def table(a, dtype):
+    """One table: every row in `dtype` (bf16: f32 weights, bf16 products), both sides."""
+    bf16 = dtype == "bf16"
+    tdtype = torch.float64 if dtype == "f64" else torch.float32
+    mm_dtype = torch.bfloat16 if bf16 else tdtype
     het, pt, het_mm, pt_mm = {}, {}, 0.0, 0.0
     het_adam, pt_adam = (0, float("inf")), float("inf")
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: hetpar ...", file=sys.stderr, flush=True)
-        peak, rows, adam = hetpar_rows(a.hetpar, a.iters, a.dtype)
+        peak, rows, adam = hetpar_rows(a.hetpar, a.iters, dtype)
         het_adam = (adam[0], min(het_adam[1], adam[1]))
         het_mm = max(het_mm, peak)
         for k, v in rows.items():
             het[k] = v if k not in het or v[1] < het[k][1] else het[k]
         print(f"round {r + 1}/{a.rounds}: PyTorch {torch.__version__} ...", file=sys.stderr, flush=True)
-        pt_mm = max(pt_mm, torch_matmul(a.iters, tdtype))
-        for k, t in torch_rows(a.iters, tdtype).items():
+        pt_mm = max(pt_mm, torch_matmul(a.iters, mm_dtype))
+        for k, t in torch_rows(a.iters, tdtype, autocast=bf16).items():
             pt[k] = min(pt.get(k, t), t)
         pt_adam = min(pt_adam, torch_adamw(het_adam[0], a.iters, tdtype))
-    print(f"one core, {a.dtype}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
+    what = "bf16 products, f32 weights (PyTorch: autocast)" if bf16 else dtype
+    print(f"one core, {what}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
           f"PyTorch {torch.__version__}")
     print()
     print("| what (forward+backward) | hetpar | PyTorch | hetpar / PyTorch | hetpar GFLOP/s | of hetpar's matmul |")
@@ -304,14 +331,6 @@ def main():
     n, t = het_adam
     print(f"| AdamW update of {n} parameters (no forward or backward) | {t * 1e3:.2f} ms | "
           f"{pt_adam * 1e3:.2f} ms | {t / pt_adam:.2f} | | |")
-    if a.bf16:
-        env = {"RAYON_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-        out = subprocess.run([a.hetpar, "bench", "nn", "--dtype", "bf16", "--iters", str(a.iters)],
-                             env=env, check=True, capture_output=True, text=True).stdout
-        het_bf16 = float(re.search(r"bf16: ([\d.]+) GFLOP/s", out).group(1))
-        pt_bf16 = torch_matmul(a.iters, torch.bfloat16)
-        print(f"| bf16 matmul rate (best of 512^3, 1024^3) | {het_bf16:.1f} GFLOP/s | "
-              f"{pt_bf16:.1f} GFLOP/s | {pt_bf16 / het_bf16:.2f} (time) | | |")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
 use crate::kernels::attention::FlashAttention;
+use crate::kernels::linear::Matmul;
 use crate::layers::attention::CpPositions;
 use crate::layers::linear::Build;
 use crate::models::llama::{Llama, LlamaBatch, LlamaConfig};
@@ -69,9 +70,38 @@ pub fn matmul_gflops(n: usize, iters: usize, dtype: DType) -> Result<f64> {
 /// The reference matmul rate: the best of `iters` square products at 512 and at 1024 (one
 /// size or a few products alone move with the machine's noise), GFLOP/s.
 pub fn matmul_peak_gflops(iters: usize, dtype: DType) -> Result<f64> {
+    best_of_sizes(|n| matmul_gflops(n, iters, dtype))
+}
+
+/// GFLOP/s of the bf16 product of two `n x n` f32 matrices ([`crate::kernels::bf16`],
+/// what the linear layers run under `dtype = "bf16"`), on as many threads as candle's
+/// matmuls, best of `iters`.
+pub fn bf16_matmul_gflops(n: usize, iters: usize) -> f64 {
+    use crate::kernels::{bf16, gemm::View};
+    let a: Vec<f32> = (0..n * n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let b: Vec<f32> = (0..n * n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let mut c = vec![0f32; n * n];
+    let v = View::rows(0, n, n, n);
+    let threads = candle_core::utils::get_num_threads();
+    let mut best = f64::INFINITY;
+    for _ in 0..iters.max(1) + 1 {
+        let t = Instant::now();
+        bf16::matmul_on(&mut c, v, &a, v, &b, v, false, 1.0, threads);
+        std::hint::black_box(&c);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n as f64).powi(3) / best / 1e9
+}
+
+/// [`bf16_matmul_gflops`] as the reference rate: the best at 512 and at 1024.
+pub fn bf16_peak_gflops(iters: usize) -> f64 {
+    best_of_sizes(|n| Ok(bf16_matmul_gflops(n, iters))).expect("the bf16 rate cannot fail")
+}
+
+fn best_of_sizes(rate: impl Fn(usize) -> Result<f64>) -> Result<f64> {
     let mut best = 0.0f64;
     for n in [512, 1024] {
-        best = best.max(matmul_gflops(n, iters, dtype)?);
+        best = best.max(rate(n)?);
     }
     Ok(best)
 }
@@ -152,8 +182,9 @@ pub fn bench_llama_layer(
     seq: usize,
     iters: usize,
     dtype: DType,
+    matmul: Matmul,
 ) -> Result<NnBench> {
-    let b = Build { ctx: one_rank(comm)?, seed: 1, dtype };
+    let b = Build::new(one_rank(comm)?, 1, dtype).with_matmul(matmul);
     let model = Llama::stage(&b, cfg, 0..1, false, false)?;
     let x = random(&[batch, seq, cfg.hidden], dtype)?;
     let positions = CpPositions::single(seq);
@@ -179,8 +210,9 @@ pub fn bench_llama(
     seq: usize,
     iters: usize,
     dtype: DType,
+    matmul: Matmul,
 ) -> Result<NnBench> {
-    let b = Build { ctx: one_rank(comm)?, seed: 1, dtype };
+    let b = Build::new(one_rank(comm)?, 1, dtype).with_matmul(matmul);
     let model = Llama::new(&b, cfg)?;
     let n = batch * seq;
     let tokens: Vec<u32> = (0..n).map(|i| ((i * 7919) % cfg.vocab) as u32).collect();
@@ -217,8 +249,9 @@ pub fn bench_vit(
     images: usize,
     iters: usize,
     dtype: DType,
+    matmul: Matmul,
 ) -> Result<NnBench> {
-    let b = Build { ctx: one_rank(comm)?, seed: 1, dtype };
+    let b = Build::new(one_rank(comm)?, 1, dtype).with_matmul(matmul);
     let vit = Vit::new(&b, cfg)?;
     let pixels = random(&[images, 3, cfg.image_size, cfg.image_size], dtype)?;
     let seconds = time(iters, || {

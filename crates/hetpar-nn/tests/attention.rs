@@ -66,7 +66,7 @@ fn run(l: &ModuleLayout, spec: AttentionSpec, dtype: DType, log: Option<&Log>) -
             None => c,
         };
         let ctx = ParallelCtx::new(comm, l).expect("ctx");
-        let b = Build { ctx: ctx.clone(), seed: 3, dtype };
+        let b = Build::new(ctx.clone(), 3, dtype);
         let att = Attention::new(&b, "attn", "o_proj", spec, 0.3, 0.2).expect("attention");
         let pos = local_positions(l, ctx.rank, S);
         let x =

@@ -10,7 +10,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use hetpar_nn::Init;
 use hetpar_nn::kernels::adam::{AdamStep, adamw_step};
 use hetpar_nn::kernels::attention::FlashAttention;
-use hetpar_nn::kernels::linear::{linear, linear_bias};
+use hetpar_nn::kernels::bf16;
+use hetpar_nn::kernels::linear::{Matmul, linear, linear_bias, linear_bias_as};
 use hetpar_nn::kernels::pointwise::{
     RopeTables, bias_add, gelu, layer_norm, rms_norm, rope, swiglu,
 };
@@ -459,6 +460,46 @@ fn linear_with_bias_takes_strided_inputs_detached_biases_and_empty_outputs() {
     let grads = y.sum_all().unwrap().backward().unwrap();
     assert_eq!(flat(grads.get(&x).unwrap()).unwrap(), vec![0.0; 12]);
     assert_eq!(grads.get(&b).unwrap().dims(), &[0]);
+}
+
+/// `t` (f32) rounded to bf16, as an f64 tensor.
+fn rounded(t: &Tensor) -> Tensor {
+    let v: Vec<f64> = flat(t).unwrap().iter().map(|&x| bf16::round(x as f32) as f64).collect();
+    Tensor::from_vec(v, t.dims(), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn bf16_linear_multiplies_the_rounded_operands_forward_and_backward() {
+    let x = var("x", &[3, 7, 40], DType::F32);
+    let w = var("w", &[23, 40], DType::F32);
+    let b = var("b", &[23], DType::F32);
+    let y = linear_bias_as(Matmul::Bf16, &x, &w, &b).unwrap();
+    let dy = var("dy", y.dims(), DType::F32);
+    let grads = (&y * dy.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+    // The same products in f64 on bf16-rounded operands (the output gradient rounded too,
+    // as the backward's products take it), the bias and its gradient unrounded.
+    let (xr, wr, dyr) = (rounded(&x), rounded(&w), rounded(&dy));
+    let b64 = b.as_tensor().to_dtype(DType::F64).unwrap();
+    let want_y = reference::bias_add(&reference::linear(&xr, &wr).unwrap(), &b64).unwrap();
+    let dy2 = dyr.reshape((21, 23)).unwrap();
+    let want_dx = dy2.matmul(&wr).unwrap().reshape((3, 7, 40)).unwrap();
+    let want_dw = dy2.t().unwrap().matmul(&xr.reshape((21, 40)).unwrap()).unwrap();
+    let want_db = dy.as_tensor().to_dtype(DType::F64).unwrap().reshape((21, 23)).unwrap();
+    let want_db = want_db.sum(0).unwrap();
+    // f32 sums of exact products: the f32 tolerance.
+    let tol = tolerance(DType::F32);
+    close("bf16 linear y", &y, &want_y, tol);
+    close("bf16 linear dx", grads.get(&x).unwrap(), &want_dx, tol);
+    close("bf16 linear dw", grads.get(&w).unwrap(), &want_dw, tol);
+    close("bf16 linear db", grads.get(&b).unwrap(), &want_db, tol);
+    // And it is not the f32 product: the rounding shows at well above the f32 tolerance.
+    let f32_y = linear_bias(&x, &w, &b).unwrap();
+    let moved = rel_err(&flat(&y).unwrap(), &flat(&f32_y).unwrap());
+    assert!(moved > 1e-4, "bf16 products within {moved:e} of f32's: were operands rounded?");
+    // f64 tensors have no bf16 compute.
+    let (x64, w64) = (var("x", &[2, 4], DType::F64), var("w", &[3, 4], DType::F64));
+    let e = hetpar_nn::kernels::linear::linear_as(Matmul::Bf16, &x64, &w64).unwrap_err();
+    assert!(e.to_string().contains("f32"), "{e}");
 }
 
 #[test]

@@ -48,7 +48,7 @@ fn run_mlp(tp: usize, sp: bool, dtype: DType) -> Vec<RankReport> {
     let l = layout(tp, sp);
     launch(tp, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let ctx = ParallelCtx::new(c, &l).expect("ctx");
-        let b = Build { ctx: ctx.clone(), seed: 5, dtype };
+        let b = Build::new(ctx.clone(), 5, dtype);
         let ln = LayerNorm::new(&b, "ln", H, 1e-5).expect("ln");
         let rms = RmsNorm::new(&b, "rms", H, 1e-6).expect("rms");
         let mlp = SwiGlu::new(&b, "mlp", H, FFN, 0.2, 0.1).expect("mlp");
@@ -118,7 +118,7 @@ fn tp_one_issues_no_collective() {
     launch(1, LocalOptions::default(), |c| {
         let rec = hetpar_comm::Recording::new(Box::new(c), log.clone());
         let ctx = ParallelCtx::new(&rec, &l).expect("ctx");
-        let b = Build { ctx, seed: 5, dtype: DType::F32 };
+        let b = Build::new(ctx, 5, DType::F32);
         let mlp = SwiGlu::new(&b, "mlp", H, FFN, 0.2, 0.1).expect("mlp");
         let x = global("x", &[B, S, H], DType::F32);
         let y = mlp.forward(&x).expect("forward");

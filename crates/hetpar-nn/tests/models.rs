@@ -82,7 +82,7 @@ fn run_llama(l: &ModuleLayout, cfg: LlamaConfig, dtype: DType) -> Vec<RankReport
     let n_targets = targets().iter().filter(|&&t| t >= 0).count() as f64;
     launch(l.span().len(), LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let ctx = ParallelCtx::new(c, l).unwrap();
-        let b = Build { ctx: ctx.clone(), seed: 7, dtype };
+        let b = Build::new(ctx.clone(), 7, dtype);
         let model = Llama::new(&b, cfg).unwrap();
         let coords = ctx.coords;
         let per = B / l.dp();
@@ -245,7 +245,7 @@ fn run_encoder<M: HasParams>(
     let items = run.shape[0];
     launch(l.span().len(), LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let ctx = ParallelCtx::new(c, l).unwrap();
-        let model = build(&Build { ctx: ctx.clone(), seed: 9, dtype });
+        let model = build(&Build::new(ctx.clone(), 9, dtype));
         let per = items / l.dp();
         let mine = ctx.coords.dp_idx * per;
         let input = global(run.input, run.shape, dtype).narrow(0, mine, per).unwrap();
@@ -354,7 +354,7 @@ fn audio_encoder_refuses_features_of_another_shape() {
     let l = layout(1, 1, 1, 1, false);
     let e = launch(1, LocalOptions { timeout: Duration::from_secs(10) }, |c| {
         let ctx = ParallelCtx::new(c, &l).unwrap();
-        let enc = AudioEncoder::new(&Build { ctx, seed: 1, dtype: DType::F32 }, AUDIO).unwrap();
+        let enc = AudioEncoder::new(&Build::new(ctx, 1, DType::F32), AUDIO).unwrap();
         enc.forward(&Tensor::zeros((1, 8, 16), DType::F32, &Device::Cpu).unwrap())
             .unwrap_err()
             .to_string()

@@ -44,7 +44,7 @@ fn run(l: &ModuleLayout, dtype: DType, log: Option<&Log>) -> Vec<RankReport> {
             None => c,
         };
         let ctx = ParallelCtx::new(comm, l).unwrap();
-        let b = Build { ctx: ctx.clone(), seed: 11, dtype };
+        let b = Build::new(ctx.clone(), 11, dtype);
         let moe = Moe::new(&b, "moe", SPEC, 0.4, 0.3).unwrap();
         let (samples, pos) = mine(l, ctx.rank);
         let pick = |t: candle_core::Tensor| {

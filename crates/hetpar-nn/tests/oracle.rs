@@ -40,7 +40,7 @@ fn ours(cfg: LlamaConfig, tokens: &[u32]) -> (Vec<f32>, HashMap<String, Tensor>)
     let l = ModuleLayout::new("llm", Span::new(0, 1), LayoutSpec::default()).unwrap();
     launch(1, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let ctx = ParallelCtx::new(c, &l).unwrap();
-        let model = Llama::new(&Build { ctx, seed: 21, dtype: DType::F32 }, cfg).unwrap();
+        let model = Llama::new(&Build::new(ctx, 21, DType::F32), cfg).unwrap();
         let last = last_logits(&model, tokens).unwrap();
         let weights = model.params().iter().map(|p| (p.name.clone(), p.tensor().clone())).collect();
         (last, weights)
@@ -253,7 +253,7 @@ fn audio_encoder_matches_a_plain_whisper_encoder_with_whispers_names() {
     let features = Tensor::from_vec(values, (2, 8, 15), &Device::Cpu).unwrap();
     let (mine, weights) = launch(1, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let ctx = ParallelCtx::new(c, &l).unwrap();
-        let model = AudioEncoder::new(&Build { ctx, seed: 5, dtype: DType::F64 }, cfg).unwrap();
+        let model = AudioEncoder::new(&Build::new(ctx, 5, DType::F64), cfg).unwrap();
         // Initial biases are zero and norms one: move every weight so each one counts.
         for p in model.params() {
             let t = p.tensor();

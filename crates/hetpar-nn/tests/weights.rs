@@ -47,7 +47,7 @@ fn saved(tp: usize, seed: u64, shift: f64, path: &std::path::Path) -> BTreeMap<S
     let l = layout(tp);
     launch(tp, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let ctx = ParallelCtx::new(c, &l).unwrap();
-        let m = Llama::new(&Build { ctx, seed, dtype: DType::F32 }, CFG).unwrap();
+        let m = Llama::new(&Build::new(ctx, seed, DType::F32), CFG).unwrap();
         for p in m.params() {
             p.var.set(&(p.tensor() + shift).unwrap()).unwrap();
         }
@@ -78,7 +78,7 @@ fn save_under_tp2_load_under_tp1_and_tp4() {
         let l = layout(tp);
         let out = launch(tp, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
             let ctx = ParallelCtx::new(c, &l).unwrap();
-            let m = Llama::new(&Build { ctx, seed: 999, dtype: DType::F32 }, CFG).unwrap();
+            let m = Llama::new(&Build::new(ctx, 999, DType::F32), CFG).unwrap();
             let read = load_params(&path, &m.params()).unwrap();
             (read, gather_full(c, &m.params()).unwrap())
         })
@@ -121,7 +121,7 @@ fn corrupt_files_are_refused_naming_the_file() {
     let e = launch(1, LocalOptions::default(), |c| {
         let ctx = ParallelCtx::new(c, &l).unwrap();
         let other = LlamaConfig { hidden: 64, heads: 8, ..CFG };
-        let m = Llama::new(&Build { ctx, seed: 1, dtype: DType::F32 }, other).unwrap();
+        let m = Llama::new(&Build::new(ctx, 1, DType::F32), other).unwrap();
         load_params(&path, &m.params()).unwrap_err().to_string()
     })
     .unwrap()

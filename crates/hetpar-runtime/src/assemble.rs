@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
-use hetpar_layout::{ModelGraph, ModuleSpec};
+use hetpar_layout::{Dtype, ModelGraph, ModuleSpec};
+use hetpar_nn::kernels::linear::Matmul;
 use hetpar_nn::layers::attention::CpMode;
 use hetpar_nn::models::audio::{AudioConfig, AudioEncoder};
 use hetpar_nn::models::llama::LlamaConfig;
@@ -58,7 +59,9 @@ impl std::fmt::Debug for Sources {
 /// The MoE load-balancing coefficient (Switch Transformer and Mixtral use 0.01-0.02).
 pub const MOE_AUX_COEF: f64 = 0.01;
 
-/// The stages of this rank (`world.global_rank()`) in `graph`, parameters in `dtype`.
+/// The stages of this rank (`world.global_rank()`) in `graph`, parameters in `dtype`. Under
+/// `train.dtype = "bf16"` the parameters are f32 (`dtype` must say so) and the linear
+/// layers multiply in bf16 with f32 sums ([`Matmul::Bf16`]).
 pub fn build_stages(
     world: &dyn Communicator,
     graph: &ModelGraph,
@@ -71,13 +74,22 @@ pub fn build_stages(
         .iter()
         .find(|m| matches!(m.spec, ModuleSpec::Llama { .. }))
         .ok_or_else(|| RuntimeError::Model("the graph has no llama module".into()))?;
+    let matmul = match graph.train.dtype {
+        Dtype::Bf16 if dtype != DType::F32 => {
+            return Err(RuntimeError::Model(format!(
+                "train.dtype bf16 keeps f32 parameters and multiplies in bf16; got {dtype:?} parameters"
+            )));
+        }
+        Dtype::Bf16 => Matmul::Bf16,
+        Dtype::F32 => Matmul::Native,
+    };
     let mut out: Vec<Box<dyn Stage>> = Vec::new();
     for (id, m) in graph.modules.iter().enumerate() {
         if !m.layout.span().contains(rank) {
             continue;
         }
         let ctx = ParallelCtx::new(world, &m.layout)?;
-        let b = Build { ctx: ctx.clone(), seed: graph.train.seed, dtype };
+        let b = Build::new(ctx.clone(), graph.train.seed, dtype).with_matmul(matmul);
         let d = m.dims;
         // An encoder's pipeline stage on this rank: its layers, whether it embeds, whether
         // it projects.

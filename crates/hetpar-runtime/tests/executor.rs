@@ -82,7 +82,7 @@ fn run(spec: LayoutSpec, world: usize, vpp: usize, microbatches: usize, dtype: D
     let schedule = Schedule::build(&graph, Options::default()).unwrap();
     let out = launch(world, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let ctx = ParallelCtx::new(c, &layout).unwrap();
-        let b = Build { ctx: ctx.clone(), seed: 11, dtype };
+        let b = Build::new(ctx.clone(), 11, dtype);
         let stage =
             LlamaStage::new(&b, 0, cfg(), vpp, microbatches, SEQ, Arc::new(Pattern)).unwrap();
         let opts = TrainOptions {

@@ -105,7 +105,7 @@ fn the_export_loads_in_candle_transformers_with_the_same_outputs() {
     let file = llm.join("model.safetensors");
     let mine: Vec<f32> = launch(1, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let ctx = ParallelCtx::new(c, &one).unwrap();
-        let model = Llama::new(&Build { ctx, seed: 99, dtype: DType::F32 }, cfg).unwrap();
+        let model = Llama::new(&Build::new(ctx, 99, DType::F32), cfg).unwrap();
         load_params(&file, &model.params()).unwrap();
         last_logits(&model, &tokens).unwrap()
     })
@@ -178,7 +178,7 @@ fn the_export_loads_in_candle_transformers_with_the_same_outputs() {
     let one = ModuleLayout::new("vision", Span::new(0, 1), LayoutSpec::default()).unwrap();
     let mine: Vec<f32> = launch(1, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let ctx = ParallelCtx::new(c, &one).unwrap();
-        let vit = Vit::new(&Build { ctx, seed: 98, dtype: DType::F32 }, cfg).unwrap();
+        let vit = Vit::new(&Build::new(ctx, 98, DType::F32), cfg).unwrap();
         load_params(&file, &vit.params()).unwrap();
         let out = vit.forward(&pixels).unwrap();
         assert_eq!(out.dims(), rows.dims());

@@ -90,7 +90,7 @@ fn train(tp: usize, cp: usize, dp: usize, sp: bool, dtype: DType) -> (Vec<RankRe
     let images = 4;
     let out = launch(tp * cp * dp, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let ctx = ParallelCtx::new(c, &l).unwrap();
-        let vit = Vit::new(&Build { ctx: ctx.clone(), seed: 3, dtype }, VIT).unwrap();
+        let vit = Vit::new(&Build::new(ctx.clone(), 3, dtype), VIT).unwrap();
         let params = vit.params();
         let mut state = AdamState::new(&params).unwrap();
         let opt = AdamW { weight_decay: 0.1, ..AdamW::default() };

@@ -38,7 +38,7 @@ enum What {
 
 #[derive(clap::Args)]
 struct NnArgs {
-    /// Element type: f32 or f64 (bf16 measures the matmul rate only: no CPU bf16 kernels).
+    /// Element type: f32, f64, or bf16 (bf16 products in the linear layers, f32 weights).
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// Timed iterations per measurement (the best is reported, after one warm-up).
@@ -180,35 +180,22 @@ fn run_mpi(_: &[usize], _: usize, _: &str) -> anyhow::Result<()> {
     )
 }
 
-/// bf16 on the CPU: the matmul rate next to f32's, and why no model row runs.
-fn bf16_matmul(iters: usize) -> anyhow::Result<()> {
-    use candle_core::DType;
-    use hetpar_nn::bench::matmul_peak_gflops;
-    let rate = |dtype| matmul_peak_gflops(10 * iters.max(1), dtype);
-    let (bf16, f32) = (rate(DType::BF16)?, rate(DType::F32)?);
-    say(&format!(
-        "matmul (best of 512^3 and 1024^3) bf16: {bf16:.1} GFLOP/s, f32: {f32:.1} GFLOP/s"
-    ));
-    say("no model row in bf16: candle 0.11 has no bf16 matrix kernel on the CPU (its bf16 matmul \
-         widens both operands to f32, multiplies in f32 and rounds back) and gemm 0.19 has no \
-         bf16 or AMX kernels, so bf16 would only add conversions; training runs in f32 or f64 \
-         here (BENCHMARKS.md)");
-    Ok(())
-}
-
 fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     use candle_core::DType;
     use hetpar_nn::bench::{
-        NnBench, bench_adamw, bench_llama, bench_llama_layer, bench_vit, matmul_peak_gflops,
+        NnBench, bench_adamw, bench_llama, bench_llama_layer, bench_vit, bf16_peak_gflops,
+        matmul_peak_gflops,
     };
+    use hetpar_nn::kernels::linear::Matmul;
     use hetpar_nn::layers::attention::CpMode;
     use hetpar_nn::models::llama::LlamaConfig;
     use hetpar_nn::models::vit::VitConfig;
 
-    let dtype = match a.dtype.as_str() {
-        "f32" => DType::F32,
-        "f64" => DType::F64,
-        "bf16" => return bf16_matmul(a.iters),
+    let (dtype, matmul) = match a.dtype.as_str() {
+        "f32" => (DType::F32, Matmul::Native),
+        "f64" => (DType::F64, Matmul::Native),
+        // f32 parameters and activations, bf16 products in the linear layers.
+        "bf16" => (DType::F32, Matmul::Bf16),
         other => bail!("--dtype {other:?}: use f32, f64 or bf16"),
     };
     if let Some(bad) = a.only.iter().find(|o| !NN_BENCHES.contains(&o.as_str())) {
@@ -218,7 +205,21 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
     // The reference rate: the best of many square matmuls (one measurement is noisy on a
     // shared machine).
-    let peak = matmul_peak_gflops(10 * a.iters.max(1), dtype)?;
+    let peak = match matmul {
+        Matmul::Native => matmul_peak_gflops(10 * a.iters.max(1), dtype)?,
+        Matmul::Bf16 => {
+            let kernel = if hetpar_nn::kernels::bf16::native() {
+                "AVX512-BF16"
+            } else {
+                "no AVX512-BF16 here: bf16-rounded operands through f32 gemm"
+            };
+            let f32 = matmul_peak_gflops(10 * a.iters.max(1), DType::F32)?;
+            say(&format!(
+                "bf16 products ({kernel}), f32 weights and activations; f32 matmul: {f32:.1} GFLOP/s"
+            ));
+            bf16_peak_gflops(10 * a.iters.max(1))
+        }
+    };
     say(&format!(
         "matmul (best of 512^3 and 1024^3) {}: {peak:.1} GFLOP/s (threads: {threads})",
         a.dtype
@@ -266,11 +267,11 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     };
     let runs: Vec<anyhow::Result<NnBench>> = launch(1, LocalOptions::default(), |c| {
         let run = |name: &str| match name {
-            "layer" => bench_llama_layer(c, llama, 1, 512, iters, dtype),
-            "moe-layer" => bench_llama_layer(c, moe, 1, 512, iters, dtype),
-            "model" => bench_llama(c, llama, 2, 256, iters, dtype),
-            "moe-model" => bench_llama(c, moe, 2, 256, iters, dtype),
-            _ => bench_vit(c, vit, 4, iters, dtype),
+            "layer" => bench_llama_layer(c, llama, 1, 512, iters, dtype, matmul),
+            "moe-layer" => bench_llama_layer(c, moe, 1, 512, iters, dtype, matmul),
+            "model" => bench_llama(c, llama, 2, 256, iters, dtype, matmul),
+            "moe-model" => bench_llama(c, moe, 2, 256, iters, dtype, matmul),
+            _ => bench_vit(c, vit, 4, iters, dtype, matmul),
         };
         NN_BENCHES
             .iter()
@@ -292,7 +293,7 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         let bytes = 10.0 * ADAMW_PARAMS as f64 * dtype.size_in_bytes() as f64;
         say(&format!(
             "adamw update of {ADAMW_PARAMS} {} parameters: {:.2} ms in place ({:.1} GB/s), {:.2} ms as element-wise tensor ops",
-            a.dtype,
+            format!("{dtype:?}").to_lowercase(),
             fused * 1e3,
             bytes / fused / 1e9,
             composed * 1e3

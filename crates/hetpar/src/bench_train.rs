@@ -68,8 +68,8 @@ fn say(s: &str) {
 }
 
 pub fn run_train(a: &TrainArgs) -> anyhow::Result<()> {
-    let (_, graph) = load(a.config.as_ref(), &[])?;
-    let dtype = dtype(a.dtype.as_deref(), &graph)?;
+    let (_, mut graph) = load(a.config.as_ref(), &[])?;
+    let dtype = dtype(a.dtype.as_deref(), &mut graph)?;
     if a.steps == 0 {
         bail!("--steps 0: nothing to measure");
     }
@@ -137,9 +137,10 @@ pub fn run_train(a: &TrainArgs) -> anyhow::Result<()> {
     }
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
     say(&format!(
-        "{}: {} ranks on the local backend ({dtype:?}, {} timed steps after {} warm-up; threads per rank: {threads}; {} cores)",
+        "{}: {} ranks on the local backend ({}, {} timed steps after {} warm-up; threads per rank: {threads}; {} cores)",
         g.name,
         g.world,
+        crate::train_cmd::precision(dtype, &g),
         a.steps,
         a.warmup,
         std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -206,8 +207,8 @@ ranks = [0, 1]
 
 pub fn run_executor(a: &ExecutorArgs) -> anyhow::Result<()> {
     let cfg = hetpar_layout::Config::from_toml(EXECUTOR_MODEL)?;
-    let graph = hetpar_layout::ModelGraph::from_config(&cfg)?;
-    let dtype = dtype(Some(&a.dtype), &graph)?;
+    let mut graph = hetpar_layout::ModelGraph::from_config(&cfg)?;
+    let dtype = dtype(Some(&a.dtype), &mut graph)?;
     if a.steps < 2 {
         bail!("--steps {}: the executor benchmark needs a warm-up step and a timed one", a.steps);
     }

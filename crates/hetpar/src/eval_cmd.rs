@@ -59,8 +59,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         format!("data.image_root={d:?}"),
     ];
     sets.extend(a.set.iter().cloned());
-    let (_, graph) = crate::config_load::load_text(text, config.display().to_string(), &sets)?;
-    let dt = dtype(None, &graph)?;
+    let (_, mut graph) = crate::config_load::load_text(text, config.display().to_string(), &sets)?;
+    let dt = dtype(None, &mut graph)?;
     let run_data = crate::data_open::open(&graph, &|_| {})?;
     let opts = hetpar_comm::LocalOptions { timeout: timeout(a.timeout)? };
     let results = hetpar_comm::launch(graph.world, opts, |c| {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
-use hetpar_layout::{Config, ModelGraph};
+use hetpar_layout::{Config, Dtype, ModelGraph};
 use hetpar_runtime::{EvalReport, Resident, RuntimeError, StepLog, Trainer};
 
 use crate::data_open::RunData;
@@ -70,15 +70,35 @@ pub fn load(config: Option<&PathBuf>, sets: &[String]) -> anyhow::Result<(Config
     crate::config_load::load(config.map(PathBuf::as_path), sets)
 }
 
-/// The element type to train in: `--dtype`, else the config's.
-pub fn dtype(flag: Option<&str>, graph: &ModelGraph) -> anyhow::Result<DType> {
-    match flag.unwrap_or(graph.train.dtype.name()) {
-        "f32" => Ok(DType::F32),
-        "f64" => Ok(DType::F64),
-        "bf16" => bail!(
-            "dtype bf16: the CPU executor trains in f32 or f64; set train.dtype = \"f32\" or pass --dtype f32"
-        ),
-        other => bail!("--dtype {other:?}: use f32 or f64"),
+/// The parameters' element type: `--dtype`, else the config's. bf16 trains f32 parameters
+/// with bf16 products in the linear layers; `graph.train.dtype` is set to what the flag
+/// chose, which is what the runtime reads for the products.
+pub fn dtype(flag: Option<&str>, graph: &mut ModelGraph) -> anyhow::Result<DType> {
+    let (params, compute) = match flag.unwrap_or(graph.train.dtype.name()) {
+        "f32" => (DType::F32, Dtype::F32),
+        "f64" => (DType::F64, Dtype::F32),
+        "bf16" => (DType::F32, Dtype::Bf16),
+        other => bail!("--dtype {other:?}: use f32, f64 or bf16"),
+    };
+    graph.train.dtype = compute;
+    Ok(params)
+}
+
+/// The dtype a run was asked for: `f32`, `f64` or `bf16`.
+pub fn dtype_name(dtype: DType, graph: &ModelGraph) -> &'static str {
+    match (graph.train.dtype, dtype) {
+        (Dtype::Bf16, _) => "bf16",
+        (Dtype::F32, DType::F64) => "f64",
+        (Dtype::F32, _) => "f32",
+    }
+}
+
+/// How a run multiplies, for its log lines: the parameters' type, or bf16 products on f32
+/// parameters.
+pub fn precision(dtype: DType, graph: &ModelGraph) -> String {
+    match graph.train.dtype {
+        Dtype::Bf16 => "bf16 products, f32 weights".into(),
+        Dtype::F32 => format!("{dtype:?}"),
     }
 }
 
@@ -277,8 +297,8 @@ impl Report {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let (cfg, graph) = load(a.config.as_ref(), &a.set)?;
-    let dtype = dtype(a.dtype.as_deref(), &graph)?;
+    let (cfg, mut graph) = load(a.config.as_ref(), &a.set)?;
+    let dtype = dtype(a.dtype.as_deref(), &mut graph)?;
     let steps = a.steps.unwrap_or(graph.train.steps);
     if steps == 0 {
         bail!("--steps 0: nothing to train");
@@ -328,7 +348,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             None => {
                 // As `hetpar bench nn` measures it: a few 512^3 products alone moved the
                 // peak by a quarter run to run.
-                let one = hetpar_nn::bench::matmul_peak_gflops(10, dtype)? * 1e9;
+                let one = match graph.train.dtype {
+                    Dtype::Bf16 => hetpar_nn::bench::bf16_peak_gflops(10),
+                    Dtype::F32 => hetpar_nn::bench::matmul_peak_gflops(10, dtype)?,
+                } * 1e9;
                 one * mpi.as_ref().map_or(1, |w| w.size()) as f64
             }
         };
@@ -338,10 +361,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     if lead {
         say(&format!(
-            "training {} on {} ranks ({} backend, {dtype:?}) for {steps} steps; metrics in {}",
+            "training {} on {} ranks ({} backend, {}) for {steps} steps; metrics in {}",
             graph.name,
             graph.world,
             a.backend,
+            precision(dtype, &graph),
             out.join("metrics.jsonl").display()
         ));
         for m in &graph.modules {

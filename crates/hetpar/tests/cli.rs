@@ -436,16 +436,37 @@ fn train_writes_metrics_and_the_loss_falls() {
 
 #[test]
 fn train_refuses_what_it_cannot_run_in_one_line() {
-    let dir = temp("train-bad");
+    let out = hetpar(&["train", "examples/in-memory.toml", "--steps", "1", "--dtype", "f16"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert!(err.starts_with("error: --dtype \"f16\": use f32, f64 or bf16"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+/// `dtype = "bf16"` trains f32 weights with bf16 products: its losses leave f32's at bf16's
+/// rounding (not at f32's), and its layout still matches the one-rank reference that
+/// multiplies the same way.
+#[test]
+fn bf16_from_the_config_multiplies_in_bf16_and_keeps_parity() {
+    let dir = temp("train-bf16");
     let demo = std::fs::read_to_string(root().join("examples/in-memory.toml")).expect("demo");
     let path = dir.join("bf16.toml");
     std::fs::write(&path, demo.replacen("lr = 3e-3", "lr = 3e-3\ndtype = \"bf16\"", 1))
         .expect("write");
-    let out = hetpar(&["train", path.to_str().expect("utf-8"), "--steps", "1"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8(out.stderr).expect("utf-8");
-    assert!(err.starts_with("error: dtype bf16: the CPU executor trains in f32 or f64"), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
+    let check = |args: &[&str]| -> Value {
+        let mut all = vec!["check", path.to_str().expect("utf-8"), "--steps", "2", "--json"];
+        all.extend(args);
+        let out = hetpar(&all);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_str(&stdout(&out)).expect("json")
+    };
+    let (bf16, f32) = (check(&[]), check(&["--dtype", "f32"]));
+    assert_eq!(bf16["dtype"], "bf16", "{bf16}");
+    assert_eq!(f32["dtype"], "f32", "{f32}");
+    assert_eq!(bf16["pass"], Value::Bool(true), "{bf16}");
+    let loss = |v: &Value| v["steps"][1]["loss"].as_f64().expect("loss");
+    let moved = (loss(&bf16) - loss(&f32)).abs() / loss(&f32);
+    assert!(moved > 1e-6 && moved < 1e-2, "bf16 {bf16} against f32 {f32}");
 }
 
 /// The demo with its colocated vision encoder offloaded: the gradients and optimizer state

@@ -104,6 +104,15 @@ pub fn matmul_wide<T: Real>(
     matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads);
 }
 
+/// Panics unless the shapes chain, every view lies inside its slice (of the lengths
+/// given) and the destination's view names no element twice.
+pub(super) fn check(dst: usize, dv: View, lhs: usize, lv: View, rhs: usize, rv: View) {
+    let (m, n, k) = (dv.rows, dv.cols, lv.cols);
+    assert!(lv.rows == m && rv.cols == n && rv.rows == k, "matmul shapes {dv:?} {lv:?} {rv:?}");
+    assert!(dv.inside(dst) && lv.inside(lhs) && rv.inside(rhs), "matmul view out of bounds");
+    assert!(dv.injective(), "matmul destination {dv:?} aliases itself");
+}
+
 /// [`matmul`] on `threads` threads.
 ///
 /// # Panics
@@ -121,13 +130,8 @@ pub fn matmul_on<T: Real>(
     beta: T,
     threads: usize,
 ) {
+    check(dst.len(), dv, lhs.len(), lv, rhs.len(), rv);
     let (m, n, k) = (dv.rows, dv.cols, lv.cols);
-    assert!(lv.rows == m && rv.cols == n && rv.rows == k, "matmul shapes {dv:?} {lv:?} {rv:?}");
-    assert!(
-        dv.inside(dst.len()) && lv.inside(lhs.len()) && rv.inside(rhs.len()),
-        "matmul view out of bounds"
-    );
-    assert!(dv.injective(), "matmul destination {dv:?} aliases itself");
     if m == 0 || n == 0 {
         return;
     }

@@ -7,6 +7,10 @@
 //! (the column sums of `dy`) straight into their own layouts. With a bias the output is
 //! the product plus the bias, element by element, as the unfused bias add computes it, so
 //! the fused and unfused forms give the same bits.
+//!
+//! Under [`Matmul::Bf16`] all three products (forward, `dx`, `dw`) multiply bf16-rounded
+//! operands and sum in f32 ([`super::bf16`]); the tensors, the bias and its gradient stay
+//! f32.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
@@ -14,13 +18,23 @@ use super::gemm::{View, matmul_wide};
 use super::pointwise::BiasAddOp;
 use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
 
+/// How a linear layer multiplies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Matmul {
+    /// In the tensors' own element type.
+    #[default]
+    Native,
+    /// bf16 operands (rounded from f32 tensors), f32 sums: `dtype = "bf16"`.
+    Bf16,
+}
+
 /// The product `x @ w^T`.
-#[derive(Clone, Copy, Debug)]
-pub struct LinearOp;
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LinearOp(pub Matmul);
 
 /// The product `x @ w^T + b`, `b` `[out]` added to every row.
-#[derive(Clone, Copy, Debug)]
-pub struct LinearBiasOp;
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LinearBiasOp(pub Matmul);
 
 /// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`.
 fn dims(x: &Shape, w: &Shape) -> CResult<(usize, usize, usize)> {
@@ -40,24 +54,44 @@ fn out_shape(x: &Shape, out: usize) -> Shape {
     Shape::from(shape)
 }
 
+/// `dst = lhs @ rhs` on as many threads as candle's matmuls, multiplying as `how` says.
+fn mul<T: Real>(
+    how: Matmul,
+    dst: &mut [T],
+    dv: View,
+    lhs: &[T],
+    lv: View,
+    rhs: &[T],
+    rv: View,
+) -> CResult<()> {
+    match how {
+        Matmul::Native => {
+            matmul_wide(dst, dv, lhs, lv, rhs, rv, false, T::ONE);
+            Ok(())
+        }
+        Matmul::Bf16 => {
+            let threads = candle_core::utils::get_num_threads();
+            T::bf16_product(dst, dv, lhs, lv, rhs, rv, false, threads)
+        }
+    }
+}
+
 /// `x @ w^T` into a new row-major `[rows, out]`.
-fn product<T: Real>(x: &[T], w: &[T], (rows, inner, out): (usize, usize, usize)) -> Vec<T> {
+fn product<T: Real>(
+    how: Matmul,
+    x: &[T],
+    w: &[T],
+    (rows, inner, out): (usize, usize, usize),
+) -> CResult<Vec<T>> {
     let mut y = vec![T::ZERO; rows * out];
-    matmul_wide(
-        &mut y,
-        View::rows(0, rows, out, out),
-        x,
-        View::rows(0, rows, inner, inner),
-        w,
-        View::rows(0, out, inner, inner).t(),
-        false,
-        T::ONE,
-    );
-    y
+    let (yv, xv) = (View::rows(0, rows, out, out), View::rows(0, rows, inner, inner));
+    mul(how, &mut y, yv, x, xv, w, View::rows(0, out, inner, inner).t())?;
+    Ok(y)
 }
 
 /// `dx = dy w` and `dw = dy^T x` as tensors shaped like `x` and `w`.
 fn input_grads<T: Real>(
+    how: Matmul,
     x: &Tensor,
     w: &Tensor,
     grad: &Tensor,
@@ -69,20 +103,11 @@ fn input_grads<T: Real>(
             with_data::<T, _>(grad, op, |gd| {
                 let gv = View::rows(0, rows, out, out);
                 let xv = View::rows(0, rows, inner, inner);
-                let mut dx = vec![T::ZERO; rows * inner];
-                matmul_wide(
-                    &mut dx,
-                    xv,
-                    gd,
-                    gv,
-                    wd,
-                    View::rows(0, out, inner, inner),
-                    false,
-                    T::ONE,
-                );
-                let mut dw = vec![T::ZERO; out * inner];
                 let wv = View::rows(0, out, inner, inner);
-                matmul_wide(&mut dw, wv, gd, gv.t(), xd, xv, false, T::ONE);
+                let mut dx = vec![T::ZERO; rows * inner];
+                mul(how, &mut dx, xv, gd, gv, wd, wv)?;
+                let mut dw = vec![T::ZERO; out * inner];
+                mul(how, &mut dw, wv, gd, gv.t(), xd, xv)?;
                 Ok((dx, dw))
             })
         })
@@ -106,7 +131,7 @@ impl CustomOp2 for LinearOp {
         by_real!(s1, "linear", |T| {
             let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(product(x, w, dims)),
+                <T as candle_core::WithDType>::to_cpu_storage_owned(product(self.0, x, w, dims)?),
                 out_shape(l1.shape(), dims.2),
             ))
         })
@@ -122,7 +147,7 @@ impl CustomOp2 for LinearOp {
         let dims = dims(x.shape(), w.shape())?;
         let grad = grad.contiguous()?;
         let (dx, dw) =
-            by_real_dtype!(x.dtype(), "linear", |T| input_grads::<T>(x, w, &grad, dims))?;
+            by_real_dtype!(x.dtype(), "linear", |T| input_grads::<T>(self.0, x, w, &grad, dims))?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -152,7 +177,7 @@ impl CustomOp3 for LinearBiasOp {
         by_real!(s1, "linear", |T| {
             let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
             let b = slice::<T>(s3, l3, "linear")?;
-            let mut y = product(x, w, dims);
+            let mut y = product(self.0, x, w, dims)?;
             simd::fast(|| BiasAddOp::add_rows(&mut y, b));
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(y),
@@ -172,28 +197,40 @@ impl CustomOp3 for LinearBiasOp {
         let dims = dims(x.shape(), w.shape())?;
         let grad = grad.contiguous()?;
         fn run<T: Real>(
+            how: Matmul,
             x: &Tensor,
             w: &Tensor,
             grad: &Tensor,
             dims: (usize, usize, usize),
         ) -> CResult<(Tensor, Tensor, Tensor)> {
-            let (dx, dw) = input_grads::<T>(x, w, grad, dims)?;
+            let (dx, dw) = input_grads::<T>(how, x, w, grad, dims)?;
             let db = with_data::<T, _>(grad, "linear backward", |g| {
                 Ok(simd::fast(|| BiasAddOp::bias_grad(g, dims.2)))
             })?;
             Ok((dx, dw, Tensor::from_vec(db, dims.2, grad.device())?))
         }
-        let (dx, dw, db) = by_real_dtype!(x.dtype(), "linear", |T| run::<T>(x, w, &grad, dims))?;
+        let (dx, dw, db) =
+            by_real_dtype!(x.dtype(), "linear", |T| run::<T>(self.0, x, w, &grad, dims))?;
         Ok((Some(dx), Some(dw), Some(db)))
     }
 }
 
 /// `x @ w^T` through the fused op (`x` `[.., in]`, `w` `[out, in]`).
 pub fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
-    x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp)
+    linear_as(Matmul::Native, x, w)
+}
+
+/// [`linear`], multiplying as `how` says.
+pub fn linear_as(how: Matmul, x: &Tensor, w: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp(how))
 }
 
 /// `x @ w^T + b` through the fused op (`b` `[out]`, added to every row).
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearBiasOp)
+    linear_bias_as(Matmul::Native, x, w, b)
+}
+
+/// [`linear_bias`], multiplying as `how` says.
+pub fn linear_bias_as(how: Matmul, x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearBiasOp(how))
 }

@@ -1,7 +1,8 @@
 //! Fused CPU kernels as candle custom ops, each with its backward: attention that skips
 //! masked blocks ([`attention`]), RMSNorm, LayerNorm, the exact GELU, RoPE, SwiGLU and the
 //! bias add ([`pointwise`]), and the linear product ([`linear`]); and AdamW's update in
-//! place ([`adam`]). They replace chains of
+//! place ([`adam`]); and products with bf16 operands and f32 sums ([`bf16`]), which the
+//! linear product runs under `dtype = "bf16"`. They replace chains of
 //! small tensor ops (and the copies between them, and the zero-filled gradient candle's
 //! backward adds into at each node) on the training path; the unfused compositions they
 //! replace stay in [`reference`], and the tests hold each kernel to them at the parity
@@ -13,6 +14,7 @@
 
 pub mod adam;
 pub mod attention;
+pub mod bf16;
 pub mod gemm;
 pub mod linear;
 pub mod pointwise;
@@ -42,6 +44,19 @@ pub trait Real: WithDType + std::ops::Neg<Output = Self> {
     /// `e^x` of every element, in place: in f32 [`exp_f32`], which the compiler vectorizes,
     /// in f64 the library's.
     fn exp_in_place(xs: &mut [Self]);
+    /// [`bf16::matmul_on`] (bf16 operands, f32 sums) where `Self` is f32; an error in f64,
+    /// which has no bf16 compute.
+    #[allow(clippy::too_many_arguments)]
+    fn bf16_product(
+        dst: &mut [Self],
+        dv: gemm::View,
+        lhs: &[Self],
+        lv: gemm::View,
+        rhs: &[Self],
+        rv: gemm::View,
+        accumulate: bool,
+        threads: usize,
+    ) -> CResult<()>;
 }
 
 impl Real for f64 {
@@ -65,6 +80,18 @@ impl Real for f64 {
         for x in xs {
             *x = x.exp();
         }
+    }
+    fn bf16_product(
+        _: &mut [f64],
+        _: gemm::View,
+        _: &[f64],
+        _: gemm::View,
+        _: &[f64],
+        _: gemm::View,
+        _: bool,
+        _: usize,
+    ) -> CResult<()> {
+        Err(Error::Msg("bf16 products take f32 tensors (bf16 compute keeps f32 weights)".into()))
     }
 }
 
@@ -90,6 +117,19 @@ impl Real for f32 {
         for x in xs {
             *x = exp_f32(*x);
         }
+    }
+    fn bf16_product(
+        dst: &mut [f32],
+        dv: gemm::View,
+        lhs: &[f32],
+        lv: gemm::View,
+        rhs: &[f32],
+        rv: gemm::View,
+        accumulate: bool,
+        threads: usize,
+    ) -> CResult<()> {
+        bf16::matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, 1.0, threads);
+        Ok(())
     }
 }
 

@@ -13,12 +13,13 @@ use candle_core::{DType, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
-use crate::kernels::linear::{linear, linear_bias};
+use crate::kernels::linear::{Matmul, linear_as, linear_bias_as};
 use crate::kernels::pointwise::bias_add;
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
 use crate::params::{HasParams, Param, even_split, replicated_reduce, sharded_reduce};
 
-/// What every layer constructor needs: the rank's context, the init seed, the dtype.
+/// What every layer constructor needs: the rank's context, the init seed, the dtype, and
+/// how the linear layers multiply.
 #[derive(Clone, Debug)]
 pub struct Build {
     /// The module's parallel context.
@@ -27,9 +28,21 @@ pub struct Build {
     pub seed: u64,
     /// Parameter dtype.
     pub dtype: DType,
+    /// How linear layers multiply (bf16 under `dtype = "bf16"`, with f32 parameters).
+    pub matmul: Matmul,
 }
 
 impl Build {
+    /// Layers in `dtype` that multiply in it.
+    pub fn new(ctx: Arc<ParallelCtx>, seed: u64, dtype: DType) -> Build {
+        Build { ctx, seed, dtype, matmul: Matmul::Native }
+    }
+
+    /// The same, with linear layers multiplying as `matmul` says.
+    pub fn with_matmul(self, matmul: Matmul) -> Build {
+        Build { matmul, ..self }
+    }
+
     /// A parameter sharded along `dim` over `tp` (or whole at tp 1).
     pub fn tp_sharded(
         &self,
@@ -57,15 +70,16 @@ impl Build {
 }
 
 /// `x [b, s, in] @ W^T` with `W [out, in]`, through the fused
-/// [`crate::kernels::linear::LinearOp`].
-pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(linear(x, w)?)
+/// [`crate::kernels::linear::LinearOp`], multiplying as `how` says.
+pub fn matmul_t(how: Matmul, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    Ok(linear_as(how, x, w)?)
 }
 
 /// A linear layer with its output features split over `tp`.
 #[derive(Debug)]
 pub struct ColumnParallel {
     ctx: Arc<ParallelCtx>,
+    matmul: Matmul,
     weight: Param,
     bias: Option<Param>,
     bias_detached: bool,
@@ -88,7 +102,13 @@ impl ColumnParallel {
         } else {
             None
         };
-        Ok(ColumnParallel { ctx: b.ctx.clone(), weight, bias, bias_detached: false })
+        Ok(ColumnParallel {
+            ctx: b.ctx.clone(),
+            matmul: b.matmul,
+            weight,
+            bias,
+            bias_detached: false,
+        })
     }
 
     /// The same layer with its bias outside autograd: it is added but gets no gradient.
@@ -105,11 +125,11 @@ impl ColumnParallel {
 
     /// The local matmul on an already replicated (or gathered) input.
     pub fn local(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.weight.tensor();
+        let (w, how) = (self.weight.tensor(), self.matmul);
         Ok(match &self.bias {
-            Some(b) if self.bias_detached => linear_bias(x, w, &b.tensor().detach())?,
-            Some(b) => linear_bias(x, w, b.tensor())?,
-            None => linear(x, w)?,
+            Some(b) if self.bias_detached => linear_bias_as(how, x, w, &b.tensor().detach())?,
+            Some(b) => linear_bias_as(how, x, w, b.tensor())?,
+            None => linear_as(how, x, w)?,
         })
     }
 }
@@ -128,6 +148,7 @@ impl HasParams for ColumnParallel {
 #[derive(Debug)]
 pub struct RowParallel {
     ctx: Arc<ParallelCtx>,
+    matmul: Matmul,
     weight: Param,
     bias: Option<Param>,
 }
@@ -149,17 +170,17 @@ impl RowParallel {
         } else {
             None
         };
-        Ok(RowParallel { ctx: b.ctx.clone(), weight, bias })
+        Ok(RowParallel { ctx: b.ctx.clone(), matmul: b.matmul, weight, bias })
     }
 
     /// `[b, s_full, in / tp]` to `[b, s, out]` (sequence-sharded under SP).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.weight.tensor();
+        let (w, how) = (self.weight.tensor(), self.matmul);
         if let (None, Some(b)) = (self.ctx.tp.comm(), &self.bias) {
             // One rank: no partial sums to reduce, so the bias joins the product.
-            return Ok(linear_bias(x, w, b.tensor())?);
+            return Ok(linear_bias_as(how, x, w, b.tensor())?);
         }
-        let partial = linear(x, w)?;
+        let partial = linear_as(how, x, w)?;
         let y = if self.ctx.sp() {
             reduce_scatter_dim(&self.ctx.tp, &partial, 1)?
         } else {

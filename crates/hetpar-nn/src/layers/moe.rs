@@ -23,6 +23,7 @@ use hetpar_layout::Axis;
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
+use crate::kernels::linear::Matmul;
 use crate::kernels::pointwise::swiglu;
 use crate::layers::attention::softmax;
 use crate::layers::comm::{gather_rows, split_rows};
@@ -53,9 +54,9 @@ struct Expert {
 }
 
 impl Expert {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = swiglu(&matmul_t(x, self.w1.tensor())?, &matmul_t(x, self.w3.tensor())?)?;
-        matmul_t(&h, self.w2.tensor())
+    fn forward(&self, how: Matmul, x: &Tensor) -> Result<Tensor> {
+        let h = swiglu(&matmul_t(how, x, self.w1.tensor())?, &matmul_t(how, x, self.w3.tensor())?)?;
+        matmul_t(how, &h, self.w2.tensor())
     }
 }
 
@@ -65,6 +66,9 @@ pub struct Moe {
     ctx: Arc<ParallelCtx>,
     spec: MoeSpec,
     gate: Param,
+    /// How the experts multiply (the router always in the parameters' type: its
+    /// probabilities pick the experts, and it is a small product).
+    matmul: Matmul,
     /// This rank's experts, by global id.
     experts: Vec<(usize, Expert)>,
 }
@@ -117,7 +121,7 @@ impl Moe {
                 ))
             })
             .collect::<Result<_>>()?;
-        Ok(Moe { ctx, spec, gate, experts })
+        Ok(Moe { ctx, spec, gate, matmul: b.matmul, experts })
     }
 
     /// `x` `[b, s, hidden]` to the output `[b, s, hidden]` and this rank's part of the
@@ -130,7 +134,7 @@ impl Moe {
         let xs = if split { split_rows(&self.ctx.tp, &flat)? } else { flat };
         let n_sub = xs.dims()[0];
         let (e_count, k) = (self.spec.experts, self.spec.top_k);
-        let probs = softmax(&matmul_t(&xs, self.gate.tensor())?)?;
+        let probs = softmax(&matmul_t(Matmul::Native, &xs, self.gate.tensor())?)?;
 
         // Top-k per token, ties to the lower expert id (a stable descending sort).
         let p: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
@@ -193,7 +197,7 @@ impl Moe {
                 // select adds its rows into a copy of the input's gradient.
                 let idx: Vec<u32> = (start as u32..(start + len) as u32).collect();
                 let rows = by_expert.index_select(&Tensor::from_vec(idx, len, &Device::Cpu)?, 0)?;
-                outs.push(expert.forward(&rows)?);
+                outs.push(expert.forward(self.matmul, &rows)?);
                 start += len;
             }
         }

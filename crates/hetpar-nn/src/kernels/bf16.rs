@@ -1,0 +1,586 @@
+//! Matrix products of f32 matrices with their operands rounded to bf16 and the products
+//! summed in f32: what `dtype = "bf16"` runs in the linear layers (f32 master weights and
+//! activations, bf16 multiplies, as mixed-precision training on accelerators does).
+//!
+//! Where the CPU has AVX512-BF16 the product runs on `vdpbf16ps`, which multiplies pairs of
+//! bf16 values and adds both products into an f32 lane: twice the multiply-adds of an f32
+//! FMA per instruction. The operands are rounded while they are packed for the kernel
+//! (nearest even, as `vcvtne2ps2bf16` does, with subnormals going to zero), so no bf16 copy
+//! of a weight or an activation outlives the product. Elsewhere the same rounded operands
+//! go through gemm's f32 kernels ([`super::gemm`]): a product of two bf16 values is exact in
+//! f32, so both paths compute the same products and differ only in the order and rounding
+//! of the f32 sums (and `vdpbf16ps` flushes subnormal sums to zero).
+//!
+//! Blocking follows the usual layout of a GEMM (Goto and van de Geijn 2008): `NC` columns
+//! of the right operand at a time, `KC` pairs of the inner dimension, packed once and
+//! shared; `MC` rows of the left operand packed per thread; a micro-kernel of `MR` x `NR`
+//! f32 accumulators held in registers.
+#![allow(unsafe_code)]
+
+use super::gemm::{self, View};
+
+/// Whether this CPU multiplies bf16 on its own instructions (AVX512-BF16); elsewhere the
+/// products run on bf16-rounded f32 operands through gemm.
+pub fn native() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+            && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The bf16 bits of `x`: nearest even, NaN stays (quiet) NaN, subnormals go to a zero of
+/// their sign (what `vcvtne2ps2bf16` gives).
+#[inline(always)]
+pub fn bits(x: f32) -> u16 {
+    let u = x.to_bits();
+    if u & 0x7f80_0000 == 0 {
+        return (u >> 16) as u16 & 0x8000;
+    }
+    half::bf16::from_f32(x).to_bits()
+}
+
+/// `x` rounded to bf16 and widened back (exactly) to f32.
+#[inline(always)]
+pub fn round(x: f32) -> f32 {
+    f32::from_bits(u32::from(bits(x)) << 16)
+}
+
+/// Two consecutive elements of the inner dimension as one 32-bit lane: the even one in the
+/// low half (the order `vdpbf16ps` pairs them in).
+#[inline(always)]
+fn pair(even: f32, odd: f32) -> u32 {
+    u32::from(bits(even)) | (u32::from(bits(odd)) << 16)
+}
+
+/// `dst = (dst if accumulate else 0) + beta * bf16(lhs) @ bf16(rhs)`, summed in f32, on
+/// `threads` threads.
+///
+/// # Panics
+/// As [`gemm::matmul_on`]: if the shapes do not chain, a view leaves its slice, or `dst`'s
+/// view names an element twice.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_on(
+    dst: &mut [f32],
+    dv: View,
+    lhs: &[f32],
+    lv: View,
+    rhs: &[f32],
+    rv: View,
+    accumulate: bool,
+    beta: f32,
+    threads: usize,
+) {
+    gemm::check(dst.len(), dv, lhs.len(), lv, rhs.len(), rv);
+    let (m, n, k) = (dv.rows, dv.cols, lv.cols);
+    if m == 0 || n == 0 || k == 0 {
+        // Nothing to multiply: gemm's handling of the empty cases (zeroing when not
+        // accumulating).
+        return gemm::matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if native() {
+        // SAFETY: the CPU has every feature the kernels are compiled for; `check` above
+        // holds the views inside their slices and the destination injective.
+        return unsafe { avx::run(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads) };
+    }
+    fallback(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads);
+}
+
+/// The product on bf16-rounded copies of the operands, through gemm's f32 kernels.
+#[allow(clippy::too_many_arguments)]
+fn fallback(
+    dst: &mut [f32],
+    dv: View,
+    lhs: &[f32],
+    lv: View,
+    rhs: &[f32],
+    rv: View,
+    accumulate: bool,
+    beta: f32,
+    threads: usize,
+) {
+    let (m, n, k) = (dv.rows, dv.cols, lv.cols);
+    let rounded = |s: &[f32], v: View| {
+        let mut out = Vec::with_capacity(v.rows * v.cols);
+        for r in 0..v.rows {
+            out.extend((0..v.cols).map(|c| round(s[v.offset + r * v.rs + c * v.cs])));
+        }
+        out
+    };
+    let (a, b) = (rounded(lhs, lv), rounded(rhs, rv));
+    gemm::matmul_on(
+        dst,
+        dv,
+        &a,
+        View::rows(0, m, k, k),
+        &b,
+        View::rows(0, k, n, n),
+        accumulate,
+        beta,
+        threads,
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx {
+    use std::arch::x86_64::*;
+
+    use super::{View, pair};
+
+    /// Rows of the micro-kernel.
+    const MR: usize = 12;
+    /// Columns of the micro-kernel (two vectors of 16 lanes).
+    const NR: usize = 32;
+    /// Pairs of the inner dimension per packed block.
+    const KC: usize = 256;
+    /// Rows per packed block of the left operand.
+    const MC: usize = 8 * MR;
+    /// Columns per packed block of the right operand.
+    const NC: usize = 32 * NR;
+
+    /// The destination, shared by the threads: each writes rows no other thread writes.
+    #[derive(Clone, Copy)]
+    struct Out {
+        ptr: *mut f32,
+        rs: usize,
+        cs: usize,
+    }
+    // SAFETY: threads write disjoint rows of an injective view (see `run`).
+    unsafe impl Send for Out {}
+    unsafe impl Sync for Out {}
+
+    impl Out {
+        /// The destination from element `(r, c)` on (taking `self` whole, so a closure
+        /// captures the `Send` wrapper rather than its raw pointer).
+        ///
+        /// # Safety
+        /// `(r, c)` is an element of the destination's view.
+        unsafe fn at(self, r: usize, c: usize) -> Out {
+            // SAFETY: the caller's contract.
+            Out { ptr: unsafe { self.ptr.add(r * self.rs + c * self.cs) }, ..self }
+        }
+    }
+
+    /// See [`super::matmul_on`].
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F/BW, AVX512-BF16 and FMA; every view lies inside its slice, the
+    /// shapes chain, none is empty, and `dv` is injective.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+    pub unsafe fn run(
+        dst: &mut [f32],
+        dv: View,
+        lhs: &[f32],
+        lv: View,
+        rhs: &[f32],
+        rv: View,
+        accumulate: bool,
+        beta: f32,
+        threads: usize,
+    ) {
+        let (m, n, k) = (dv.rows, dv.cols, lv.cols);
+        let pairs = k.div_ceil(2);
+        // SAFETY (for the pointer arithmetic of the kernel): `dv.offset` is inside `dst`.
+        let out = Out { ptr: unsafe { dst.as_mut_ptr().add(dv.offset) }, rs: dv.rs, cs: dv.cs };
+        let blocks = m.div_ceil(MC);
+        let threads = threads.clamp(1, blocks);
+        // Buffers sized to the product (a small one would otherwise zero-fill more than it
+        // multiplies): packed rows keep their `KC` stride, which the kernel's addressing
+        // takes as a constant.
+        let mut bpack = vec![0u32; NC.min(n.next_multiple_of(NR)) * KC.min(pairs)];
+        let apack_len = MC.min(m.next_multiple_of(MR)) * KC;
+        for j0 in (0..n).step_by(NC) {
+            let nc = NC.min(n - j0);
+            for p0 in (0..pairs).step_by(KC) {
+                let kc = KC.min(pairs - p0);
+                let bpack = &mut bpack[..nc.next_multiple_of(NR) * kc];
+                pack_rhs(bpack, rhs, rv, j0, nc, p0, kc);
+                let bpack = &*bpack;
+                // Later blocks of the inner dimension add to what the first wrote.
+                let acc = accumulate || p0 > 0;
+                let rows = |first: usize| {
+                    let mut apack = vec![0u32; apack_len];
+                    for blk in (first..blocks).step_by(threads) {
+                        let i0 = blk * MC;
+                        let mc = MC.min(m - i0);
+                        pack_lhs(&mut apack, lhs, lv, i0, mc, p0, kc, k);
+                        for jp in 0..nc.div_ceil(NR) {
+                            let b = &bpack[jp * kc * NR..(jp + 1) * kc * NR];
+                            let cols = NR.min(nc - jp * NR);
+                            for ip in 0..mc.div_ceil(MR) {
+                                let a = &apack[ip * MR * KC..(ip + 1) * MR * KC];
+                                let (r0, c0) = (i0 + ip * MR, j0 + jp * NR);
+                                // SAFETY: `(r0, c0)` is an element of `dv`, inside `dst`.
+                                let here = unsafe { out.at(r0, c0) };
+                                let tile = Tile { rows: MR.min(mc - ip * MR), cols };
+                                // SAFETY: the tile's elements are elements of `dv`.
+                                unsafe { kernel(a, b, kc, here, tile, acc, beta) };
+                            }
+                        }
+                    }
+                };
+                if threads == 1 {
+                    rows(0);
+                } else {
+                    let rows = &rows;
+                    rayon::scope(|s| {
+                        for t in 0..threads {
+                            s.spawn(move |_| rows(t));
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// The rows and columns of a micro-tile that lie inside the destination.
+    #[derive(Clone, Copy)]
+    struct Tile {
+        rows: usize,
+        cols: usize,
+    }
+
+    /// Rows `i0..i0 + mc` and pairs `p0..p0 + kc` of `lhs` into `out`: `MR`-row panels, each
+    /// row `KC` pairs long (rows past `mc` zero, a missing odd element zero).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+    fn pack_lhs(
+        out: &mut [u32],
+        lhs: &[f32],
+        lv: View,
+        i0: usize,
+        mc: usize,
+        p0: usize,
+        kc: usize,
+        k: usize,
+    ) {
+        let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
+        for i in mc..mc.next_multiple_of(MR) {
+            out[i * KC..i * KC + kc].fill(0);
+        }
+        if lv.cs == 1 {
+            for i in 0..mc {
+                let start = lv.offset + (i0 + i) * lv.rs;
+                convert(&lhs[start + k0..start + k1], &mut out[i * KC..i * KC + kc]);
+            }
+        } else {
+            // The inner dimension is strided (a transposed operand): walk it outside, so
+            // each step reads neighbouring rows.
+            for p in 0..kc {
+                let (ke, ko) = (k0 + 2 * p, k0 + 2 * p + 1);
+                for i in 0..mc {
+                    let at = |kk: usize| lhs[lv.offset + (i0 + i) * lv.rs + kk * lv.cs];
+                    out[i * KC + p] = pair(at(ke), if ko < k { at(ko) } else { 0.0 });
+                }
+            }
+        }
+    }
+
+    /// Columns `j0..j0 + nc` and pairs `p0..p0 + kc` of `rhs` into `out`: `NR`-column
+    /// panels, each `kc` rows of `NR` pairs (columns past `nc` zero).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+    fn pack_rhs(
+        out: &mut [u32],
+        rhs: &[f32],
+        rv: View,
+        j0: usize,
+        nc: usize,
+        p0: usize,
+        kc: usize,
+    ) {
+        let k = rv.rows;
+        for jp in 0..nc.div_ceil(NR) {
+            let panel = &mut out[jp * kc * NR..(jp + 1) * kc * NR];
+            let (c0, cols) = (j0 + jp * NR, NR.min(nc - jp * NR));
+            if rv.cs == 1 {
+                // Rows of the inner dimension are contiguous: interleave two at a time.
+                let row = |kk: usize| {
+                    let start = rv.offset + kk * rv.rs + c0;
+                    &rhs[start..start + cols]
+                };
+                for p in 0..kc {
+                    let ke = 2 * (p0 + p);
+                    let odd = if ke + 1 < k { row(ke + 1) } else { &[][..] };
+                    interleave(row(ke), odd, &mut panel[p * NR..(p + 1) * NR]);
+                }
+            } else {
+                let mut col = [0u32; KC];
+                for c in 0..NR {
+                    if c >= cols {
+                        (0..kc).for_each(|p| panel[p * NR + c] = 0);
+                        continue;
+                    }
+                    let base = rv.offset + (c0 + c) * rv.cs;
+                    if rv.rs == 1 {
+                        let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
+                        convert(&rhs[base + k0..base + k1], &mut col[..kc]);
+                    } else {
+                        for (p, lane) in col[..kc].iter_mut().enumerate() {
+                            let (ke, ko) = (2 * (p0 + p), 2 * (p0 + p) + 1);
+                            let odd = if ko < k { rhs[base + ko * rv.rs] } else { 0.0 };
+                            *lane = pair(rhs[base + ke * rv.rs], odd);
+                        }
+                    }
+                    (0..kc).for_each(|p| panel[p * NR + c] = col[p]);
+                }
+            }
+        }
+    }
+
+    /// `src` (`2 * dst.len()` elements, or one fewer) as consecutive pairs into `dst`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+    fn convert(src: &[f32], dst: &mut [u32]) {
+        let full = (src.len() / 32).min(dst.len() / 16);
+        for (s, d) in src.chunks_exact(32).zip(dst.chunks_exact_mut(16)).take(full) {
+            // SAFETY: `s` holds 32 floats and `d` 16 lanes; unaligned loads and stores.
+            unsafe {
+                let lo = _mm512_loadu_ps(s.as_ptr());
+                let hi = _mm512_loadu_ps(s.as_ptr().add(16));
+                let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512(d.as_mut_ptr().cast(), v);
+            }
+        }
+        let at = |i: usize| src.get(i).copied().unwrap_or(0.0);
+        for (p, lane) in dst.iter_mut().enumerate().skip(16 * full) {
+            *lane = pair(at(2 * p), at(2 * p + 1));
+        }
+    }
+
+    /// Lane `c` of `dst` (`NR` lanes) the pair `(even[c], odd[c])`, zero past either's end.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+    fn interleave(even: &[f32], odd: &[f32], dst: &mut [u32]) {
+        // Lane 2i of the result is bf16 element i of `even`, lane 2i + 1 element i of `odd`
+        // (the converted vector holds `even` in its low 16 elements, `odd` in its high 16).
+        let idx = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        for h in 0..NR / 16 {
+            let load = |s: &[f32]| {
+                let n = s.len().saturating_sub(16 * h).min(16);
+                let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+                // SAFETY: the mask covers only elements `16h..16h + n` of `s`.
+                unsafe { _mm512_maskz_loadu_ps(mask, s.as_ptr().wrapping_add(16 * h)) }
+            };
+            // SAFETY: both are 512 bits of plain lanes.
+            let v: __m512i =
+                unsafe { std::mem::transmute(_mm512_cvtne2ps_pbh(load(odd), load(even))) };
+            let v = _mm512_permutexvar_epi16(idx, v);
+            // SAFETY: `dst` holds `NR` lanes.
+            unsafe { _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h).cast(), v) };
+        }
+    }
+
+    /// One `MR` x `NR` tile: `a` (`MR` rows of `KC` pairs) times `b` (`kc` rows of `NR`
+    /// pairs), added into the destination's `tile` as `out = (out if acc) + beta * sum`.
+    ///
+    /// # Safety
+    /// `out` addresses elements `(r, c)`, `r < tile.rows`, `c < tile.cols`, of `dst` through
+    /// its strides, which no other thread writes; `a` and `b` hold `MR * KC` and `kc * NR`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+    unsafe fn kernel(a: &[u32], b: &[u32], kc: usize, out: Out, tile: Tile, acc: bool, beta: f32) {
+        assert!(a.len() >= MR * KC && b.len() >= kc * NR && kc <= KC);
+        let (a, b) = (a.as_ptr(), b.as_ptr());
+        let mut sum = [[_mm512_setzero_ps(); 2]; MR];
+        for p in 0..kc {
+            // SAFETY: `p < kc`, and the lengths are checked above.
+            unsafe {
+                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
+                let b1: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
+                for (r, s) in sum.iter_mut().enumerate() {
+                    let x: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*a.add(r * KC + p) as i32));
+                    s[0] = _mm512_dpbf16_ps(s[0], x, b0);
+                    s[1] = _mm512_dpbf16_ps(s[1], x, b1);
+                }
+            }
+        }
+        let scale = _mm512_set1_ps(beta);
+        for (r, s) in sum.iter().enumerate().take(tile.rows) {
+            // SAFETY: row `r` of the tile is inside the destination (the contract).
+            let row = unsafe { out.ptr.add(r * out.rs) };
+            if out.cs == 1 {
+                for (h, &v) in s.iter().enumerate() {
+                    let n = tile.cols.saturating_sub(16 * h).min(16);
+                    if n == 0 {
+                        break;
+                    }
+                    let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+                    // SAFETY: the mask covers columns `16h..16h + n` of the tile.
+                    unsafe {
+                        let at = row.add(16 * h);
+                        let old =
+                            if acc { _mm512_maskz_loadu_ps(mask, at) } else { _mm512_setzero_ps() };
+                        _mm512_mask_storeu_ps(at, mask, _mm512_fmadd_ps(scale, v, old));
+                    }
+                }
+            } else {
+                let mut lanes = [0f32; NR];
+                // SAFETY: `lanes` holds two vectors.
+                unsafe {
+                    _mm512_storeu_ps(lanes.as_mut_ptr(), s[0]);
+                    _mm512_storeu_ps(lanes.as_mut_ptr().add(16), s[1]);
+                }
+                for (c, &v) in lanes.iter().enumerate().take(tile.cols) {
+                    // SAFETY: column `c` of the tile is inside the destination.
+                    unsafe {
+                        let at = row.add(c * out.cs);
+                        let old = if acc { *at } else { 0.0 };
+                        *at = beta.mul_add(v, old);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(m, n, k)`: single elements, edges of the micro-tile (12 x 32) and of the blocks
+    /// (96 rows, 1024 columns, 512 of the inner dimension), odd inner lengths.
+    const SHAPES: [(usize, usize, usize); 9] = [
+        (1, 1, 1),
+        (3, 5, 7),
+        (13, 33, 2),
+        (12, 32, 512),
+        (97, 65, 513),
+        (25, 1030, 37),
+        (5, 3, 1101),
+        (200, 48, 64),
+        (1, 70, 300),
+    ];
+
+    /// A matrix of `rows x cols` inside a longer slice: row-major with padded rows, or
+    /// column-major (the transpose of one).
+    fn matrix(rows: usize, cols: usize, transposed: bool, seed: usize) -> (Vec<f32>, View) {
+        let data: Vec<f32> = (0..(rows + 1) * (cols + 3) + 5)
+            .map(|i| ((i * 7 + seed) as f32 * 0.173).sin())
+            .collect();
+        let v = if transposed {
+            View::rows(2, cols, rows, rows + 1).t()
+        } else {
+            View::rows(3, rows, cols, cols + 2)
+        };
+        (data, v)
+    }
+
+    fn at(s: &[f32], v: View, r: usize, c: usize) -> f32 {
+        s[v.offset + r * v.rs + c * v.cs]
+    }
+
+    /// Runs `f` on every shape and operand layout and checks each element against the f64
+    /// product of the rounded operands, within the bound of f32 summation: `k + 2` units of
+    /// f32 rounding (2^-24) of the sum of the products' magnitudes (and of the old value).
+    fn holds(f: impl Fn(&mut [f32], View, &[f32], View, &[f32], View, bool, f32, usize)) {
+        for (case, &(m, n, k)) in SHAPES.iter().enumerate() {
+            for layout in 0..4 {
+                let (a, av) = matrix(m, k, layout & 1 == 1, case);
+                let (b, bv) = matrix(k, n, layout & 2 == 2, case + 11);
+                for (accumulate, beta, threads) in [(false, 1.0, 1), (true, 0.5, 2)] {
+                    let dv = View::rows(1, m, n, n + 1);
+                    let mut dst: Vec<f32> = (0..m * (n + 1) + 1).map(|i| i as f32 * 0.01).collect();
+                    let old = dst.clone();
+                    f(&mut dst, dv, &a, av, &b, bv, accumulate, beta, threads);
+                    for r in 0..m {
+                        for c in 0..n {
+                            let (mut want, mut mag) = (0f64, 0f64);
+                            for i in 0..k {
+                                let p =
+                                    round(at(&a, av, r, i)) as f64 * round(at(&b, bv, i, c)) as f64;
+                                want += p;
+                                mag += p.abs();
+                            }
+                            let prev =
+                                if accumulate { old[1 + r * (n + 1) + c] as f64 } else { 0.0 };
+                            let want = prev + beta as f64 * want;
+                            let bound =
+                                (k + 2) as f64 * 2f64.powi(-24) * (mag + prev.abs()) + 1e-30;
+                            let got = dst[1 + r * (n + 1) + c] as f64;
+                            assert!(
+                                (got - want).abs() <= bound,
+                                "({m}, {n}, {k}) layout {layout} at ({r}, {c}): {got} against {want}"
+                            );
+                        }
+                    }
+                    for r in 0..m {
+                        assert_eq!(dst[1 + r * (n + 1) + n], old[1 + r * (n + 1) + n], "outside");
+                    }
+                    assert_eq!(dst[0], old[0], "outside the view");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn products_match_the_rounded_operands_in_f64() {
+        holds(matmul_on);
+    }
+
+    #[test]
+    fn the_fallback_matches_the_rounded_operands_in_f64() {
+        holds(fallback);
+    }
+
+    #[test]
+    fn a_transposed_destination_gets_the_same_product() {
+        let (m, n, k) = (30, 40, 50);
+        let (a, av) = matrix(m, k, false, 1);
+        let (b, bv) = matrix(k, n, true, 2);
+        let mut rows = vec![0f32; m * n];
+        matmul_on(&mut rows, View::rows(0, m, n, n), &a, av, &b, bv, false, 1.0, 1);
+        let mut cols = vec![0f32; m * n];
+        matmul_on(&mut cols, View::rows(0, n, m, m).t(), &a, av, &b, bv, false, 1.0, 1);
+        for r in 0..m {
+            for c in 0..n {
+                assert_eq!(rows[r * n + c].to_bits(), cols[c * m + r].to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn threads_do_not_change_the_bits() {
+        let (m, n, k) = (300, 70, 600);
+        let (a, av) = matrix(m, k, false, 3);
+        let (b, bv) = matrix(k, n, false, 4);
+        let run = |threads| {
+            let mut d = vec![0f32; m * n];
+            matmul_on(&mut d, View::rows(0, m, n, n), &a, av, &b, bv, false, 1.0, threads);
+            d.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(1), run(3));
+    }
+
+    #[test]
+    #[should_panic(expected = "out of bounds")]
+    fn a_view_past_its_slice_is_refused() {
+        let a = vec![0.0f32; 10];
+        let mut d = vec![0.0f32; 4];
+        let (dv, lv, rv) = (View::rows(0, 2, 2, 2), View::rows(0, 2, 3, 5), View::rows(6, 3, 2, 2));
+        matmul_on(&mut d, dv, &a, lv, &a, rv, false, 1.0, 1);
+    }
+
+    #[test]
+    fn rounding_is_nearest_even_and_flushes_subnormals() {
+        assert_eq!(bits(1.0), 0x3f80);
+        assert_eq!(bits(f32::from_bits(0x3f80_8000)), 0x3f80, "a tie to the even neighbour");
+        assert_eq!(bits(f32::from_bits(0x3f81_8000)), 0x3f82);
+        assert_eq!(bits(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(bits(1e-39), 0);
+        assert_eq!(bits(-1e-39), 0x8000);
+        assert_eq!(bits(f32::MIN_POSITIVE), 0x0080);
+        assert!(round(f32::NAN).is_nan());
+        assert_eq!(round(f32::INFINITY), f32::INFINITY);
+        assert_eq!(round(f32::MAX), f32::INFINITY, "rounds up past the largest bf16");
+    }
+}
