@@ -23,7 +23,7 @@ pub struct TrainArgs {
     /// Untimed steps first.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
-    /// f32 or f64 (default: the config's).
+    /// f32, f64 or bf16 (bf16 products, f32 weights; default: the config's).
     #[arg(long)]
     pub dtype: Option<String>,
     /// One JSON object on stdout instead of the table.
@@ -179,7 +179,7 @@ pub struct ExecutorArgs {
     /// Steps each way (the first is a warm-up; the fastest of the rest counts).
     #[arg(long, default_value_t = 9)]
     pub steps: usize,
-    /// f32 or f64.
+    /// f32, f64 or bf16 (bf16 products, f32 weights).
     #[arg(long, default_value = "f32")]
     pub dtype: String,
 }
@@ -220,7 +220,8 @@ pub fn run_executor(a: &ExecutorArgs) -> anyhow::Result<()> {
     }
     let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
     say(&format!(
-        "one Llama (hidden 256, 4 layers, seq 128, 4 microbatches of 2) on one rank, {dtype:?}, threads: {threads}; fastest of {} steps each",
+        "one Llama (hidden 256, 4 layers, seq 128, 4 microbatches of 2) on one rank, {}, threads: {threads}; fastest of {} steps each",
+        crate::train_cmd::precision(dtype, &graph),
         a.steps - 1
     ));
     say(&format!(

@@ -21,7 +21,7 @@ pub struct Args {
     /// Steps to compare.
     #[arg(long, default_value_t = 3)]
     pub steps: usize,
-    /// Element type: f32 or f64 (default: the config's).
+    /// Element type: f32, f64 or bf16 (bf16 products, f32 weights; default: the config's).
     #[arg(long)]
     pub dtype: Option<String>,
     /// Relative tolerance (default: 1e-5 in f32, 1e-10 in f64, 2^-8 for bf16 products).
@@ -68,7 +68,7 @@ pub fn one_rank(cfg: &Config) -> Config {
     r
 }
 
-/// `hetpar check --dtype bf16`'s default tolerance: one bf16 unit, 2^-8.
+/// `hetpar check --dtype bf16`'s default tolerance: bf16's unit roundoff, 2^-8.
 const BF16_TOL: f64 = 1.0 / 256.0;
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
@@ -86,8 +86,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     // The contract's tolerances (f32 1e-5, f64 1e-10) judge a layout. bf16 products round
     // their operands, and a layout's f32 sums move an operand across a rounding boundary now
-    // and then, which moves that product by up to a bf16 unit (2^-8 relative): the default
-    // bf16 tolerance is that unit, and a layout is correct when it passes in f32.
+    // and then, which moves that product by up to twice bf16's unit roundoff (2^-8
+    // relative): the default bf16 tolerance is that roundoff. It would let a layout bug
+    // of that size through, so a layout is judged correct in f32.
     let tol = a.tol.unwrap_or(match dtype_name(dt, &graph) {
         "f64" => 1e-10,
         "bf16" => BF16_TOL,

@@ -26,7 +26,8 @@ pub struct Args {
     /// Steps to run (default: the config's train.steps).
     #[arg(long)]
     pub steps: Option<usize>,
-    /// Element type of parameters and activations: f32 or f64.
+    /// Element type: f32, f64, or bf16 (f32 weights and activations, bf16 products in the
+    /// linear layers; default: the config's).
     #[arg(long)]
     pub dtype: Option<String>,
     /// Where metrics.jsonl and the resolved config go (default: runs/<name>).
@@ -297,8 +298,11 @@ impl Report {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let (cfg, mut graph) = load(a.config.as_ref(), &a.set)?;
+    let (mut cfg, mut graph) = load(a.config.as_ref(), &a.set)?;
     let dtype = dtype(a.dtype.as_deref(), &mut graph)?;
+    // The saved config (and every checkpoint's) multiplies as this run does, so a resume
+    // or `hetpar eval` of it does too.
+    cfg.train.dtype = graph.train.dtype;
     let steps = a.steps.unwrap_or(graph.train.steps);
     if steps == 0 {
         bail!("--steps 0: nothing to train");

@@ -467,6 +467,28 @@ fn bf16_from_the_config_multiplies_in_bf16_and_keeps_parity() {
     let loss = |v: &Value| v["steps"][1]["loss"].as_f64().expect("loss");
     let moved = (loss(&bf16) - loss(&f32)).abs() / loss(&f32);
     assert!(moved > 1e-6 && moved < 1e-2, "bf16 {bf16} against f32 {f32}");
+    // `--dtype bf16` on an f32 config: the run says so, and its saved config (which resume
+    // and `hetpar eval` read) says bf16.
+    let out_dir = dir.join("run");
+    let out = out_dir.to_str().expect("utf-8");
+    let run = hetpar(&[
+        "train",
+        "examples/in-memory.toml",
+        "--steps",
+        "1",
+        "--dtype",
+        "bf16",
+        "--out",
+        out,
+    ]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        stdout(&run).contains("(local backend, bf16 products, f32 weights)"),
+        "{}",
+        stdout(&run)
+    );
+    let saved = std::fs::read_to_string(out_dir.join("config.toml")).expect("config.toml");
+    assert!(saved.contains("dtype = \"bf16\""), "{saved}");
 }
 
 /// The demo with its colocated vision encoder offloaded: the gradients and optimizer state

@@ -54,6 +54,7 @@ pub fn round(x: f32) -> f32 {
 
 /// Two consecutive elements of the inner dimension as one 32-bit lane: the even one in the
 /// low half (the order `vdpbf16ps` pairs them in).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 fn pair(even: f32, odd: f32) -> u32 {
     u32::from(bits(even)) | (u32::from(bits(odd)) << 16)
