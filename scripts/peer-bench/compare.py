@@ -15,8 +15,10 @@ on 1 x 512 tokens, its MoE variant (8 experts of 704, top-2, load-balancing loss
 4-layer models (vocabulary 4096) on 2 x 256 tokens with the mean cross-entropy, and the
 ViT (224 px, 16 px patches, hidden 384, 6 heads, MLP 1536, exact GELU, LayerNorm) with the
 LLaVA projector to 512 on 4 images; each timed as forward + backward of the same loss. The
-last row is the optimizer alone: one AdamW update of 4M parameters (weight decay 0.1),
-hetpar's in-place kernel against the fastest of `torch.optim.AdamW`'s CPU implementations.
+next row is the optimizer alone: one AdamW update of 4M parameters (weight decay 0.1),
+hetpar's in-place kernel against the fastest of `torch.optim.AdamW`'s CPU implementations;
+the last rows time the linear layers' forward product alone (`x @ w^T`, the MoE expert's
+704 x 512 weight) at 32 to 512 rows, hetpar's fused op against `F.linear`.
 
 In bf16 (`--dtype bf16`, or `--bf16` for a second table after the first) both keep f32
 weights and activations and multiply in bf16: hetpar's `bench nn --dtype bf16` (bf16
@@ -264,10 +266,27 @@ def hetpar_rows(binary, iters, dtype):
     peak = float(re.search(r"^matmul \(best.*?: ([\d.]+) GFLOP/s", out, re.M).group(1))
     rows = re.findall(r"^(\S.*?\))\s+([\d.]+)ms\s+\d+\s+([\d.]+)", out, re.M)
     adamw = re.search(r"^adamw update of (\d+) \S+ parameters: ([\d.]+) ms", out, re.M)
-    if len(rows) != len(KEYS) or not adamw:
+    linear = re.search(r"^linear forward x @ w\^T \(w (\d+) x (\d+)\) \S+, GFLOP/s by rows: (.*)$", out, re.M)
+    if len(rows) != len(KEYS) or not adamw or not linear:
         sys.exit(f"unexpected `hetpar bench nn` output:\n{out}")
     rows = {k: (n, float(t) / 1e3, float(g)) for k, (n, t, g) in zip(KEYS, rows)}
-    return peak, rows, (int(adamw.group(1)), float(adamw.group(2)) / 1e3)
+    shape = (int(linear.group(1)), int(linear.group(2)))
+    rates = {int(r): float(g) for r, g in re.findall(r"(\d+): ([\d.]+)", linear.group(3))}
+    return peak, rows, (int(adamw.group(1)), float(adamw.group(2)) / 1e3), (shape, rates)
+
+
+def torch_linear(shape, rows, iters, dtype, autocast=False):
+    """GFLOP/s of `F.linear(x, w)` (forward only, no autograd) for `x` `[rows, in]` and `w`
+    `[out, in]`, as hetpar's `linear` line times its fused product."""
+    out, inner = shape
+    x, w = torch.randn(rows, inner, dtype=dtype), torch.randn(out, inner, dtype=dtype)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    def step():
+        with torch.no_grad(), ctx:
+            F.linear(x, w)
+
+    return 2 * rows * inner * out / best(20 * iters, step) / 1e9
 
 
 def torch_adamw(n, iters, dtype):
@@ -304,9 +323,12 @@ def table(a, dtype):
     mm_dtype = torch.bfloat16 if bf16 else tdtype
     het, pt, het_mm, pt_mm = {}, {}, 0.0, 0.0
     het_adam, pt_adam = (0, float("inf")), float("inf")
+    het_lin, pt_lin, lin_shape = {}, {}, None
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: hetpar ...", file=sys.stderr, flush=True)
-        peak, rows, adam = hetpar_rows(a.hetpar, a.iters, dtype)
+        peak, rows, adam, (lin_shape, lin) = hetpar_rows(a.hetpar, a.iters, dtype)
+        for n, g in lin.items():
+            het_lin[n] = max(het_lin.get(n, 0.0), g)
         het_adam = (adam[0], min(het_adam[1], adam[1]))
         het_mm = max(het_mm, peak)
         for k, v in rows.items():
@@ -316,6 +338,8 @@ def table(a, dtype):
         for k, t in torch_rows(a.iters, tdtype, autocast=bf16).items():
             pt[k] = min(pt.get(k, t), t)
         pt_adam = min(pt_adam, torch_adamw(het_adam[0], a.iters, tdtype))
+        for n in het_lin:
+            pt_lin[n] = max(pt_lin.get(n, 0.0), torch_linear(lin_shape, n, a.iters, tdtype, bf16))
     what = "bf16 products, f32 weights (PyTorch: autocast)" if bf16 else dtype
     print(f"one core, {what}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
           f"PyTorch {torch.__version__}")
@@ -331,6 +355,11 @@ def table(a, dtype):
     n, t = het_adam
     print(f"| AdamW update of {n} parameters (no forward or backward) | {t * 1e3:.2f} ms | "
           f"{pt_adam * 1e3:.2f} ms | {t / pt_adam:.2f} | | |")
+    out, inner = lin_shape
+    for n in sorted(het_lin):
+        h, p = het_lin[n], pt_lin[n]
+        print(f"| linear forward alone, {n} x {inner} by {out} x {inner} (no backward) | {h:.1f} GFLOP/s | "
+              f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | {h:.1f} | {100 * h / het_mm:.0f}% |")
 
 
 if __name__ == "__main__":

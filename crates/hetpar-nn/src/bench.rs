@@ -102,6 +102,30 @@ pub fn bf16_peak_gflops(iters: usize) -> f64 {
     bf16_matmul_gflops(512, iters).max(bf16_matmul_gflops(1024, iters))
 }
 
+/// Row counts at which `bench nn` times the linear layers' forward product: the MoE
+/// experts of the bench model see about 128 rows each, a small microbatch a few hundred.
+pub const LINEAR_ROWS: [usize; 5] = [32, 64, 128, 256, 512];
+
+/// GFLOP/s of the linear layers' forward product `x @ w^T` (the fused op they run, with
+/// `how`'s products) for `x` `[rows, inner]` and `w` `[out, inner]` in `dtype`, best of
+/// `iters`.
+pub fn linear_gflops(
+    (rows, inner, out): (usize, usize, usize),
+    iters: usize,
+    dtype: DType,
+    how: Matmul,
+) -> Result<f64> {
+    let x = Tensor::randn(0f32, 1.0, (rows, inner), &Device::Cpu)?.to_dtype(dtype)?;
+    let w = Tensor::randn(0f32, 1.0, (out, inner), &Device::Cpu)?.to_dtype(dtype)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..iters.max(1) + 1 {
+        let t = Instant::now();
+        std::hint::black_box(crate::kernels::linear::linear_as(how, &x, &w)?);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (rows * inner * out) as f64 / best / 1e9)
+}
+
 /// GFLOP/s of a bidirectional attention core (`softmax(q k^T / sqrt(d)) v` over `heads`
 /// heads of `s x d`, the fused kernel the layers run) in `dtype`, forward only, best of
 /// `iters`: `4 * heads * s^2 * d` FLOPs.

@@ -386,10 +386,14 @@ fn cross_entropy_matches_the_unfused_reference() {
 
 #[test]
 fn linear_matches_the_unfused_reference() {
-    for dtype in [DType::F32, DType::F64] {
+    // 21 rows of 40 take the row-major product; in f32, 6 rows of 64 (at most half the
+    // inner length) the column-major one and a transpose.
+    for (dtype, rows) in
+        [DType::F32, DType::F64].into_iter().flat_map(|d| [(d, [3, 7, 40]), (d, [2, 3, 64])])
+    {
         let run = |fused: bool| {
-            let x = var("x", &[3, 7, 40], dtype);
-            let w = var("w", &[23, 40], dtype);
+            let x = var("x", &rows, dtype);
+            let w = var("w", &[23, rows[2]], dtype);
             let y =
                 if fused { linear(&x, &w).unwrap() } else { reference::linear(&x, &w).unwrap() };
             let grads = weigh(&y, "dy").backward().unwrap();
@@ -397,9 +401,9 @@ fn linear_matches_the_unfused_reference() {
         };
         let (got, want) = (run(true), run(false));
         let tol = tolerance(dtype);
-        close(&format!("linear {dtype:?}"), &got.0, &want.0, tol);
-        close(&format!("linear {dtype:?} dx"), &got.1, &want.1, tol);
-        close(&format!("linear {dtype:?} dw"), &got.2, &want.2, tol);
+        close(&format!("linear {dtype:?} {rows:?}"), &got.0, &want.0, tol);
+        close(&format!("linear {dtype:?} {rows:?} dx"), &got.1, &want.1, tol);
+        close(&format!("linear {dtype:?} {rows:?} dw"), &got.2, &want.2, tol);
     }
     let e = linear(&var("x", &[2, 5], DType::F32), &var("w", &[3, 4], DType::F32)).unwrap_err();
     assert!(e.to_string().contains("do not fit"), "{e}");

@@ -45,13 +45,15 @@ struct NnArgs {
     #[arg(long, default_value_t = 3)]
     iters: usize,
     /// Run only these measurements (comma-separated): layer, moe-layer, model, moe-model,
-    /// vit, adamw (the optimizer update alone). Default: all.
+    /// vit, linear (the linear forward product alone, by row count), adamw (the optimizer
+    /// update alone). Default: all.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
 
 /// The measurements of `bench nn`, in order.
-const NN_BENCHES: [&str; 6] = ["layer", "moe-layer", "model", "moe-model", "vit", "adamw"];
+const NN_BENCHES: [&str; 7] =
+    ["layer", "moe-layer", "model", "moe-model", "vit", "linear", "adamw"];
 /// Parameters of the `adamw` measurement.
 const ADAMW_PARAMS: usize = 1 << 22;
 
@@ -183,8 +185,8 @@ fn run_mpi(_: &[usize], _: usize, _: &str) -> anyhow::Result<()> {
 fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     use candle_core::DType;
     use hetpar_nn::bench::{
-        NnBench, bench_adamw, bench_llama, bench_llama_layer, bench_vit, bf16_peak_gflops,
-        matmul_peak_gflops,
+        LINEAR_ROWS, NnBench, bench_adamw, bench_llama, bench_llama_layer, bench_vit,
+        bf16_peak_gflops, linear_gflops, matmul_peak_gflops,
     };
     use hetpar_nn::kernels::linear::Matmul;
     use hetpar_nn::layers::attention::CpMode;
@@ -224,10 +226,12 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         "matmul (best of 512^3 and 1024^3) {}: {peak:.1} GFLOP/s (threads: {threads})",
         a.dtype
     ));
-    say(&format!(
-        "{:<58} {:>10} {:>12} {:>12} {:>9}",
-        "what (forward+backward)", "time", "tokens/s", "GFLOP/s", "of matmul"
-    ));
+    if NN_BENCHES.iter().any(|n| wanted(n) && !matches!(*n, "adamw" | "linear")) {
+        say(&format!(
+            "{:<58} {:>10} {:>12} {:>12} {:>9}",
+            "what (forward+backward)", "time", "tokens/s", "GFLOP/s", "of matmul"
+        ));
+    }
     let llama = LlamaConfig {
         vocab: 4096,
         hidden: 512,
@@ -275,7 +279,7 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         };
         NN_BENCHES
             .iter()
-            .filter(|n| wanted(n) && **n != "adamw")
+            .filter(|n| wanted(n) && !matches!(**n, "adamw" | "linear"))
             .map(|n| run(n).map_err(anyhow::Error::from))
             .collect::<Vec<_>>()
     })
@@ -284,6 +288,22 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     .expect("one rank");
     for r in runs {
         show(r?);
+    }
+    if wanted("linear") {
+        // The bench MoE's expert weight (704 x 512): the forward product alone, no autograd.
+        let (inner, out) = (moe.hidden, moe.ffn);
+        let rates = LINEAR_ROWS
+            .iter()
+            .map(|&rows| {
+                let r = linear_gflops((rows, inner, out), 20 * iters.max(1), dtype, matmul)?;
+                Ok(format!("{rows}: {r:.1}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        say(&format!(
+            "linear forward x @ w^T (w {out} x {inner}) {}, GFLOP/s by rows: {}",
+            a.dtype,
+            rates.join(", ")
+        ));
     }
     if wanted("adamw") {
         let (fused, composed) = bench_adamw(ADAMW_PARAMS, 3 * iters.max(1), dtype)?;

@@ -182,6 +182,28 @@ fn schedule_for_every_example_with_an_svg() {
 }
 
 #[test]
+fn bench_nn_times_the_linear_forward_by_rows_in_the_format_compare_py_reads() {
+    let text = stdout(&hetpar(&["bench", "nn", "--only", "linear", "--iters", "1"]));
+    let line =
+        text.lines().find(|l| l.starts_with("linear forward")).unwrap_or_else(|| panic!("{text}"));
+    let (head, rates) = line.split_once(" GFLOP/s by rows: ").unwrap_or_else(|| panic!("{line}"));
+    assert_eq!(head, "linear forward x @ w^T (w 704 x 512) f32,");
+    let rows: Vec<&str> = rates.split(", ").map(|r| r.split_once(": ").expect(r).0).collect();
+    assert_eq!(rows, ["32", "64", "128", "256", "512"]);
+    assert!(
+        rates.split(", ").all(|r| r
+            .split_once(": ")
+            .expect(r)
+            .1
+            .parse::<f64>()
+            .is_ok_and(|g| g > 0.0)),
+        "{line}"
+    );
+    // Only the line asked for: no table header without table rows, no optimizer line.
+    assert!(!text.contains("what (forward+backward)") && !text.contains("adamw"), "{text}");
+}
+
+#[test]
 fn bench_comm_runs_a_small_case() {
     let text =
         stdout(&hetpar(&["bench", "comm", "--ranks", "2", "--sizes-mib", "1", "--iters", "1"]));
