@@ -132,11 +132,12 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
+    /// Bytes of an activation element as the runtime moves it across a boundary: 4 under
+    /// both dtypes, because `bf16` rounds only the linear layers' operands (weights,
+    /// activations and gradients stay f32; a bf16 row would be 2).
+    pub fn activation_bytes(self) -> usize {
         match self {
-            Dtype::F32 => 4,
-            Dtype::Bf16 => 2,
+            Dtype::F32 | Dtype::Bf16 => 4,
         }
     }
 

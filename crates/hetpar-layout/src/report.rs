@@ -91,7 +91,8 @@ pub struct EdgeReport {
     pub relation: DpRelation,
     /// Configured strategy.
     pub strategy: Strategy,
-    /// Bytes per row: destination hidden size times element size.
+    /// Bytes per row: destination hidden size times the activation element's size (f32
+    /// under both dtypes, [`crate::config::Dtype::activation_bytes`]).
     pub row_bytes: usize,
     /// Rows on the edge this step.
     pub rows: usize,
@@ -165,7 +166,7 @@ impl EdgeReport {
             mode: e.mode,
             relation: e.relation,
             strategy: e.strategy,
-            row_bytes: dst.dims.hidden * graph.train.dtype.size(),
+            row_bytes: dst.dims.hidden * graph.train.dtype.activation_bytes(),
             rows,
             empty_samples,
             items,

@@ -474,28 +474,37 @@ fn rounded(t: &Tensor) -> Tensor {
 
 #[test]
 fn bf16_linear_multiplies_the_rounded_operands_forward_and_backward() {
+    // 21 rows against 23 outputs take the kernel's row-major form, 10 rows (at most half
+    // the outputs) the transposed one.
+    for shape in [[3, 7, 40], [2, 5, 40]] {
+        let rows = shape[0] * shape[1];
+        let x = var("x", &shape, DType::F32);
+        let w = var("w", &[23, 40], DType::F32);
+        let b = var("b", &[23], DType::F32);
+        let y = linear_bias_as(Matmul::Bf16, &x, &w, &b).unwrap();
+        let dy = var("dy", y.dims(), DType::F32);
+        let grads = (&y * dy.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
+        // The same products in f64 on bf16-rounded operands (the output gradient rounded
+        // too, as the backward's products take it), the bias and its gradient unrounded.
+        let (xr, wr, dyr) = (rounded(&x), rounded(&w), rounded(&dy));
+        let b64 = b.as_tensor().to_dtype(DType::F64).unwrap();
+        let want_y = reference::bias_add(&reference::linear(&xr, &wr).unwrap(), &b64).unwrap();
+        let dy2 = dyr.reshape((rows, 23)).unwrap();
+        let want_dx = dy2.matmul(&wr).unwrap().reshape(&shape[..]).unwrap();
+        let want_dw = dy2.t().unwrap().matmul(&xr.reshape((rows, 40)).unwrap()).unwrap();
+        let want_db = dy.as_tensor().to_dtype(DType::F64).unwrap().reshape((rows, 23)).unwrap();
+        let want_db = want_db.sum(0).unwrap();
+        // f32 sums of exact products: the f32 tolerance.
+        let tol = tolerance(DType::F32);
+        close(&format!("bf16 linear {shape:?} y"), &y, &want_y, tol);
+        close(&format!("bf16 linear {shape:?} dx"), grads.get(&x).unwrap(), &want_dx, tol);
+        close(&format!("bf16 linear {shape:?} dw"), grads.get(&w).unwrap(), &want_dw, tol);
+        close(&format!("bf16 linear {shape:?} db"), grads.get(&b).unwrap(), &want_db, tol);
+    }
     let x = var("x", &[3, 7, 40], DType::F32);
     let w = var("w", &[23, 40], DType::F32);
     let b = var("b", &[23], DType::F32);
     let y = linear_bias_as(Matmul::Bf16, &x, &w, &b).unwrap();
-    let dy = var("dy", y.dims(), DType::F32);
-    let grads = (&y * dy.as_tensor()).unwrap().sum_all().unwrap().backward().unwrap();
-    // The same products in f64 on bf16-rounded operands (the output gradient rounded too,
-    // as the backward's products take it), the bias and its gradient unrounded.
-    let (xr, wr, dyr) = (rounded(&x), rounded(&w), rounded(&dy));
-    let b64 = b.as_tensor().to_dtype(DType::F64).unwrap();
-    let want_y = reference::bias_add(&reference::linear(&xr, &wr).unwrap(), &b64).unwrap();
-    let dy2 = dyr.reshape((21, 23)).unwrap();
-    let want_dx = dy2.matmul(&wr).unwrap().reshape((3, 7, 40)).unwrap();
-    let want_dw = dy2.t().unwrap().matmul(&xr.reshape((21, 40)).unwrap()).unwrap();
-    let want_db = dy.as_tensor().to_dtype(DType::F64).unwrap().reshape((21, 23)).unwrap();
-    let want_db = want_db.sum(0).unwrap();
-    // f32 sums of exact products: the f32 tolerance.
-    let tol = tolerance(DType::F32);
-    close("bf16 linear y", &y, &want_y, tol);
-    close("bf16 linear dx", grads.get(&x).unwrap(), &want_dx, tol);
-    close("bf16 linear dw", grads.get(&w).unwrap(), &want_dw, tol);
-    close("bf16 linear db", grads.get(&b).unwrap(), &want_db, tol);
     // And it is not the f32 product: the rounding shows at well above the f32 tolerance.
     let f32_y = linear_bias(&x, &w, &b).unwrap();
     let moved = rel_err(&flat(&y).unwrap(), &flat(&f32_y).unwrap());

@@ -50,6 +50,33 @@ fn layout_text_of_the_colocated_fan_in() {
     expect_file!["snapshots/layout-colocated-fanin.txt"].assert_eq(&text);
 }
 
+/// Under `dtype = "bf16"` boundary rows stay f32 (only the linear products round), so the
+/// layout report sizes them as under f32, not at 2 bytes an element.
+#[test]
+fn layout_sizes_boundary_rows_in_f32_under_bf16() {
+    let dir = temp("layout-bf16");
+    let demo_path = root().join("examples/demo.toml");
+    let demo = std::fs::read_to_string(&demo_path).expect("demo");
+    assert!(demo.contains("lr = 1e-3"), "the demo's [train] changed");
+    let path = dir.join("bf16.toml");
+    std::fs::write(&path, demo.replacen("lr = 1e-3", "lr = 1e-3\ndtype = \"bf16\"", 1))
+        .expect("write");
+    let edges = |cfg: &str| -> Vec<Value> {
+        let json: Value =
+            serde_json::from_str(&stdout(&hetpar(&["layout", cfg, "--json"]))).expect("JSON");
+        json["edges"].as_array().expect("edges").clone()
+    };
+    let (bf16, f32) =
+        (edges(path.to_str().expect("utf-8")), edges(demo_path.to_str().expect("utf-8")));
+    assert_eq!(bf16.len(), f32.len());
+    for (b, f) in bf16.iter().zip(&f32) {
+        assert_eq!(b["row_bytes"], f["row_bytes"], "{b}");
+        assert_eq!(b["bytes_fwd"], f["bytes_fwd"], "{b}");
+    }
+    // Every edge of the demo enters its LLM, 96 wide: 384 bytes a row.
+    assert!(bf16.iter().all(|e| e["row_bytes"] == 384), "{bf16:?}");
+}
+
 #[test]
 fn layout_json_has_the_interface_fields_and_exact_meets_the_bound() {
     for example in examples() {

@@ -86,6 +86,11 @@ fn mul<T: Real>(
 /// difference (BENCHMARKS.md, "Short products"); the sums are the same products in another
 /// order, so the two forms agree to rounding, not to the bit. gemm's f64 kernels gain at
 /// some of these shapes and lose at others, so f64 (the parity reference) keeps one form.
+///
+/// The bf16 kernel ([`super::bf16`]) has the same trouble at few rows (it rounds and packs
+/// the weight with strided reads for a handful of rows, all of them in one row block):
+/// with at most half as many rows as outputs it computes `w x^T` into `y`'s transpose
+/// (704 x 512 weight: 32 rows 171 -> 287 GFLOP/s, 128 rows 318 -> 350).
 fn product<T: Real>(
     how: Matmul,
     x: &[T],
@@ -100,6 +105,12 @@ fn product<T: Real>(
         let cv = View { offset: 0, rows, cols: out, rs: 1, cs: rows };
         mul(how, &mut columns, cv, x, xv, w, wt)?;
         transpose::transpose(&columns, &mut y, rows, out);
+    } else if how == Matmul::Bf16 && 2 * rows <= out {
+        // `y^T = w x^T`, written through `y`'s transpose: the weight's rows go to the
+        // kernel's row blocks (packed from contiguous rows, split over threads) and the
+        // few rows of `x` to its 32-wide column panels.
+        let yt = View::rows(0, rows, out, out).t();
+        mul(how, &mut y, yt, w, View::rows(0, out, inner, inner), x, xv.t())?;
     } else {
         mul(how, &mut y, View::rows(0, rows, out, out), x, xv, w, wt)?;
     }
