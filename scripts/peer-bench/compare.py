@@ -257,7 +257,9 @@ KEYS = ["layer", "moe-layer", "model", "moe-model", "vit"]
 
 
 def hetpar_rows(binary, iters, dtype):
-    """Runs `hetpar bench nn`; returns (matmul GFLOP/s, {key: (name, seconds, GFLOP/s)})."""
+    """Runs `hetpar bench nn`; returns (matmul GFLOP/s, {key: (name, seconds, GFLOP/s)},
+    (AdamW parameters, seconds), ((out, in) of the linear row's weight, {rows: GFLOP/s})).
+    A binary without the `linear` line (before it existed) is refused."""
     env = {"RAYON_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [binary, "bench", "nn", "--iters", str(iters), "--dtype", dtype],

@@ -78,12 +78,13 @@ fn mul<T: Real>(
 
 /// `x @ w^T` into a new row-major `[rows, out]`.
 ///
-/// With few f32 rows against the inner length (`2 * rows <= inner`), gemm's kernels run
-/// this product far below their rate when the result is row-major: they repack all of `w`
-/// for a handful of rows (64 rows of a 704 x 512 weight: 100 GFLOP/s where the square
-/// product runs 230 on one Zen 5 core). Written column-major, the same product runs at the
-/// full rate, and a blocked transpose of the `rows x out` result costs less than the
-/// difference (BENCHMARKS.md, "Short products"); the sums are the same products in another
+/// With few f32 rows against the inner length and the outputs (`2 * rows <= inner`,
+/// `rows < out`), gemm's kernels run this product far below their rate when the result is
+/// row-major: they repack all of `w` for a handful of rows (64 rows of a 704 x 512 weight:
+/// 100 GFLOP/s where the square product runs 230 on one Zen 5 core). Written column-major,
+/// the same product runs at the full rate, and a blocked transpose of the `rows x out`
+/// result costs less than the difference (BENCHMARKS.md, "Short products"). Narrow outputs
+/// (an MoE router's 8, or 64) run 2-3x slower that way, hence `rows < out`. The sums are the same products in another
 /// order, so the two forms agree to rounding, not to the bit. gemm's f64 kernels gain at
 /// some of these shapes and lose at others, so f64 (the parity reference) keeps one form.
 ///
@@ -100,7 +101,7 @@ fn product<T: Real>(
     let mut y = vec![T::ZERO; rows * out];
     let (xv, wt) = (View::rows(0, rows, inner, inner), View::rows(0, out, inner, inner).t());
     let f32 = <T as candle_core::WithDType>::DTYPE == candle_core::DType::F32;
-    if how == Matmul::Native && f32 && 2 * rows <= inner && rows > 0 && out > 0 {
+    if how == Matmul::Native && f32 && 2 * rows <= inner && rows < out && rows > 0 {
         let mut columns = vec![T::ZERO; rows * out];
         let cv = View { offset: 0, rows, cols: out, rs: 1, cs: rows };
         mul(how, &mut columns, cv, x, xv, w, wt)?;
