@@ -84,9 +84,10 @@ fn mul<T: Real>(
 /// 100 GFLOP/s where the square product runs 230 on one Zen 5 core). Written column-major,
 /// the same product runs at the full rate, and a blocked transpose of the `rows x out`
 /// result costs less than the difference (BENCHMARKS.md, "Short products"). Narrow outputs
-/// (an MoE router's 8, or 64) run 2-3x slower that way, hence `rows < out`. The sums are the same products in another
-/// order, so the two forms agree to rounding, not to the bit. gemm's f64 kernels gain at
-/// some of these shapes and lose at others, so f64 (the parity reference) keeps one form.
+/// run 1.4-3x slower that way (64 outputs; an MoE router's 8), hence `rows < out`. The
+/// sums are the same products in another order, so the two forms agree to rounding, not
+/// to the bit. gemm's f64 kernels gain at some of these shapes and lose at others, so f64
+/// (the parity reference) keeps one form.
 ///
 /// The bf16 kernel ([`super::bf16`]) has the same trouble at few rows (it rounds and packs
 /// the weight with strided reads for a handful of rows, all of them in one row block):
