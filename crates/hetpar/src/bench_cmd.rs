@@ -54,6 +54,11 @@ struct NnArgs {
 /// The measurements of `bench nn`, in order.
 const NN_BENCHES: [&str; 7] =
     ["layer", "moe-layer", "model", "moe-model", "vit", "linear", "adamw"];
+/// Whether measurement `name` is a row of the forward+backward table (the others print a
+/// line of their own).
+fn table_row(name: &str) -> bool {
+    !matches!(name, "adamw" | "linear")
+}
 /// Parameters of the `adamw` measurement.
 const ADAMW_PARAMS: usize = 1 << 22;
 
@@ -226,7 +231,7 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         "matmul (best of 512^3 and 1024^3) {}: {peak:.1} GFLOP/s (threads: {threads})",
         a.dtype
     ));
-    if NN_BENCHES.iter().any(|n| wanted(n) && !matches!(*n, "adamw" | "linear")) {
+    if NN_BENCHES.iter().any(|n| wanted(n) && table_row(n)) {
         say(&format!(
             "{:<58} {:>10} {:>12} {:>12} {:>9}",
             "what (forward+backward)", "time", "tokens/s", "GFLOP/s", "of matmul"
@@ -279,7 +284,7 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         };
         NN_BENCHES
             .iter()
-            .filter(|n| wanted(n) && !matches!(**n, "adamw" | "linear"))
+            .filter(|n| wanted(n) && table_row(n))
             .map(|n| run(n).map_err(anyhow::Error::from))
             .collect::<Vec<_>>()
     })
