@@ -215,11 +215,7 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     let peak = match matmul {
         Matmul::Native => matmul_peak_gflops(10 * a.iters.max(1), dtype)?,
         Matmul::Bf16 => {
-            let kernel = if hetpar_nn::kernels::bf16::native() {
-                "AVX512-BF16"
-            } else {
-                "no AVX512-BF16 here: bf16-rounded operands through f32 gemm"
-            };
+            let kernel = hetpar_nn::kernels::bf16::kernel();
             let f32 = matmul_peak_gflops(10 * a.iters.max(1), DType::F32)?;
             say(&format!(
                 "bf16 products ({kernel}), f32 weights and activations; f32 matmul: {f32:.1} GFLOP/s"

@@ -11,6 +11,9 @@
 //! f32, so both paths compute the same products and differ only in the order and rounding
 //! of the f32 sums (and `vdpbf16ps` flushes subnormal sums to zero).
 //!
+//! Where the CPU also has AMX-BF16 (and Linux grants this process the tile registers) the
+//! product runs on AMX tiles instead ([`super::amx`]), from operands rounded the same way.
+//!
 //! Blocking follows the usual layout of a GEMM (Goto and van de Geijn 2008): `NC` columns
 //! of the right operand at a time, `KC` pairs of the inner dimension, packed once and
 //! shared; `MC` rows of the left operand packed per thread; a micro-kernel of `MR` x `NR`
@@ -18,6 +21,36 @@
 #![allow(unsafe_code)]
 
 use super::gemm::{self, View};
+
+/// Which kernel runs the bf16 products on this machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// AMX tiles (`tdpbf16ps`), with the operands packed on AVX512-BF16.
+    Amx,
+    /// AVX512-BF16 (`vdpbf16ps`) in registers.
+    Avx512Bf16,
+    /// bf16-rounded f32 operands through gemm's f32 kernels.
+    Fallback,
+}
+
+impl std::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Kernel::Amx => "AMX-BF16 tiles",
+            Kernel::Avx512Bf16 => "AVX512-BF16",
+            Kernel::Fallback => "no AVX512-BF16 here: bf16-rounded operands through f32 gemm",
+        })
+    }
+}
+
+/// The fastest kernel this CPU (and OS) runs: the one [`matmul_on`] takes.
+pub fn kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    if super::amx::available() {
+        return Kernel::Amx;
+    }
+    if native() { Kernel::Avx512Bf16 } else { Kernel::Fallback }
+}
 
 /// Whether this CPU multiplies bf16 on its own instructions (AVX512-BF16); elsewhere the
 /// products run on bf16-rounded f32 operands through gemm.
@@ -56,7 +89,7 @@ pub fn round(x: f32) -> f32 {
 /// low half (the order `vdpbf16ps` pairs them in).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
-fn pair(even: f32, odd: f32) -> u32 {
+pub(super) fn pair(even: f32, odd: f32) -> u32 {
     u32::from(bits(even)) | (u32::from(bits(odd)) << 16)
 }
 
@@ -78,6 +111,26 @@ pub fn matmul_on(
     beta: f32,
     threads: usize,
 ) {
+    matmul_with(kernel(), dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads);
+}
+
+/// [`matmul_on`] on the kernel named (the tests and benchmarks compare them).
+///
+/// # Panics
+/// As [`matmul_on`], and if this machine cannot run `kernel` (see [`kernel`]).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_with(
+    kernel: Kernel,
+    dst: &mut [f32],
+    dv: View,
+    lhs: &[f32],
+    lv: View,
+    rhs: &[f32],
+    rv: View,
+    accumulate: bool,
+    beta: f32,
+    threads: usize,
+) {
     gemm::check(dst.len(), dv, lhs.len(), lv, rhs.len(), rv);
     let (m, n, k) = (dv.rows, dv.cols, lv.cols);
     if m == 0 || n == 0 || k == 0 {
@@ -85,13 +138,26 @@ pub fn matmul_on(
         // accumulating).
         return gemm::matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads);
     }
-    #[cfg(target_arch = "x86_64")]
-    if native() {
-        // SAFETY: the CPU has every feature the kernels are compiled for; `check` above
-        // holds the views inside their slices and the destination injective.
-        return unsafe { avx::run(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads) };
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Amx => {
+            assert!(super::amx::available(), "this machine has no AMX-BF16 tiles");
+            // SAFETY: the CPU has AMX and AVX512-BF16 and this process the tile state;
+            // `check` above holds the views inside their slices and the destination
+            // injective.
+            unsafe { super::amx::run(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512Bf16 => {
+            assert!(native(), "this CPU has no AVX512-BF16");
+            // SAFETY: the CPU has every feature the kernels are compiled for; `check` above
+            // holds the views inside their slices and the destination injective.
+            unsafe { blocked::<avx::Avx512>(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Kernel::Amx | Kernel::Avx512Bf16 => panic!("{kernel} needs an x86-64 CPU"),
+        Kernel::Fallback => fallback(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads),
     }
-    fallback(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads);
 }
 
 /// The product on bf16-rounded copies of the operands, through gemm's f32 kernels.
@@ -129,131 +195,69 @@ fn fallback(
     );
 }
 
+/// The destination, shared by the threads: each writes rows no other thread writes.
 #[cfg(target_arch = "x86_64")]
-mod avx {
-    use std::arch::x86_64::*;
+#[derive(Clone, Copy)]
+pub(super) struct Out {
+    pub(super) ptr: *mut f32,
+    pub(super) rs: usize,
+    pub(super) cs: usize,
+}
+// SAFETY: threads write disjoint rows of an injective view (see [`blocked`]).
+#[cfg(target_arch = "x86_64")]
+unsafe impl Send for Out {}
+#[cfg(target_arch = "x86_64")]
+unsafe impl Sync for Out {}
 
-    use super::{View, pair};
-
-    /// Rows of the micro-kernel.
-    const MR: usize = 12;
-    /// Columns of the micro-kernel (two vectors of 16 lanes).
-    const NR: usize = 32;
-    /// Pairs of the inner dimension per packed block.
-    const KC: usize = 256;
-    /// Rows per packed block of the left operand.
-    const MC: usize = 8 * MR;
-    /// Columns per packed block of the right operand.
-    const NC: usize = 32 * NR;
-
-    /// The destination, shared by the threads: each writes rows no other thread writes.
-    #[derive(Clone, Copy)]
-    struct Out {
-        ptr: *mut f32,
-        rs: usize,
-        cs: usize,
-    }
-    // SAFETY: threads write disjoint rows of an injective view (see `run`).
-    unsafe impl Send for Out {}
-    unsafe impl Sync for Out {}
-
-    impl Out {
-        /// The destination from element `(r, c)` on (taking `self` whole, so a closure
-        /// captures the `Send` wrapper rather than its raw pointer).
-        ///
-        /// # Safety
-        /// `(r, c)` is an element of the destination's view.
-        unsafe fn at(self, r: usize, c: usize) -> Out {
-            // SAFETY: the caller's contract.
-            Out { ptr: unsafe { self.ptr.add(r * self.rs + c * self.cs) }, ..self }
-        }
-    }
-
-    /// See [`super::matmul_on`].
+#[cfg(target_arch = "x86_64")]
+impl Out {
+    /// The destination from element `(r, c)` on (taking `self` whole, so a closure
+    /// captures the `Send` wrapper rather than its raw pointer).
     ///
     /// # Safety
-    /// The CPU has AVX-512F/BW, AVX512-BF16 and FMA; every view lies inside its slice, the
-    /// shapes chain, none is empty, and `dv` is injective.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
-    pub unsafe fn run(
-        dst: &mut [f32],
-        dv: View,
-        lhs: &[f32],
-        lv: View,
-        rhs: &[f32],
-        rv: View,
-        accumulate: bool,
-        beta: f32,
-        threads: usize,
-    ) {
-        let (m, n, k) = (dv.rows, dv.cols, lv.cols);
-        let pairs = k.div_ceil(2);
-        // SAFETY (for the pointer arithmetic of the kernel): `dv.offset` is inside `dst`.
-        let out = Out { ptr: unsafe { dst.as_mut_ptr().add(dv.offset) }, rs: dv.rs, cs: dv.cs };
-        let blocks = m.div_ceil(MC);
-        let threads = threads.clamp(1, blocks);
-        // Buffers sized to the product (a small one would otherwise zero-fill more than it
-        // multiplies): packed rows keep their `KC` stride, which the kernel's addressing
-        // takes as a constant.
-        let mut bpack = vec![0u32; NC.min(n.next_multiple_of(NR)) * KC.min(pairs)];
-        let apack_len = MC.min(m.next_multiple_of(MR)) * KC;
-        for j0 in (0..n).step_by(NC) {
-            let nc = NC.min(n - j0);
-            for p0 in (0..pairs).step_by(KC) {
-                let kc = KC.min(pairs - p0);
-                let bpack = &mut bpack[..nc.next_multiple_of(NR) * kc];
-                pack_rhs(bpack, rhs, rv, j0, nc, p0, kc);
-                let bpack = &*bpack;
-                // Later blocks of the inner dimension add to what the first wrote.
-                let acc = accumulate || p0 > 0;
-                let rows = |first: usize| {
-                    let mut apack = vec![0u32; apack_len];
-                    for blk in (first..blocks).step_by(threads) {
-                        let i0 = blk * MC;
-                        let mc = MC.min(m - i0);
-                        pack_lhs(&mut apack, lhs, lv, i0, mc, p0, kc, k);
-                        for jp in 0..nc.div_ceil(NR) {
-                            let b = &bpack[jp * kc * NR..(jp + 1) * kc * NR];
-                            let cols = NR.min(nc - jp * NR);
-                            for ip in 0..mc.div_ceil(MR) {
-                                let a = &apack[ip * MR * KC..(ip + 1) * MR * KC];
-                                let (r0, c0) = (i0 + ip * MR, j0 + jp * NR);
-                                // SAFETY: `(r0, c0)` is an element of `dv`, inside `dst`.
-                                let here = unsafe { out.at(r0, c0) };
-                                let tile = Tile { rows: MR.min(mc - ip * MR), cols };
-                                // SAFETY: the tile's elements are elements of `dv`.
-                                unsafe { kernel(a, b, kc, here, tile, acc, beta) };
-                            }
-                        }
-                    }
-                };
-                if threads == 1 {
-                    rows(0);
-                } else {
-                    let rows = &rows;
-                    rayon::scope(|s| {
-                        for t in 0..threads {
-                            s.spawn(move |_| rows(t));
-                        }
-                    });
-                }
-            }
-        }
+    /// `(r, c)` is an element of the destination's view.
+    pub(super) unsafe fn at(self, r: usize, c: usize) -> Out {
+        // SAFETY: the caller's contract.
+        Out { ptr: unsafe { self.ptr.add(r * self.rs + c * self.cs) }, ..self }
     }
+}
 
-    /// The rows and columns of a micro-tile that lie inside the destination.
-    #[derive(Clone, Copy)]
-    struct Tile {
-        rows: usize,
-        cols: usize,
-    }
+/// The rows and columns of a micro-tile that lie inside the destination.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(super) struct Tile {
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
 
-    /// Rows `i0..i0 + mc` and pairs `p0..p0 + kc` of `lhs` into `out`: `MR`-row panels, each
-    /// row `KC` pairs long (rows past `mc` zero, a missing odd element zero).
+/// A blocked kernel (Goto and van de Geijn): its micro-tile and block sizes, how it packs
+/// each operand, and its micro-kernel; [`blocked`] runs the loops around them.
+#[cfg(target_arch = "x86_64")]
+pub(super) trait Blocking {
+    /// Rows of the micro-kernel.
+    const MR: usize;
+    /// Columns of the micro-kernel.
+    const NR: usize;
+    /// Pairs of the inner dimension per packed block.
+    const KC: usize;
+    /// Rows per packed block of the left operand (a multiple of `MR`).
+    const MC: usize;
+    /// Columns per packed block of the right operand (a multiple of `NR`).
+    const NC: usize;
+
+    /// Lanes a packed row of the left operand takes for a block of `kc` pairs.
+    fn lhs_depth(kc: usize) -> usize;
+
+    /// Lanes a packed column of the right operand takes for a block of `kc` pairs.
+    fn rhs_depth(kc: usize) -> usize;
+
+    /// Rows `i0..i0 + mc` and pairs `p0..p0 + kc` of `lhs` into `out`, `MR`-row panels of
+    /// `MR * lhs_depth(kc)` lanes (rows past `mc` zero).
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features; `lv` lies inside `lhs`, `k` its columns.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
-    fn pack_lhs(
+    unsafe fn pack_lhs(
         out: &mut [u32],
         lhs: &[f32],
         lv: View,
@@ -262,33 +266,14 @@ mod avx {
         p0: usize,
         kc: usize,
         k: usize,
-    ) {
-        let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
-        for i in mc..mc.next_multiple_of(MR) {
-            out[i * KC..i * KC + kc].fill(0);
-        }
-        if lv.cs == 1 {
-            for i in 0..mc {
-                let start = lv.offset + (i0 + i) * lv.rs;
-                convert(&lhs[start + k0..start + k1], &mut out[i * KC..i * KC + kc]);
-            }
-        } else {
-            // The inner dimension is strided (a transposed operand): walk it outside, so
-            // each step reads neighbouring rows.
-            for p in 0..kc {
-                let (ke, ko) = (k0 + 2 * p, k0 + 2 * p + 1);
-                for i in 0..mc {
-                    let at = |kk: usize| lhs[lv.offset + (i0 + i) * lv.rs + kk * lv.cs];
-                    out[i * KC + p] = pair(at(ke), if ko < k { at(ko) } else { 0.0 });
-                }
-            }
-        }
-    }
+    );
 
-    /// Columns `j0..j0 + nc` and pairs `p0..p0 + kc` of `rhs` into `out`: `NR`-column
-    /// panels, each `kc` rows of `NR` pairs (columns past `nc` zero).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
-    fn pack_rhs(
+    /// Columns `j0..j0 + nc` and pairs `p0..p0 + kc` of `rhs` into `out`, `NR`-column
+    /// panels of `NR * rhs_depth(kc)` lanes (columns past `nc` zero).
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features; `rv` lies inside `rhs`.
+    unsafe fn pack_rhs(
         out: &mut [u32],
         rhs: &[f32],
         rv: View,
@@ -296,49 +281,338 @@ mod avx {
         nc: usize,
         p0: usize,
         kc: usize,
-    ) {
-        let k = rv.rows;
-        for jp in 0..nc.div_ceil(NR) {
-            let panel = &mut out[jp * kc * NR..(jp + 1) * kc * NR];
-            let (c0, cols) = (j0 + jp * NR, NR.min(nc - jp * NR));
-            if rv.cs == 1 {
-                // Rows of the inner dimension are contiguous: interleave two at a time.
-                let row = |kk: usize| {
-                    let start = rv.offset + kk * rv.rs + c0;
-                    &rhs[start..start + cols]
-                };
-                for p in 0..kc {
-                    let ke = 2 * (p0 + p);
-                    let odd = if ke + 1 < k { row(ke + 1) } else { &[][..] };
-                    interleave(row(ke), odd, &mut panel[p * NR..(p + 1) * NR]);
-                }
-            } else {
-                let mut col = [0u32; KC];
-                for c in 0..NR {
-                    if c >= cols {
-                        (0..kc).for_each(|p| panel[p * NR + c] = 0);
-                        continue;
-                    }
-                    let base = rv.offset + (c0 + c) * rv.cs;
-                    if rv.rs == 1 {
-                        let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
-                        convert(&rhs[base + k0..base + k1], &mut col[..kc]);
-                    } else {
-                        for (p, lane) in col[..kc].iter_mut().enumerate() {
-                            let (ke, ko) = (2 * (p0 + p), 2 * (p0 + p) + 1);
-                            let odd = if ko < k { rhs[base + ko * rv.rs] } else { 0.0 };
-                            *lane = pair(rhs[base + ke * rv.rs], odd);
+    );
+
+    /// Readies this thread for [`Self::kernel`] ([`Self::end`] undoes it).
+    ///
+    /// # Safety
+    /// The CPU has the kernel's features.
+    unsafe fn begin() {}
+
+    /// Undoes [`Self::begin`].
+    ///
+    /// # Safety
+    /// As [`Self::begin`], on the thread that called it.
+    unsafe fn end() {}
+
+    /// One micro-tile: panel `a` times panel `b` (a block of `kc` pairs), added into the
+    /// destination's `tile` as `out = (out if acc) + beta * sum`.
+    ///
+    /// # Safety
+    /// Between [`Self::begin`] and [`Self::end`] on this thread; `a` and `b` the panels
+    /// the packing gave; `out` addresses elements `(r, c)`, `r < tile.rows`,
+    /// `c < tile.cols`, of the destination through its strides, which no other thread
+    /// writes.
+    unsafe fn kernel(a: &[u32], b: &[u32], kc: usize, out: Out, tile: Tile, acc: bool, beta: f32);
+}
+
+/// `dst = (dst if accumulate else 0) + beta * bf16(lhs) @ bf16(rhs)` by `B`'s blocking:
+/// for each block of `NC` columns and `KC` pairs, the right operand packed once and
+/// shared, and `MC`-row blocks of the left operand packed and multiplied on `threads`
+/// threads (block `i` on thread `i % threads`; a sum does not depend on the count).
+///
+/// # Safety
+/// The CPU has `B`'s features; every view lies inside its slice, the shapes chain, none is
+/// empty, and `dv` is injective.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn blocked<B: Blocking>(
+    dst: &mut [f32],
+    dv: View,
+    lhs: &[f32],
+    lv: View,
+    rhs: &[f32],
+    rv: View,
+    accumulate: bool,
+    beta: f32,
+    threads: usize,
+) {
+    let (m, n, k) = (dv.rows, dv.cols, lv.cols);
+    let pairs = k.div_ceil(2);
+    // SAFETY (for the pointer arithmetic of the kernel): `dv.offset` is inside `dst`.
+    let out = Out { ptr: unsafe { dst.as_mut_ptr().add(dv.offset) }, rs: dv.rs, cs: dv.cs };
+    let blocks = m.div_ceil(B::MC);
+    let threads = threads.clamp(1, blocks);
+    // Buffers sized to the product (a small one would otherwise zero-fill more than it
+    // multiplies).
+    let widest = B::KC.min(pairs);
+    let mut bstore = lines(B::NC.min(n.next_multiple_of(B::NR)) * B::rhs_depth(widest));
+    let bpack = as_lanes(&mut bstore);
+    let apack_len = B::MC.min(m.next_multiple_of(B::MR)) * B::lhs_depth(widest);
+    for j0 in (0..n).step_by(B::NC) {
+        let nc = B::NC.min(n - j0);
+        for p0 in (0..pairs).step_by(B::KC) {
+            let kc = B::KC.min(pairs - p0);
+            let (ad, bd) = (B::lhs_depth(kc), B::rhs_depth(kc));
+            let bpack = &mut bpack[..nc.next_multiple_of(B::NR) * bd];
+            // SAFETY: the CPU has `B`'s features; `rv` lies inside `rhs`.
+            unsafe { B::pack_rhs(bpack, rhs, rv, j0, nc, p0, kc) };
+            let bpack = &*bpack;
+            // Later blocks of the inner dimension add to what the first wrote.
+            let acc = accumulate || p0 > 0;
+            let rows = |first: usize| {
+                let mut astore = lines(apack_len);
+                let apack = as_lanes(&mut astore);
+                // SAFETY: the CPU has `B`'s features; `end` below on this thread.
+                unsafe { B::begin() };
+                for blk in (first..blocks).step_by(threads) {
+                    let i0 = blk * B::MC;
+                    let mc = B::MC.min(m - i0);
+                    let apack = &mut apack[..mc.next_multiple_of(B::MR) * ad];
+                    // SAFETY: as `pack_rhs` above.
+                    unsafe { B::pack_lhs(apack, lhs, lv, i0, mc, p0, kc, k) };
+                    for jp in 0..nc.div_ceil(B::NR) {
+                        let b = &bpack[jp * B::NR * bd..(jp + 1) * B::NR * bd];
+                        let cols = B::NR.min(nc - jp * B::NR);
+                        for ip in 0..mc.div_ceil(B::MR) {
+                            let a = &apack[ip * B::MR * ad..(ip + 1) * B::MR * ad];
+                            let (r0, c0) = (i0 + ip * B::MR, j0 + jp * B::NR);
+                            // SAFETY: `(r0, c0)` is an element of `dv`, inside `dst`.
+                            let here = unsafe { out.at(r0, c0) };
+                            let tile = Tile { rows: B::MR.min(mc - ip * B::MR), cols };
+                            // SAFETY: the tile's elements are elements of `dv`, in rows no
+                            // other thread writes; between `begin` and `end`.
+                            unsafe { B::kernel(a, b, kc, here, tile, acc, beta) };
                         }
                     }
-                    (0..kc).for_each(|p| panel[p * NR + c] = col[p]);
+                }
+                // SAFETY: `begin` above, on this thread.
+                unsafe { B::end() };
+            };
+            if threads == 1 {
+                rows(0);
+            } else {
+                let rows = &rows;
+                rayon::scope(|s| {
+                    for t in 0..threads {
+                        s.spawn(move |_| rows(t));
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// One cache line of packed lanes: packed operands live in these, so every packed row
+/// starts on a line (an AMX tile load across cache lines runs several times slower).
+#[cfg(target_arch = "x86_64")]
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(super) struct Line([u32; 16]);
+
+/// Room for `n` packed lanes, zeroed, 64-byte aligned.
+#[cfg(target_arch = "x86_64")]
+fn lines(n: usize) -> Vec<Line> {
+    vec![Line([0; 16]); n.div_ceil(16)]
+}
+
+/// The lanes of `store` as one slice.
+#[cfg(target_arch = "x86_64")]
+fn as_lanes(store: &mut [Line]) -> &mut [u32] {
+    // SAFETY: `Line` is 16 u32 with no padding (its size, 64 bytes, is theirs).
+    unsafe { std::slice::from_raw_parts_mut(store.as_mut_ptr().cast(), store.len() * 16) }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx {
+    use std::arch::x86_64::*;
+
+    use super::{Blocking, Out, Tile, View, pair};
+
+    /// Rows of the micro-kernel.
+    const MR: usize = 12;
+    /// Columns of the micro-kernel (two vectors of 16 lanes).
+    const NR: usize = 32;
+    /// Pairs of the inner dimension per packed block.
+    const KC: usize = 256;
+
+    /// The kernel: a 12 x 32 tile of sums in registers.
+    pub struct Avx512;
+
+    impl Blocking for Avx512 {
+        const MR: usize = MR;
+        const NR: usize = NR;
+        const KC: usize = KC;
+        const MC: usize = 8 * MR;
+        const NC: usize = 32 * NR;
+
+        /// Packed rows keep their `KC` stride, which the kernel's addressing takes as a
+        /// constant.
+        fn lhs_depth(_: usize) -> usize {
+            KC
+        }
+
+        fn rhs_depth(kc: usize) -> usize {
+            kc
+        }
+
+        /// Rows `i0..i0 + mc` and pairs `p0..p0 + kc` of `lhs` into `out`: `MR`-row panels, each
+        /// row `KC` pairs long (rows past `mc` zero, a missing odd element zero).
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+        unsafe fn pack_lhs(
+            out: &mut [u32],
+            lhs: &[f32],
+            lv: View,
+            i0: usize,
+            mc: usize,
+            p0: usize,
+            kc: usize,
+            k: usize,
+        ) {
+            let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
+            for i in mc..mc.next_multiple_of(MR) {
+                out[i * KC..i * KC + kc].fill(0);
+            }
+            if lv.cs == 1 {
+                for i in 0..mc {
+                    let start = lv.offset + (i0 + i) * lv.rs;
+                    convert(&lhs[start + k0..start + k1], &mut out[i * KC..i * KC + kc]);
+                }
+            } else {
+                // The inner dimension is strided (a transposed operand): walk it outside, so
+                // each step reads neighbouring rows.
+                for p in 0..kc {
+                    let (ke, ko) = (k0 + 2 * p, k0 + 2 * p + 1);
+                    for i in 0..mc {
+                        let at = |kk: usize| lhs[lv.offset + (i0 + i) * lv.rs + kk * lv.cs];
+                        out[i * KC + p] = pair(at(ke), if ko < k { at(ko) } else { 0.0 });
+                    }
+                }
+            }
+        }
+
+        /// Columns `j0..j0 + nc` and pairs `p0..p0 + kc` of `rhs` into `out`: `NR`-column
+        /// panels, each `kc` rows of `NR` pairs (columns past `nc` zero).
+        #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+        unsafe fn pack_rhs(
+            out: &mut [u32],
+            rhs: &[f32],
+            rv: View,
+            j0: usize,
+            nc: usize,
+            p0: usize,
+            kc: usize,
+        ) {
+            let k = rv.rows;
+            for jp in 0..nc.div_ceil(NR) {
+                let panel = &mut out[jp * kc * NR..(jp + 1) * kc * NR];
+                let (c0, cols) = (j0 + jp * NR, NR.min(nc - jp * NR));
+                if rv.cs == 1 {
+                    // Rows of the inner dimension are contiguous: interleave two at a time.
+                    let row = |kk: usize| {
+                        let start = rv.offset + kk * rv.rs + c0;
+                        &rhs[start..start + cols]
+                    };
+                    for p in 0..kc {
+                        let ke = 2 * (p0 + p);
+                        let odd = if ke + 1 < k { row(ke + 1) } else { &[][..] };
+                        interleave(row(ke), odd, &mut panel[p * NR..(p + 1) * NR]);
+                    }
+                } else {
+                    let mut col = [0u32; KC];
+                    for c in 0..NR {
+                        if c >= cols {
+                            (0..kc).for_each(|p| panel[p * NR + c] = 0);
+                            continue;
+                        }
+                        let base = rv.offset + (c0 + c) * rv.cs;
+                        if rv.rs == 1 {
+                            let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
+                            convert(&rhs[base + k0..base + k1], &mut col[..kc]);
+                        } else {
+                            for (p, lane) in col[..kc].iter_mut().enumerate() {
+                                let (ke, ko) = (2 * (p0 + p), 2 * (p0 + p) + 1);
+                                let odd = if ko < k { rhs[base + ko * rv.rs] } else { 0.0 };
+                                *lane = pair(rhs[base + ke * rv.rs], odd);
+                            }
+                        }
+                        (0..kc).for_each(|p| panel[p * NR + c] = col[p]);
+                    }
+                }
+            }
+        }
+
+        /// One `MR` x `NR` tile: `a` (`MR` rows of `KC` pairs) times `b` (`kc` rows of `NR`
+        /// pairs), added into the destination's `tile` as `out = (out if acc) + beta * sum`.
+        ///
+        /// # Safety
+        /// `out` addresses elements `(r, c)`, `r < tile.rows`, `c < tile.cols`, of `dst` through
+        /// its strides, which no other thread writes; `a` and `b` hold `MR * KC` and `kc * NR`.
+        #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+        unsafe fn kernel(
+            a: &[u32],
+            b: &[u32],
+            kc: usize,
+            out: Out,
+            tile: Tile,
+            acc: bool,
+            beta: f32,
+        ) {
+            assert!(a.len() >= MR * KC && b.len() >= kc * NR && kc <= KC);
+            let (a, b) = (a.as_ptr(), b.as_ptr());
+            let mut sum = [[_mm512_setzero_ps(); 2]; MR];
+            for p in 0..kc {
+                // SAFETY: `p < kc`, and the lengths are checked above.
+                unsafe {
+                    let b0: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
+                    let b1: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
+                    for (r, s) in sum.iter_mut().enumerate() {
+                        let x: __m512bh =
+                            std::mem::transmute(_mm512_set1_epi32(*a.add(r * KC + p) as i32));
+                        s[0] = _mm512_dpbf16_ps(s[0], x, b0);
+                        s[1] = _mm512_dpbf16_ps(s[1], x, b1);
+                    }
+                }
+            }
+            let scale = _mm512_set1_ps(beta);
+            for (r, s) in sum.iter().enumerate().take(tile.rows) {
+                // SAFETY: row `r` of the tile is inside the destination (the contract).
+                let row = unsafe { out.ptr.add(r * out.rs) };
+                if out.cs == 1 {
+                    for (h, &v) in s.iter().enumerate() {
+                        let n = tile.cols.saturating_sub(16 * h).min(16);
+                        if n == 0 {
+                            break;
+                        }
+                        let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+                        // SAFETY: the mask covers columns `16h..16h + n` of the tile.
+                        unsafe {
+                            let at = row.add(16 * h);
+                            let old = if acc {
+                                _mm512_maskz_loadu_ps(mask, at)
+                            } else {
+                                _mm512_setzero_ps()
+                            };
+                            _mm512_mask_storeu_ps(at, mask, _mm512_fmadd_ps(scale, v, old));
+                        }
+                    }
+                } else {
+                    let mut lanes = [0f32; NR];
+                    // SAFETY: `lanes` holds two vectors.
+                    unsafe {
+                        _mm512_storeu_ps(lanes.as_mut_ptr(), s[0]);
+                        _mm512_storeu_ps(lanes.as_mut_ptr().add(16), s[1]);
+                    }
+                    for (c, &v) in lanes.iter().enumerate().take(tile.cols) {
+                        // SAFETY: column `c` of the tile is inside the destination.
+                        unsafe {
+                            let at = row.add(c * out.cs);
+                            let old = if acc { *at } else { 0.0 };
+                            *at = beta.mul_add(v, old);
+                        }
+                    }
                 }
             }
         }
     }
 
-    /// `src` (`2 * dst.len()` elements, or one fewer) as consecutive pairs into `dst`.
+    /// `src` (`2 * dst.len()` elements or fewer) as consecutive pairs into `dst` (zero past
+    /// the end of `src`).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
-    fn convert(src: &[f32], dst: &mut [u32]) {
+    pub(in crate::kernels) fn convert(src: &[f32], dst: &mut [u32]) {
         let full = (src.len() / 32).min(dst.len() / 16);
         for (s, d) in src.chunks_exact(32).zip(dst.chunks_exact_mut(16)).take(full) {
             // SAFETY: `s` holds 32 floats and `d` 16 lanes; unaligned loads and stores.
@@ -355,16 +629,17 @@ mod avx {
         }
     }
 
-    /// Lane `c` of `dst` (`NR` lanes) the pair `(even[c], odd[c])`, zero past either's end.
+    /// Lane `c` of `dst` (a multiple of 16 lanes) the pair `(even[c], odd[c])`, zero past
+    /// either's end.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
-    fn interleave(even: &[f32], odd: &[f32], dst: &mut [u32]) {
+    pub(in crate::kernels) fn interleave(even: &[f32], odd: &[f32], dst: &mut [u32]) {
         // Lane 2i of the result is bf16 element i of `even`, lane 2i + 1 element i of `odd`
         // (the converted vector holds `even` in its low 16 elements, `odd` in its high 16).
         let idx = _mm512_set_epi16(
             31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
             4, 19, 3, 18, 2, 17, 1, 16, 0,
         );
-        for h in 0..NR / 16 {
+        for h in 0..dst.len() / 16 {
             let load = |s: &[f32]| {
                 let n = s.len().saturating_sub(16 * h).min(16);
                 let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
@@ -375,71 +650,8 @@ mod avx {
             let v: __m512i =
                 unsafe { std::mem::transmute(_mm512_cvtne2ps_pbh(load(odd), load(even))) };
             let v = _mm512_permutexvar_epi16(idx, v);
-            // SAFETY: `dst` holds `NR` lanes.
+            // SAFETY: `dst` holds lanes `16h..16h + 16`.
             unsafe { _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h).cast(), v) };
-        }
-    }
-
-    /// One `MR` x `NR` tile: `a` (`MR` rows of `KC` pairs) times `b` (`kc` rows of `NR`
-    /// pairs), added into the destination's `tile` as `out = (out if acc) + beta * sum`.
-    ///
-    /// # Safety
-    /// `out` addresses elements `(r, c)`, `r < tile.rows`, `c < tile.cols`, of `dst` through
-    /// its strides, which no other thread writes; `a` and `b` hold `MR * KC` and `kc * NR`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
-    unsafe fn kernel(a: &[u32], b: &[u32], kc: usize, out: Out, tile: Tile, acc: bool, beta: f32) {
-        assert!(a.len() >= MR * KC && b.len() >= kc * NR && kc <= KC);
-        let (a, b) = (a.as_ptr(), b.as_ptr());
-        let mut sum = [[_mm512_setzero_ps(); 2]; MR];
-        for p in 0..kc {
-            // SAFETY: `p < kc`, and the lengths are checked above.
-            unsafe {
-                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
-                let b1: __m512bh =
-                    std::mem::transmute(_mm512_loadu_si512(b.add(p * NR + 16).cast()));
-                for (r, s) in sum.iter_mut().enumerate() {
-                    let x: __m512bh =
-                        std::mem::transmute(_mm512_set1_epi32(*a.add(r * KC + p) as i32));
-                    s[0] = _mm512_dpbf16_ps(s[0], x, b0);
-                    s[1] = _mm512_dpbf16_ps(s[1], x, b1);
-                }
-            }
-        }
-        let scale = _mm512_set1_ps(beta);
-        for (r, s) in sum.iter().enumerate().take(tile.rows) {
-            // SAFETY: row `r` of the tile is inside the destination (the contract).
-            let row = unsafe { out.ptr.add(r * out.rs) };
-            if out.cs == 1 {
-                for (h, &v) in s.iter().enumerate() {
-                    let n = tile.cols.saturating_sub(16 * h).min(16);
-                    if n == 0 {
-                        break;
-                    }
-                    let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
-                    // SAFETY: the mask covers columns `16h..16h + n` of the tile.
-                    unsafe {
-                        let at = row.add(16 * h);
-                        let old =
-                            if acc { _mm512_maskz_loadu_ps(mask, at) } else { _mm512_setzero_ps() };
-                        _mm512_mask_storeu_ps(at, mask, _mm512_fmadd_ps(scale, v, old));
-                    }
-                }
-            } else {
-                let mut lanes = [0f32; NR];
-                // SAFETY: `lanes` holds two vectors.
-                unsafe {
-                    _mm512_storeu_ps(lanes.as_mut_ptr(), s[0]);
-                    _mm512_storeu_ps(lanes.as_mut_ptr().add(16), s[1]);
-                }
-                for (c, &v) in lanes.iter().enumerate().take(tile.cols) {
-                    // SAFETY: column `c` of the tile is inside the destination.
-                    unsafe {
-                        let at = row.add(c * out.cs);
-                        let old = if acc { *at } else { 0.0 };
-                        *at = beta.mul_add(v, old);
-                    }
-                }
-            }
         }
     }
 }
@@ -448,30 +660,45 @@ mod avx {
 mod tests {
     use super::*;
 
-    /// `(m, n, k)`: single elements, edges of the micro-tile (12 x 32) and of the blocks
-    /// (96 rows, 1024 columns, 512 of the inner dimension), odd inner lengths.
-    const SHAPES: [(usize, usize, usize); 9] = [
+    /// `(m, n, k)`: single elements, edges of the micro-tiles (AVX512-BF16 12 x 32, AMX
+    /// 32 x 32 over 16 pairs) and of the blocks (96 or 128 rows, 1024 columns, 512 of the
+    /// inner dimension), odd inner lengths.
+    const SHAPES: [(usize, usize, usize); 11] = [
         (1, 1, 1),
         (3, 5, 7),
         (13, 33, 2),
         (12, 32, 512),
+        (32, 32, 32),
         (97, 65, 513),
         (25, 1030, 37),
         (5, 3, 1101),
         (200, 48, 64),
         (1, 70, 300),
+        (129, 17, 45),
     ];
 
-    /// A matrix of `rows x cols` inside a longer slice: row-major with padded rows, or
-    /// column-major (the transpose of one).
-    fn matrix(rows: usize, cols: usize, transposed: bool, seed: usize) -> (Vec<f32>, View) {
-        let data: Vec<f32> = (0..(rows + 1) * (cols + 3) + 5)
+    /// Every kernel this machine runs (the fallback runs everywhere).
+    fn kernels_here() -> Vec<Kernel> {
+        let mut here = vec![Kernel::Fallback];
+        if native() {
+            here.push(Kernel::Avx512Bf16);
+        }
+        if kernel() == Kernel::Amx {
+            here.push(Kernel::Amx);
+        }
+        here
+    }
+
+    /// A matrix of `rows x cols` inside a longer slice, by `layout`: 0 row-major with
+    /// padded rows, 1 column-major (the transpose of one), 2 neither stride 1.
+    fn matrix(rows: usize, cols: usize, layout: usize, seed: usize) -> (Vec<f32>, View) {
+        let data: Vec<f32> = (0..(rows + 1) * (2 * cols + 3) + 5)
             .map(|i| ((i * 7 + seed) as f32 * 0.173).sin())
             .collect();
-        let v = if transposed {
-            View::rows(2, cols, rows, rows + 1).t()
-        } else {
-            View::rows(3, rows, cols, cols + 2)
+        let v = match layout {
+            0 => View::rows(3, rows, cols, cols + 2),
+            1 => View::rows(2, cols, rows, rows + 1).t(),
+            _ => View { offset: 1, rows, cols, rs: 2 * cols + 3, cs: 2 },
         };
         (data, v)
     }
@@ -483,16 +710,26 @@ mod tests {
     /// Runs `f` on every shape and operand layout and checks each element against the f64
     /// product of the rounded operands, within the bound of f32 summation: `k + 2` units of
     /// f32 rounding (2^-24) of the sum of the products' magnitudes (and of the old value).
-    fn holds(f: impl Fn(&mut [f32], View, &[f32], View, &[f32], View, bool, f32, usize)) {
+    fn holds(kernel: Kernel) {
         for (case, &(m, n, k)) in SHAPES.iter().enumerate() {
-            for layout in 0..4 {
-                let (a, av) = matrix(m, k, layout & 1 == 1, case);
-                let (b, bv) = matrix(k, n, layout & 2 == 2, case + 11);
-                for (accumulate, beta, threads) in [(false, 1.0, 1), (true, 0.5, 2)] {
-                    let dv = View::rows(1, m, n, n + 1);
-                    let mut dst: Vec<f32> = (0..m * (n + 1) + 1).map(|i| i as f32 * 0.01).collect();
+            for layout in 0..9 {
+                let (a, av) = matrix(m, k, layout % 3, case);
+                let (b, bv) = matrix(k, n, layout / 3, case + 11);
+                let configs = [(false, 1.0, 1), (true, 0.5, 2), (true, 1.0, 1)];
+                for ((accumulate, beta, threads), rows) in
+                    configs.into_iter().zip([true, false, true])
+                {
+                    // A destination with padded rows, or a column-major one.
+                    let dv = if rows {
+                        View::rows(1, m, n, n + 1)
+                    } else {
+                        View::rows(1, n, m, m + 1).t()
+                    };
+                    let len = 1 + m.max(n) * (m.min(n) + 1);
+                    let mut dst: Vec<f32> = (0..len).map(|i| i as f32 * 0.01).collect();
                     let old = dst.clone();
-                    f(&mut dst, dv, &a, av, &b, bv, accumulate, beta, threads);
+                    matmul_with(kernel, &mut dst, dv, &a, av, &b, bv, accumulate, beta, threads);
+                    let mut seen = vec![false; len];
                     for r in 0..m {
                         for c in 0..n {
                             let (mut want, mut mag) = (0f64, 0f64);
@@ -502,49 +739,53 @@ mod tests {
                                 want += p;
                                 mag += p.abs();
                             }
-                            let prev =
-                                if accumulate { old[1 + r * (n + 1) + c] as f64 } else { 0.0 };
+                            let here = dv.offset + r * dv.rs + c * dv.cs;
+                            seen[here] = true;
+                            let prev = if accumulate { old[here] as f64 } else { 0.0 };
                             let want = prev + beta as f64 * want;
                             let bound =
                                 (k + 2) as f64 * 2f64.powi(-24) * (mag + prev.abs()) + 1e-30;
-                            let got = dst[1 + r * (n + 1) + c] as f64;
+                            let got = dst[here] as f64;
                             assert!(
                                 (got - want).abs() <= bound,
-                                "({m}, {n}, {k}) layout {layout} at ({r}, {c}): {got} against {want}"
+                                "{kernel:?} ({m}, {n}, {k}) layout {layout} at ({r}, {c}): {got} against {want}"
                             );
                         }
                     }
-                    for r in 0..m {
-                        assert_eq!(dst[1 + r * (n + 1) + n], old[1 + r * (n + 1) + n], "outside");
+                    for (i, seen) in seen.into_iter().enumerate() {
+                        assert!(
+                            seen || dst[i] == old[i],
+                            "{kernel:?} ({m}, {n}, {k}): {i} is outside"
+                        );
                     }
-                    assert_eq!(dst[0], old[0], "outside the view");
                 }
             }
         }
     }
 
     #[test]
-    fn products_match_the_rounded_operands_in_f64() {
-        holds(matmul_on);
-    }
-
-    #[test]
-    fn the_fallback_matches_the_rounded_operands_in_f64() {
-        holds(fallback);
+    fn every_kernel_here_matches_the_rounded_operands_in_f64() {
+        for kernel in kernels_here() {
+            holds(kernel);
+        }
     }
 
     #[test]
     fn a_transposed_destination_gets_the_same_product() {
-        let (m, n, k) = (30, 40, 50);
-        let (a, av) = matrix(m, k, false, 1);
-        let (b, bv) = matrix(k, n, true, 2);
-        let mut rows = vec![0f32; m * n];
-        matmul_on(&mut rows, View::rows(0, m, n, n), &a, av, &b, bv, false, 1.0, 1);
-        let mut cols = vec![0f32; m * n];
-        matmul_on(&mut cols, View::rows(0, n, m, m).t(), &a, av, &b, bv, false, 1.0, 1);
-        for r in 0..m {
-            for c in 0..n {
-                assert_eq!(rows[r * n + c].to_bits(), cols[c * m + r].to_bits());
+        let (m, n, k) = (70, 40, 530);
+        let (a, av) = matrix(m, k, 0, 1);
+        let (b, bv) = matrix(k, n, 1, 2);
+        for kernel in kernels_here() {
+            let mut rows = vec![0f32; m * n];
+            let rv = View::rows(0, m, n, n);
+            matmul_with(kernel, &mut rows, rv, &a, av, &b, bv, false, 1.0, 1);
+            let mut cols = vec![0f32; m * n];
+            let cv = View::rows(0, n, m, m).t();
+            matmul_with(kernel, &mut cols, cv, &a, av, &b, bv, false, 1.0, 1);
+            for r in 0..m {
+                for c in 0..n {
+                    assert_eq!(rows[r * n + c].to_bits(), cols[c * m + r].to_bits(), "{kernel:?}");
+                }
             }
         }
     }
@@ -552,14 +793,17 @@ mod tests {
     #[test]
     fn threads_do_not_change_the_bits() {
         let (m, n, k) = (300, 70, 600);
-        let (a, av) = matrix(m, k, false, 3);
-        let (b, bv) = matrix(k, n, false, 4);
-        let run = |threads| {
-            let mut d = vec![0f32; m * n];
-            matmul_on(&mut d, View::rows(0, m, n, n), &a, av, &b, bv, false, 1.0, threads);
-            d.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        };
-        assert_eq!(run(1), run(3));
+        let (a, av) = matrix(m, k, 0, 3);
+        let (b, bv) = matrix(k, n, 0, 4);
+        for kernel in kernels_here() {
+            let run = |threads| {
+                let mut d = vec![0f32; m * n];
+                let dv = View::rows(0, m, n, n);
+                matmul_with(kernel, &mut d, dv, &a, av, &b, bv, false, 1.0, threads);
+                d.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            };
+            assert_eq!(run(1), run(3), "{kernel:?}");
+        }
     }
 
     #[test]

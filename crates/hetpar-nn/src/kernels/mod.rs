@@ -1,18 +1,20 @@
 //! Fused CPU kernels as candle custom ops, each with its backward: attention that skips
 //! masked blocks ([`attention`]), RMSNorm, LayerNorm, the exact GELU, RoPE, SwiGLU and the
 //! bias add ([`pointwise`]), and the linear product ([`linear`]); and AdamW's update in
-//! place ([`adam`]); and products with bf16 operands and f32 sums ([`bf16`]), which the
-//! linear product runs under `dtype = "bf16"`. They replace chains of
-//! small tensor ops (and the copies between them, and the zero-filled gradient candle's
-//! backward adds into at each node) on the training path; the unfused compositions they
-//! replace stay in [`reference`], and the tests hold each kernel to them at the parity
-//! tolerances (f32 1e-5, f64 1e-10, relative).
+//! place ([`adam`]); and products with bf16 operands and f32 sums ([`bf16`], on AMX tiles
+//! where the CPU has them, [`amx`]), which the linear product runs under `dtype = "bf16"`.
+//! They replace chains of small tensor ops (and the copies between them, and the
+//! zero-filled gradient candle's backward adds into at each node) on the training path;
+//! the unfused compositions they replace stay in [`reference`], and the tests hold each
+//! kernel to them at the parity tolerances (f32 1e-5, f64 1e-10, relative).
 //!
 //! Kernels run on contiguous f32 or f64 CPU storage and combine in a fixed order, so a
 //! result never depends on timing. Attention's block products run on one thread per rank;
 //! the linear products use as many threads as candle's matmuls (`RAYON_NUM_THREADS`).
 
 pub mod adam;
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 pub mod attention;
 pub mod bf16;
 pub mod gemm;
