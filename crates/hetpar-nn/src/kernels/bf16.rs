@@ -339,6 +339,8 @@ pub(super) unsafe fn blocked<B: Blocking>(
     let mut bstore = lines(B::NC.min(n.next_multiple_of(B::NR)) * B::rhs_depth(widest));
     let bpack = as_lanes(&mut bstore);
     let apack_len = B::MC.min(m.next_multiple_of(B::MR)) * B::lhs_depth(widest);
+    // One packing buffer per thread, for every block.
+    let mut astores: Vec<Vec<Line>> = (0..threads).map(|_| lines(apack_len)).collect();
     for j0 in (0..n).step_by(B::NC) {
         let nc = B::NC.min(n - j0);
         for p0 in (0..pairs).step_by(B::KC) {
@@ -350,9 +352,8 @@ pub(super) unsafe fn blocked<B: Blocking>(
             let bpack = &*bpack;
             // Later blocks of the inner dimension add to what the first wrote.
             let acc = accumulate || p0 > 0;
-            let rows = |first: usize| {
-                let mut astore = lines(apack_len);
-                let apack = as_lanes(&mut astore);
+            let rows = |first: usize, astore: &mut [Line]| {
+                let apack = as_lanes(astore);
                 // SAFETY: the CPU has `B`'s features; `end` below on this thread.
                 unsafe { B::begin() };
                 for blk in (first..blocks).step_by(threads) {
@@ -380,12 +381,12 @@ pub(super) unsafe fn blocked<B: Blocking>(
                 unsafe { B::end() };
             };
             if threads == 1 {
-                rows(0);
+                rows(0, &mut astores[0]);
             } else {
                 let rows = &rows;
                 rayon::scope(|s| {
-                    for t in 0..threads {
-                        s.spawn(move |_| rows(t));
+                    for (t, astore) in astores.iter_mut().enumerate() {
+                        s.spawn(move |_| rows(t, astore));
                     }
                 });
             }
