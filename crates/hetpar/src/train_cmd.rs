@@ -95,10 +95,12 @@ pub fn dtype_name(dtype: DType, graph: &ModelGraph) -> &'static str {
 }
 
 /// How a run multiplies, for its log lines: the parameters' type, or bf16 products on f32
-/// parameters.
+/// parameters with the kernel this machine runs them on.
 pub fn precision(dtype: DType, graph: &ModelGraph) -> String {
     match graph.train.dtype {
-        Dtype::Bf16 => "bf16 products, f32 weights".into(),
+        Dtype::Bf16 => {
+            format!("bf16 products ({}), f32 weights", hetpar_nn::kernels::bf16::kernel())
+        }
         Dtype::F32 => format!("{dtype:?}"),
     }
 }

@@ -531,8 +531,10 @@ fn bf16_from_the_config_multiplies_in_bf16_and_keeps_parity() {
         out,
     ]);
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    // The kernel named is this machine's (AMX-BF16 tiles, AVX512-BF16 or the fallback).
+    let kernel = hetpar_nn::kernels::bf16::kernel();
     assert!(
-        stdout(&run).contains("(local backend, bf16 products, f32 weights)"),
+        stdout(&run).contains(&format!("(local backend, bf16 products ({kernel}), f32 weights)")),
         "{}",
         stdout(&run)
     );
