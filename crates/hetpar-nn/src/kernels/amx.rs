@@ -6,9 +6,10 @@
 //! they are packed, as on the AVX512-BF16 path, so both multiply the same bf16 values and
 //! sum in f32; they differ only in the order of those sums.
 //!
-//! Blocking is the AVX512-BF16 kernel's (`NC` columns of the right operand and `KC` pairs
-//! of the inner dimension packed once and shared, `MC` rows of the left operand packed per
-//! thread), with both operands packed tile by tile: each 16 x 16 block of pairs is 1 KiB,
+//! The loops around the micro-kernel are the AVX512-BF16 kernel's ([`super::bf16`]'s
+//! `blocked`: `NC` columns of the right operand and `KC` pairs of the inner dimension
+//! packed once and shared, blocks of 128 rows of the left operand packed per thread), with
+//! both operands packed tile by tile: each 16 x 16 block of pairs is 1 KiB,
 //! contiguous and 64-byte aligned, so a tile load reads whole cache lines in one stream (a
 //! tile load across cache lines runs 4-5 times slower). The micro-kernel keeps a 32 x 32
 //! block of sums in four tiles and uses the other four for two tiles of each operand;
@@ -37,8 +38,9 @@ const KC: usize = 256;
 const NC: usize = 32 * NR;
 
 /// Whether this process multiplies on AMX tiles: the CPU has AMX-TILE, AMX-BF16 and the
-/// AVX512-BF16 the packing uses, the OS saves tile state, and Linux granted this process
-/// the tile data (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once).
+/// AVX512-BF16 the packing uses, and can save tile state (XSAVE), and Linux granted this
+/// process the tile data (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once; a kernel without
+/// AMX support refuses).
 pub fn available() -> bool {
     static READY: OnceLock<bool> = OnceLock::new();
     *READY.get_or_init(|| super::bf16::native() && cpu_has_amx() && permitted())
@@ -127,12 +129,14 @@ pub unsafe fn run(
     beta: f32,
     threads: usize,
 ) {
-    if transposed_is_cheaper(dv, lv, rv) {
-        // SAFETY: the same elements through transposed views.
-        return unsafe { run(dst, dv.t(), rhs, rv.t(), lhs, lv.t(), accumulate, beta, threads) };
+    // SAFETY: the caller's contract (the transposed views name the same elements).
+    unsafe {
+        if transposed_is_cheaper(dv, lv, rv) {
+            blocked::<Amx>(dst, dv.t(), rhs, rv.t(), lhs, lv.t(), accumulate, beta, threads)
+        } else {
+            blocked::<Amx>(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads)
+        }
     }
-    // SAFETY: the caller's contract.
-    unsafe { blocked::<Amx>(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads) }
 }
 
 /// The kernel: a 32 x 32 block of sums in four tiles.
@@ -173,10 +177,10 @@ impl Blocking for Amx {
         let rows = mc.next_multiple_of(MR);
         if lv.cs == 1 {
             for i in 0..rows {
-                let start = lv.offset + (i0 + i) * lv.rs;
                 for q in (0..kp).step_by(TILE) {
                     let s = k0 + 2 * q;
                     let src = if i < mc && s < k1 {
+                        let start = lv.offset + (i0 + i) * lv.rs;
                         &lhs[start + s..start + k1.min(s + 2 * TILE)]
                     } else {
                         &[][..]
@@ -434,30 +438,22 @@ unsafe fn products(a: &[u32], b: &[u32], kp: usize) {
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
 unsafe fn kernel(a: &[u32], b: &[u32], kp: usize, out: Out, tile: Tile, acc: bool, beta: f32) {
     assert!(kp > 0 && kp.is_multiple_of(TILE) && a.len() >= MR * kp && b.len() >= NR * kp);
-    if out.cs == 1 && beta == 1.0 && tile.rows == MR && tile.cols == NR {
-        // A whole block of a row-major destination: the sums start from it and go back.
+    // Every block's sums start from zero, so an element gets the same bits by every path
+    // below (and by the product's transpose): the first block's sums are the element, later
+    // blocks' are added to it.
+    if !acc && out.cs == 1 && beta == 1.0 && tile.rows == MR && tile.cols == NR {
+        // A whole block of a row-major destination: the tiles go straight to it.
         let rs = out.rs * 4;
         let (c0, c2) = (out.ptr, out.ptr.wrapping_add(TILE * out.rs));
         // SAFETY: rows 0-31 and columns 0-31 of the block are elements of the destination.
         unsafe {
-            if acc {
-                asm!(
-                    "tileloadd tmm0, [{c0} + {rs}]",
-                    "tileloadd tmm1, [{c0} + {rs} + 64]",
-                    "tileloadd tmm2, [{c2} + {rs}]",
-                    "tileloadd tmm3, [{c2} + {rs} + 64]",
-                    c0 = in(reg) c0, c2 = in(reg) c2, rs = in(reg) rs,
-                    options(nostack, readonly),
-                );
-            } else {
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    options(nostack, nomem)
-                );
-            }
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
             products(a, b, kp);
             asm!(
                 "tilestored [{c0} + {rs}], tmm0",
@@ -516,8 +512,8 @@ unsafe fn kernel(a: &[u32], b: &[u32], kp: usize, out: Out, tile: Tile, acc: boo
                 // SAFETY: element `(r, c)` of the tile is inside the destination.
                 unsafe {
                     let at = out.ptr.add(r * out.rs + c * out.cs);
-                    let old = if acc { *at } else { 0.0 };
-                    *at = beta.mul_add(f32::from_bits(sums.0[r * NR + c]), old);
+                    let v = f32::from_bits(sums.0[r * NR + c]);
+                    *at = if acc { beta.mul_add(v, *at) } else { beta * v };
                 }
             }
         }
@@ -541,8 +537,13 @@ unsafe fn add_run(at: *mut f32, sums: &[u32], n: usize, acc: bool, beta: f32) {
         unsafe {
             let (at, s) = (at.add(TILE * h), sums.as_ptr().add(TILE * h).cast::<f32>());
             let v = _mm512_maskz_loadu_ps(mask, s);
-            let old = if acc { _mm512_maskz_loadu_ps(mask, at) } else { _mm512_setzero_ps() };
-            _mm512_mask_storeu_ps(at, mask, _mm512_fmadd_ps(scale, v, old));
+            let new = if acc {
+                _mm512_fmadd_ps(scale, v, _mm512_maskz_loadu_ps(mask, at))
+            } else {
+                // The product alone (a sum of -0 stays -0, as a tile store writes it).
+                _mm512_mul_ps(scale, v)
+            };
+            _mm512_mask_storeu_ps(at, mask, new);
         }
     }
 }

@@ -14,10 +14,11 @@
 //! Where the CPU also has AMX-BF16 (and Linux grants this process the tile registers) the
 //! product runs on AMX tiles instead ([`super::amx`]), from operands rounded the same way.
 //!
-//! Blocking follows the usual layout of a GEMM (Goto and van de Geijn 2008): `NC` columns
-//! of the right operand at a time, `KC` pairs of the inner dimension, packed once and
-//! shared; `MC` rows of the left operand packed per thread; a micro-kernel of `MR` x `NR`
-//! f32 accumulators held in registers.
+//! Blocking follows the usual layout of a GEMM (Goto and van de Geijn 2008), in one driver
+//! ([`blocked`]) for both kernels: `NC` columns of the right operand at a time, `KC` pairs
+//! of the inner dimension, packed once and shared; `MC` rows of the left operand packed per
+//! thread; a micro-kernel of `MR` x `NR` f32 sums, held in vector registers (AVX512-BF16)
+//! or in tiles (AMX).
 #![allow(unsafe_code)]
 
 use super::gemm::{self, View};
@@ -708,7 +709,7 @@ mod tests {
         s[v.offset + r * v.rs + c * v.cs]
     }
 
-    /// Runs `f` on every shape and operand layout and checks each element against the f64
+    /// Runs `kernel` on every shape and operand layout and checks each element against the f64
     /// product of the rounded operands, within the bound of f32 summation: `k + 2` units of
     /// f32 rounding (2^-24) of the sum of the products' magnitudes (and of the old value).
     fn holds(kernel: Kernel) {
@@ -716,17 +717,17 @@ mod tests {
             for layout in 0..9 {
                 let (a, av) = matrix(m, k, layout % 3, case);
                 let (b, bv) = matrix(k, n, layout / 3, case + 11);
-                let configs = [(false, 1.0, 1), (true, 0.5, 2), (true, 1.0, 1)];
-                for ((accumulate, beta, threads), rows) in
-                    configs.into_iter().zip([true, false, true])
-                {
-                    // A destination with padded rows, or a column-major one.
-                    let dv = if rows {
-                        View::rows(1, m, n, n + 1)
-                    } else {
-                        View::rows(1, n, m, m + 1).t()
+                // A destination with padded rows (0), a column-major one (1), one with
+                // neither stride 1 (2).
+                let configs =
+                    [(false, 1.0, 1, 0), (true, 0.5, 2, 1), (true, 1.0, 1, 0), (false, 0.5, 1, 2)];
+                for (accumulate, beta, threads, dlayout) in configs {
+                    let dv = match dlayout {
+                        0 => View::rows(1, m, n, n + 1),
+                        1 => View::rows(1, n, m, m + 1).t(),
+                        _ => View { offset: 1, rows: m, cols: n, rs: 2 * n + 1, cs: 2 },
                     };
-                    let len = 1 + m.max(n) * (m.min(n) + 1);
+                    let len = 2 + 2 * (m + 1) * (n + 1);
                     let mut dst: Vec<f32> = (0..len).map(|i| i as f32 * 0.01).collect();
                     let old = dst.clone();
                     matmul_with(kernel, &mut dst, dv, &a, av, &b, bv, accumulate, beta, threads);
@@ -772,20 +773,39 @@ mod tests {
     }
 
     #[test]
-    fn a_transposed_destination_gets_the_same_product() {
-        let (m, n, k) = (70, 40, 530);
-        let (a, av) = matrix(m, k, 0, 1);
-        let (b, bv) = matrix(k, n, 1, 2);
-        for kernel in kernels_here() {
-            let mut rows = vec![0f32; m * n];
-            let rv = View::rows(0, m, n, n);
-            matmul_with(kernel, &mut rows, rv, &a, av, &b, bv, false, 1.0, 1);
-            let mut cols = vec![0f32; m * n];
-            let cv = View::rows(0, n, m, m).t();
-            matmul_with(kernel, &mut cols, cv, &a, av, &b, bv, false, 1.0, 1);
-            for r in 0..m {
-                for c in 0..n {
-                    assert_eq!(rows[r * n + c].to_bits(), cols[c * m + r].to_bits(), "{kernel:?}");
+    fn every_destination_layout_gets_the_same_bits() {
+        // Several blocks of the inner dimension, whole and partial micro-tiles, each operand
+        // layout pair, written and accumulated: a kernel may run a product as itself or as
+        // its transpose, and take whole tiles another way than partial ones, but every
+        // element's sum is the same.
+        let (m, n, k) = (70, 64, 530);
+        for (la, lb) in [(0, 1), (1, 0), (0, 0), (2, 2)] {
+            let (a, av) = matrix(m, k, la, 1);
+            let (b, bv) = matrix(k, n, lb, 2);
+            for kernel in kernels_here() {
+                for accumulate in [false, true] {
+                    let views = [
+                        View::rows(0, m, n, n),
+                        View::rows(0, n, m, m).t(),
+                        View { offset: 1, rows: m, cols: n, rs: 2 * n + 1, cs: 2 },
+                    ];
+                    let got: Vec<Vec<u32>> = views
+                        .iter()
+                        .map(|&dv| {
+                            let at = |r: usize, c: usize| dv.offset + r * dv.rs + c * dv.cs;
+                            let mut d = vec![f32::NAN; 2 + 2 * m * (n + 1)];
+                            for r in 0..m {
+                                for c in 0..n {
+                                    d[at(r, c)] = ((r * 7 + c * 3) as f32 * 0.31).cos();
+                                }
+                            }
+                            matmul_with(kernel, &mut d, dv, &a, av, &b, bv, accumulate, 1.0, 1);
+                            (0..m * n).map(|i| d[at(i / n, i % n)].to_bits()).collect()
+                        })
+                        .collect();
+                    for (i, g) in got.iter().enumerate().skip(1) {
+                        assert!(g == &got[0], "{kernel:?} layouts {la}/{lb}: destination {i}");
+                    }
                 }
             }
         }

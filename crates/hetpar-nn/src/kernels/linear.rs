@@ -92,7 +92,8 @@ fn mul<T: Real>(
 /// The bf16 kernel ([`super::bf16`]) has the same trouble at few rows (it rounds and packs
 /// the weight with strided reads for a handful of rows, all of them in one row block):
 /// with at most half as many rows as outputs it computes `w x^T` into `y`'s transpose
-/// (704 x 512 weight: 32 rows 171 -> 287 GFLOP/s, 128 rows 318 -> 350).
+/// (704 x 512 weight, AVX512-BF16 on one Zen 5 core: 32 rows 171 -> 287 GFLOP/s, 128 rows
+/// 318 -> 350; the AMX kernel then runs it as whichever of the two transposes less).
 fn product<T: Real>(
     how: Matmul,
     x: &[T],
