@@ -9,12 +9,12 @@
 //! The loops around the micro-kernel are the AVX512-BF16 kernel's ([`super::bf16`]'s
 //! `blocked`: `NC` columns of the right operand and `KC` pairs of the inner dimension
 //! packed once and shared, blocks of 128 rows of the left operand packed per thread), with
-//! both operands packed tile by tile: each 16 x 16 block of pairs is 1 KiB,
-//! contiguous and 64-byte aligned, so a tile load reads whole cache lines in one stream (a
-//! tile load across cache lines runs 4-5 times slower). The micro-kernel keeps a 32 x 32
-//! block of sums in four tiles and uses the other four for two tiles of each operand;
-//! tiles are not renamed, so each step's loads are issued as soon as the products before
-//! them have read the tile they overwrite.
+//! both operands packed tile by tile: each 16 x 16 block of pairs is 1 KiB, contiguous and
+//! 64-byte aligned, so a tile load reads whole cache lines in one stream (a tile load
+//! across cache lines runs 4-5 times slower). The micro-kernel keeps a 32 x 32 block of
+//! sums in four tiles and uses the other four for two tiles of each operand; tiles are not
+//! renamed, so each step's loads are issued as soon as the products before them have read
+//! the tile they overwrite.
 #![allow(unsafe_code)]
 
 use std::arch::asm;
