@@ -294,7 +294,8 @@ pub fn bench_vit(
 
 fn random(shape: &[usize], dtype: DType) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let v: Vec<f64> = (0..n).map(|i| Init::Normal(1.0).value(3, "bench-input", i as u64)).collect();
+    let value = Init::Normal(1.0).values(3, "bench-input");
+    let v: Vec<f64> = (0..n).map(|i| value(i as u64)).collect();
     Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?)
 }
 

@@ -55,9 +55,16 @@ impl ParamRng {
 impl Init {
     /// The value of element `index` of parameter `name`.
     pub fn value(self, seed: u64, name: &str, index: u64) -> f64 {
-        match self {
+        self.values(seed, name)(index)
+    }
+
+    /// The values of parameter `name` by element index: the same as [`Init::value`], with
+    /// the name hashed once rather than once per element.
+    pub fn values(self, seed: u64, name: &str) -> impl Fn(u64) -> f64 + use<> {
+        let rng = ParamRng::new(seed, name);
+        move |index| match self {
             Init::Const(c) => c,
-            Init::Normal(std) => std * ParamRng::new(seed, name).normal(index),
+            Init::Normal(std) => std * rng.normal(index),
         }
     }
 }

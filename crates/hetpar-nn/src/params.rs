@@ -71,6 +71,7 @@ impl Param {
         let count: usize = local_shape.iter().product();
         let strides: Vec<usize> =
             (0..global_shape.len()).map(|d| global_shape[d + 1..].iter().product()).collect();
+        let value = init.values(seed, &name);
         let values: Vec<f64> = (0..count)
             .map(|local| {
                 // Local row-major index -> global row-major index.
@@ -86,7 +87,7 @@ impl Param {
                     }
                     global += i * strides[d];
                 }
-                init.value(seed, &name, global as u64)
+                value(global as u64)
             })
             .collect();
         let t = Tensor::from_vec(values, local_shape, &Device::Cpu)?.to_dtype(dtype)?;
