@@ -308,10 +308,9 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     }
     if wanted("adamw") {
         let (fused, composed) = bench_adamw(ADAMW_PARAMS, 3 * iters.max(1), dtype)?;
-        // Memory traffic per parameter of the three passes: each moment read with the
-        // gradient and written (3 + 3), then weights and both moments read and weights
-        // written (4): 10 elements.
-        let bytes = 10.0 * ADAMW_PARAMS as f64 * dtype.size_in_bytes() as f64;
+        // Memory traffic per parameter of the one pass: weights, gradient and both moments
+        // read, weights and both moments written: 7 elements.
+        let bytes = 7.0 * ADAMW_PARAMS as f64 * dtype.size_in_bytes() as f64;
         say(&format!(
             "adamw update of {ADAMW_PARAMS} {} parameters: {:.2} ms in place ({:.1} GB/s), {:.2} ms as element-wise tensor ops",
             format!("{dtype:?}").to_lowercase(),

@@ -1,6 +1,7 @@
 //! The `hetpar` command line. The only place that prints, reads files and environment
 //! variables, and uses `anyhow`; every decision is made by the library crates.
 
+mod alloc;
 mod bench_cmd;
 mod bench_train;
 mod check_cmd;
@@ -25,9 +26,10 @@ use hetpar_layout::ModelGraph;
 
 /// mimalloc keeps freed memory for reuse: with glibc's malloc every large tensor of a step
 /// came from fresh pages (a page fault and the kernel's zeroing per 4 KiB), 5-10% of a
-/// step's time in `hetpar bench nn` and the demo.
+/// step's time in `hetpar bench nn` and the demo. Its large blocks are staggered across
+/// cache sets (see `alloc.rs`).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: alloc::Staggered = alloc::Staggered::new();
 
 #[derive(Parser)]
 #[command(

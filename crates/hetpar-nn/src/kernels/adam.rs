@@ -1,11 +1,14 @@
-//! AdamW's update in place (Loshchilov and Hutter 2019), three passes over a parameter's
-//! elements: the first moment, the second moment, then the weights. Written with candle ops
-//! the same update is fourteen element-wise tensor ops, each allocating its result; here
-//! no tensor is allocated. Every element is computed by the same f32 or f64 operations in
+//! AdamW's update in place (Loshchilov and Hutter 2019), one pass over a parameter's
+//! elements that reads the gradient and writes the two moments and the weights. Written
+//! with candle ops the same update is fourteen element-wise tensor ops, each allocating its
+//! result; here no tensor is allocated. Every element is computed by the same f32 or f64 operations in
 //! the same order as that composition (each scalar taken to the element type first, `x *
 //! c + 0` where candle's affine map adds zero), so the results are the same bits.
 
-use candle_core::{CpuStorage, Error, InplaceOp2, InplaceOp3, Layout, Tensor};
+use std::cell::RefCell;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Error, InplaceOp1, InplaceOp2, Layout, Storage, Tensor};
 
 use super::{CResult, Real, simd, slice};
 
@@ -29,126 +32,135 @@ pub struct AdamStep {
     pub decay: f64,
 }
 
-/// `m = beta1 m + (1 - beta1) g` (`first`) or `v = beta2 v + (1 - beta2) g^2`, `g` the
-/// scaled gradient.
-#[derive(Clone, Copy, Debug)]
-struct Moment {
+/// AdamW on contiguous elements: for each, the scaled gradient `g`, then `m = beta1 m +
+/// (1 - beta1) g`, `v = beta2 v + (1 - beta2) g^2` and `w = (1 - lr decay) w - lr (m /
+/// bc1) / (sqrt(v / bc2) + eps)`, each step the operation of the tensor composition.
+#[inline(always)]
+fn update<T: Real>(s: &AdamStep, w: &mut [T], g: &[T], m: &mut [T], v: &mut [T]) {
+    let (scale, zero, one) = (T::from_f64(s.scale), T::ZERO, T::ONE);
+    let (beta1, rest1) = (T::from_f64(s.beta1), T::from_f64(1.0 - s.beta1));
+    let (beta2, rest2) = (T::from_f64(s.beta2), T::from_f64(1.0 - s.beta2));
+    let (c1, c2, eps) = (T::from_f64(1.0 / s.bc1), T::from_f64(1.0 / s.bc2), T::from_f64(s.eps));
+    let (keep, lr) = (T::from_f64(1.0 - s.lr * s.decay), T::from_f64(s.lr));
+    for (((w, &gr), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let g = gr * scale + zero;
+        *m = (*m * beta1 + zero) + (g * rest1 + zero);
+        *v = (*v * beta2 + zero) + ((g * g) * rest2 + zero);
+        let denom = (*v * c2 + zero).sqrt() * one + eps;
+        let step = (*m * c1 + zero) / denom;
+        *w = (*w * keep + zero) - (step * lr + zero);
+    }
+}
+
+/// A written tensor's storage, handed from the op that holds its lock to the one inside.
+type Held<'a> = RefCell<Option<(&'a mut CpuStorage, &'a Layout)>>;
+
+fn take<'a>(held: &Held<'a>) -> CResult<(&'a mut CpuStorage, &'a Layout)> {
+    held.borrow_mut().take().ok_or_else(|| Error::Msg("adamw: a moment used twice".into()))
+}
+
+/// Candle writes one tensor per in-place op, so the update nests three: the first moment's
+/// op runs the second moment's, which runs the weights' (reading the gradient); the
+/// innermost holds all four and makes one pass.
+struct First<'a> {
+    w: &'a Tensor,
+    g: &'a Tensor,
+    v: &'a Tensor,
     step: AdamStep,
-    second: bool,
 }
 
-/// `w = (1 - lr decay) w - lr (m / bc1) / (sqrt(v / bc2) + eps)`.
-#[derive(Clone, Copy, Debug)]
-struct Apply(AdamStep);
-
-/// An in-place pass over a parameter's elements: `dst` written, `srcs` read, all of one
-/// length.
-trait Pass {
-    fn run<T: Real>(&self, dst: &mut [T], srcs: &[&[T]]);
+struct Second<'a, 'b> {
+    w: &'a Tensor,
+    g: &'a Tensor,
+    step: AdamStep,
+    m: Held<'b>,
 }
 
-/// Runs `pass` on the contiguous f32 or f64 elements of `dst` and `srcs`, compiled for
-/// AVX-512 where the CPU has it.
-fn dispatch(
-    op: &str,
-    pass: &impl Pass,
-    dst: &mut CpuStorage,
-    l: &Layout,
-    srcs: &[(&CpuStorage, &Layout)],
-) -> CResult<()> {
+struct Weights<'b> {
+    step: AdamStep,
+    m: Held<'b>,
+    v: Held<'b>,
+}
+
+impl InplaceOp1 for First<'_> {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn cpu_fwd(&self, m: &mut CpuStorage, lm: &Layout) -> CResult<()> {
+        let inner =
+            Second { w: self.w, g: self.g, step: self.step, m: RefCell::new(Some((m, lm))) };
+        self.v.inplace_op1(&inner)
+    }
+}
+
+impl InplaceOp1 for Second<'_, '_> {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn cpu_fwd(&self, v: &mut CpuStorage, lv: &Layout) -> CResult<()> {
+        let inner = Weights {
+            step: self.step,
+            m: RefCell::new(Some(take(&self.m)?)),
+            v: RefCell::new(Some((v, lv))),
+        };
+        self.w.inplace_op2(self.g, &inner)
+    }
+}
+
+/// The contiguous range of a written tensor's elements.
+fn range(l: &Layout) -> CResult<std::ops::Range<usize>> {
     let (a, b) = l
         .contiguous_offsets()
-        .ok_or_else(|| Error::Msg(format!("{op} needs a contiguous parameter")))?;
-    fn go<T: Real>(
-        op: &str,
-        pass: &impl Pass,
-        dst: &mut [T],
-        srcs: &[(&CpuStorage, &Layout)],
-    ) -> CResult<()> {
-        let s = srcs.iter().map(|(s, l)| slice::<T>(s, l, op)).collect::<CResult<Vec<_>>>()?;
-        if let Some(x) = s.iter().find(|x| x.len() != dst.len()) {
-            return Err(Error::Msg(format!(
-                "{op}: an input of {} elements for a parameter of {}",
-                x.len(),
-                dst.len()
-            )));
-        }
-        simd::fast(|| pass.run(dst, &s));
-        Ok(())
-    }
-    match dst {
-        CpuStorage::F32(d) => go(op, pass, &mut d[a..b], srcs),
-        CpuStorage::F64(d) => go(op, pass, &mut d[a..b], srcs),
-        other => Err(Error::Msg(format!(
-            "{op} runs in f32 and f64, not {:?}",
-            candle_core::backend::BackendStorage::dtype(other)
-        ))),
-    }
+        .ok_or_else(|| Error::Msg("adamw needs contiguous parameters and moments".into()))?;
+    Ok(a..b)
 }
 
-impl Pass for Moment {
-    #[inline(always)]
-    fn run<T: Real>(&self, m: &mut [T], srcs: &[&[T]]) {
-        let s = self.step;
-        let (scale, zero) = (T::from_f64(s.scale), T::ZERO);
-        let (beta, rest) =
-            if self.second { (s.beta2, 1.0 - s.beta2) } else { (s.beta1, 1.0 - s.beta1) };
-        let (beta, rest) = (T::from_f64(beta), T::from_f64(rest));
-        for (m, &gr) in m.iter_mut().zip(srcs[0]) {
-            let g = gr * scale + zero;
-            let g = if self.second { g * g } else { g };
-            *m = (*m * beta + zero) + (g * rest + zero);
-        }
-    }
-}
-
-impl InplaceOp2 for Moment {
+impl InplaceOp2 for Weights<'_> {
     fn name(&self) -> &'static str {
-        "adam-moment"
+        "adamw"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> CResult<()> {
-        dispatch("adam-moment", self, s1, l1, &[(s2, l2)])
-    }
-}
-
-impl Pass for Apply {
-    #[inline(always)]
-    fn run<T: Real>(&self, w: &mut [T], srcs: &[&[T]]) {
-        let s = self.0;
-        let zero = T::ZERO;
-        let (c1, c2) = (T::from_f64(1.0 / s.bc1), T::from_f64(1.0 / s.bc2));
-        let (one, eps) = (T::ONE, T::from_f64(s.eps));
-        let (keep, lr) = (T::from_f64(1.0 - s.lr * s.decay), T::from_f64(s.lr));
-        for ((w, &m), &v) in w.iter_mut().zip(srcs[0]).zip(srcs[1]) {
-            let denom = (v * c2 + zero).sqrt() * one + eps;
-            let step = (m * c1 + zero) / denom;
-            *w = (*w * keep + zero) - (step * lr + zero);
+    fn cpu_fwd(&self, w: &mut CpuStorage, lw: &Layout, g: &CpuStorage, lg: &Layout) -> CResult<()> {
+        let ((m, lm), (v, lv)) = (take(&self.m)?, take(&self.v)?);
+        let (rw, rm, rv) = (range(lw)?, range(lm)?, range(lv)?);
+        fn go<T: Real>(
+            s: &AdamStep,
+            w: &mut [T],
+            g: &CpuStorage,
+            lg: &Layout,
+            m: &mut [T],
+            v: &mut [T],
+        ) -> CResult<()> {
+            let g = slice::<T>(g, lg, "adamw")?;
+            if g.len() != w.len() || m.len() != w.len() || v.len() != w.len() {
+                return Err(Error::Msg(format!(
+                    "adamw: {} elements of gradient, {} and {} of moments for a parameter of {}",
+                    g.len(),
+                    m.len(),
+                    v.len(),
+                    w.len()
+                )));
+            }
+            simd::fast(|| update(s, w, g, m, v));
+            Ok(())
         }
-    }
-}
-
-impl InplaceOp3 for Apply {
-    fn name(&self) -> &'static str {
-        "adam-apply"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> CResult<()> {
-        dispatch("adam-apply", self, s1, l1, &[(s2, l2), (s3, l3)])
+        let s = &self.step;
+        match (w, m, v) {
+            (CpuStorage::F32(w), CpuStorage::F32(m), CpuStorage::F32(v)) => {
+                go(s, &mut w[rw], g, lg, &mut m[rm], &mut v[rv])
+            }
+            (CpuStorage::F64(w), CpuStorage::F64(m), CpuStorage::F64(v)) => {
+                go(s, &mut w[rw], g, lg, &mut m[rm], &mut v[rv])
+            }
+            (w, m, v) => Err(Error::Msg(format!(
+                "adamw runs in f32 and f64 with moments of the parameter's type, not {:?} with {:?} and {:?}",
+                w.dtype(),
+                m.dtype(),
+                v.dtype()
+            ))),
+        }
     }
 }
 
@@ -165,8 +177,20 @@ pub fn adamw_step(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: AdamStep
             )));
         }
     }
+    // The three written tensors are locked one inside the other, so they must not share
+    // storage (a second lock of one would never be granted).
+    let (pw, pm, pv) = (storage_id(w), storage_id(m), storage_id(v));
+    if pw == pm || pw == pv || pm == pv {
+        return Err(Error::Msg(
+            "adamw: the parameter and its two moments must be three separate tensors".into(),
+        ));
+    }
     let g = g.contiguous()?;
-    m.inplace_op2(&g, &Moment { step, second: false })?;
-    v.inplace_op2(&g, &Moment { step, second: true })?;
-    w.inplace_op3(m, v, &Apply(step))
+    m.inplace_op1(&First { w, g: &g, v, step })
+}
+
+/// The address of a tensor's storage (tensors sharing storage share it).
+fn storage_id(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    &*storage as *const Storage as usize
 }
