@@ -1,53 +1,61 @@
 //! The binary's allocator: mimalloc, with large blocks staggered across cache sets.
 //!
-//! mimalloc (v2) carves its segments into 64 KiB slices and gives each large block pages of
-//! its own that start on a slice, so every tensor of 256 KiB or more starts at the same
-//! address modulo 64 KiB. An element-wise pass over several such tensors (AdamW reads four
-//! and writes three) then touches the same cache sets in every one of them at once, and the
-//! L2 cache evicts lines the prefetcher has just brought in: on the Intel VM of
-//! BENCHMARKS.md, AdamW over 4M parameters took 10 ms under mimalloc against 5.5 ms under
-//! glibc's malloc (whose large blocks come from `mmap` at varied addresses). Here each large
-//! block is moved forward by one of eight offsets of a page and five cache lines each, in
-//! turn, so blocks allocated one after another start in different sets.
+//! mimalloc (v3, as `libmimalloc-sys` builds it) carves its arenas into 64 KiB slices and
+//! starts the pages of large blocks on them, so every tensor of 256 KiB or more starts at
+//! the same address modulo 64 KiB. An element-wise pass over several such tensors (AdamW
+//! reads four and writes three) then touches the same cache sets in every one of them at
+//! once, and the L2 cache evicts lines the prefetcher has just brought in: on the Intel VM
+//! of BENCHMARKS.md, AdamW over 4M parameters took 10 ms under mimalloc against 5.5 ms
+//! under glibc's malloc (whose large blocks come from `mmap` at varied addresses). Here
+//! each large block is moved forward by one of 32 offsets, 17 cache lines apart, picked
+//! by a hash of the address mimalloc gave it: blocks at different addresses start in
+//! different sets but by chance (one in 32 for a pair), whatever order they were
+//! allocated in.
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Blocks of this size or more are staggered.
 const LARGE: usize = 256 << 10;
-/// The offsets are multiples of this: a page and five cache lines, so consecutive offsets
-/// differ in the set index of every cache level.
-const STEP: usize = 4096 + 5 * 64;
-/// The number of distinct offsets.
-const COLORS: usize = 8;
+/// The offsets are multiples of this: 17 cache lines, so the offsets spread over sets of
+/// every cache level (and over 34 KiB of the 64 KiB that repeat).
+const STEP: usize = 17 * 64;
+/// The number of distinct offsets (a power of two).
+const COLORS: usize = 32;
 /// The alignment of a staggered block (a cache line; blocks asking for more are not
 /// staggered).
 const LINE: usize = 64;
 
 /// mimalloc, with blocks of [`LARGE`] bytes or more placed at staggered offsets.
-pub struct Staggered {
-    next: AtomicUsize,
-}
+pub struct Staggered;
 
 impl Staggered {
-    pub const fn new() -> Staggered {
-        Staggered { next: AtomicUsize::new(0) }
-    }
-
     /// Whether a block of `layout` is staggered.
     fn staggers(layout: Layout) -> bool {
         layout.size() >= LARGE && layout.align() <= LINE
     }
 
     /// The block mimalloc holds for a staggered block of `layout`: room for the largest
-    /// offset in front of it (the offset is at least one line, so the header fits).
-    fn outer(layout: Layout) -> Layout {
-        // Cannot fail: the size is below isize::MAX by far less than the padding (a
-        // staggered block is at least LARGE bytes and came from a valid Layout), and
-        // LINE is a power of two.
-        Layout::from_size_align(layout.size() + LINE + (COLORS - 1) * STEP, LINE)
-            .expect("a staggered block's layout")
+    /// offset in front of it (the offset is at least one line, so the offset's word fits
+    /// there). None where that size is past what a layout can hold: the allocation fails.
+    fn outer(layout: Layout) -> Option<Layout> {
+        let size = layout.size().checked_add(LINE + (COLORS - 1) * STEP)?;
+        Layout::from_size_align(size, LINE).ok()
+    }
+
+    /// The staggered block inside mimalloc's block `base` (null stays null).
+    unsafe fn place(base: *mut u8) -> *mut u8 {
+        if base.is_null() {
+            return base;
+        }
+        // Fibonacci hashing of the address's bits above the 64 KiB that repeat.
+        let color = ((base as usize >> 16).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 59) % COLORS;
+        let offset = LINE + color * STEP;
+        unsafe {
+            let block = base.add(offset);
+            block.cast::<usize>().sub(1).write(offset);
+            block
+        }
     }
 }
 
@@ -55,33 +63,37 @@ impl Staggered {
 // `outer(layout)` moved forward by `offset` (a multiple of LINE, at least LINE, at most
 // the padding of `outer`), so it lies inside that block, is aligned to LINE (and so to
 // the layout's alignment, which is at most LINE), and has `layout.size()` bytes after it.
-// The offset is kept in the word in front of the block, inside the padding, and read back
-// to find mimalloc's block when the block is freed. Whether a block is staggered depends
-// only on its layout, which the caller passes again to `dealloc` and `realloc`.
+// The offset is kept in the word in front of the block, inside the padding (8-aligned,
+// since the block is), and read back to find mimalloc's block when the block is freed.
+// Whether a block is staggered depends only on its size and alignment, which the caller
+// passes again to `dealloc` and `realloc`. Nothing here panics: a size past the largest
+// layout gives null, as the allocator's contract asks.
 unsafe impl GlobalAlloc for Staggered {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if !Self::staggers(layout) {
             return unsafe { mimalloc::MiMalloc.alloc(layout) };
         }
-        let base = unsafe { mimalloc::MiMalloc.alloc(Self::outer(layout)) };
-        unsafe { self.place(base) }
+        let Some(outer) = Self::outer(layout) else { return std::ptr::null_mut() };
+        unsafe { Self::place(mimalloc::MiMalloc.alloc(outer)) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if !Self::staggers(layout) {
             return unsafe { mimalloc::MiMalloc.alloc_zeroed(layout) };
         }
-        let base = unsafe { mimalloc::MiMalloc.alloc_zeroed(Self::outer(layout)) };
-        unsafe { self.place(base) }
+        let Some(outer) = Self::outer(layout) else { return std::ptr::null_mut() };
+        unsafe { Self::place(mimalloc::MiMalloc.alloc_zeroed(outer)) }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if !Self::staggers(layout) {
             return unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) };
         }
+        // A staggered block was allocated with this layout, so its outer layout exists.
+        let Some(outer) = Self::outer(layout) else { return };
         unsafe {
             let offset = ptr.cast::<usize>().sub(1).read();
-            mimalloc::MiMalloc.dealloc(ptr.sub(offset), Self::outer(layout));
+            mimalloc::MiMalloc.dealloc(ptr.sub(offset), outer);
         }
     }
 
@@ -102,22 +114,6 @@ unsafe impl GlobalAlloc for Staggered {
     }
 }
 
-impl Staggered {
-    /// The staggered block inside mimalloc's block `base` (null stays null).
-    unsafe fn place(&self, base: *mut u8) -> *mut u8 {
-        if base.is_null() {
-            return base;
-        }
-        let color = self.next.fetch_add(1, Ordering::Relaxed) % COLORS;
-        let offset = LINE + color * STEP;
-        unsafe {
-            let block = base.add(offset);
-            block.cast::<usize>().sub(1).write(offset);
-            block
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -125,7 +121,7 @@ mod tests {
 
     #[test]
     fn blocks_keep_their_bytes_and_alignment_across_sizes() {
-        let a = Staggered::new();
+        let a = Staggered;
         for (size, align) in [(24, 8), (LARGE - 1, 4), (LARGE, 4), (3 << 20, 64), (LARGE, 4096)] {
             let l = Layout::from_size_align(size, align).unwrap();
             unsafe {
@@ -152,16 +148,25 @@ mod tests {
     }
 
     #[test]
-    fn consecutive_large_blocks_start_in_different_sets() {
-        let a = Staggered::new();
+    fn large_blocks_start_in_different_sets() {
+        // Under mimalloc alone all of them start at one address modulo 64 KiB; 16 blocks
+        // hashed to 32 offsets land on about 12 (on 3 or fewer once in 10^12).
+        let a = Staggered;
         let l = Layout::from_size_align(1 << 20, 4).unwrap();
-        let blocks: Vec<*mut u8> = (0..COLORS).map(|_| unsafe { a.alloc(l) }).collect();
+        let blocks: Vec<*mut u8> = (0..16).map(|_| unsafe { a.alloc(l) }).collect();
         let mut starts: Vec<usize> = blocks.iter().map(|&p| p as usize % (64 << 10)).collect();
         starts.sort();
         starts.dedup();
-        assert_eq!(starts.len(), COLORS, "{starts:?}");
+        assert!(starts.len() >= 4, "{starts:?}");
         for p in blocks {
             unsafe { a.dealloc(p, l) };
         }
+    }
+
+    #[test]
+    fn a_size_past_the_largest_layout_gives_null() {
+        let l = Layout::from_size_align(isize::MAX as usize - 63, 64).unwrap();
+        assert!(unsafe { Staggered.alloc(l) }.is_null());
+        assert!(unsafe { Staggered.alloc_zeroed(l) }.is_null());
     }
 }

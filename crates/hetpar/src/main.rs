@@ -29,7 +29,7 @@ use hetpar_layout::ModelGraph;
 /// step's time in `hetpar bench nn` and the demo. Its large blocks are staggered across
 /// cache sets (see `alloc.rs`).
 #[global_allocator]
-static ALLOCATOR: alloc::Staggered = alloc::Staggered::new();
+static ALLOCATOR: alloc::Staggered = alloc::Staggered;
 
 #[derive(Parser)]
 #[command(

@@ -177,12 +177,14 @@ pub fn adamw_step(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: AdamStep
             )));
         }
     }
-    // The three written tensors are locked one inside the other, so they must not share
-    // storage (a second lock of one would never be granted).
-    let (pw, pm, pv) = (storage_id(w), storage_id(m), storage_id(v));
-    if pw == pm || pw == pv || pm == pv {
+    // The three written tensors are locked one inside the other, so neither they nor the
+    // gradient (read inside all three locks) may share storage with a moment: a second lock
+    // of one would never be granted. (Candle itself refuses a gradient sharing the
+    // weights' storage.)
+    let (pw, pm, pv, pg) = (storage_id(w), storage_id(m), storage_id(v), storage_id(g));
+    if pw == pm || pw == pv || pm == pv || pg == pm || pg == pv {
         return Err(Error::Msg(
-            "adamw: the parameter and its two moments must be three separate tensors".into(),
+            "adamw: the moments must not share storage with each other, the parameter or the gradient".into(),
         ));
     }
     let g = g.contiguous()?;
