@@ -18,7 +18,10 @@ LLaVA projector to 512 on 4 images; each timed as forward + backward of the same
 next row is the optimizer alone: one AdamW update of 4M parameters (weight decay 0.1),
 hetpar's in-place kernel against the fastest of `torch.optim.AdamW`'s CPU implementations;
 the last rows time the linear layers' forward product alone (`x @ w^T`, the MoE expert's
-704 x 512 weight) at 32 to 512 rows, hetpar's fused op against `F.linear`.
+704 x 512 weight) at 32 to 512 rows, hetpar's fused op against `F.linear`; and the
+attention core alone (`softmax(q k^T / sqrt(d)) v`, forward + backward of the output's
+sum) on the ViT's, the layer's and the model's shapes, hetpar's fused kernel against
+`F.scaled_dot_product_attention`.
 
 In bf16 (`--dtype bf16`, or `--bf16` for a second table after the first) both keep f32
 weights and activations and multiply in bf16: hetpar's `bench nn --dtype bf16` (bf16
@@ -258,8 +261,9 @@ KEYS = ["layer", "moe-layer", "model", "moe-model", "vit"]
 
 def hetpar_rows(binary, iters, dtype):
     """Runs `hetpar bench nn`; returns (matmul GFLOP/s, {key: (name, seconds, GFLOP/s)},
-    (AdamW parameters, seconds), ((out, in) of the linear row's weight, {rows: GFLOP/s})).
-    A binary without the `linear` line (before it existed) is refused."""
+    (AdamW parameters, seconds), ((out, in) of the linear row's weight, {rows: GFLOP/s}),
+    {attention shape: seconds}). A binary without the `linear` or `attention` lines
+    (before they existed) is refused."""
     env = {"RAYON_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
         [binary, "bench", "nn", "--iters", str(iters), "--dtype", dtype],
@@ -269,12 +273,32 @@ def hetpar_rows(binary, iters, dtype):
     rows = re.findall(r"^(\S.*?\))\s+([\d.]+)ms\s+\d+\s+([\d.]+)", out, re.M)
     adamw = re.search(r"^adamw update of (\d+) \S+ parameters: ([\d.]+) ms", out, re.M)
     linear = re.search(r"^linear forward x @ w\^T \(w (\d+) x (\d+)\) \S+, GFLOP/s by rows: (.*)$", out, re.M)
-    if len(rows) != len(KEYS) or not adamw or not linear:
+    attention = re.search(r"^attention core forward\+backward \S+, ms by shape: (.*)$", out, re.M)
+    if len(rows) != len(KEYS) or not adamw or not linear or not attention:
         sys.exit(f"unexpected `hetpar bench nn` output:\n{out}")
+    attn = {shape: float(ms) / 1e3 for shape, ms in re.findall(r"(\d+x\d+:\d+/\d+:\d+c?) ([\d.]+)", attention.group(1))}
     rows = {k: (n, float(t) / 1e3, float(g)) for k, (n, t, g) in zip(KEYS, rows)}
     shape = (int(linear.group(1)), int(linear.group(2)))
     rates = {int(r): float(g) for r, g in re.findall(r"(\d+): ([\d.]+)", linear.group(3))}
-    return peak, rows, (int(adamw.group(1)), float(adamw.group(2)) / 1e3), (shape, rates)
+    return peak, rows, (int(adamw.group(1)), float(adamw.group(2)) / 1e3), (shape, rates), attn
+
+
+def torch_attention(shape, iters, dtype):
+    """Seconds of `F.scaled_dot_product_attention` forward + backward of the output's sum
+    for a shape of hetpar's `attention` line: `BxS:HQ/HKV:D`, `c` at the end if causal
+    (PyTorch's layout `[b, heads, s, d]`)."""
+    m = re.fullmatch(r"(\d+)x(\d+):(\d+)/(\d+):(\d+)(c?)", shape)
+    b, s, hq, hkv, d = (int(g) for g in m.groups()[:5])
+    causal = m.group(6) == "c"
+    q = torch.randn(b, hq, s, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, dtype=dtype, requires_grad=True)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv).sum().backward()
+
+    return best(10 * iters, step)
 
 
 def torch_linear(shape, rows, iters, dtype, autocast=False):
@@ -326,9 +350,12 @@ def table(a, dtype):
     het, pt, het_mm, pt_mm = {}, {}, 0.0, 0.0
     het_adam, pt_adam = (0, float("inf")), float("inf")
     het_lin, pt_lin, lin_shape = {}, {}, None
+    het_attn, pt_attn = {}, {}
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: hetpar ...", file=sys.stderr, flush=True)
-        peak, rows, adam, (lin_shape, lin) = hetpar_rows(a.hetpar, a.iters, dtype)
+        peak, rows, adam, (lin_shape, lin), attn = hetpar_rows(a.hetpar, a.iters, dtype)
+        for shape, t in attn.items():
+            het_attn[shape] = min(het_attn.get(shape, t), t)
         for n, g in lin.items():
             het_lin[n] = max(het_lin.get(n, 0.0), g)
         het_adam = (adam[0], min(het_adam[1], adam[1]))
@@ -342,6 +369,9 @@ def table(a, dtype):
         pt_adam = min(pt_adam, torch_adamw(het_adam[0], a.iters, tdtype))
         for n in het_lin:
             pt_lin[n] = max(pt_lin.get(n, 0.0), torch_linear(lin_shape, n, a.iters, tdtype, bf16))
+        for shape in het_attn:
+            t = torch_attention(shape, a.iters, tdtype)
+            pt_attn[shape] = min(pt_attn.get(shape, t), t)
     what = "bf16 products, f32 weights (PyTorch: autocast)" if bf16 else dtype
     print(f"one core, {what}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
           f"PyTorch {torch.__version__}")
@@ -362,6 +392,11 @@ def table(a, dtype):
         h, p = het_lin[n], pt_lin[n]
         print(f"| linear forward alone, {n} x {inner} by {out} x {inner} (no backward) | {h:.1f} GFLOP/s | "
               f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | {h:.1f} | {100 * h / het_mm:.0f}% |")
+    for shape in het_attn:
+        h, p = het_attn[shape], pt_attn[shape]
+        note = ", f32 on both sides" if bf16 else ""
+        print(f"| attention core alone, {shape} (batch x seq : heads / kv heads : head dim, c causal{note}) | "
+              f"{h * 1e3:.2f} ms | {p * 1e3:.2f} ms | {h / p:.2f} | | |")
 
 
 if __name__ == "__main__":

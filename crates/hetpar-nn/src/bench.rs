@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use hetpar_comm::Communicator;
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
 
@@ -149,6 +149,65 @@ pub fn attention_gflops(
         best = best.min(t.elapsed().as_secs_f64());
     }
     Ok(4.0 * heads as f64 * (s * s * d) as f64 / best / 1e9)
+}
+
+/// An attention core's shape: `batch` sequences of `seq` positions, `heads` query heads
+/// sharing `kv_heads` key/value heads of `dim`, causal or bidirectional.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Positions per sequence.
+    pub seq: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head dim.
+    pub dim: usize,
+    /// Under the causal mask.
+    pub causal: bool,
+}
+
+impl std::fmt::Display for AttentionShape {
+    /// `BxS:HQ/HKV:D`, `c` at the end if causal.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = if self.causal { "c" } else { "" };
+        let AttentionShape { batch, seq, heads, kv_heads, dim, .. } = *self;
+        write!(f, "{batch}x{seq}:{heads}/{kv_heads}:{dim}{c}")
+    }
+}
+
+/// The attention cores of the `bench nn` rows: the ViT's (4 images of 196 patches, 6
+/// heads), the layer's (512 positions, 8 query heads on 2 key/value heads, causal) and the
+/// model's (2 x 256, causal).
+pub const ATTENTION_SHAPES: [AttentionShape; 3] = [
+    AttentionShape { batch: 4, seq: 196, heads: 6, kv_heads: 6, dim: 64, causal: false },
+    AttentionShape { batch: 1, seq: 512, heads: 8, kv_heads: 2, dim: 64, causal: true },
+    AttentionShape { batch: 2, seq: 256, heads: 8, kv_heads: 2, dim: 64, causal: true },
+];
+
+/// Seconds of the fused attention kernel's forward and backward (of the output's sum, the
+/// gradients of `q`, `k` and `v`) on `shape` in `dtype`, best of `iters`.
+pub fn attention_seconds(shape: AttentionShape, iters: usize, dtype: DType) -> Result<f64> {
+    let AttentionShape { batch, seq, heads, kv_heads, dim, causal } = shape;
+    let make = |h: usize, name: &str| -> Result<Var> {
+        let n = batch * seq * h * dim;
+        let value = Init::Normal(1.0).values(5, name);
+        let v: Vec<f64> = (0..n).map(|i| value(i as u64)).collect();
+        let t = Tensor::from_vec(v, (batch, seq, h, dim), &Device::Cpu)?.to_dtype(dtype)?;
+        Ok(Var::from_tensor(&t)?)
+    };
+    let (q, k, v) = (make(heads, "q")?, make(kv_heads, "k")?, make(kv_heads, "v")?);
+    let pos = Arc::new((0..seq).collect::<Vec<_>>());
+    let scale = 1.0 / (dim as f64).sqrt();
+    let step = || -> Result<()> {
+        let out = FlashAttention::new(pos.clone(), pos.clone(), causal, scale, false)
+            .apply(&q, &k, &v)?;
+        std::hint::black_box(out.sum_all()?.backward()?);
+        Ok(())
+    };
+    time(iters, step)
 }
 
 /// Training FLOPs per token of one decoder layer of `cfg` at sequence length `s`.

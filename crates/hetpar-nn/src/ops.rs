@@ -11,7 +11,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Error, Layout, Shape, Tensor, WithDType};
 use hetpar_comm::{CommExt, Communicator, Element, ReduceOp};
 
-use crate::kernels::{Real, by_real_dtype, simd, slice, with_data};
+use crate::kernels::{Real, by_real_dtype, max, simd, slice, with_data};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -357,13 +357,11 @@ impl VocabCrossEntropy {
             )));
         }
         let row = |i: usize| &x[i * v..(i + 1) * v];
-        let mut max: Vec<f64> = simd::fast(|| {
-            (0..n).map(|i| row(i).iter().fold(T::NEG_INF, |a, &b| a.larger(b)).to_f64()).collect()
-        });
+        let mut max: Vec<f64> = simd::fast!({ (0..n).map(|i| max(row(i)).to_f64()).collect() });
         self.reduce(&mut max, ReduceOp::Max)?;
         // `e^(x - max)` in the element type (f32 through the correctly rounding exp), summed
         // in f64.
-        let mut sum: Vec<f64> = simd::fast(|| {
+        let mut sum: Vec<f64> = simd::fast!({
             let mut e = vec![T::ZERO; v];
             (0..n)
                 .map(|i| {
@@ -466,7 +464,7 @@ impl CustomOp1 for VocabCrossEntropy {
             (n, v): (usize, usize),
         ) -> CResult<Tensor> {
             let out = with_data::<T, _>(arg, "cross-entropy backward", |x| {
-                Ok(simd::fast(|| op.logits_grad(x, stats, g, v)))
+                Ok(simd::fast!(op.logits_grad(x, stats, g, v)))
             })?;
             Tensor::from_vec(out, (n, v), arg.device())
         }

@@ -45,19 +45,20 @@ struct NnArgs {
     #[arg(long, default_value_t = 3)]
     iters: usize,
     /// Run only these measurements (comma-separated): layer, moe-layer, model, moe-model,
-    /// vit, linear (the linear forward product alone, by row count), adamw (the optimizer
-    /// update alone). Default: all.
+    /// vit, linear (the linear forward product alone, by row count), attention (the
+    /// attention core alone, forward and backward, on the rows' shapes), adamw (the
+    /// optimizer update alone). Default: all.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
 
 /// The measurements of `bench nn`, in order.
-const NN_BENCHES: [&str; 7] =
-    ["layer", "moe-layer", "model", "moe-model", "vit", "linear", "adamw"];
+const NN_BENCHES: [&str; 8] =
+    ["layer", "moe-layer", "model", "moe-model", "vit", "linear", "attention", "adamw"];
 /// Whether measurement `name` is a row of the forward+backward table (the others print a
 /// line of their own).
 fn table_row(name: &str) -> bool {
-    !matches!(name, "adamw" | "linear")
+    !matches!(name, "adamw" | "linear" | "attention")
 }
 /// Parameters of the `adamw` measurement.
 const ADAMW_PARAMS: usize = 1 << 22;
@@ -190,8 +191,8 @@ fn run_mpi(_: &[usize], _: usize, _: &str) -> anyhow::Result<()> {
 fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     use candle_core::DType;
     use hetpar_nn::bench::{
-        LINEAR_ROWS, NnBench, bench_adamw, bench_llama, bench_llama_layer, bench_vit,
-        bf16_peak_gflops, linear_gflops, matmul_peak_gflops,
+        ATTENTION_SHAPES, LINEAR_ROWS, NnBench, attention_seconds, bench_adamw, bench_llama,
+        bench_llama_layer, bench_vit, bf16_peak_gflops, linear_gflops, matmul_peak_gflops,
     };
     use hetpar_nn::kernels::linear::Matmul;
     use hetpar_nn::layers::attention::CpMode;
@@ -304,6 +305,22 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
             "linear forward x @ w^T (w {out} x {inner}) {}, GFLOP/s by rows: {}",
             a.dtype,
             rates.join(", ")
+        ));
+    }
+    if wanted("attention") {
+        // The rows' attention cores alone, forward and backward; always f32 or f64 (under
+        // bf16 only the linear products round to bf16).
+        let times = ATTENTION_SHAPES
+            .iter()
+            .map(|&shape| {
+                let t = attention_seconds(shape, 10 * iters.max(1), dtype)?;
+                Ok(format!("{shape} {:.2}", t * 1e3))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        say(&format!(
+            "attention core forward+backward {}, ms by shape: {}",
+            format!("{dtype:?}").to_lowercase(),
+            times.join(", ")
         ));
     }
     if wanted("adamw") {

@@ -231,6 +231,27 @@ fn bench_nn_times_the_linear_forward_by_rows_in_the_format_compare_py_reads() {
 }
 
 #[test]
+fn bench_nn_times_the_attention_core_by_shape_in_the_format_compare_py_reads() {
+    let text = stdout(&hetpar(&["bench", "nn", "--only", "attention", "--iters", "1"]));
+    let line =
+        text.lines().find(|l| l.starts_with("attention core")).unwrap_or_else(|| panic!("{text}"));
+    let (head, times) = line.split_once(", ms by shape: ").unwrap_or_else(|| panic!("{line}"));
+    assert_eq!(head, "attention core forward+backward f32");
+    let shapes: Vec<&str> = times.split(", ").map(|t| t.split_once(' ').expect(t).0).collect();
+    assert_eq!(shapes, ["4x196:6/6:64", "1x512:8/2:64c", "2x256:8/2:64c"]);
+    assert!(
+        times.split(", ").all(|t| t
+            .split_once(' ')
+            .expect(t)
+            .1
+            .parse::<f64>()
+            .is_ok_and(|ms| ms > 0.0)),
+        "{line}"
+    );
+    assert!(!text.contains("what (forward+backward)") && !text.contains("adamw"), "{text}");
+}
+
+#[test]
 fn bench_comm_runs_a_small_case() {
     let text =
         stdout(&hetpar(&["bench", "comm", "--ranks", "2", "--sizes-mib", "1", "--iters", "1"]));

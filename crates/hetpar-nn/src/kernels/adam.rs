@@ -143,7 +143,7 @@ impl InplaceOp2 for Weights<'_> {
                     w.len()
                 )));
             }
-            simd::fast(|| update(s, w, g, m, v));
+            simd::fast!(update(s, w, g, m, v));
             Ok(())
         }
         let s = &self.step;

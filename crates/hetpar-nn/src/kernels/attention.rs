@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, Error, Layout, Shape, Tensor};
 
 use super::gemm::{View, matmul};
-use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
+use super::{CResult, Real, by_real, by_real_dtype, dot, max, simd, slice, sum, with_data};
 
 /// Query rows per block.
 const BQ: usize = 64;
@@ -222,7 +222,7 @@ impl FlashAttention {
                         let (sv, _, kv) = self.scores(&mut s, q, k, &x, d, qb, kb, vis);
                         for i in 0..rows {
                             let row = &mut s[i * BK..i * BK + kb.len];
-                            let top = row.iter().fold(T::NEG_INF, |a, &b| a.larger(b));
+                            let top = max(row);
                             let m_new = m[i].larger(top);
                             if m_new == T::NEG_INF {
                                 row.fill(T::ZERO);
@@ -230,7 +230,7 @@ impl FlashAttention {
                             }
                             row.iter_mut().for_each(|e| *e -= m_new);
                             T::exp_in_place(row);
-                            let sum = row.iter().fold(T::ZERO, |a, &b| a + b);
+                            let sum = sum(row);
                             if m[i] != m_new {
                                 let alpha = (m[i] - m_new).exp();
                                 l[i] *= alpha;
@@ -290,7 +290,7 @@ impl FlashAttention {
                     let gv = View::rows(x.o + qb.start * x.ors, rows, d, x.ors);
                     for i in 0..rows {
                         let r = gv.offset + i * x.ors;
-                        let dot = (0..d).fold(T::ZERO, |a, c| a + go[r + c] * o[r + c]);
+                        let dot = dot(&go[r..r + d], &o[r..r + d]);
                         // With the log-sum-exp an output, its gradient joins the softmax's.
                         delta[i] = if self.with_lse { dot - go[r + d] } else { dot };
                         row_lse[i] = T::from_f64(lse[(bi * dm.hq + h) * dm.sq + qb.start + i]);
@@ -351,7 +351,7 @@ impl CustomOp3 for FlashAttention {
                 slice::<T>(s2, l2, "attention")?,
                 slice::<T>(s3, l3, "attention")?,
             );
-            let (out, lse) = simd::fast(|| self.forward(q, k, v, dm));
+            let (out, lse) = simd::fast!(self.forward(q, k, v, dm));
             *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(out),
@@ -395,7 +395,7 @@ impl FlashAttention {
                 with_data::<T, _>(v, op, |vd| {
                     with_data::<T, _>(res, op, |od| {
                         with_data::<T, _>(grad, op, |gd| {
-                            Ok(simd::fast(|| self.backward(qd, kd, vd, od, gd, lse, dm)))
+                            Ok(simd::fast!(self.backward(qd, kd, vd, od, gd, lse, dm)))
                         })
                     })
                 })

@@ -209,7 +209,7 @@ impl CustomOp3 for LinearBiasOp {
             let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
             let b = slice::<T>(s3, l3, "linear")?;
             let mut y = product(self.0, x, w, dims)?;
-            simd::fast(|| BiasAddOp::add_rows(&mut y, b));
+            simd::fast!(BiasAddOp::add_rows(&mut y, b));
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(y),
                 out_shape(l1.shape(), dims.2),
@@ -236,7 +236,7 @@ impl CustomOp3 for LinearBiasOp {
         ) -> CResult<(Tensor, Tensor, Tensor)> {
             let (dx, dw) = input_grads::<T>(how, x, w, grad, dims)?;
             let db = with_data::<T, _>(grad, "linear backward", |g| {
-                Ok(simd::fast(|| BiasAddOp::bias_grad(g, dims.2)))
+                Ok(simd::fast!(BiasAddOp::bias_grad(g, dims.2)))
             })?;
             Ok((dx, dw, Tensor::from_vec(db, dims.2, grad.device())?))
         }

@@ -74,6 +74,7 @@ impl Real for f64 {
     fn sqrt(self) -> f64 {
         f64::sqrt(self)
     }
+    #[inline(always)]
     fn larger(self, other: f64) -> f64 {
         f64::max(self, other)
     }
@@ -111,6 +112,7 @@ impl Real for f32 {
     fn sqrt(self) -> f32 {
         f32::sqrt(self)
     }
+    #[inline(always)]
     fn larger(self, other: f32) -> f32 {
         f32::max(self, other)
     }
@@ -202,6 +204,62 @@ pub fn normal_cdf_f32(x: f32) -> f32 {
     let erfc_a = if a > 9.3 { 0.0 } else { t * exp_f64_core(p - a * a) };
     let erfc = if z >= 0.0 { erfc_a } else { 2.0 - erfc_a };
     (0.5 * erfc) as f32
+}
+
+/// `sum a_i b_i` with eight partial sums, so the loop vectorizes (a fixed order all the
+/// same: the result never depends on timing).
+#[inline(always)]
+pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::ZERO; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut tail = T::ZERO;
+    for (x, y) in ra.iter().zip(rb) {
+        tail += *x * *y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `sum f(a_i)` with eight partial sums (see [`dot`]).
+#[inline(always)]
+pub(crate) fn sum_map<T: Real>(a: &[T], f: impl Fn(T) -> T) -> T {
+    let mut acc = [T::ZERO; 8];
+    let c = a.chunks_exact(8);
+    let tail = c.remainder().iter().fold(T::ZERO, |s, &x| s + f(x));
+    for x in c {
+        for l in 0..8 {
+            acc[l] += f(x[l]);
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `sum a_i` with eight partial sums (see [`dot`]).
+#[inline(always)]
+pub(crate) fn sum<T: Real>(a: &[T]) -> T {
+    sum_map(a, |x| x)
+}
+
+/// The largest element (`-inf` for none; NaN ignored, as [`Real::larger`] does) with eight
+/// running maxima, so the loop vectorizes: the maximum of a set, so the same in any order.
+#[inline(always)]
+pub(crate) fn max<T: Real>(a: &[T]) -> T {
+    let mut acc = [T::NEG_INF; 8];
+    let c = a.chunks_exact(8);
+    let tail = c.remainder().iter().fold(T::NEG_INF, |s, &x| s.larger(x));
+    for x in c {
+        for l in 0..8 {
+            acc[l] = acc[l].larger(x[l]);
+        }
+    }
+    let m = (acc[0].larger(acc[4]).larger(acc[1].larger(acc[5])))
+        .larger(acc[2].larger(acc[6]).larger(acc[3].larger(acc[7])));
+    m.larger(tail)
 }
 
 /// The contiguous elements behind a CPU tensor storage and its layout.

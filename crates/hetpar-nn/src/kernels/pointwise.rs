@@ -8,40 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
-use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
-
-/// `sum a_i b_i` with eight partial sums, so the loop vectorizes (a fixed order all the
-/// same: the result never depends on timing).
-#[inline(always)]
-fn dot<T: Real>(a: &[T], b: &[T]) -> T {
-    let mut acc = [T::ZERO; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    let mut tail = T::ZERO;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += *x * *y;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// `sum a_i` with eight partial sums (see [`dot`]).
-#[inline(always)]
-fn sum<T: Real>(a: &[T]) -> T {
-    let mut acc = [T::ZERO; 8];
-    let c = a.chunks_exact(8);
-    let tail = c.remainder().iter().fold(T::ZERO, |s, &x| s + x);
-    for x in c {
-        for l in 0..8 {
-            acc[l] += x[l];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
+use super::{CResult, Real, by_real, by_real_dtype, dot, simd, slice, sum, sum_map, with_data};
 
 /// The row width `h` of `x` `[.., h]`, checking that each of `params` is `[h]`.
 fn row_width(op: &str, x: &Shape, params: &[&Shape]) -> CResult<usize> {
@@ -120,7 +87,7 @@ impl CustomOp2 for RmsNormOp {
         by_real!(s1, "rms-norm", |T| {
             let (x, w) = (slice::<T>(s1, l1, "rms-norm")?, slice::<T>(s2, l2, "rms-norm")?);
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast!({
                     self.forward(x, w, h)
                 })),
                 l1.shape().clone(),
@@ -147,7 +114,7 @@ impl CustomOp2 for RmsNormOp {
             let (dx, dw) = with_data::<T, _>(x, "rms-norm", |xd| {
                 with_data::<T, _>(w, "rms-norm", |wd| {
                     with_data::<T, _>(grad, "rms-norm", |gd| {
-                        Ok(simd::fast(|| op.backward(xd, wd, gd, h)))
+                        Ok(simd::fast!(op.backward(xd, wd, gd, h)))
                     })
                 })
             })?;
@@ -171,7 +138,7 @@ impl LayerNormOp {
     #[inline(always)]
     fn stats<T: Real>(&self, xr: &[T], hf: T) -> (T, T) {
         let mean = sum(xr) / hf;
-        let var = xr.iter().fold(T::ZERO, |a, &x| a + (x - mean) * (x - mean)) / hf;
+        let var = sum_map(xr, |x| (x - mean) * (x - mean)) / hf;
         (mean, T::ONE / (var + T::from_f64(self.eps)).sqrt())
     }
 
@@ -234,7 +201,7 @@ impl CustomOp3 for LayerNormOp {
             let x = slice::<T>(s1, l1, "layer-norm")?;
             let (w, b) = (slice::<T>(s2, l2, "layer-norm")?, slice::<T>(s3, l3, "layer-norm")?);
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast!({
                     self.forward(x, w, b, h)
                 })),
                 l1.shape().clone(),
@@ -262,7 +229,7 @@ impl CustomOp3 for LayerNormOp {
             let [dx, dw, db] = with_data::<T, _>(x, "layer-norm", |xd| {
                 with_data::<T, _>(w, "layer-norm", |wd| {
                     with_data::<T, _>(grad, "layer-norm", |gd| {
-                        Ok(simd::fast(|| op.backward(xd, wd, gd, h)))
+                        Ok(simd::fast!(op.backward(xd, wd, gd, h)))
                     })
                 })
             })?;
@@ -335,7 +302,7 @@ impl CustomOp1 for GeluOp {
         by_real!(s1, "gelu", |T| {
             let x = slice::<T>(s1, l1, "gelu")?;
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast!({
                     Self::forward(x)
                 })),
                 l1.shape().clone(),
@@ -347,7 +314,7 @@ impl CustomOp1 for GeluOp {
         let grad = grad.contiguous()?;
         fn run<T: NormalCdf>(x: &Tensor, grad: &Tensor) -> CResult<Tensor> {
             let dx = with_data::<T, _>(x, "gelu", |xd| {
-                with_data::<T, _>(grad, "gelu", |gd| Ok(simd::fast(|| GeluOp::backward(xd, gd))))
+                with_data::<T, _>(grad, "gelu", |gd| Ok(simd::fast!(GeluOp::backward(xd, gd))))
             })?;
             Tensor::from_vec(dx, x.shape(), x.device())
         }
@@ -430,7 +397,7 @@ impl CustomOp1 for RopeOp {
         by_real!(s1, "rope", |T| {
             let x = slice::<T>(s1, l1, "rope")?;
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast!({
                     self.rotate(x, s, heads)
                 })),
                 l1.shape().clone(),
@@ -495,7 +462,7 @@ impl CustomOp2 for SwiGluOp {
         by_real!(s1, "swiglu", |T| {
             let (g, u) = (slice::<T>(s1, l1, "swiglu")?, slice::<T>(s2, l2, "swiglu")?);
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast!({
                     Self::forward(g, u)
                 })),
                 l1.shape().clone(),
@@ -515,7 +482,7 @@ impl CustomOp2 for SwiGluOp {
             let (dg, du) = with_data::<T, _>(g, "swiglu", |gd| {
                 with_data::<T, _>(u, "swiglu", |ud| {
                     with_data::<T, _>(grad, "swiglu", |hd| {
-                        Ok(simd::fast(|| SwiGluOp::backward(gd, ud, hd)))
+                        Ok(simd::fast!(SwiGluOp::backward(gd, ud, hd)))
                     })
                 })
             })?;
@@ -592,7 +559,7 @@ impl CustomOp2 for BiasAddOp {
         by_real!(s1, "bias-add", |T| {
             let (x, b) = (slice::<T>(s1, l1, "bias-add")?, slice::<T>(s2, l2, "bias-add")?);
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast(|| {
+                <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast!({
                     Self::forward(x, b, n)
                 })),
                 l1.shape().clone(),
@@ -611,7 +578,7 @@ impl CustomOp2 for BiasAddOp {
         let grad = grad.contiguous()?;
         fn run<T: Real>(grad: &Tensor, n: usize) -> CResult<Tensor> {
             let db = with_data::<T, _>(grad, "bias-add", |g| {
-                Ok(simd::fast(|| BiasAddOp::bias_grad(g, n)))
+                Ok(simd::fast!(BiasAddOp::bias_grad(g, n)))
             })?;
             Tensor::from_vec(db, n, grad.device())
         }
