@@ -13,26 +13,29 @@
 //! allocated in.
 //!
 //! Freed pages stay committed ([`keep_freed_pages`]): by default mimalloc hands pages of
-//! freed blocks back to the OS after a delay (`purge_delay`, 1 s in v3), and a training
-//! step reallocates the same sizes every step, so every step faulted those pages in again,
-//! each zeroed by the kernel: `hetpar bench nn --only vit` took 66,000 page faults and
-//! 0.2 s of system time per step, and 60 steps of the demo 41 s against 31 s with
-//! them kept.
+//! freed blocks back to the OS after a delay (`purge_delay`, 1 s in v3), so a block not
+//! reused within it (every tensor of a step longer than that) faulted its pages in again,
+//! each zeroed by the kernel: the ViT row of `hetpar bench nn --dtype f64` (1.45 s a step)
+//! took 34,065 page faults in 5 steps against 561 with the pages kept, and 60 steps of the
+//! demo 41-48 s against 26.6 s (BENCHMARKS.md).
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout};
 
-/// `mi_option_purge_delay` in the `mi_option_e` enum of the mimalloc v3 sources that
-/// `libmimalloc-sys` 0.1.49 builds (the crate names no constant for it); a test holds the
-/// index to the option's default.
-const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+/// `mi_option_purge_delay`: the option after `mi_option_use_numa_nodes` in the enum of
+/// the mimalloc `libmimalloc-sys` builds (v3, and v2 alike), for which the crate names no
+/// constant; a test holds the index to the defaults around it.
+const PURGE_DELAY: libmimalloc_sys::mi_option_t = libmimalloc_sys::mi_option_use_numa_nodes - 1;
 
 /// Keeps the pages of freed blocks committed for reuse rather than handing them back to
-/// the OS (mimalloc's `purge_delay` of -1): the process holds its peak footprint, which a
-/// training run reaches in its first step and keeps. Call it before the work starts.
+/// the OS (mimalloc's `purge_delay` of -1), unless the environment set the delay
+/// (`MIMALLOC_PURGE_DELAY`, in any case, or its old name `MIMALLOC_RESET_DELAY`): the
+/// process holds its peak footprint, which a training run reaches in its first step. Call
+/// it first in `main`, before any other thread starts: mimalloc's options are plain stores.
 pub fn keep_freed_pages() {
-    // SAFETY: setting an option is a store that mimalloc reads when it next purges.
-    unsafe { libmimalloc_sys::mi_option_set(PURGE_DELAY, -1) };
+    // SAFETY: a store to mimalloc's option table (a default, which an environment setting
+    // read at start-up keeps precedence over), made before any other thread exists.
+    unsafe { libmimalloc_sys::mi_option_set_default(PURGE_DELAY, -1) };
 }
 
 /// Blocks of this size or more are staggered.
@@ -185,14 +188,16 @@ mod tests {
 
     #[test]
     fn the_purge_delay_index_names_the_purge_delay() {
-        // Its default in mimalloc v3 (1000 ms), unless the environment set it; the options
-        // next to it default to 1 (deprecated eager-commit delay) and 0 (NUMA nodes).
-        let want = std::env::var("MIMALLOC_PURGE_DELAY").map_or(Ok(1000), |v| v.parse());
-        let got = unsafe { libmimalloc_sys::mi_option_get(PURGE_DELAY) };
-        if std::env::var_os("MIMALLOC_USE_NUMA_NODES").is_none() {
-            assert_eq!(unsafe { libmimalloc_sys::mi_option_get(PURGE_DELAY + 1) }, 0);
+        // Its v3 default (1000 ms) between the deprecated eager-commit delay's (1) and the
+        // NUMA nodes' (0); unless the environment set any of them (mimalloc reads names in
+        // any case).
+        if std::env::vars_os()
+            .any(|(k, _)| k.to_string_lossy().to_ascii_uppercase().starts_with("MIMALLOC_"))
+        {
+            return;
         }
-        assert_eq!(Ok(got), want.map(|v: i64| v as std::ffi::c_long));
+        let get = |o| unsafe { libmimalloc_sys::mi_option_get(o) };
+        assert_eq!((get(PURGE_DELAY - 1), get(PURGE_DELAY), get(PURGE_DELAY + 1)), (1, 1000, 0));
     }
 
     #[test]

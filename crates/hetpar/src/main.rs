@@ -117,11 +117,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    // Unless the user set mimalloc's purge delay, freed pages stay for the next step's
-    // tensors (see `alloc.rs`).
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-        alloc::keep_freed_pages();
-    }
+    // Freed pages stay for the next step's tensors, unless the environment set mimalloc's
+    // purge delay (see `alloc.rs`).
+    alloc::keep_freed_pages();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

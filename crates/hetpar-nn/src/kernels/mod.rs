@@ -71,6 +71,7 @@ impl Real for f64 {
     fn ln(self) -> f64 {
         f64::ln(self)
     }
+    #[inline(always)]
     fn sqrt(self) -> f64 {
         f64::sqrt(self)
     }
@@ -109,6 +110,7 @@ impl Real for f32 {
     fn ln(self) -> f32 {
         f32::ln(self)
     }
+    #[inline(always)]
     fn sqrt(self) -> f32 {
         f32::sqrt(self)
     }
@@ -330,7 +332,61 @@ pub(crate) use by_real_dtype;
 
 #[cfg(test)]
 mod tests {
-    use super::{exp_f32, normal_cdf_f32};
+    use super::{Real, dot, exp_f32, max, normal_cdf_f32, simd, sum, sum_map};
+
+    /// Rows of every length up to two chunks and a tail, with NaN, infinities, signed zeros
+    /// and ordinary values at varied places.
+    fn rows() -> Vec<Vec<f32>> {
+        let pool =
+            [1.5f32, -2.25, f32::NAN, 0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, 3.0e-3, -7.0];
+        let mut out = Vec::new();
+        for len in 0..=17 {
+            for shift in 0..pool.len() {
+                out.push((0..len).map(|i| pool[(i * 5 + shift) % pool.len()]).collect());
+                // Finite rows too, where the sums are finite.
+                out.push((0..len).map(|i| ((i + shift) as f32 * 0.37).sin() * 4.0).collect());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_lane_maximum_is_the_left_fold_of_the_larger() {
+        for row in rows() {
+            let want = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.larger(b));
+            let got = max(&row);
+            // Equal as values (a zero's sign may differ, as `larger` allows); never NaN.
+            assert!(got == want && !got.is_nan(), "{row:?}: {got} against {want}");
+        }
+    }
+
+    #[test]
+    fn the_reductions_give_the_same_bits_on_both_paths() {
+        for row in rows() {
+            let other: Vec<f32> = row.iter().rev().copied().collect();
+            let run = || {
+                (
+                    max(&row),
+                    sum(&row),
+                    dot(&row, &other),
+                    sum_map(&row, |x| x * x),
+                    sum_map(&row, |x| x),
+                )
+            };
+            let (wide, plain) = (simd::fast!(run()), run());
+            let bits = |r: (f32, f32, f32, f32, f32)| {
+                [r.0.to_bits(), r.1.to_bits(), r.2.to_bits(), r.3.to_bits(), r.4.to_bits()]
+            };
+            assert_eq!(bits(wide), bits(plain), "{row:?}");
+            // `sum` is `sum_map` of the identity.
+            assert_eq!(plain.1.to_bits(), plain.4.to_bits(), "{row:?}");
+            if row.iter().all(|x| x.is_finite()) {
+                let exact: f64 = row.iter().map(|&x| x as f64).sum();
+                let scale: f64 = row.iter().map(|&x| (x as f64).abs()).sum();
+                assert!((plain.1 as f64 - exact).abs() <= 1e-6 * scale.max(1.0), "{row:?}");
+            }
+        }
+    }
 
     #[test]
     fn the_normal_cdf_is_within_two_ulp_and_keeps_its_tails() {

@@ -32,7 +32,7 @@ fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// `f()`, inlined into a function compiled for AVX-512 when the CPU has it. Call it through
-/// [`fast!`], which marks the closure `#[inline(always)]`: the compiler may otherwise keep
+/// `fast!`, which marks the closure `#[inline(always)]`: the compiler may otherwise keep
 /// a large closure out of line, compiled for the baseline (the attention backward ran
 /// there, on SSE registers, 20-30% slower).
 #[inline(always)]
