@@ -192,11 +192,7 @@ pub const ATTENTION_SHAPES: [AttentionShape; 3] = [
 pub fn attention_seconds(shape: AttentionShape, iters: usize, dtype: DType) -> Result<f64> {
     let AttentionShape { batch, seq, heads, kv_heads, dim, causal } = shape;
     let make = |h: usize, name: &str| -> Result<Var> {
-        let n = batch * seq * h * dim;
-        let value = Init::Normal(1.0).values(5, name);
-        let v: Vec<f64> = (0..n).map(|i| value(i as u64)).collect();
-        let t = Tensor::from_vec(v, (batch, seq, h, dim), &Device::Cpu)?.to_dtype(dtype)?;
-        Ok(Var::from_tensor(&t)?)
+        Ok(Var::from_tensor(&random(&[batch, seq, h, dim], dtype, name)?)?)
     };
     let (q, k, v) = (make(heads, "q")?, make(kv_heads, "k")?, make(kv_heads, "v")?);
     let pos = Arc::new((0..seq).collect::<Vec<_>>());
@@ -265,7 +261,7 @@ pub fn bench_llama_layer(
 ) -> Result<NnBench> {
     let b = Build::new(one_rank(comm)?, 1, dtype).with_matmul(matmul);
     let model = Llama::stage(&b, cfg, 0..1, false, false)?;
-    let x = random(&[batch, seq, cfg.hidden], dtype)?;
+    let x = random(&[batch, seq, cfg.hidden], dtype, "bench-input")?;
     let positions = CpPositions::single(seq);
     let seconds = time(iters, || {
         let (y, aux) = model.layers(&x, &positions)?;
@@ -332,7 +328,7 @@ pub fn bench_vit(
 ) -> Result<NnBench> {
     let b = Build::new(one_rank(comm)?, 1, dtype).with_matmul(matmul);
     let vit = Vit::new(&b, cfg)?;
-    let pixels = random(&[images, 3, cfg.image_size, cfg.image_size], dtype)?;
+    let pixels = random(&[images, 3, cfg.image_size, cfg.image_size], dtype, "bench-input")?;
     let seconds = time(iters, || {
         vit.forward(&pixels)?.sum_all()?.backward()?;
         Ok(())
@@ -351,9 +347,10 @@ pub fn bench_vit(
     })
 }
 
-fn random(shape: &[usize], dtype: DType) -> Result<Tensor> {
+/// Standard normal values of `shape` in `dtype`, the stream named `name`.
+fn random(shape: &[usize], dtype: DType, name: &str) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let value = Init::Normal(1.0).values(3, "bench-input");
+    let value = Init::Normal(1.0).values(3, name);
     let v: Vec<f64> = (0..n).map(|i| value(i as u64)).collect();
     Ok(Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?)
 }
@@ -373,7 +370,7 @@ pub fn bench_adamw(n: usize, iters: usize, dtype: DType) -> Result<(f64, f64)> {
         lr: 1e-3,
         decay: 0.1,
     };
-    let (w, g) = (random(&[n], dtype)?, random(&[n], dtype)?);
+    let (w, g) = (random(&[n], dtype, "bench-input")?, random(&[n], dtype, "bench-input")?);
     let (m, v) = (Tensor::zeros(n, dtype, &Device::Cpu)?, Tensor::zeros(n, dtype, &Device::Cpu)?);
     let fused = time(iters, || Ok(adamw_step(&w, &g, &m, &v, step)?))?;
     let composed = time(iters, || {

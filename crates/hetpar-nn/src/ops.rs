@@ -357,15 +357,15 @@ impl VocabCrossEntropy {
             )));
         }
         let row = |i: usize| &x[i * v..(i + 1) * v];
-        let mut max: Vec<f64> = simd::fast!({ (0..n).map(|i| max(row(i)).to_f64()).collect() });
-        self.reduce(&mut max, ReduceOp::Max)?;
+        let mut row_max: Vec<f64> = simd::fast!({ (0..n).map(|i| max(row(i)).to_f64()).collect() });
+        self.reduce(&mut row_max, ReduceOp::Max)?;
         // `e^(x - max)` in the element type (f32 through the correctly rounding exp), summed
         // in f64.
         let mut sum: Vec<f64> = simd::fast!({
             let mut e = vec![T::ZERO; v];
             (0..n)
                 .map(|i| {
-                    let m = T::from_f64(max[i]);
+                    let m = T::from_f64(row_max[i]);
                     for (d, &a) in e.iter_mut().zip(row(i)) {
                         *d = a - m;
                     }
@@ -392,11 +392,12 @@ impl VocabCrossEntropy {
                 if self.targets[i] < 0 {
                     T::from_f64(0.0)
                 } else {
-                    T::from_f64(sum[i].ln() + max[i] - target[i])
+                    T::from_f64(sum[i].ln() + row_max[i] - target[i])
                 }
             })
             .collect();
-        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = max.into_iter().zip(sum).collect();
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) =
+            row_max.into_iter().zip(sum).collect();
         Ok(loss)
     }
 

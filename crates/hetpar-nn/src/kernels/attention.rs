@@ -230,7 +230,7 @@ impl FlashAttention {
                             }
                             row.iter_mut().for_each(|e| *e -= m_new);
                             T::exp_in_place(row);
-                            let sum = sum(row);
+                            let row_sum = sum(row);
                             if m[i] != m_new {
                                 let alpha = (m[i] - m_new).exp();
                                 l[i] *= alpha;
@@ -238,7 +238,7 @@ impl FlashAttention {
                                 out[o..o + d].iter_mut().for_each(|e| *e *= alpha);
                                 m[i] = m_new;
                             }
-                            l[i] += sum;
+                            l[i] += row_sum;
                         }
                         matmul(&mut out, ov, &s, sv, v, kv, true, T::ONE);
                     }
@@ -290,9 +290,9 @@ impl FlashAttention {
                     let gv = View::rows(x.o + qb.start * x.ors, rows, d, x.ors);
                     for i in 0..rows {
                         let r = gv.offset + i * x.ors;
-                        let dot = dot(&go[r..r + d], &o[r..r + d]);
+                        let go_o = dot(&go[r..r + d], &o[r..r + d]);
                         // With the log-sum-exp an output, its gradient joins the softmax's.
-                        delta[i] = if self.with_lse { dot - go[r + d] } else { dot };
+                        delta[i] = if self.with_lse { go_o - go[r + d] } else { go_o };
                         row_lse[i] = T::from_f64(lse[(bi * dm.hq + h) * dm.sq + qb.start + i]);
                     }
                     for kb in &kbl {
