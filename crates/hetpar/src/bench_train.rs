@@ -135,7 +135,7 @@ pub fn run_train(a: &TrainArgs) -> anyhow::Result<()> {
         say(&out.to_string());
         return Ok(());
     }
-    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
+    let threads = hetpar_nn::kernels::share_of(g.world);
     say(&format!(
         "{}: {} ranks on the local backend ({}, {} timed steps after {} warm-up; threads per rank: {threads}; {} cores)",
         g.name,
@@ -218,7 +218,7 @@ pub fn run_executor(a: &ExecutorArgs) -> anyhow::Result<()> {
             "the executor and the plain loop computed different losses or norms: a bug, not a timing"
         );
     }
-    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all cores".into());
+    let threads = hetpar_nn::kernels::share_of(1);
     say(&format!(
         "one Llama (hidden 256, 4 layers, seq 128, 4 microbatches of 2) on one rank, {}, threads: {threads}; fastest of {} steps each",
         crate::train_cmd::precision(dtype, &graph),

@@ -64,6 +64,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let run_data = crate::data_open::open(&graph, &|_| {})?;
     let opts = hetpar_comm::LocalOptions { timeout: timeout(a.timeout)? };
     let results = hetpar_comm::launch(graph.world, opts, |c| {
+        hetpar_nn::kernels::share_threads(graph.world);
         let rank = hetpar_comm::CommExt::global_rank(c);
         let mut t =
             Trainer::new(c, &graph, dt, graph.train.steps, &run_data.sources(&graph, rank))?;

@@ -105,6 +105,13 @@ pub fn precision(dtype: DType, graph: &ModelGraph) -> String {
     }
 }
 
+/// How many threads each rank's products split over, for the log: the share of this
+/// machine's threads each of its ranks gets (under MPI, set when MPI started).
+fn threads_per_rank(mpi: bool, world: usize) -> String {
+    let n = if mpi { hetpar_nn::kernels::threads() } else { hetpar_nn::kernels::share_of(world) };
+    format!("{n} thread{} per rank", if n == 1 { "" } else { "s" })
+}
+
 /// The error that started a failure: a rank's own error (one naming a parameter or an edge
 /// first) rather than the others' reports of its failure.
 fn first_cause(errors: Vec<RuntimeError>) -> RuntimeError {
@@ -367,11 +374,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     };
     if lead {
         say(&format!(
-            "training {} on {} ranks ({} backend, {}) for {steps} steps; metrics in {}",
+            "training {} on {} ranks ({} backend, {}, {}) for {steps} steps; metrics in {}",
             graph.name,
             graph.world,
             a.backend,
             precision(dtype, &graph),
+            threads_per_rank(mpi.is_some(), graph.world),
             out.join("metrics.jsonl").display()
         ));
         for m in &graph.modules {
@@ -910,6 +918,7 @@ fn local_ranks(
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
     let opts = hetpar_comm::LocalOptions { timeout };
     let results = hetpar_comm::launch(graph.world, opts, |c| {
+        hetpar_nn::kernels::share_threads(graph.world);
         rank_run(c, graph, run.data, (dtype, steps), run.on_step, run.evals, run.ckpt)
     })?;
     let (mut ok, mut errors) = (Vec::new(), Vec::new());
@@ -936,6 +945,8 @@ fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Com
     if world.size() != graph.world {
         bail!("the config places ranks 0..{}, mpirun started {}", graph.world, world.size());
     }
+    // The ranks mpirun started on this host share its cores.
+    hetpar_nn::kernels::share_threads(world.host_ranks()?);
     Ok(Box::new(world))
 }
 

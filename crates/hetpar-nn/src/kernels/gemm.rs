@@ -100,7 +100,7 @@ pub fn matmul_wide<T: Real>(
     accumulate: bool,
     beta: T,
 ) {
-    let threads = candle_core::utils::get_num_threads();
+    let threads = super::threads();
     matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, beta, threads);
 }
 

@@ -70,7 +70,7 @@ fn mul<T: Real>(
             Ok(())
         }
         Matmul::Bf16 => {
-            let threads = candle_core::utils::get_num_threads();
+            let threads = super::threads();
             T::bf16_product(dst, dv, lhs, lv, rhs, rv, false, threads)
         }
     }

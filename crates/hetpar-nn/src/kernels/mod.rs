@@ -9,8 +9,10 @@
 //! kernel to them at the parity tolerances (f32 1e-5, f64 1e-10, relative).
 //!
 //! Kernels run on contiguous f32 or f64 CPU storage and combine in a fixed order, so a
-//! result never depends on timing. Attention's block products run on one thread per rank;
-//! the linear products use as many threads as candle's matmuls (`RAYON_NUM_THREADS`).
+//! result never depends on timing or on the thread count. Attention's block products run on
+//! one thread per rank; the linear products split over [`threads`]: the rank's share of the
+//! machine's threads when ranks share it ([`share_threads`]), else as many as candle's
+//! matmuls (`RAYON_NUM_THREADS`, or the physical cores).
 
 pub mod adam;
 #[cfg(target_arch = "x86_64")]
@@ -23,9 +25,43 @@ pub mod pointwise;
 pub mod reference;
 pub mod simd;
 
+use std::cell::Cell;
+
 use candle_core::{CpuStorage, Error, Layout, Storage, Tensor, WithDType};
 
 pub(crate) type CResult<T> = candle_core::Result<T>;
+
+thread_local! {
+    /// This thread's share of the machine's threads ([`share_threads`]); 0 when unset.
+    static SHARE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Threads the products this thread runs split over: its share ([`share_threads`]), else
+/// candle's count (`RAYON_NUM_THREADS`, or the machine's physical cores).
+pub fn threads() -> usize {
+    match SHARE.get() {
+        0 => candle_core::utils::get_num_threads(),
+        n => n,
+    }
+}
+
+/// Each rank's share of candle's threads when `ranks` ranks compute on this machine at
+/// once: `max(1, threads / ranks)`.
+pub fn share_of(ranks: usize) -> usize {
+    (candle_core::utils::get_num_threads() / ranks.max(1)).max(1)
+}
+
+/// Gives the products this thread runs its share of candle's threads ([`share_of`]), for
+/// when `ranks` ranks compute on this machine at once (the local backend's rank threads, or
+/// the MPI processes of one host), and returns it. Without a share, each rank splits every
+/// product over all the cores while the other ranks compute on them too: the demo's three
+/// ranks on two cores spent a fifth of their time in the kernel, switching 7,000 times a
+/// step, and ran 60 steps in 20-23 s instead of 12-16 (BENCHMARKS.md).
+pub fn share_threads(ranks: usize) -> usize {
+    let share = share_of(ranks);
+    SHARE.set(share);
+    share
+}
 
 /// The float types the kernels run in.
 pub trait Real: WithDType + std::ops::Neg<Output = Self> {
@@ -332,7 +368,29 @@ pub(crate) use by_real_dtype;
 
 #[cfg(test)]
 mod tests {
-    use super::{Real, dot, exp_f32, max, normal_cdf_f32, simd, sum, sum_map};
+    use super::{
+        Real, dot, exp_f32, max, normal_cdf_f32, share_of, share_threads, simd, sum, sum_map,
+        threads,
+    };
+
+    #[test]
+    fn a_share_of_the_threads_holds_on_its_own_thread_only() {
+        let all = candle_core::utils::get_num_threads();
+        assert_eq!(share_of(1), all);
+        assert_eq!(share_of(0), all, "no ranks counts as one");
+        assert_eq!(share_of(all + 1), 1, "more ranks than threads: one each");
+        assert_eq!(share_of(2), (all / 2).max(1));
+        std::thread::spawn(move || {
+            assert_eq!(threads(), all, "unset: candle's count");
+            assert_eq!(share_threads(all + 1), 1);
+            assert_eq!(threads(), 1);
+            std::thread::spawn(move || assert_eq!(threads(), all, "another thread: unset"))
+                .join()
+                .expect("thread");
+        })
+        .join()
+        .expect("thread");
+    }
 
     /// Rows of every length up to two chunks and a tail, with NaN, infinities, signed zeros
     /// and ordinary values at varied places.
