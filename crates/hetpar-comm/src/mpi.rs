@@ -71,8 +71,6 @@ pub struct MpiEngine {
     timeout: Duration,
     on_fatal: Box<dyn Fn(&CommError) + Send>,
     world_rank: usize,
-    /// Ranks of the world on this rank's host (itself included).
-    host_ranks: usize,
     _universe: Universe,
 }
 
@@ -116,7 +114,6 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
             let world = universe.world();
             let control = world.duplicate();
             let (rank, size) = (world.rank() as usize, world.size() as usize);
-            let host_ranks = world.split_shared(world.rank()).size() as usize;
             let entry = Entry {
                 comm: SimpleCommunicator::world(),
                 members: (0..size).collect(),
@@ -132,7 +129,6 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
                 timeout: opts.timeout,
                 on_fatal: opts.on_fatal,
                 world_rank: rank,
-                host_ranks,
                 _universe: universe,
             })
         },
@@ -143,12 +139,6 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
 }
 
 impl MpiComm {
-    /// How many ranks of the world run on this rank's host, itself included (MPI's
-    /// shared-memory split, taken when MPI started): they share its cores.
-    pub fn host_ranks(&self) -> Result<usize> {
-        self.engine.call(|e| Ok(e.host_ranks))
-    }
-
     /// Frees every communicator and finalizes MPI; later calls on any handle fail. Call it
     /// at the end of an MPI program (dropping the last handle does the same).
     pub fn shutdown(&self) {

@@ -946,8 +946,20 @@ fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Com
         bail!("the config places ranks 0..{}, mpirun started {}", graph.world, world.size());
     }
     // The ranks mpirun started on this host share its cores.
-    hetpar_nn::kernels::share_threads(world.host_ranks()?);
+    hetpar_nn::kernels::share_threads(ranks_on_host());
     Ok(Box::new(world))
+}
+
+/// How many ranks mpirun started on this process's host, as it tells each process (Open
+/// MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH Hydra's `MPI_LOCALNRANKS`); 1 when it does not
+/// say. (MPI's shared-memory split would ask MPI itself, but Open MPI 4.1 crashes in it
+/// where two hosts share a hostname and only TCP joins them, as in scripts/netns-mpi.sh.)
+#[cfg(feature = "mpi")]
+fn ranks_on_host() -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.parse().ok())
+        .unwrap_or(1)
 }
 
 #[cfg(not(feature = "mpi"))]
