@@ -79,6 +79,7 @@ pub fn run_train(a: &TrainArgs) -> anyhow::Result<()> {
     if g.train.warmup > total {
         g.train.warmup = total;
     }
+    crate::threads::size_candle_pool(g.world);
     let ranks = train_local_ranks(&g, dtype, total, timeout(600.0)?, &|_| Ok(()))?;
     let timed: Vec<&[StepLog]> = ranks.iter().map(|l| &l[a.warmup..]).collect();
     let n = a.steps as f64;

@@ -101,7 +101,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let quiet = |_: &hetpar_runtime::StepLog| Ok(());
     let what = || format!("{} on {} ranks", graph.name, graph.world);
     let got = match a.backend.as_str() {
-        "local" => train_local(&graph, dt, a.steps, timeout, &quiet).with_context(what)?,
+        "local" => {
+            crate::threads::size_candle_pool(graph.world);
+            train_local(&graph, dt, a.steps, timeout, &quiet).with_context(what)?
+        }
         "mpi" => match train_mpi(&graph, dt, a.steps, timeout).with_context(what)? {
             Some(logs) => logs,
             // Ranks other than 0 are done: rank 0 compares and reports.

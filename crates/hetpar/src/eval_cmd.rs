@@ -61,6 +61,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     sets.extend(a.set.iter().cloned());
     let (_, mut graph) = crate::config_load::load_text(text, config.display().to_string(), &sets)?;
     let dt = dtype(None, &mut graph)?;
+    crate::threads::size_candle_pool(graph.world);
     let run_data = crate::data_open::open(&graph, &|_| {})?;
     let opts = hetpar_comm::LocalOptions { timeout: timeout(a.timeout)? };
     let results = hetpar_comm::launch(graph.world, opts, |c| {

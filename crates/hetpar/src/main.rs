@@ -16,6 +16,7 @@ mod plan_cmd;
 mod plots;
 mod schedule_cmd;
 mod tensorboard;
+mod threads;
 mod train_cmd;
 
 use std::path::Path;

@@ -319,7 +319,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let timeout = timeout(a.timeout)?;
     // Under MPI only rank 0 writes files and prints.
     let mpi = match a.backend.as_str() {
-        "local" => None,
+        "local" => {
+            crate::threads::size_candle_pool(graph.world);
+            None
+        }
         "mpi" => Some(open_mpi(timeout, &graph)?),
         other => bail!("--backend {other:?}: use local or mpi"),
     };
@@ -937,6 +940,8 @@ fn local_ranks(
 #[cfg(feature = "mpi")]
 fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>> {
     use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
+    // The ranks mpirun started on this host share its cores.
+    crate::threads::share_host();
     #[allow(clippy::print_stderr)]
     let opts = MpiOptions { timeout, on_fatal: Box::new(|e| eprintln!("error: {e}")) };
     let world = init(opts)?;
@@ -945,21 +950,7 @@ fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Com
     if world.size() != graph.world {
         bail!("the config places ranks 0..{}, mpirun started {}", graph.world, world.size());
     }
-    // The ranks mpirun started on this host share its cores.
-    hetpar_nn::kernels::share_threads(ranks_on_host());
     Ok(Box::new(world))
-}
-
-/// How many ranks mpirun started on this process's host, as it tells each process (Open
-/// MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MPICH Hydra's `MPI_LOCALNRANKS`); 1 when it does not
-/// say. (MPI's shared-memory split would ask MPI itself, but Open MPI 4.1 crashes in it
-/// where two hosts share a hostname and only TCP joins them, as in scripts/netns-mpi.sh.)
-#[cfg(feature = "mpi")]
-fn ranks_on_host() -> usize {
-    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|k| std::env::var(k).ok()?.parse().ok())
-        .unwrap_or(1)
 }
 
 #[cfg(not(feature = "mpi"))]
