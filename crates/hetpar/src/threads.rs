@@ -8,9 +8,9 @@
 /// threads as `CANDLE_NUM_THREADS`, else `RAYON_NUM_THREADS` or the physical cores, the
 /// caller among them; its workers spin before they sleep) for the `ranks` rank threads of
 /// this process. With several, 1: they would all queue on the one pool, while its workers
-/// spin on cores the ranks need (the demo's 40 steps took 17-23 s with the pool and 16-17 s
-/// without, BENCHMARKS.md); each rank then runs its element-wise ops on its own thread.
-/// With one rank, candle's default. A `CANDLE_NUM_THREADS` already set wins.
+/// spin on cores the ranks need (the demo's 40 steps took 7.8-10.4 s with the shared pool
+/// and 7.1-8.9 s without, BENCHMARKS.md); each rank then runs its element-wise ops on its
+/// own thread. With one rank, candle's default. A `CANDLE_NUM_THREADS` already set wins.
 ///
 /// Call it on the main thread before any other thread starts: candle reads the variable
 /// when the pool is first used, and setting one is only sound while no other thread can
