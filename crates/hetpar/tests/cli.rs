@@ -215,19 +215,21 @@ fn bench_nn_times_the_linear_forward_by_rows_in_the_format_compare_py_reads() {
         text.lines().find(|l| l.starts_with("linear forward")).unwrap_or_else(|| panic!("{text}"));
     let (head, rates) = line.split_once(" GFLOP/s by rows: ").unwrap_or_else(|| panic!("{line}"));
     assert_eq!(head, "linear forward x @ w^T (w 704 x 512) f32,");
-    let rows: Vec<&str> = rates.split(", ").map(|r| r.split_once(": ").expect(r).0).collect();
-    assert_eq!(rows, ["32", "64", "128", "256", "512"]);
-    assert!(
-        rates.split(", ").all(|r| r
-            .split_once(": ")
-            .expect(r)
-            .1
-            .parse::<f64>()
-            .is_ok_and(|g| g > 0.0)),
-        "{line}"
-    );
+    assert_eq!(positive_by_label(rates, ": "), ["32", "64", "128", "256", "512"]);
     // Only the line asked for: no table header without table rows, no optimizer line.
     assert!(!text.contains("what (forward+backward)") && !text.contains("adamw"), "{text}");
+}
+
+/// The labels of a bench line's list `label<sep>value, ...`, each value asserted a positive
+/// number.
+fn positive_by_label<'a>(list: &'a str, sep: &str) -> Vec<&'a str> {
+    list.split(", ")
+        .map(|item| {
+            let (label, value) = item.split_once(sep).unwrap_or_else(|| panic!("{item}"));
+            assert!(value.parse::<f64>().is_ok_and(|v| v > 0.0), "{item} in {list}");
+            label
+        })
+        .collect()
 }
 
 #[test]
@@ -237,17 +239,7 @@ fn bench_nn_times_the_attention_core_by_shape_in_the_format_compare_py_reads() {
         text.lines().find(|l| l.starts_with("attention core")).unwrap_or_else(|| panic!("{text}"));
     let (head, times) = line.split_once(", ms by shape: ").unwrap_or_else(|| panic!("{line}"));
     assert_eq!(head, "attention core forward+backward f32");
-    let shapes: Vec<&str> = times.split(", ").map(|t| t.split_once(' ').expect(t).0).collect();
-    assert_eq!(shapes, ["4x196:6/6:64", "1x512:8/2:64c", "2x256:8/2:64c"]);
-    assert!(
-        times.split(", ").all(|t| t
-            .split_once(' ')
-            .expect(t)
-            .1
-            .parse::<f64>()
-            .is_ok_and(|ms| ms > 0.0)),
-        "{line}"
-    );
+    assert_eq!(positive_by_label(times, " "), ["4x196:6/6:64", "1x512:8/2:64c", "2x256:8/2:64c"]);
     assert!(!text.contains("what (forward+backward)") && !text.contains("adamw"), "{text}");
 }
 
