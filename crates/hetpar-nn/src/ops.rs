@@ -357,22 +357,28 @@ impl VocabCrossEntropy {
             )));
         }
         let row = |i: usize| &x[i * v..(i + 1) * v];
-        let mut row_max: Vec<f64> = simd::fast!({ (0..n).map(|i| max(row(i)).to_f64()).collect() });
+        // Plain loops inside `fast!`: an iterator's `collect` runs out of line, compiled for
+        // the baseline target, where the exponential's fused multiply-adds are library calls.
+        let mut row_max = vec![0.0f64; n];
+        simd::fast!({
+            for (i, m) in row_max.iter_mut().enumerate() {
+                *m = max(row(i)).to_f64();
+            }
+        });
         self.reduce(&mut row_max, ReduceOp::Max)?;
         // `e^(x - max)` in the element type (f32 through the correctly rounding exp), summed
         // in f64.
-        let mut sum: Vec<f64> = simd::fast!({
+        let mut sum = vec![0.0f64; n];
+        simd::fast!({
             let mut e = vec![T::ZERO; v];
-            (0..n)
-                .map(|i| {
-                    let m = T::from_f64(row_max[i]);
-                    for (d, &a) in e.iter_mut().zip(row(i)) {
-                        *d = a - m;
-                    }
-                    T::exp_in_place(&mut e);
-                    sum_f64(&e)
-                })
-                .collect()
+            for (i, s) in sum.iter_mut().enumerate() {
+                let m = T::from_f64(row_max[i]);
+                for (d, &a) in e.iter_mut().zip(row(i)) {
+                    *d = a - m;
+                }
+                T::exp_in_place(&mut e);
+                *s = sum_f64(&e);
+            }
         });
         self.reduce(&mut sum, ReduceOp::Sum)?;
         let local = self.vocab_start..self.vocab_start + v;

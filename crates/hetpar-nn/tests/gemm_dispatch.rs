@@ -1,9 +1,12 @@
 //! candle's matmul on whichever kernels gemm picks on this CPU: AVX-512 where the CPU has
 //! AVX-512F (the `x86-v4` feature hetpar-nn turns on), AVX2+FMA or scalar code elsewhere.
 //! Odd shapes reach the kernels' edge cases; every product is compared with a plain triple
-//! loop in f64. CI also runs this test under valgrind, whose virtual CPU has no AVX-512, so
-//! the fallback is exercised on the same machine; `HETPAR_EXPECT_KERNELS` (a prefix of the
-//! kernel name) makes the test check which kernels it got:
+//! loop in f64. The fused kernels' element-wise loops take the same kind of path
+//! (`kernels::simd`: AVX-512, else AVX2+FMA, else the baseline target), and must give the
+//! baseline's bits on whichever they get. CI also runs this test under valgrind, whose
+//! virtual CPU has no AVX-512, so the fallbacks are exercised on the same machine;
+//! `HETPAR_EXPECT_KERNELS` (a prefix of the kernel name) makes the test check which
+//! kernels it got:
 //!
 //!     HETPAR_EXPECT_KERNELS=AVX2 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="valgrind -q" \
 //!       cargo test --release --test gemm_dispatch -- --nocapture
@@ -11,6 +14,7 @@
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Tensor};
+use hetpar_nn::kernels::{exp_f32, normal_cdf_f32, simd};
 
 /// `a [m, k] x b [k, n]` by the definition, in f64.
 fn reference(a: &[f64], b: &[f64], (m, k, n): (usize, usize, usize)) -> Vec<f64> {
@@ -68,4 +72,45 @@ fn products_match_the_definition_on_the_kernels_this_cpu_gets() {
             assert!(w <= tol, "{dtype:?} {shape:?}: relative difference {w:.2e} above {tol:e}");
         }
     }
+}
+
+/// The path `kernels::simd` runs the element-wise loops on here.
+fn simd_path() -> &'static str {
+    if simd::avx512() {
+        "AVX-512 (avx512f)"
+    } else if simd::avx2() {
+        "AVX2+FMA (no avx512f)"
+    } else {
+        "baseline (neither avx512f nor fma)"
+    }
+}
+
+/// `exp_f32` and `normal_cdf_f32` of every input, as bits (inlined into its caller, so it
+/// is compiled for the caller's path; a plain loop, since a `collect` would run out of line).
+#[inline(always)]
+fn elementwise(xs: &[f32]) -> Vec<(u32, u32)> {
+    let mut out = vec![(0, 0); xs.len()];
+    for (o, &x) in out.iter_mut().zip(xs) {
+        *o = (exp_f32(x).to_bits(), normal_cdf_f32(x).to_bits());
+    }
+    out
+}
+
+#[test]
+fn elementwise_kernels_give_the_baseline_bits_on_the_path_this_cpu_gets() {
+    let path = simd_path();
+    println!("the element-wise kernels run on the {path} path on this CPU");
+    if let Ok(want) = std::env::var("HETPAR_EXPECT_KERNELS") {
+        assert!(path.starts_with(&want), "expected the {want} path, got {path}");
+    }
+    // Both tails, the CDF's switch to 0 and the exponential's to 0 and infinity, and values
+    // between representable steps.
+    let xs: Vec<f32> = (0..20_001).map(|i| (i as f32 - 10_000.0) * 0.00917).collect();
+    let plain = elementwise(&xs);
+    let dispatched = simd::dispatch(
+        #[inline(always)]
+        || elementwise(&xs),
+    );
+    let differ = plain.iter().zip(&dispatched).filter(|(a, b)| a != b).count();
+    assert_eq!(differ, 0, "{differ} of {} results differ from the baseline's on {path}", xs.len());
 }
