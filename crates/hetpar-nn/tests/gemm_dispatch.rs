@@ -14,7 +14,7 @@
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Tensor};
-use hetpar_nn::kernels::{exp_f32, normal_cdf_f32, simd};
+use hetpar_nn::kernels::{exp_f32, gemm, normal_cdf_f32, simd};
 
 /// `a [m, k] x b [k, n]` by the definition, in f64.
 fn reference(a: &[f64], b: &[f64], (m, k, n): (usize, usize, usize)) -> Vec<f64> {
@@ -41,26 +41,9 @@ fn worst(dtype: DType, (m, k, n): (usize, usize, usize)) -> candle_core::Result<
     Ok(got.iter().zip(&want).fold(0.0f64, |w, (g, r)| w.max((g - r).abs() / scale)))
 }
 
-/// The kernels gemm dispatches to here, by the test it makes itself.
-#[cfg(target_arch = "x86_64")]
-fn kernels() -> &'static str {
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        "AVX-512 (avx512f)"
-    } else if std::arch::is_x86_feature_detected!("fma") {
-        "AVX2+FMA (no avx512f)"
-    } else {
-        "scalar (neither avx512f nor fma)"
-    }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn kernels() -> &'static str {
-    "non-x86 (gemm picks by the CPU's own features)"
-}
-
 #[test]
 fn products_match_the_definition_on_the_kernels_this_cpu_gets() {
-    let kernels = kernels();
+    let kernels = gemm::path();
     println!("gemm runs its {kernels} kernels on this CPU");
     if let Ok(want) = std::env::var("HETPAR_EXPECT_KERNELS") {
         assert!(kernels.starts_with(&want), "expected {want} kernels, got {kernels}");
@@ -71,17 +54,6 @@ fn products_match_the_definition_on_the_kernels_this_cpu_gets() {
             let w = worst(dtype, shape).unwrap();
             assert!(w <= tol, "{dtype:?} {shape:?}: relative difference {w:.2e} above {tol:e}");
         }
-    }
-}
-
-/// The path `kernels::simd` runs the element-wise loops on here.
-fn simd_path() -> &'static str {
-    if simd::avx512() {
-        "AVX-512 (avx512f)"
-    } else if simd::avx2() {
-        "AVX2+FMA (no avx512f)"
-    } else {
-        "baseline (neither avx512f nor fma)"
     }
 }
 
@@ -98,7 +70,7 @@ fn elementwise(xs: &[f32]) -> Vec<(u32, u32)> {
 
 #[test]
 fn elementwise_kernels_give_the_baseline_bits_on_the_path_this_cpu_gets() {
-    let path = simd_path();
+    let path = simd::path();
     println!("the element-wise kernels run on the {path} path on this CPU");
     if let Ok(want) = std::env::var("HETPAR_EXPECT_KERNELS") {
         assert!(path.starts_with(&want), "expected the {want} path, got {path}");

@@ -228,6 +228,11 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         "matmul (best of 512^3 and 1024^3) {}: {peak:.1} GFLOP/s (threads: {threads})",
         a.dtype
     ));
+    say(&format!(
+        "kernels on this CPU: gemm's {} products, the fused kernels' loops on the {} path",
+        hetpar_nn::kernels::gemm::path(),
+        hetpar_nn::kernels::simd::path()
+    ));
     if NN_BENCHES.iter().any(|n| wanted(n) && table_row(n)) {
         say(&format!(
             "{:<58} {:>10} {:>12} {:>12} {:>9}",

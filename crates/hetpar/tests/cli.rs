@@ -216,6 +216,13 @@ fn bench_nn_times_the_linear_forward_by_rows_in_the_format_compare_py_reads() {
     let (head, rates) = line.split_once(" GFLOP/s by rows: ").unwrap_or_else(|| panic!("{line}"));
     assert_eq!(head, "linear forward x @ w^T (w 704 x 512) f32,");
     assert_eq!(positive_by_label(rates, ": "), ["32", "64", "128", "256", "512"]);
+    // The kernels it ran on, as the library picks them on this CPU.
+    let kernels = format!(
+        "kernels on this CPU: gemm's {} products, the fused kernels' loops on the {} path",
+        hetpar_nn::kernels::gemm::path(),
+        hetpar_nn::kernels::simd::path()
+    );
+    assert!(text.lines().any(|l| l == kernels), "{kernels}\n{text}");
     // Only the line asked for: no table header without table rows, no optimizer line.
     assert!(!text.contains("what (forward+backward)") && !text.contains("adamw"), "{text}");
 }

@@ -7,6 +7,27 @@ use gemm::Parallelism;
 
 use super::Real;
 
+/// The kernels gemm picks on this CPU, by name, as gemm itself decides at run time:
+/// "AVX-512" where the CPU has AVX-512F (the `x86-v4` feature hetpar-nn turns on),
+/// "AVX2+FMA" where it has FMA, else "scalar" (off x86-64: "native", gemm's pick for the
+/// CPU).
+pub fn path() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            "AVX-512"
+        } else if std::arch::is_x86_feature_detected!("fma") {
+            "AVX2+FMA"
+        } else {
+            "scalar"
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        "native"
+    }
+}
+
 /// A matrix inside a slice: element `(r, c)` at `offset + r * rs + c * cs`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct View {

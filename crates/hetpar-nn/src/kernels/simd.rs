@@ -39,6 +39,18 @@ pub fn avx2() -> bool {
     false
 }
 
+/// The path the kernels' loops take on this CPU, by name: "AVX-512", "AVX2+FMA" or
+/// "baseline" (the build's own target: SSE2 on x86-64).
+pub fn path() -> &'static str {
+    if avx512() {
+        "AVX-512"
+    } else if avx2() {
+        "AVX2+FMA"
+    } else {
+        "baseline"
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq,avx512vl,avx512bw,avx2,fma")]
 fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
