@@ -4,10 +4,11 @@
 //! for AVX-512 the same source runs sixteen lanes wide, for AVX2 eight. The loops' results
 //! are the same on every path: nothing is reassociated, and a multiply-add is fused only
 //! where the source says so (`mul_add`, one rounding on every path: an FMA instruction on
-//! the AVX2 and AVX-512 paths, the C library's `fma` on a CPU without FMA, correct but
-//! slow). Rust contracts no other float expression. Matrix products are another matter:
-//! gemm picks its AVX-512, AVX2 or scalar kernels and its block sizes at run time, so
-//! products (candle's and the kernels') may round differently on another CPU.
+//! the AVX2 and AVX-512 paths, a call of `fma` from Rust's compiler-builtins on the
+//! baseline path, correct but many times slower). Rust contracts no other float
+//! expression. Matrix products are another matter: gemm picks its AVX-512, AVX2 or scalar
+//! kernels and its block sizes at run time, so products (candle's and the kernels') may
+//! round differently on another CPU.
 #![allow(unsafe_code)]
 
 /// Whether this CPU runs the AVX-512 path.
