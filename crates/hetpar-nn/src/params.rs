@@ -1,12 +1,14 @@
 //! Parameters: a trainable shard of a named global tensor, with how it maps into the global
 //! tensor and over which groups its gradient is summed (SEMANTICS.md section 6).
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use hetpar_layout::Axis;
 
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
+use crate::kernels::sink::GradSink;
 
 /// Where a local tensor sits in the global one: `global.narrow(dim, offset, len)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +54,9 @@ pub struct Param {
     pub var: Var,
     /// How they map into the global tensor.
     pub spec: ShardSpec,
+    /// The gradient the fused linear ops computed for it, outside candle's store (see
+    /// [`crate::kernels::sink`]); a clone of the parameter shares it.
+    pub sink: GradSink,
 }
 
 impl Param {
@@ -91,12 +96,23 @@ impl Param {
             })
             .collect();
         let t = Tensor::from_vec(values, local_shape, &Device::Cpu)?.to_dtype(dtype)?;
-        Ok(Param { name, var: Var::from_tensor(&t)?, spec })
+        Ok(Param { name, var: Var::from_tensor(&t)?, spec, sink: GradSink::new() })
     }
 
     /// The local tensor.
     pub fn tensor(&self) -> &Tensor {
         self.var.as_tensor()
+    }
+
+    /// The gradient a backward left for this parameter: what its sink holds plus what
+    /// `store` holds (either may be absent), or `None` when the backward did not reach it.
+    /// Takes the sink's part, so each backward's gradient is read once.
+    pub fn take_grad(&self, store: &GradStore) -> Result<Option<Tensor>> {
+        let sunk = self.sink.take(self.var.shape())?;
+        Ok(match (sunk, store.get(self.tensor())) {
+            (Some(a), Some(b)) => Some((a + b)?),
+            (a, b) => a.or_else(|| b.cloned()),
+        })
     }
 
     /// Whether the values are released (see [`Param::release`]).

@@ -58,8 +58,8 @@ pub fn snapshot(
         .iter()
         .map(|p| {
             let values = flat(p.tensor())?;
-            let grad = match grads.get(p.tensor()) {
-                Some(g) => flat(g)?,
+            let grad = match p.take_grad(grads)? {
+                Some(g) => flat(&g)?,
                 None => vec![0.0; values.len()],
             };
             Ok(ParamSnap { name: p.name.clone(), spec: p.spec.clone(), values, grad })

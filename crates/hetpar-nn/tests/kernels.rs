@@ -11,11 +11,14 @@ use hetpar_nn::Init;
 use hetpar_nn::kernels::adam::{AdamStep, adamw_step};
 use hetpar_nn::kernels::attention::FlashAttention;
 use hetpar_nn::kernels::bf16;
-use hetpar_nn::kernels::linear::{Matmul, linear, linear_bias, linear_bias_as};
+use hetpar_nn::kernels::linear::{
+    Matmul, linear, linear_bias, linear_bias_as, linear_bias_into, linear_into,
+};
 use hetpar_nn::kernels::pointwise::{
     RopeTables, bias_add, gelu, layer_norm, rms_norm, rope, swiglu,
 };
 use hetpar_nn::kernels::reference;
+use hetpar_nn::kernels::sink::GradSink;
 use hetpar_nn::ops::VocabCrossEntropy;
 use hetpar_nn::testing::{flat, rel_err};
 
@@ -467,6 +470,49 @@ fn linear_with_bias_takes_strided_inputs_detached_biases_and_empty_outputs() {
     let grads = y.sum_all().unwrap().backward().unwrap();
     assert_eq!(flat(grads.get(&x).unwrap()).unwrap(), vec![0.0; 12]);
     assert_eq!(grads.get(&b).unwrap().dims(), &[0]);
+}
+
+#[test]
+fn linear_into_a_sink_gives_the_stores_bits_and_leaves_the_weight_out_of_the_store() {
+    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
+        .into_iter()
+        .chain([(DType::F32, Matmul::Bf16)])
+    {
+        let (x, w, b) =
+            (var("x", &[3, 7, 40], dtype), var("w", &[23, 40], dtype), var("b", &[23], dtype));
+        // Through the store: the weight used twice, as its gradient sums there.
+        let y = (linear_bias_as(how, &x, &w, &b).unwrap()
+            + hetpar_nn::kernels::linear::linear_as(how, &x, &w).unwrap())
+        .unwrap();
+        let store = weigh(&y, "dy").backward().unwrap();
+        let want: Vec<Tensor> =
+            [&x, &w, &b].iter().map(|v| store.get(v).unwrap().clone()).collect();
+        // Through a sink: the same bits, and no weight gradient in the store.
+        let sink = GradSink::new();
+        let y = (linear_bias_into(how, &x, &w, &b, &sink).unwrap()
+            + linear_into(how, &x, &w, &sink).unwrap())
+        .unwrap();
+        let store = weigh(&y, "dy").backward().unwrap();
+        assert!(
+            store.get(&w).is_none(),
+            "{dtype:?} {how:?}: the weight's gradient went to the store"
+        );
+        let dw = sink.take(w.shape()).unwrap().unwrap();
+        assert_eq!(bits(&dw), bits(&want[1]), "{dtype:?} {how:?}: dw");
+        assert_eq!(bits(store.get(&x).unwrap()), bits(&want[0]), "{dtype:?} {how:?}: dx");
+        assert_eq!(bits(store.get(&b).unwrap()), bits(&want[2]), "{dtype:?} {how:?}: db");
+        assert!(sink.take(w.shape()).unwrap().is_none(), "a take empties the sink");
+    }
+    // A weight computed from a variable (a reshape) is no variable: its gradient must pass
+    // through the store to the variable, so the sink stays empty.
+    let (x, w4) = (var("x", &[5, 12], DType::F64), var("w", &[3, 2, 6], DType::F64));
+    let sink = GradSink::new();
+    let y =
+        linear_into(Matmul::Native, &x, &w4.as_tensor().reshape((3, 12)).unwrap(), &sink).unwrap();
+    let store = weigh(&y, "dy").backward().unwrap();
+    assert_eq!(store.get(&w4).unwrap().dims(), &[3, 2, 6]);
+    assert!(sink.take(w4.shape()).unwrap().is_none());
 }
 
 /// `t` (f32) rounded to bf16, as an f64 tensor.

@@ -143,6 +143,7 @@ fn moment(p: &Param, suffix: &str, t: &Tensor) -> Result<Param> {
         name: format!("{}:{suffix}", p.name),
         var: Var::from_tensor(t)?,
         spec: p.spec.clone(),
+        sink: Default::default(),
     })
 }
 

@@ -635,6 +635,13 @@ impl Executor {
         let store = root.backward()?;
         let i = self.index(c.module)?;
         grads[i].accumulate(&self.trained(i), &store)?;
+        if self.opts.frozen.contains(&c.module) {
+            // A frozen module's linear layers still wrote their weights' gradients (candle
+            // runs every backward its graph reaches); nothing reads them.
+            for p in self.stages[i].params() {
+                p.sink.clear()?;
+            }
+        }
         let grad_of = |v: &Var| -> Result<Tensor> {
             Ok(match store.get(v.as_tensor()) {
                 Some(g) => g.clone(),

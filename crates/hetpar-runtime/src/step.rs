@@ -29,11 +29,11 @@ impl Grads {
         Ok(Grads { tensors })
     }
 
-    /// Adds the gradients a backward left in `store` (a parameter it did not reach adds
-    /// nothing).
+    /// Adds the gradients a backward left in `store` and in the parameters' sinks
+    /// ([`Param::take_grad`]; a parameter it did not reach adds nothing).
     pub fn accumulate(&mut self, params: &[&Param], store: &GradStore) -> Result<()> {
         for (g, p) in self.tensors.iter_mut().zip(params) {
-            if let Some(d) = store.get(p.tensor()) {
+            if let Some(d) = p.take_grad(store)? {
                 *g = (&*g + d)?;
             }
         }

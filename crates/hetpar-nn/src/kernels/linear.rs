@@ -8,6 +8,10 @@
 //! the product plus the bias, element by element, as the unfused bias add computes it, so
 //! the fused and unfused forms give the same bits.
 //!
+//! Given a [`GradSink`] (the layers give their weight's), the backward adds `dw` to the
+//! sink and hands candle no gradient for the weight, which then must be the parameter's
+//! `Var` itself ([`super::sink`] says why).
+//!
 //! Under [`Matmul::Bf16`] all three products (forward, `dx`, `dw`) multiply bf16-rounded
 //! operands and sum in f32 ([`super::bf16`]); the tensors, the bias and its gradient stay
 //! f32.
@@ -16,6 +20,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor
 
 use super::gemm::{View, matmul_wide};
 use super::pointwise::BiasAddOp;
+use super::sink::GradSink;
 use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
 
 /// How a linear layer multiplies.
@@ -29,12 +34,37 @@ pub enum Matmul {
 }
 
 /// The product `x @ w^T`.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LinearOp(pub Matmul);
+#[derive(Clone, Debug, Default)]
+pub struct LinearOp {
+    /// How it multiplies.
+    pub how: Matmul,
+    /// Where the backward puts `dw`; `None`: candle's gradient store.
+    pub sink: Option<GradSink>,
+}
 
 /// The product `x @ w^T + b`, `b` `[out]` added to every row.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LinearBiasOp(pub Matmul);
+#[derive(Clone, Debug, Default)]
+pub struct LinearBiasOp {
+    /// How it multiplies.
+    pub how: Matmul,
+    /// Where the backward puts `dw` (the bias's gradient goes to candle's store).
+    pub sink: Option<GradSink>,
+}
+
+/// `dw` as a tensor shaped like `w` for candle's store, or added to `sink` (then `None`).
+fn weight_grad<T: Real>(
+    sink: Option<&GradSink>,
+    dw: Vec<T>,
+    w: &Tensor,
+) -> CResult<Option<Tensor>> {
+    match sink {
+        Some(s) => {
+            s.add(dw)?;
+            Ok(None)
+        }
+        None => Ok(Some(Tensor::from_vec(dw, w.shape(), w.device())?)),
+    }
+}
 
 /// `(rows, in, out)` of `x` `[.., in]` and `w` `[out, in]`.
 fn dims(x: &Shape, w: &Shape) -> CResult<(usize, usize, usize)> {
@@ -120,14 +150,14 @@ fn product<T: Real>(
     Ok(y)
 }
 
-/// `dx = dy w` and `dw = dy^T x` as tensors shaped like `x` and `w`.
+/// `dx = dy w`, a tensor shaped like `x`, and `dw = dy^T x`, `w`'s elements in its order.
 fn input_grads<T: Real>(
     how: Matmul,
     x: &Tensor,
     w: &Tensor,
     grad: &Tensor,
     (rows, inner, out): (usize, usize, usize),
-) -> CResult<(Tensor, Tensor)> {
+) -> CResult<(Tensor, Vec<T>)> {
     let op = "linear backward";
     let (dx, dw) = with_data::<T, _>(x, op, |xd| {
         with_data::<T, _>(w, op, |wd| {
@@ -143,7 +173,7 @@ fn input_grads<T: Real>(
             })
         })
     })?;
-    Ok((Tensor::from_vec(dx, x.shape(), x.device())?, Tensor::from_vec(dw, w.shape(), w.device())?))
+    Ok((Tensor::from_vec(dx, x.shape(), x.device())?, dw))
 }
 
 impl CustomOp2 for LinearOp {
@@ -162,7 +192,7 @@ impl CustomOp2 for LinearOp {
         by_real!(s1, "linear", |T| {
             let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
             Ok((
-                <T as candle_core::WithDType>::to_cpu_storage_owned(product(self.0, x, w, dims)?),
+                <T as candle_core::WithDType>::to_cpu_storage_owned(product(self.how, x, w, dims)?),
                 out_shape(l1.shape(), dims.2),
             ))
         })
@@ -177,9 +207,10 @@ impl CustomOp2 for LinearOp {
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let dims = dims(x.shape(), w.shape())?;
         let grad = grad.contiguous()?;
-        let (dx, dw) =
-            by_real_dtype!(x.dtype(), "linear", |T| input_grads::<T>(self.0, x, w, &grad, dims))?;
-        Ok((Some(dx), Some(dw)))
+        by_real_dtype!(x.dtype(), "linear", |T| {
+            let (dx, dw) = input_grads::<T>(self.how, x, w, &grad, dims)?;
+            Ok((Some(dx), weight_grad(self.sink.as_ref(), dw, w)?))
+        })
     }
 }
 
@@ -208,7 +239,7 @@ impl CustomOp3 for LinearBiasOp {
         by_real!(s1, "linear", |T| {
             let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
             let b = slice::<T>(s3, l3, "linear")?;
-            let mut y = product(self.0, x, w, dims)?;
+            let mut y = product(self.how, x, w, dims)?;
             simd::fast!(BiasAddOp::add_rows(&mut y, b));
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(y),
@@ -228,21 +259,20 @@ impl CustomOp3 for LinearBiasOp {
         let dims = dims(x.shape(), w.shape())?;
         let grad = grad.contiguous()?;
         fn run<T: Real>(
-            how: Matmul,
+            op: &LinearBiasOp,
             x: &Tensor,
             w: &Tensor,
             grad: &Tensor,
             dims: (usize, usize, usize),
-        ) -> CResult<(Tensor, Tensor, Tensor)> {
-            let (dx, dw) = input_grads::<T>(how, x, w, grad, dims)?;
+        ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+            let (dx, dw) = input_grads::<T>(op.how, x, w, grad, dims)?;
             let db = with_data::<T, _>(grad, "linear backward", |g| {
                 Ok(simd::fast!(BiasAddOp::bias_grad(g, dims.2)))
             })?;
-            Ok((dx, dw, Tensor::from_vec(db, dims.2, grad.device())?))
+            let db = Tensor::from_vec(db, dims.2, grad.device())?;
+            Ok((Some(dx), weight_grad(op.sink.as_ref(), dw, w)?, Some(db)))
         }
-        let (dx, dw, db) =
-            by_real_dtype!(x.dtype(), "linear", |T| run::<T>(self.0, x, w, &grad, dims))?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        by_real_dtype!(x.dtype(), "linear", |T| run::<T>(self, x, w, &grad, dims))
     }
 }
 
@@ -253,7 +283,20 @@ pub fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
 
 /// [`linear`], multiplying as `how` says.
 pub fn linear_as(how: Matmul, x: &Tensor, w: &Tensor) -> CResult<Tensor> {
-    x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp(how))
+    x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp { how, sink: None })
+}
+
+/// The sink to give the op for weight `w`: only a `Var` may leave candle's store without a
+/// gradient (a tensor computed from one, say a reshape, must pass its gradient on).
+fn sink_for<'s>(w: &Tensor, sink: &'s GradSink) -> Option<&'s GradSink> {
+    (w.is_variable() && w.is_contiguous()).then_some(sink)
+}
+
+/// [`linear_as`] with `dw` added to `sink` rather than to candle's gradient store (when `w`
+/// is a `Var`; otherwise as [`linear_as`]).
+pub fn linear_into(how: Matmul, x: &Tensor, w: &Tensor, sink: &GradSink) -> CResult<Tensor> {
+    let sink = sink_for(w, sink).cloned();
+    x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp { how, sink })
 }
 
 /// `x @ w^T + b` through the fused op (`b` `[out]`, added to every row).
@@ -263,5 +306,18 @@ pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
 
 /// [`linear_bias`], multiplying as `how` says.
 pub fn linear_bias_as(how: Matmul, x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
-    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearBiasOp(how))
+    let op = LinearBiasOp { how, sink: None };
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, op)
+}
+
+/// [`linear_bias_as`] with `dw` added to `sink` (when `w` is a `Var`), as [`linear_into`].
+pub fn linear_bias_into(
+    how: Matmul,
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    sink: &GradSink,
+) -> CResult<Tensor> {
+    let op = LinearBiasOp { how, sink: sink_for(w, sink).cloned() };
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, op)
 }

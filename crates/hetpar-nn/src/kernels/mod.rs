@@ -24,6 +24,7 @@ pub mod linear;
 pub mod pointwise;
 pub mod reference;
 pub mod simd;
+pub mod sink;
 
 use std::cell::Cell;
 

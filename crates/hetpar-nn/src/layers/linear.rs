@@ -13,7 +13,7 @@ use candle_core::{DType, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
-use crate::kernels::linear::{Matmul, linear_as, linear_bias_as};
+use crate::kernels::linear::{Matmul, linear_bias_into, linear_into};
 use crate::kernels::pointwise::bias_add;
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
 use crate::params::{HasParams, Param, even_split, replicated_reduce, sharded_reduce};
@@ -69,10 +69,11 @@ impl Build {
     }
 }
 
-/// `x [b, s, in] @ W^T` with `W [out, in]`, through the fused
-/// [`crate::kernels::linear::LinearOp`], multiplying as `how` says.
-pub fn matmul_t(how: Matmul, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(linear_as(how, x, w)?)
+/// `x [b, s, in] @ W^T` with `W [out, in]` the parameter `w`, through the fused
+/// [`crate::kernels::linear::LinearOp`], multiplying as `how` says; `dW` goes to `w`'s
+/// sink.
+pub fn matmul_t(how: Matmul, x: &Tensor, w: &Param) -> Result<Tensor> {
+    Ok(linear_into(how, x, w.tensor(), &w.sink)?)
 }
 
 /// A linear layer with its output features split over `tp`.
@@ -125,11 +126,13 @@ impl ColumnParallel {
 
     /// The local matmul on an already replicated (or gathered) input.
     pub fn local(&self, x: &Tensor) -> Result<Tensor> {
-        let (w, how) = (self.weight.tensor(), self.matmul);
+        let (w, how, sink) = (self.weight.tensor(), self.matmul, &self.weight.sink);
         Ok(match &self.bias {
-            Some(b) if self.bias_detached => linear_bias_as(how, x, w, &b.tensor().detach())?,
-            Some(b) => linear_bias_as(how, x, w, b.tensor())?,
-            None => linear_as(how, x, w)?,
+            Some(b) if self.bias_detached => {
+                linear_bias_into(how, x, w, &b.tensor().detach(), sink)?
+            }
+            Some(b) => linear_bias_into(how, x, w, b.tensor(), sink)?,
+            None => linear_into(how, x, w, sink)?,
         })
     }
 }
@@ -175,12 +178,12 @@ impl RowParallel {
 
     /// `[b, s_full, in / tp]` to `[b, s, out]` (sequence-sharded under SP).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (w, how) = (self.weight.tensor(), self.matmul);
+        let (w, how, sink) = (self.weight.tensor(), self.matmul, &self.weight.sink);
         if let (None, Some(b)) = (self.ctx.tp.comm(), &self.bias) {
             // One rank: no partial sums to reduce, so the bias joins the product.
-            return Ok(linear_bias_as(how, x, w, b.tensor())?);
+            return Ok(linear_bias_into(how, x, w, b.tensor(), sink)?);
         }
-        let partial = linear_as(how, x, w)?;
+        let partial = linear_into(how, x, w, sink)?;
         let y = if self.ctx.sp() {
             reduce_scatter_dim(&self.ctx.tp, &partial, 1)?
         } else {

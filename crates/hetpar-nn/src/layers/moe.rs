@@ -55,8 +55,8 @@ struct Expert {
 
 impl Expert {
     fn forward(&self, how: Matmul, x: &Tensor) -> Result<Tensor> {
-        let h = swiglu(&matmul_t(how, x, self.w1.tensor())?, &matmul_t(how, x, self.w3.tensor())?)?;
-        matmul_t(how, &h, self.w2.tensor())
+        let h = swiglu(&matmul_t(how, x, &self.w1)?, &matmul_t(how, x, &self.w3)?)?;
+        matmul_t(how, &h, &self.w2)
     }
 }
 
@@ -134,7 +134,7 @@ impl Moe {
         let xs = if split { split_rows(&self.ctx.tp, &flat)? } else { flat };
         let n_sub = xs.dims()[0];
         let (e_count, k) = (self.spec.experts, self.spec.top_k);
-        let probs = softmax(&matmul_t(Matmul::Native, &xs, self.gate.tensor())?)?;
+        let probs = softmax(&matmul_t(Matmul::Native, &xs, &self.gate)?)?;
 
         // Top-k per token, ties to the lower expert id (a stable descending sort).
         let p: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
