@@ -191,15 +191,15 @@ mod tests {
             let zeros = AdamState::new(&[&w2, &b2]).unwrap();
             let mut reference = (zeros.m, zeros.v, 0);
             for step in 0..5u64 {
-                let grads = Grads {
-                    tensors: [(&w1, 3), (&b1, 4)]
+                let grads = Grads::new(
+                    [(&w1, 3), (&b1, 4)]
                         .iter()
                         .map(|(p, s)| {
                             let g = make("g", p.tensor().dims(), s * 10 + step);
                             g.tensor().clone()
                         })
                         .collect(),
-                };
+                );
                 let (lr, scale) = (1e-2 * (step + 1) as f64, if step == 2 { 0.37 } else { 1.0 });
                 fused.update(&opt, &[&w1, &b1], &grads, lr, scale).unwrap();
                 composed(&mut reference, &opt, &[&w2, &b2], &grads, (lr, scale));

@@ -17,24 +17,36 @@ type Result<T> = std::result::Result<T, RuntimeError>;
 pub struct Grads {
     /// One per parameter, its local shape.
     pub tensors: Vec<Tensor>,
+    /// Which tensors are still [`Grads::zeros`]'s zeros: the first gradient replaces them.
+    fresh: Vec<bool>,
 }
 
 impl Grads {
+    /// Gradients with these values (none of them fresh zeros).
+    pub fn new(tensors: Vec<Tensor>) -> Grads {
+        let fresh = vec![false; tensors.len()];
+        Grads { tensors, fresh }
+    }
+
     /// Zero gradients for `params`.
     pub fn zeros(params: &[&Param]) -> Result<Grads> {
         let tensors = params
             .iter()
             .map(|p| p.tensor().zeros_like())
             .collect::<std::result::Result<_, _>>()?;
-        Ok(Grads { tensors })
+        let fresh = vec![true; params.len()];
+        Ok(Grads { tensors, fresh })
     }
 
     /// Adds the gradients a backward left in `store` and in the parameters' sinks
-    /// ([`Param::take_grad`]; a parameter it did not reach adds nothing).
+    /// ([`Param::take_grad`]; a parameter it did not reach adds nothing). The first one a
+    /// parameter gets replaces its zeros rather than being added to them: `0 + g` is `g`
+    /// (but for the sign of a zero), without a pass over the tensor.
     pub fn accumulate(&mut self, params: &[&Param], store: &GradStore) -> Result<()> {
-        for (g, p) in self.tensors.iter_mut().zip(params) {
+        for ((g, fresh), p) in self.tensors.iter_mut().zip(&mut self.fresh).zip(params) {
             if let Some(d) = p.take_grad(store)? {
-                *g = (&*g + d)?;
+                *g = if *fresh { d.contiguous()? } else { (&*g + d)? };
+                *fresh = false;
             }
         }
         Ok(())

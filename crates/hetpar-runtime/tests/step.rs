@@ -28,12 +28,10 @@ fn adamw_follows_its_formulas() {
     // The update written out for one element (PyTorch's AdamW): decay, then the step.
     let (mut p, mut m, mut v) = ([1.0f64; 4], [0.0f64; 4], [0.0f64; 4]);
     for (t, g) in steps.iter().enumerate() {
-        let grads = Grads {
-            tensors: vec![
-                Tensor::from_vec(g.to_vec(), (2, 2), &Device::Cpu).unwrap(),
-                Tensor::from_vec(g[..2].to_vec(), 2, &Device::Cpu).unwrap(),
-            ],
-        };
+        let grads = Grads::new(vec![
+            Tensor::from_vec(g.to_vec(), (2, 2), &Device::Cpu).unwrap(),
+            Tensor::from_vec(g[..2].to_vec(), 2, &Device::Cpu).unwrap(),
+        ]);
         state.update(&opt, &params, &grads, lr, scale).unwrap();
         let n = (t + 1) as i32;
         for i in 0..4 {
