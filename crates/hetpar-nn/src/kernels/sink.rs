@@ -3,9 +3,10 @@
 //! Candle's backward gives every input of a node a zero-filled gradient and adds the node's
 //! contribution into it (`GradStore::or_insert`, then an add that allocates the sum). For a
 //! weight that is a zero fill, a read of two weight-sized tensors and a write of a third on
-//! every backward, for a tensor the product has just computed whole. An MoE layer's 24
-//! expert weights (34.6 MB at h 512, ffn 704) took 19 ms a backward that way on one core,
-//! next to a 150 ms layer. The fused linear ops given a [`GradSink`] put `dw` there
+//! every backward, for a tensor the product has just computed whole: for an MoE layer's 24
+//! expert weights (34.6 MB at h 512, ffn 704), 19 ms on one core in a probe (glibc's
+//! allocator, each tensor new), next to a 150 ms layer. The fused linear ops given a
+//! [`GradSink`] put `dw` there
 //! instead and hand candle no gradient for the weight (Megatron's gradient-accumulation
 //! fusion writes the weight gradient into `main_grad` the same way); the parameter's
 //! gradient is then whatever its sink holds plus whatever candle's store holds
