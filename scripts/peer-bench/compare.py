@@ -2,8 +2,12 @@
 """Side-by-side CPU compute benchmark: `hetpar bench nn` next to the same shapes in PyTorch.
 
 Runs both on one core (RAYON_NUM_THREADS=1 for hetpar, torch.set_num_threads(1) here), in
-alternating rounds within one run, keeps each row's best time, and prints a Markdown table
-with both columns and their ratio. PyTorch is optional and never used by CI:
+rounds within one run, keeps each row's best time, and prints a Markdown table with both
+columns and their ratio. Within a round each model row runs on both sides back to back
+(`hetpar bench nn --only ROW`, then the PyTorch model, the first side alternating by round),
+so a pair is measured seconds apart; the table adds the median and range of the pairs'
+ratios, which a VM whose speed drifts over minutes moves far less than the ratio of two
+bests taken minutes apart. PyTorch is optional and never used by CI:
 
     python3 -m venv /tmp/torch && /tmp/torch/bin/pip install torch numpy
     cargo build --release -p hetpar
@@ -34,6 +38,7 @@ import contextlib
 
 import argparse
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -191,13 +196,12 @@ def best(iters, step):
     return t
 
 
-def torch_rows(iters, dtype, autocast=False):
-    """Seconds per forward+backward of each row, keyed like hetpar's --only names; with
-    `autocast`, each forward under CPU autocast to bf16 (the backward follows its casts)."""
+def torch_row(key, iters, dtype, autocast=False):
+    """Seconds per forward+backward of row `key` (hetpar's --only names); with `autocast`,
+    each forward under CPU autocast to bf16 (the backward follows its casts)."""
     torch.manual_seed(0)
     mixed = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     d = H // HEADS
-    rows = {}
 
     def layer(moe):
         m = LlamaLayer(moe).to(dtype)
@@ -240,12 +244,13 @@ def torch_rows(iters, dtype, autocast=False):
 
         return best(iters, step)
 
-    rows["layer"] = layer(False)
-    rows["moe-layer"] = layer(True)
-    rows["model"] = model(False)
-    rows["moe-model"] = model(True)
-    rows["vit"] = vit()
-    return rows
+    return {
+        "layer": lambda: layer(False),
+        "moe-layer": lambda: layer(True),
+        "model": lambda: model(False),
+        "moe-model": lambda: model(True),
+        "vit": vit,
+    }[key]()
 
 
 def torch_matmul(iters, dtype):
@@ -259,28 +264,37 @@ def torch_matmul(iters, dtype):
 KEYS = ["layer", "moe-layer", "model", "moe-model", "vit"]
 
 
-def hetpar_rows(binary, iters, dtype):
-    """Runs `hetpar bench nn`; returns (matmul GFLOP/s, {key: (name, seconds, GFLOP/s)},
-    (AdamW parameters, seconds), ((out, in) of the linear row's weight, {rows: GFLOP/s}),
-    {attention shape: seconds}). A binary without the `linear` or `attention` lines
-    (before they existed) is refused."""
+def hetpar_run(binary, iters, dtype, only):
+    """Runs `hetpar bench nn --only ONLY`; returns (matmul GFLOP/s, {key: (name, seconds,
+    GFLOP/s)} for the model rows of `only`, and, where `only` asks for them, (AdamW
+    parameters, seconds), ((out, in) of the linear row's weight, {rows: GFLOP/s}) and
+    {attention shape: seconds}). Output without the lines asked for (a binary from before
+    they existed) is refused."""
     env = {"RAYON_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
-        [binary, "bench", "nn", "--iters", str(iters), "--dtype", dtype],
+        [binary, "bench", "nn", "--iters", str(iters), "--dtype", dtype, "--only", ",".join(only)],
         env=env, check=True, capture_output=True, text=True,
     ).stdout
     peak = float(re.search(r"^matmul \(best.*?: ([\d.]+) GFLOP/s", out, re.M).group(1))
+    keys = [k for k in KEYS if k in only]
     rows = re.findall(r"^(\S.*?\))\s+([\d.]+)ms\s+\d+\s+([\d.]+)", out, re.M)
     adamw = re.search(r"^adamw update of (\d+) \S+ parameters: ([\d.]+) ms", out, re.M)
     linear = re.search(r"^linear forward x @ w\^T \(w (\d+) x (\d+)\) \S+, GFLOP/s by rows: (.*)$", out, re.M)
     attention = re.search(r"^attention core forward\+backward \S+, ms by shape: (.*)$", out, re.M)
-    if len(rows) != len(KEYS) or not adamw or not linear or not attention:
+    if (len(rows) != len(keys) or ("adamw" in only and not adamw)
+            or ("linear" in only and not linear) or ("attention" in only and not attention)):
         sys.exit(f"unexpected `hetpar bench nn` output:\n{out}")
-    attn = {shape: float(ms) / 1e3 for shape, ms in re.findall(r"(\d+x\d+:\d+/\d+:\d+c?) ([\d.]+)", attention.group(1))}
-    rows = {k: (n, float(t) / 1e3, float(g)) for k, (n, t, g) in zip(KEYS, rows)}
-    shape = (int(linear.group(1)), int(linear.group(2)))
-    rates = {int(r): float(g) for r, g in re.findall(r"(\d+): ([\d.]+)", linear.group(3))}
-    return peak, rows, (int(adamw.group(1)), float(adamw.group(2)) / 1e3), (shape, rates), attn
+    rows = {k: (n, float(t) / 1e3, float(g)) for k, (n, t, g) in zip(keys, rows)}
+    adam = (int(adamw.group(1)), float(adamw.group(2)) / 1e3) if adamw else None
+    lin = None
+    if linear:
+        shape = (int(linear.group(1)), int(linear.group(2)))
+        lin = (shape, {int(r): float(g) for r, g in re.findall(r"(\d+): ([\d.]+)", linear.group(3))})
+    attn = {}
+    if attention:
+        attn = {shape: float(ms) / 1e3
+                for shape, ms in re.findall(r"(\d+x\d+:\d+/\d+:\d+c?) ([\d.]+)", attention.group(1))}
+    return peak, rows, adam, lin, attn
 
 
 def torch_attention(shape, iters, dtype):
@@ -331,7 +345,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hetpar", default="target/release/hetpar", help="the hetpar binary")
     ap.add_argument("--iters", type=int, default=3, help="timed iterations per row and round")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (best kept)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds (best kept); in each, every model row runs on both sides back to back")
     ap.add_argument("--dtype", default="f32", choices=["f32", "f64", "bf16"])
     ap.add_argument("--bf16", action="store_true",
                     help="after the table in --dtype, the same table in bf16")
@@ -351,52 +366,70 @@ def table(a, dtype):
     het_adam, pt_adam = (0, float("inf")), float("inf")
     het_lin, pt_lin, lin_shape = {}, {}, None
     het_attn, pt_attn = {}, {}
+    ratios = {k: [] for k in KEYS}
     for r in range(a.rounds):
-        print(f"round {r + 1}/{a.rounds}: hetpar ...", file=sys.stderr, flush=True)
-        peak, rows, adam, (lin_shape, lin), attn = hetpar_rows(a.hetpar, a.iters, dtype)
+        print(f"round {r + 1}/{a.rounds}: the short rows, hetpar then PyTorch {torch.__version__} ...",
+              file=sys.stderr, flush=True)
+        peak, _, adam, (lin_shape, lin), attn = hetpar_run(
+            a.hetpar, a.iters, dtype, ["adamw", "linear", "attention"])
         for shape, t in attn.items():
             het_attn[shape] = min(het_attn.get(shape, t), t)
         for n, g in lin.items():
             het_lin[n] = max(het_lin.get(n, 0.0), g)
         het_adam = (adam[0], min(het_adam[1], adam[1]))
         het_mm = max(het_mm, peak)
-        for k, v in rows.items():
-            het[k] = v if k not in het or v[1] < het[k][1] else het[k]
-        print(f"round {r + 1}/{a.rounds}: PyTorch {torch.__version__} ...", file=sys.stderr, flush=True)
         pt_mm = max(pt_mm, torch_matmul(a.iters, mm_dtype))
-        for k, t in torch_rows(a.iters, tdtype, autocast=bf16).items():
-            pt[k] = min(pt.get(k, t), t)
         pt_adam = min(pt_adam, torch_adamw(het_adam[0], a.iters, tdtype))
         for n in het_lin:
             pt_lin[n] = max(pt_lin.get(n, 0.0), torch_linear(lin_shape, n, a.iters, tdtype, bf16))
         for shape in het_attn:
             t = torch_attention(shape, a.iters, tdtype)
             pt_attn[shape] = min(pt_attn.get(shape, t), t)
+        # Each model row as a pair measured back to back (seconds apart, where whole rounds
+        # are minutes apart: this machine's speed drifts over minutes), the side that goes
+        # first alternating by round.
+        for k in KEYS:
+            print(f"round {r + 1}/{a.rounds}: {k}, both", file=sys.stderr, flush=True)
+            pair = {}
+            for side in (["hetpar", "torch"] if r % 2 == 0 else ["torch", "hetpar"]):
+                if side == "hetpar":
+                    peak, rows, _, _, _ = hetpar_run(a.hetpar, a.iters, dtype, [k])
+                    het_mm = max(het_mm, peak)
+                    pair[side] = rows[k][1]
+                    het[k] = rows[k] if k not in het or rows[k][1] < het[k][1] else het[k]
+                else:
+                    pair[side] = torch_row(k, a.iters, tdtype, autocast=bf16)
+                    pt[k] = min(pt.get(k, pair[side]), pair[side])
+            ratios[k].append(pair["hetpar"] / pair["torch"])
     what = "bf16 products, f32 weights (PyTorch: autocast)" if bf16 else dtype
     print(f"one core, {what}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
-          f"PyTorch {torch.__version__}")
+          f"PyTorch {torch.__version__}; the model rows' pairs measured back to back, the ratio of "
+          f"each pair's times as median (lowest-highest)")
     print()
-    print("| what (forward+backward) | hetpar | PyTorch | hetpar / PyTorch | hetpar GFLOP/s | of hetpar's matmul |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| what (forward+backward) | hetpar | PyTorch | hetpar / PyTorch | paired ratio | "
+          "hetpar GFLOP/s | of hetpar's matmul |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     print(f"| matmul rate (best of 512^3, 1024^3) | {het_mm:.1f} GFLOP/s | {pt_mm:.1f} GFLOP/s | "
-          f"{pt_mm / het_mm:.2f} (time) | | |")
+          f"{pt_mm / het_mm:.2f} (time) | | | |")
     for k in KEYS:
         name, t, g = het[k]
-        print(f"| {name} | {t * 1e3:.1f} ms | {pt[k] * 1e3:.1f} ms | {t / pt[k]:.2f} | {g:.1f} | "
+        rs = sorted(ratios[k])
+        paired = f"{statistics.median(rs):.2f} ({rs[0]:.2f}-{rs[-1]:.2f})"
+        print(f"| {name} | {t * 1e3:.1f} ms | {pt[k] * 1e3:.1f} ms | {t / pt[k]:.2f} | {paired} | {g:.1f} | "
               f"{100 * g / het_mm:.0f}% |")
     n, t = het_adam
     print(f"| AdamW update of {n} parameters (no forward or backward) | {t * 1e3:.2f} ms | "
-          f"{pt_adam * 1e3:.2f} ms | {t / pt_adam:.2f} | | |")
+          f"{pt_adam * 1e3:.2f} ms | {t / pt_adam:.2f} | | | |")
     out, inner = lin_shape
     for n in sorted(het_lin):
         h, p = het_lin[n], pt_lin[n]
         print(f"| linear forward alone, {n} x {inner} by {out} x {inner} (no backward) | {h:.1f} GFLOP/s | "
-              f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | {h:.1f} | {100 * h / het_mm:.0f}% |")
+              f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | | {h:.1f} | {100 * h / het_mm:.0f}% |")
     for shape in het_attn:
         h, p = het_attn[shape], pt_attn[shape]
         note = ", f32 on both sides" if bf16 else ""
         print(f"| attention core alone, {shape} (batch x seq : heads / kv heads : head dim, c causal{note}) | "
-              f"{h * 1e3:.2f} ms | {p * 1e3:.2f} ms | {h / p:.2f} | | |")
+              f"{h * 1e3:.2f} ms | {p * 1e3:.2f} ms | {h / p:.2f} | | | |")
 
 
 if __name__ == "__main__":

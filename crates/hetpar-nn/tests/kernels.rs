@@ -11,6 +11,7 @@ use hetpar_nn::Init;
 use hetpar_nn::kernels::adam::{AdamStep, adamw_step};
 use hetpar_nn::kernels::attention::FlashAttention;
 use hetpar_nn::kernels::bf16;
+use hetpar_nn::kernels::experts::{ExpertWeights, experts_swiglu};
 use hetpar_nn::kernels::linear::{
     Matmul, linear, linear_bias, linear_bias_as, linear_bias_into, linear_into,
 };
@@ -513,6 +514,89 @@ fn linear_into_a_sink_gives_the_stores_bits_and_leaves_the_weight_out_of_the_sto
     let store = weigh(&y, "dy").backward().unwrap();
     assert_eq!(store.get(&w4).unwrap().dims(), &[3, 2, 6]);
     assert!(sink.take(w4.shape()).unwrap().is_none());
+}
+
+#[test]
+fn the_experts_node_gives_the_per_expert_graphs_bits() {
+    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let (hidden, ffn, rows) = (16, 24, vec![5usize, 0, 7]);
+    let n: usize = rows.iter().sum();
+    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
+        .into_iter()
+        .chain([(DType::F32, Matmul::Bf16)])
+    {
+        let x = var("x", &[n, hidden], dtype);
+        let w: Vec<[Var; 3]> = (0..rows.len())
+            .map(|e| {
+                [
+                    var(&format!("w1.{e}"), &[ffn, hidden], dtype),
+                    var(&format!("w3.{e}"), &[ffn, hidden], dtype),
+                    var(&format!("w2.{e}"), &[hidden, ffn], dtype),
+                ]
+            })
+            .collect();
+        let sinks = |_| [GradSink::new(), GradSink::new(), GradSink::new()];
+        // Per expert: its rows selected, two products, SwiGLU, a product; concatenated.
+        let per: Vec<[GradSink; 3]> = (0..rows.len()).map(sinks).collect();
+        let mut outs = Vec::new();
+        let mut start = 0u32;
+        for (e, &r) in rows.iter().enumerate() {
+            if r == 0 {
+                continue;
+            }
+            let idx =
+                Tensor::from_vec((start..start + r as u32).collect(), r, &Device::Cpu).unwrap();
+            let xe = x.as_tensor().index_select(&idx, 0).unwrap();
+            let g = linear_into(how, &xe, &w[e][0], &per[e][0]).unwrap();
+            let u = linear_into(how, &xe, &w[e][1], &per[e][1]).unwrap();
+            let h = swiglu(&g, &u).unwrap();
+            outs.push(linear_into(how, &h, &w[e][2], &per[e][2]).unwrap());
+            start += r as u32;
+        }
+        let want = Tensor::cat(&outs, 0).unwrap();
+        let store = weigh(&want, "dy").backward().unwrap();
+        let want_dx = store.get(&x).unwrap().clone();
+        // One node.
+        let fused: Vec<[GradSink; 3]> = (0..rows.len()).map(sinks).collect();
+        let weights = w
+            .iter()
+            .zip(&fused)
+            .map(|(w, s)| ExpertWeights {
+                w1: (w[0].as_tensor().clone(), s[0].clone()),
+                w3: (w[1].as_tensor().clone(), s[1].clone()),
+                w2: (w[2].as_tensor().clone(), s[2].clone()),
+            })
+            .collect();
+        let anchor = var("anchor", &[1], dtype);
+        let got = experts_swiglu(how, &x, &anchor, weights, rows.clone()).unwrap();
+        let store = weigh(&got, "dy").backward().unwrap();
+        let what = format!("experts {dtype:?} {how:?}");
+        assert_eq!(bits(&got), bits(&want), "{what}: outputs");
+        assert_eq!(bits(store.get(&x).unwrap()), bits(&want_dx), "{what}: dx");
+        assert!(store.get(&anchor).is_none(), "{what}: the anchor got a gradient");
+        for e in 0..rows.len() {
+            for j in 0..3 {
+                let shape = w[e][j].shape();
+                let (a, b) = (fused[e][j].take(shape).unwrap(), per[e][j].take(shape).unwrap());
+                match (a, b) {
+                    (Some(a), Some(b)) => {
+                        assert_eq!(bits(&a), bits(&b), "{what}: expert {e} weight {j}")
+                    }
+                    (None, None) => assert_eq!(rows[e], 0, "{what}: expert {e} got no gradient"),
+                    _ => panic!("{what}: expert {e} weight {j}: a gradient on one side only"),
+                }
+            }
+        }
+    }
+    let x = var("x", &[4, 16], DType::F32);
+    let weights = vec![ExpertWeights {
+        w1: (var("w1", &[8, 16], DType::F32).as_tensor().clone(), GradSink::new()),
+        w3: (var("w3", &[8, 16], DType::F32).as_tensor().clone(), GradSink::new()),
+        w2: (var("w2", &[16, 8], DType::F32).as_tensor().clone(), GradSink::new()),
+    }];
+    let anchor = var("anchor", &[1], DType::F32);
+    let e = experts_swiglu(Matmul::Native, &x, &anchor, weights, vec![3]).unwrap_err();
+    assert!(e.to_string().contains("4 rows for 1 experts, grouped as [3]"), "{e}");
 }
 
 /// `t` (f32) rounded to bf16, as an f64 tensor.

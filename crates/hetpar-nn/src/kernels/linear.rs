@@ -124,7 +124,7 @@ fn mul<T: Real>(
 /// with at most half as many rows as outputs it computes `w x^T` into `y`'s transpose
 /// (704 x 512 weight, AVX512-BF16 on one Zen 5 core: 32 rows 171 -> 287 GFLOP/s, 128 rows
 /// 318 -> 350; the AMX kernel then runs it as whichever of the two transposes less).
-fn product<T: Real>(
+pub(crate) fn product<T: Real>(
     how: Matmul,
     x: &[T],
     w: &[T],
@@ -161,19 +161,29 @@ fn input_grads<T: Real>(
     let op = "linear backward";
     let (dx, dw) = with_data::<T, _>(x, op, |xd| {
         with_data::<T, _>(w, op, |wd| {
-            with_data::<T, _>(grad, op, |gd| {
-                let gv = View::rows(0, rows, out, out);
-                let xv = View::rows(0, rows, inner, inner);
-                let wv = View::rows(0, out, inner, inner);
-                let mut dx = vec![T::ZERO; rows * inner];
-                mul(how, &mut dx, xv, gd, gv, wd, wv)?;
-                let mut dw = vec![T::ZERO; out * inner];
-                mul(how, &mut dw, wv, gd, gv.t(), xd, xv)?;
-                Ok((dx, dw))
-            })
+            with_data::<T, _>(grad, op, |gd| backward(how, xd, wd, gd, (rows, inner, out)))
         })
     })?;
     Ok((Tensor::from_vec(dx, x.shape(), x.device())?, dw))
+}
+
+/// `dx = dy w` (`[rows, in]`) and `dw = dy^T x` (`[out, in]`) on row-major slices: the
+/// backward of [`product`].
+pub(crate) fn backward<T: Real>(
+    how: Matmul,
+    x: &[T],
+    w: &[T],
+    dy: &[T],
+    (rows, inner, out): (usize, usize, usize),
+) -> CResult<(Vec<T>, Vec<T>)> {
+    let gv = View::rows(0, rows, out, out);
+    let xv = View::rows(0, rows, inner, inner);
+    let wv = View::rows(0, out, inner, inner);
+    let mut dx = vec![T::ZERO; rows * inner];
+    mul(how, &mut dx, xv, dy, gv, w, wv)?;
+    let mut dw = vec![T::ZERO; out * inner];
+    mul(how, &mut dw, wv, dy, gv.t(), x, xv)?;
+    Ok((dx, dw))
 }
 
 impl CustomOp2 for LinearOp {

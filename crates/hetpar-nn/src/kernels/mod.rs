@@ -19,6 +19,7 @@ pub mod adam;
 pub mod amx;
 pub mod attention;
 pub mod bf16;
+pub mod experts;
 pub mod gemm;
 pub mod linear;
 pub mod pointwise;

@@ -422,7 +422,7 @@ fn sigmoid<T: Real>(x: T) -> T {
 
 impl SwiGluOp {
     #[inline(always)]
-    fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
+    pub(crate) fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
         let mut h = vec![T::ZERO; g.len()];
         for ((o, &g), &u) in h.iter_mut().zip(g).zip(u) {
             *o = g * sigmoid(g) * u;
@@ -432,7 +432,7 @@ impl SwiGluOp {
 
     /// `dg = dh u sig(g) (1 + g (1 - sig(g)))`, `du = dh silu(g)`.
     #[inline(always)]
-    fn backward<T: Real>(g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
+    pub(crate) fn backward<T: Real>(g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
         let mut dg = vec![T::ZERO; g.len()];
         let mut du = vec![T::ZERO; g.len()];
         for i in 0..g.len() {

@@ -23,8 +23,8 @@ use hetpar_layout::Axis;
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
+use crate::kernels::experts::{ExpertWeights, experts_swiglu};
 use crate::kernels::linear::Matmul;
-use crate::kernels::pointwise::swiglu;
 use crate::layers::attention::softmax;
 use crate::layers::comm::{gather_rows, split_rows};
 use crate::layers::linear::{Build, matmul_t};
@@ -51,13 +51,6 @@ struct Expert {
     w1: Param,
     w3: Param,
     w2: Param,
-}
-
-impl Expert {
-    fn forward(&self, how: Matmul, x: &Tensor) -> Result<Tensor> {
-        let h = swiglu(&matmul_t(how, x, &self.w1)?, &matmul_t(how, x, &self.w3)?)?;
-        matmul_t(how, &h, &self.w2)
-    }
 }
 
 /// A sparse MoE block.
@@ -176,10 +169,9 @@ impl Moe {
                 offset += c as usize;
             }
         }
-        // Grouped by expert (already so from one source), each expert's output is
-        // concatenated in that order and put back in receive order: one copy each way,
-        // where adding each expert's rows into a running tensor copied it per expert and
-        // gave the backward a full-size gradient sum per expert.
+        // Grouped by expert (already so from one source), the experts run as one node over
+        // their row blocks ([`experts_swiglu`]) and their outputs go back in receive order:
+        // one copy each way.
         let order: Vec<u32> = rows_of.concat();
         let grouped = order.iter().enumerate().all(|(i, &r)| i as u32 == r);
         let by_expert = if grouped {
@@ -187,21 +179,21 @@ impl Moe {
         } else {
             recv.index_select(&Tensor::from_vec(order.clone(), order.len(), &Device::Cpu)?, 0)?
         };
-        let mut outs = Vec::with_capacity(per);
-        let mut start = 0;
-        for (le, (_, expert)) in self.experts.iter().enumerate() {
-            let len = rows_of[le].len();
-            if len > 0 {
-                // Rows picked by index, not a narrow: candle's backward of a narrow builds a
-                // zero-padded full-size gradient per expert and adds it, that of an index
-                // select adds its rows into a copy of the input's gradient.
-                let idx: Vec<u32> = (start as u32..(start + len) as u32).collect();
-                let rows = by_expert.index_select(&Tensor::from_vec(idx, len, &Device::Cpu)?, 0)?;
-                outs.push(expert.forward(self.matmul, &rows)?);
-                start += len;
-            }
-        }
-        let y = if outs.is_empty() { recv.zeros_like()? } else { Tensor::cat(&outs, 0)? };
+        let y = if order.is_empty() {
+            recv.zeros_like()?
+        } else {
+            let weights = self
+                .experts
+                .iter()
+                .map(|(_, x)| {
+                    let w = |p: &Param| (p.tensor().clone(), p.sink.clone());
+                    ExpertWeights { w1: w(&x.w1), w3: w(&x.w3), w2: w(&x.w2) }
+                })
+                .collect();
+            let rows = rows_of.iter().map(Vec::len).collect();
+            // The router's weight anchors the node in the graph (it gets no gradient there).
+            experts_swiglu(self.matmul, &by_expert, self.gate.tensor(), weights, rows)?
+        };
         let out_recv = if grouped {
             y
         } else {
