@@ -13,7 +13,8 @@ use hetpar_nn::kernels::attention::FlashAttention;
 use hetpar_nn::kernels::bf16;
 use hetpar_nn::kernels::experts::{ExpertWeights, experts_swiglu};
 use hetpar_nn::kernels::linear::{
-    Matmul, linear, linear_bias, linear_bias_as, linear_bias_into, linear_into,
+    Matmul, linear, linear_bias, linear_bias_as, linear_bias_gelu_into, linear_bias_into,
+    linear_into,
 };
 use hetpar_nn::kernels::pointwise::{
     RopeTables, bias_add, gelu, layer_norm, rms_norm, rope, swiglu,
@@ -514,6 +515,35 @@ fn linear_into_a_sink_gives_the_stores_bits_and_leaves_the_weight_out_of_the_sto
     let store = weigh(&y, "dy").backward().unwrap();
     assert_eq!(store.get(&w4).unwrap().dims(), &[3, 2, 6]);
     assert!(sink.take(w4.shape()).unwrap().is_none());
+}
+
+#[test]
+fn the_linear_with_its_gelu_as_one_node_gives_the_two_nodes_bits() {
+    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
+        .into_iter()
+        .chain([(DType::F32, Matmul::Bf16)])
+    {
+        let (x, w, b) =
+            (var("x", &[3, 7, 40], dtype), var("w", &[56, 40], dtype), var("b", &[56], dtype));
+        // Pre-activations of both signs and several sizes, the tails included.
+        let x = Var::from_tensor(&(x.as_tensor() * 1.5).unwrap()).unwrap();
+        let run = |fused: bool| {
+            let sink = GradSink::new();
+            let y = if fused {
+                linear_bias_gelu_into(how, &x, &w, &b, &sink).unwrap()
+            } else {
+                gelu(&linear_bias_into(how, &x, &w, &b, &sink).unwrap()).unwrap()
+            };
+            let store = weigh(&y, "dy").backward().unwrap();
+            let dw = sink.take(w.shape()).unwrap().unwrap();
+            [y, store.get(&x).unwrap().clone(), dw, store.get(&b).unwrap().clone()]
+        };
+        let (got, want) = (run(true), run(false));
+        for (name, (g, w)) in ["y", "dx", "dw", "db"].iter().zip(got.iter().zip(&want)) {
+            assert_eq!(bits(g), bits(w), "{dtype:?} {how:?}: {name}");
+        }
+    }
 }
 
 #[test]

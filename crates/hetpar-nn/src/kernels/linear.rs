@@ -16,10 +16,12 @@
 //! operands and sum in f32 ([`super::bf16`]); the tensors, the bias and its gradient stay
 //! f32.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
+use std::sync::Mutex;
 
-use super::gemm::{View, matmul_wide};
-use super::pointwise::BiasAddOp;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
+
+use super::gemm::{View, matmul_new};
+use super::pointwise::{BiasAddOp, GeluOp};
 use super::sink::GradSink;
 use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
 
@@ -84,24 +86,23 @@ fn out_shape(x: &Shape, out: usize) -> Shape {
     Shape::from(shape)
 }
 
-/// `dst = lhs @ rhs` on as many threads as candle's matmuls, multiplying as `how` says.
+/// A new matrix of `len` elements, `lhs @ rhs` written through `dv` (which names each of
+/// them once), on as many threads as candle's matmuls, multiplying as `how` says.
 fn mul<T: Real>(
     how: Matmul,
-    dst: &mut [T],
+    len: usize,
     dv: View,
     lhs: &[T],
     lv: View,
     rhs: &[T],
     rv: View,
-) -> CResult<()> {
+) -> CResult<Vec<T>> {
     match how {
-        Matmul::Native => {
-            matmul_wide(dst, dv, lhs, lv, rhs, rv, false, T::ONE);
-            Ok(())
-        }
+        Matmul::Native => Ok(matmul_new(len, dv, lhs, lv, rhs, rv)),
         Matmul::Bf16 => {
-            let threads = super::threads();
-            T::bf16_product(dst, dv, lhs, lv, rhs, rv, false, threads)
+            let mut dst = vec![T::ZERO; len];
+            T::bf16_product(&mut dst, dv, lhs, lv, rhs, rv, false, super::threads())?;
+            Ok(dst)
         }
     }
 }
@@ -130,24 +131,23 @@ pub(crate) fn product<T: Real>(
     w: &[T],
     (rows, inner, out): (usize, usize, usize),
 ) -> CResult<Vec<T>> {
-    let mut y = vec![T::ZERO; rows * out];
     let (xv, wt) = (View::rows(0, rows, inner, inner), View::rows(0, out, inner, inner).t());
     let f32 = <T as candle_core::WithDType>::DTYPE == candle_core::DType::F32;
     if how == Matmul::Native && f32 && 2 * rows <= inner && rows < out && rows > 0 {
-        let mut columns = vec![T::ZERO; rows * out];
         let cv = View { offset: 0, rows, cols: out, rs: 1, cs: rows };
-        mul(how, &mut columns, cv, x, xv, w, wt)?;
+        let columns = mul(how, rows * out, cv, x, xv, w, wt)?;
+        let mut y = vec![T::ZERO; rows * out];
         transpose::transpose(&columns, &mut y, rows, out);
+        Ok(y)
     } else if how == Matmul::Bf16 && 2 * rows <= out {
         // `y^T = w x^T`, written through `y`'s transpose: the weight's rows go to the
         // kernel's row blocks (packed from contiguous rows, split over threads) and the
         // few rows of `x` to its 32-wide column panels.
         let yt = View::rows(0, rows, out, out).t();
-        mul(how, &mut y, yt, w, View::rows(0, out, inner, inner), x, xv.t())?;
+        mul(how, rows * out, yt, w, View::rows(0, out, inner, inner), x, xv.t())
     } else {
-        mul(how, &mut y, View::rows(0, rows, out, out), x, xv, w, wt)?;
+        mul(how, rows * out, View::rows(0, rows, out, out), x, xv, w, wt)
     }
-    Ok(y)
 }
 
 /// `dx = dy w`, a tensor shaped like `x`, and `dw = dy^T x`, `w`'s elements in its order.
@@ -179,10 +179,8 @@ pub(crate) fn backward<T: Real>(
     let gv = View::rows(0, rows, out, out);
     let xv = View::rows(0, rows, inner, inner);
     let wv = View::rows(0, out, inner, inner);
-    let mut dx = vec![T::ZERO; rows * inner];
-    mul(how, &mut dx, xv, dy, gv, w, wv)?;
-    let mut dw = vec![T::ZERO; out * inner];
-    mul(how, &mut dw, wv, dy, gv.t(), x, xv)?;
+    let dx = mul(how, rows * inner, xv, dy, gv, w, wv)?;
+    let dw = mul(how, out * inner, wv, dy, gv.t(), x, xv)?;
     Ok((dx, dw))
 }
 
@@ -224,6 +222,31 @@ impl CustomOp2 for LinearOp {
     }
 }
 
+/// [`dims`] of `x`, `w`, checking that bias `b` has one element per output.
+fn bias_dims(x: &Shape, w: &Shape, b: &Shape) -> CResult<(usize, usize, usize)> {
+    let dims = dims(x, w)?;
+    if b.dims() != [dims.2] {
+        return Err(Error::Msg(format!("linear: bias {b:?} does not fit weight {w:?}")));
+    }
+    Ok(dims)
+}
+
+/// `x @ w^T + b` on the storages of `x`, `w` and `b`: the product, then the bias added to
+/// every row, element by element.
+fn biased<T: Real>(
+    how: Matmul,
+    (s1, l1): (&CpuStorage, &Layout),
+    (s2, l2): (&CpuStorage, &Layout),
+    (s3, l3): (&CpuStorage, &Layout),
+    dims: (usize, usize, usize),
+) -> CResult<Vec<T>> {
+    let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
+    let b = slice::<T>(s3, l3, "linear")?;
+    let mut y = product(how, x, w, dims)?;
+    simd::fast!(BiasAddOp::add_rows(&mut y, b));
+    Ok(y)
+}
+
 impl CustomOp3 for LinearBiasOp {
     fn name(&self) -> &'static str {
         "linear-bias"
@@ -238,19 +261,9 @@ impl CustomOp3 for LinearBiasOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let dims = dims(l1.shape(), l2.shape())?;
-        if l3.shape().dims() != [dims.2] {
-            return Err(Error::Msg(format!(
-                "linear: bias {:?} does not fit weight {:?}",
-                l3.shape(),
-                l2.shape()
-            )));
-        }
+        let dims = bias_dims(l1.shape(), l2.shape(), l3.shape())?;
         by_real!(s1, "linear", |T| {
-            let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
-            let b = slice::<T>(s3, l3, "linear")?;
-            let mut y = product(self.how, x, w, dims)?;
-            simd::fast!(BiasAddOp::add_rows(&mut y, b));
+            let y = biased::<T>(self.how, (s1, l1), (s2, l2), (s3, l3), dims)?;
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(y),
                 out_shape(l1.shape(), dims.2),
@@ -284,6 +297,65 @@ impl CustomOp3 for LinearBiasOp {
         }
         by_real_dtype!(x.dtype(), "linear", |T| run::<T>(self, x, w, &grad, dims))
     }
+}
+
+/// `gelu(x @ w^T + b)` as one node (a GELU MLP's first layer). Apart, the GELU is a node
+/// of its own whose input gradient candle zero-fills and adds into, a full pass over the
+/// MLP's widest activation (and a zero fill of it) on every backward; here the backward
+/// turns the output's gradient into the pre-activation's ([`GeluOp`]'s backward, from the
+/// pre-activation the forward keeps and the output) and goes on as [`LinearBiasOp`]'s. The
+/// sum, the GELU and both backwards are the separate nodes' own, so the bits are theirs.
+#[derive(Debug)]
+struct LinearBiasGeluOp {
+    linear: LinearBiasOp,
+    /// `x @ w^T + b`, from the forward.
+    pre: Mutex<Option<Tensor>>,
+}
+
+impl CustomOp3 for LinearBiasGeluOp {
+    fn name(&self) -> &'static str {
+        "linear-bias-gelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let dims = bias_dims(l1.shape(), l2.shape(), l3.shape())?;
+        let shape = out_shape(l1.shape(), dims.2);
+        by_real!(s1, "linear", |T| {
+            let pre = biased::<T>(self.linear.how, (s1, l1), (s2, l2), (s3, l3), dims)?;
+            let y = simd::fast!({ GeluOp::forward(&pre) });
+            let pre = Tensor::from_vec(pre, shape.clone(), &candle_core::Device::Cpu)?;
+            *self.pre.lock().map_err(|_| poisoned())? = Some(pre);
+            Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), shape))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let pre = self.pre.lock().map_err(|_| poisoned())?.clone();
+        let pre =
+            pre.ok_or_else(|| Error::Msg("linear-bias-gelu: backward without its forward".into()))?;
+        let dpre =
+            GeluOp.bwd(&pre, res, grad)?.expect("the GELU's backward gives its input's gradient");
+        self.linear.bwd(x, w, b, &pre, &dpre)
+    }
+}
+
+fn poisoned() -> Error {
+    Error::Msg("linear-bias-gelu: a panic poisoned the saved pre-activation".into())
 }
 
 /// `x @ w^T` through the fused op (`x` `[.., in]`, `w` `[out, in]`).
@@ -329,5 +401,19 @@ pub fn linear_bias_into(
     sink: &GradSink,
 ) -> CResult<Tensor> {
     let op = LinearBiasOp { how, sink: sink_for(w, sink).cloned() };
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, op)
+}
+
+/// `gelu(x @ w^T + b)` as one node, with `dw` added to `sink` (when `w` is a `Var`), as
+/// [`linear_bias_into`]: the same bits as `gelu(linear_bias_into(..))`.
+pub fn linear_bias_gelu_into(
+    how: Matmul,
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    sink: &GradSink,
+) -> CResult<Tensor> {
+    let linear = LinearBiasOp { how, sink: sink_for(w, sink).cloned() };
+    let op = LinearBiasGeluOp { linear, pre: Mutex::new(None) };
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, op)
 }

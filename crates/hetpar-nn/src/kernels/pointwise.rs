@@ -249,12 +249,15 @@ impl CustomOp3 for LayerNormOp {
 /// The exact GELU `x Phi(x) = x (1 + erf(x / sqrt 2)) / 2` (Hendrycks and Gimpel 2016),
 /// and its backward `Phi(x) + x phi(x)` (candle's own `gelu_erf` backward rounds
 /// `1 / sqrt(2 pi)` to six digits). `Phi` in f32 is [`super::normal_cdf_f32`], within two
-/// ulp and vectorizable; in f64 it is through candle's `erf`.
+/// ulp and vectorizable; in f64 it is through candle's `erf`. The backward does not
+/// evaluate `Phi` again: it reads it off the forward's output as `y / x` (within an ulp or
+/// two of `Phi`; `1/2` where `|x| < 1e-30`, where `Phi` rounds to it), which leaves one
+/// `exp` per element, for `phi`: the CDF costs four times that.
 #[derive(Clone, Copy, Debug)]
 pub struct GeluOp;
 
 /// The standard normal CDF of the element type.
-trait NormalCdf: Real {
+pub(crate) trait NormalCdf: Real {
     fn cdf(self) -> Self;
 }
 
@@ -273,7 +276,7 @@ impl NormalCdf for f64 {
 
 impl GeluOp {
     #[inline(always)]
-    fn forward<T: NormalCdf>(x: &[T]) -> Vec<T> {
+    pub(crate) fn forward<T: NormalCdf>(x: &[T]) -> Vec<T> {
         let mut out = vec![T::ZERO; x.len()];
         for (o, &v) in out.iter_mut().zip(x) {
             *o = v * v.cdf();
@@ -281,13 +284,16 @@ impl GeluOp {
         out
     }
 
+    /// `dy (Phi(x) + x phi(x))`, `Phi(x)` as `y / x` from the forward's output `y`.
     #[inline(always)]
-    fn backward<T: NormalCdf>(x: &[T], dy: &[T]) -> Vec<T> {
+    pub(crate) fn backward<T: NormalCdf>(x: &[T], y: &[T], dy: &[T]) -> Vec<T> {
         let (half, pdf) =
             (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
+        let tiny = T::from_f64(1e-30);
         let mut dx = vec![T::ZERO; x.len()];
-        for ((o, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-            *o = g * (v.cdf() + v * pdf * (-(v * v) * half).exp());
+        for (((o, &v), &u), &g) in dx.iter_mut().zip(x).zip(y).zip(dy) {
+            let cdf = if v.larger(-v) < tiny { half } else { u / v };
+            *o = g * (cdf + v * pdf * (-(v * v) * half).exp());
         }
         dx
     }
@@ -310,15 +316,18 @@ impl CustomOp1 for GeluOp {
         })
     }
 
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+    fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let grad = grad.contiguous()?;
-        fn run<T: NormalCdf>(x: &Tensor, grad: &Tensor) -> CResult<Tensor> {
-            let dx = with_data::<T, _>(x, "gelu", |xd| {
-                with_data::<T, _>(grad, "gelu", |gd| Ok(simd::fast!(GeluOp::backward(xd, gd))))
+        fn run<T: NormalCdf>(x: &Tensor, y: &Tensor, grad: &Tensor) -> CResult<Tensor> {
+            let op = "gelu";
+            let dx = with_data::<T, _>(x, op, |xd| {
+                with_data::<T, _>(y, op, |yd| {
+                    with_data::<T, _>(grad, op, |gd| Ok(simd::fast!(GeluOp::backward(xd, yd, gd))))
+                })
             })?;
             Tensor::from_vec(dx, x.shape(), x.device())
         }
-        Ok(Some(by_real_dtype!(x.dtype(), "gelu", |T| run::<T>(x, &grad))?))
+        Ok(Some(by_real_dtype!(x.dtype(), "gelu", |T| run::<T>(x, res, &grad))?))
     }
 }
 

@@ -13,8 +13,8 @@ use candle_core::{DType, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
-use crate::kernels::linear::{Matmul, linear_bias_into, linear_into};
-use crate::kernels::pointwise::bias_add;
+use crate::kernels::linear::{Matmul, linear_bias_gelu_into, linear_bias_into, linear_into};
+use crate::kernels::pointwise::{bias_add, gelu};
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
 use crate::params::{HasParams, Param, even_split, replicated_reduce, sharded_reduce};
 
@@ -122,6 +122,19 @@ impl ColumnParallel {
         let x =
             if self.ctx.sp() { gather_dim(&self.ctx.tp, x, 1)? } else { copy_to(&self.ctx.tp, x)? };
         self.local(&x)
+    }
+
+    /// `gelu(forward(x))`, with the GELU fused into the product's node where there is a
+    /// bias (the same bits).
+    pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        let (w, how, sink) = (self.weight.tensor(), self.matmul, &self.weight.sink);
+        let Some(b) = &self.bias else {
+            return Ok(gelu(&self.forward(x)?)?);
+        };
+        let x =
+            if self.ctx.sp() { gather_dim(&self.ctx.tp, x, 1)? } else { copy_to(&self.ctx.tp, x)? };
+        let b = if self.bias_detached { b.tensor().detach() } else { b.tensor().clone() };
+        Ok(linear_bias_gelu_into(how, &x, w, &b, sink)?)
     }
 
     /// The local matmul on an already replicated (or gathered) input.

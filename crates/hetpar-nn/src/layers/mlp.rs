@@ -5,7 +5,7 @@
 use candle_core::Tensor;
 
 use crate::error::Result;
-use crate::kernels::pointwise::{gelu, swiglu};
+use crate::kernels::pointwise::swiglu;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::params::{HasParams, Param};
 
@@ -80,7 +80,7 @@ impl GeluMlp {
 
     /// `[b, s, input]` to `[b, s, output]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fc2.forward(&gelu(&self.fc1.forward(x)?)?)
+        self.fc2.forward(&self.fc1.forward_gelu(x)?)
     }
 }
 
