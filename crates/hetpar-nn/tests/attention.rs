@@ -146,3 +146,19 @@ fn kv_exchange_happens_only_under_cp() {
         "{kinds:?}"
     );
 }
+
+#[test]
+fn the_three_projections_share_one_gather_and_one_reduction() {
+    // Per rank and step: the input's gather (or identity) forward and its gradient's
+    // reduction backward once for q, k and v together, and the output projection's
+    // reduction forward and its gradient's gather backward: two of each kind, not four.
+    for (sp, kinds) in [
+        (true, vec![(OpKind::AllGatherV, 2), (OpKind::ReduceScatter, 2)]),
+        (false, vec![(OpKind::AllReduce, 2)]),
+    ] {
+        let log = Log::new();
+        run(&layout(2, 1, sp), spec(true, CpMode::AllGather), DType::F32, Some(&log));
+        let want: BTreeMap<OpKind, usize> = kinds.into_iter().map(|(k, n)| (k, 2 * n)).collect();
+        assert_eq!(log.count_by_kind(), want, "tp 2 sp {sp} (calls of both ranks)");
+    }
+}

@@ -128,3 +128,29 @@ fn tp_one_issues_no_collective() {
     .expect("launch");
     assert!(log.records().is_empty(), "{:?}", log.count_by_kind());
 }
+
+#[test]
+fn gate_and_up_share_one_gather_and_one_reduction() {
+    // Per rank and step: the input's gather forward and its gradient's reduce-scatter
+    // backward once for both projections, the down projection's reduce-scatter forward and
+    // its gradient's gather backward: two of each, not three.
+    let log = hetpar_comm::Log::new();
+    let l = layout(2, true);
+    launch(2, LocalOptions::default(), |c| {
+        let rec = hetpar_comm::Recording::new(Box::new(c), log.clone());
+        let ctx = ParallelCtx::new(&rec, &l).expect("ctx");
+        let b = Build::new(ctx.clone(), 5, DType::F32);
+        let mlp = SwiGlu::new(&b, "mlp", H, FFN, 0.2, 0.1).expect("mlp");
+        let x = part(&global("x", &[B, S, H], DType::F32), 1, 2, ctx.tp.rank);
+        let x = Var::from_tensor(&x).expect("var");
+        let y = mlp.forward(x.as_tensor()).expect("forward");
+        y.sum_all().unwrap().backward().expect("backward");
+    })
+    .expect("launch");
+    let kinds = log.count_by_kind();
+    let want = BTreeMap::from([
+        (hetpar_comm::OpKind::AllGatherV, 4),
+        (hetpar_comm::OpKind::ReduceScatter, 4),
+    ]);
+    assert_eq!(kinds, want, "calls of both ranks");
+}

@@ -162,9 +162,11 @@ impl Attention {
     pub fn forward(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
         let (hq, hkv) =
             (self.spec.heads / self.ctx.tp.size(), self.spec.kv_heads / self.ctx.tp.size());
-        let mut q = self.heads(&self.q.forward(x)?, hq)?;
-        let mut k = self.heads(&self.k.forward(x)?, hkv)?;
-        let v = self.heads(&self.v.forward(x)?, hkv)?;
+        // One gather (or gradient reduction) over `tp` for the three projections.
+        let x = self.q.input(x)?;
+        let mut q = self.heads(&self.q.local(&x)?, hq)?;
+        let mut k = self.heads(&self.k.local(&x)?, hkv)?;
+        let v = self.heads(&self.v.local(&x)?, hkv)?;
         let own = positions.own();
         if let Some(rope) = &self.rope {
             let tables = rope.tables(own);

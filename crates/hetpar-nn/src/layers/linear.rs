@@ -119,9 +119,17 @@ impl ColumnParallel {
 
     /// `[b, s, in]` (sequence-sharded under SP) to `[b, s_full, out / tp]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x =
-            if self.ctx.sp() { gather_dim(&self.ctx.tp, x, 1)? } else { copy_to(&self.ctx.tp, x)? };
-        self.local(&x)
+        self.local(&self.input(x)?)
+    }
+
+    /// What every rank's shard multiplies: `x` all-gathered over the sequence under SP (a
+    /// reduce-scatter of its gradient backward), else `x` itself with its gradient
+    /// all-reduced backward (Megatron's `f`). Column-parallel layers that read one input
+    /// (q, k and v; gate and up) share it, [`Self::local`] on each: one gather and one
+    /// reduction of the summed gradient, as Megatron's fused projections, where a
+    /// [`Self::forward`] each would gather the input and reduce its gradient once per layer.
+    pub fn input(&self, x: &Tensor) -> Result<Tensor> {
+        if self.ctx.sp() { gather_dim(&self.ctx.tp, x, 1) } else { copy_to(&self.ctx.tp, x) }
     }
 
     /// `gelu(forward(x))`, with the GELU fused into the product's node where there is a
@@ -131,8 +139,7 @@ impl ColumnParallel {
         let Some(b) = &self.bias else {
             return Ok(gelu(&self.forward(x)?)?);
         };
-        let x =
-            if self.ctx.sp() { gather_dim(&self.ctx.tp, x, 1)? } else { copy_to(&self.ctx.tp, x)? };
+        let x = self.input(x)?;
         let b = if self.bias_detached { b.tensor().detach() } else { b.tensor().clone() };
         Ok(linear_bias_gelu_into(how, &x, w, &b, sink)?)
     }

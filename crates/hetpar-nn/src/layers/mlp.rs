@@ -36,7 +36,9 @@ impl SwiGlu {
 
     /// `[b, s, hidden]` to `[b, s, hidden]` (sequence-sharded in and out under SP).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = swiglu(&self.gate.forward(x)?, &self.up.forward(x)?)?;
+        // One gather (or gradient reduction) over `tp` for both projections.
+        let x = self.gate.input(x)?;
+        let h = swiglu(&self.gate.local(&x)?, &self.up.local(&x)?)?;
         self.down.forward(&h)
     }
 }
