@@ -11,6 +11,7 @@ use hetpar_nn::Init;
 use hetpar_nn::kernels::adam::{AdamStep, adamw_step};
 use hetpar_nn::kernels::attention::FlashAttention;
 use hetpar_nn::kernels::bf16;
+use hetpar_nn::kernels::block::{BlockWeights, Projection, attention_block, gelu_mlp, swiglu_mlp};
 use hetpar_nn::kernels::experts::{ExpertWeights, experts_swiglu};
 use hetpar_nn::kernels::linear::{
     Matmul, linear, linear_bias, linear_bias_as, linear_bias_gelu_into, linear_bias_into,
@@ -542,6 +543,203 @@ fn the_linear_with_its_gelu_as_one_node_gives_the_two_nodes_bits() {
         let (got, want) = (run(true), run(false));
         for (name, (g, w)) in ["y", "dx", "dw", "db"].iter().zip(got.iter().zip(&want)) {
             assert_eq!(bits(g), bits(w), "{dtype:?} {how:?}: {name}");
+        }
+    }
+}
+
+#[test]
+fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
+    // Values compared with `==`: candle's store turns `-0` into `0`, the node does not.
+    let same = |a: &Tensor, b: &Tensor| flat(a).unwrap() == flat(b).unwrap();
+    let (b, s, hidden) = (2, 37, 32);
+    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
+        .into_iter()
+        .chain([(DType::F32, Matmul::Bf16)])
+    {
+        // ViT-like: every projection with a bias, the key's applied but not trained; and
+        // Llama-like: no biases, grouped K/V, causal, rotary.
+        for (heads, kv_heads, bias, causal) in [(4, 4, true, false), (4, 2, false, true)] {
+            let d = hidden / heads;
+            let tables = causal.then(|| {
+                hetpar_nn::layers::rope::Rope::new(d, 10_000.0)
+                    .tables(&(3..3 + s).collect::<Vec<_>>())
+            });
+            let x = var("x", &[b, s, hidden], dtype);
+            let w = |n: &str, out: usize, inner: usize| var(n, &[out, inner], dtype);
+            let (wq, wk, wv) = (
+                w("wq", heads * d, hidden),
+                w("wk", kv_heads * d, hidden),
+                w("wv", kv_heads * d, hidden),
+            );
+            let wo = w("wo", hidden, heads * d);
+            let bias_of = |n: &str, out: usize| bias.then(|| var(n, &[out], dtype));
+            let (bq, bk, bv, bo) = (
+                bias_of("bq", heads * d),
+                bias_of("bk", kv_heads * d),
+                bias_of("bv", kv_heads * d),
+                bias_of("bo", hidden),
+            );
+            let pos: Arc<Vec<usize>> = Arc::new((0..s).collect());
+            let attention = || {
+                FlashAttention::new(
+                    pos.clone(),
+                    pos.clone(),
+                    causal,
+                    1.0 / (d as f64).sqrt(),
+                    false,
+                )
+            };
+            // Weights' sinks 0..4, the biases' 4..8.
+            let sinks: Vec<GradSink> = (0..8).map(|_| GradSink::new()).collect();
+            let run = |fused: bool| {
+                let y = if fused {
+                    let p = |w: &Var, b: &Option<Var>, i: usize, trained: bool| Projection {
+                        weight: (w.as_tensor().clone(), sinks[i].clone()),
+                        bias: b.as_ref().map(|b| {
+                            let t = if trained {
+                                b.as_tensor().clone()
+                            } else {
+                                b.as_tensor().detach()
+                            };
+                            (t, trained.then(|| sinks[i + 4].clone()))
+                        }),
+                    };
+                    let weights = BlockWeights {
+                        q: p(&wq, &bq, 0, true),
+                        k: p(&wk, &bk, 1, false),
+                        v: p(&wv, &bv, 2, true),
+                        o: p(&wo, &bo, 3, true),
+                    };
+                    let heads = (heads, kv_heads);
+                    attention_block(how, &x, &wq, weights, heads, tables.clone(), attention())
+                        .unwrap()
+                } else {
+                    let lin =
+                        |x: &Tensor, w: &Var, b: &Option<Var>, i: usize, trained: bool| match b {
+                            Some(b) => {
+                                let t = if trained {
+                                    b.as_tensor().clone()
+                                } else {
+                                    b.as_tensor().detach()
+                                };
+                                linear_bias_into(how, x, w, &t, &sinks[i]).unwrap()
+                            }
+                            None => linear_into(how, x, w, &sinks[i]).unwrap(),
+                        };
+                    let mut q = lin(&x, &wq, &bq, 0, true).reshape((b, s, heads, d)).unwrap();
+                    let mut k = lin(&x, &wk, &bk, 1, false).reshape((b, s, kv_heads, d)).unwrap();
+                    if let Some(t) = &tables {
+                        (q, k) = (rope(&q, t).unwrap(), rope(&k, t).unwrap());
+                    }
+                    let v = lin(&x, &wv, &bv, 2, true).reshape((b, s, kv_heads, d)).unwrap();
+                    let a =
+                        attention().apply(&q, &k, &v).unwrap().reshape((b, s, heads * d)).unwrap();
+                    lin(&a, &wo, &bo, 3, true)
+                };
+                let store = weigh(&y, "dy").backward().unwrap();
+                let mut out = vec![y, store.get(&x).unwrap().clone()];
+                for (i, v) in [&wq, &wk, &wv, &wo].iter().enumerate() {
+                    out.push(sinks[i].take(v.shape()).unwrap().unwrap());
+                }
+                for (i, v) in [(4, &bq), (6, &bv), (7, &bo)] {
+                    if let Some(v) = v {
+                        // Composed, the biases' gradients are in the store; fused, in the sinks.
+                        let g = match store.get(v) {
+                            Some(g) => g.clone(),
+                            None => sinks[i].take(v.shape()).unwrap().unwrap(),
+                        };
+                        out.push(g);
+                    }
+                }
+                out
+            };
+            let (got, want) = (run(true), run(false));
+            assert_eq!(got.len(), want.len());
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    same(g, w),
+                    "{dtype:?} {how:?} heads {heads}/{kv_heads} bias {bias}: output {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_gelu_mlp_as_one_node_gives_the_composed_mlps_bits() {
+    let same = |a: &Tensor, b: &Tensor| flat(a).unwrap() == flat(b).unwrap();
+    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
+        .into_iter()
+        .chain([(DType::F32, Matmul::Bf16)])
+    {
+        let x =
+            Var::from_tensor(&(var("x", &[3, 7, 24], dtype).as_tensor() * 2.0).unwrap()).unwrap();
+        let (w1, b1) = (var("w1", &[40, 24], dtype), var("b1", &[40], dtype));
+        let (w2, b2) = (var("w2", &[16, 40], dtype), var("b2", &[16], dtype));
+        let sinks: Vec<GradSink> = (0..4).map(|_| GradSink::new()).collect();
+        let run = |fused: bool| {
+            let y = if fused {
+                let p = |w: &Var, b: &Var, i: usize| Projection {
+                    weight: (w.as_tensor().clone(), sinks[i].clone()),
+                    bias: Some((b.as_tensor().clone(), Some(sinks[i + 2].clone()))),
+                };
+                gelu_mlp(how, &x, &w1, p(&w1, &b1, 0), p(&w2, &b2, 1)).unwrap()
+            } else {
+                let h = linear_bias_gelu_into(how, &x, &w1, &b1, &sinks[0]).unwrap();
+                linear_bias_into(how, &h, &w2, &b2, &sinks[1]).unwrap()
+            };
+            let store = weigh(&y, "dy").backward().unwrap();
+            let mut out = vec![y, store.get(&x).unwrap().clone()];
+            out.push(sinks[0].take(w1.shape()).unwrap().unwrap());
+            out.push(sinks[1].take(w2.shape()).unwrap().unwrap());
+            for (i, b) in [(2, &b1), (3, &b2)] {
+                out.push(match store.get(b) {
+                    Some(g) => g.clone(),
+                    None => sinks[i].take(b.shape()).unwrap().unwrap(),
+                });
+            }
+            out
+        };
+        let (got, want) = (run(true), run(false));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(same(g, w), "{dtype:?} {how:?}: output {i}");
+        }
+    }
+}
+
+#[test]
+fn the_swiglu_mlp_as_one_node_gives_the_composed_mlps_bits() {
+    let same = |a: &Tensor, b: &Tensor| flat(a).unwrap() == flat(b).unwrap();
+    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
+        .into_iter()
+        .chain([(DType::F32, Matmul::Bf16)])
+    {
+        let x = var("x", &[2, 9, 24], dtype);
+        let (wg, wu, wd) =
+            (var("wg", &[40, 24], dtype), var("wu", &[40, 24], dtype), var("wd", &[24, 40], dtype));
+        let sinks: Vec<GradSink> = (0..3).map(|_| GradSink::new()).collect();
+        let run = |fused: bool| {
+            let y = if fused {
+                let p = |w: &Var, i: usize| Projection {
+                    weight: (w.as_tensor().clone(), sinks[i].clone()),
+                    bias: None,
+                };
+                swiglu_mlp(how, &x, &wg, [p(&wg, 0), p(&wu, 1), p(&wd, 2)]).unwrap()
+            } else {
+                let g = linear_into(how, &x, &wg, &sinks[0]).unwrap();
+                let u = linear_into(how, &x, &wu, &sinks[1]).unwrap();
+                linear_into(how, &swiglu(&g, &u).unwrap(), &wd, &sinks[2]).unwrap()
+            };
+            let store = weigh(&y, "dy").backward().unwrap();
+            let mut out = vec![y, store.get(&x).unwrap().clone()];
+            for (i, w) in [&wg, &wu, &wd].iter().enumerate() {
+                out.push(sinks[i].take(w.shape()).unwrap().unwrap());
+            }
+            out
+        };
+        let (got, want) = (run(true), run(false));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(same(g, w), "{dtype:?} {how:?}: output {i}");
         }
     }
 }

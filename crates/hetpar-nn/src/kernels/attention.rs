@@ -56,7 +56,7 @@ impl FlashAttention {
         q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, self)
     }
 
-    fn dims(&self, q: &Shape, k: &Shape, v: &Shape) -> CResult<Dims> {
+    pub(crate) fn dims(&self, q: &Shape, k: &Shape, v: &Shape) -> CResult<Dims> {
         let (b, sq, hq, d) = q.dims4()?;
         let (kb, sk, hkv, kd) = k.dims4()?;
         if (kb, kd) != (b, d) || k != v || hkv == 0 || hq % hkv != 0 {
@@ -80,7 +80,7 @@ impl FlashAttention {
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Dims {
+pub(crate) struct Dims {
     b: usize,
     sq: usize,
     sk: usize,
@@ -198,8 +198,15 @@ impl FlashAttention {
         (sv, qv, kv)
     }
 
+    /// The output `[b, s_q, heads, od]` and each row's log-sum-exp, on contiguous slices.
     #[inline(always)]
-    fn forward<T: Real>(&self, q: &[T], k: &[T], v: &[T], dm: Dims) -> (Vec<T>, Vec<f64>) {
+    pub(crate) fn forward<T: Real>(
+        &self,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        dm: Dims,
+    ) -> (Vec<T>, Vec<f64>) {
         let d = dm.d;
         let mut out = vec![T::ZERO; dm.b * dm.sq * dm.hq * dm.od];
         let mut lse = vec![f64::NEG_INFINITY; dm.b * dm.hq * dm.sq];
@@ -262,9 +269,10 @@ impl FlashAttention {
         (out, lse)
     }
 
+    /// `dq`, `dk`, `dv` from the forward's output `o`, its gradient `go` and `lse`.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    fn backward<T: Real>(
+    pub(crate) fn backward<T: Real>(
         &self,
         q: &[T],
         k: &[T],

@@ -21,9 +21,9 @@ use std::sync::{Mutex, MutexGuard};
 use candle_core::{CpuStorage, CustomOp2, Error, Layout, Shape, Tensor};
 
 use super::linear::{Matmul, backward, product};
-use super::pointwise::SwiGluOp;
+use super::pointwise::{NormalCdf, SwiGluOp};
 use super::sink::GradSink;
-use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
+use super::{Anchored, CResult, Real, by_real, simd, slice, with_data};
 
 /// One expert's weights, each with the sink its gradient goes to: `w1`, `w3` `[ffn,
 /// hidden]`, `w2` `[hidden, ffn]`.
@@ -132,6 +132,14 @@ impl ExpertsOp {
     }
 }
 
+impl Anchored for ExpertsOp {
+    const NAME: &'static str = "experts";
+
+    fn input_grad<T: NormalCdf>(&self, x: &[T], shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
+        self.backward(x, dy, shape.dims2()?.1)
+    }
+}
+
 impl CustomOp2 for ExpertsOp {
     fn name(&self) -> &'static str {
         "experts"
@@ -169,15 +177,7 @@ impl CustomOp2 for ExpertsOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
-        let hidden = x.dims2()?.1;
-        let dx = by_real_dtype!(x.dtype(), "experts", |T| {
-            let dx = with_data::<T, _>(x, "experts backward", |xd| {
-                with_data::<T, _>(&grad, "experts backward", |gd| self.backward(xd, gd, hidden))
-            })?;
-            Tensor::from_vec(dx, x.shape(), x.device())
-        })?;
-        Ok((Some(dx), None))
+        self.anchored_bwd(x, grad)
     }
 }
 

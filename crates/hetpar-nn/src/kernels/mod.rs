@@ -19,6 +19,7 @@ pub mod adam;
 pub mod amx;
 pub mod attention;
 pub mod bf16;
+pub mod block;
 pub mod experts;
 pub mod gemm;
 pub mod linear;
@@ -378,6 +379,34 @@ macro_rules! by_real_dtype {
     };
 }
 pub(crate) use by_real_dtype;
+
+/// A node whose one input is `x` and whose second argument only anchors it in the graph
+/// (the experts, the attention block, the MLP): its backward maps the output's gradient to
+/// `x`'s on slices.
+pub(crate) trait Anchored {
+    /// The op's name in errors.
+    const NAME: &'static str;
+
+    /// `x`'s gradient from `x` (of `shape`) and the output's gradient `dy`.
+    fn input_grad<T: pointwise::NormalCdf>(
+        &self,
+        x: &[T],
+        shape: &candle_core::Shape,
+        dy: &[T],
+    ) -> CResult<Vec<T>>;
+
+    /// The custom op's backward: `x`'s gradient, none for the anchor.
+    fn anchored_bwd(&self, x: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let dx = by_real_dtype!(x.dtype(), Self::NAME, |T| {
+            let dx = with_data::<T, _>(x, Self::NAME, |xd| {
+                with_data::<T, _>(&grad, Self::NAME, |gd| self.input_grad(xd, x.shape(), gd))
+            })?;
+            Tensor::from_vec(dx, x.shape(), x.device())
+        })?;
+        Ok((Some(dx), None))
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -364,8 +364,9 @@ pub struct RopeOp {
 }
 
 impl RopeOp {
+    /// `x` `[.., s, heads, 2 * half]` rotated by the angles of its `s` positions.
     #[inline(always)]
-    fn rotate<T: Real>(&self, x: &[T], s: usize, heads: usize) -> Vec<T> {
+    pub(crate) fn rotate<T: Real>(&self, x: &[T], s: usize, heads: usize) -> Vec<T> {
         let half = self.tables.half;
         let sign = if self.inverse { -T::ONE } else { T::ONE };
         let cos: Vec<T> = self.tables.cos.iter().map(|&c| T::from_f64(c)).collect();
@@ -514,7 +515,7 @@ pub struct BiasAddOp;
 impl BiasAddOp {
     /// `y + b` on every row of `y`, in place (the same sum as [`Self::forward`]).
     #[inline(always)]
-    pub(super) fn add_rows<T: Real>(y: &mut [T], b: &[T]) {
+    pub(crate) fn add_rows<T: Real>(y: &mut [T], b: &[T]) {
         if b.is_empty() {
             return;
         }
@@ -538,7 +539,7 @@ impl BiasAddOp {
 
     /// The column sums of `g` `[.., n]`: the bias gradient.
     #[inline(always)]
-    pub(super) fn bias_grad<T: Real>(g: &[T], n: usize) -> Vec<T> {
+    pub(crate) fn bias_grad<T: Real>(g: &[T], n: usize) -> Vec<T> {
         let mut db = vec![T::ZERO; n];
         if n == 0 {
             return db;

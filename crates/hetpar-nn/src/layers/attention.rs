@@ -22,6 +22,7 @@ use hetpar_layout::ownership::SeqSplit;
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::kernels::attention::FlashAttention;
+use crate::kernels::block::{BlockWeights, attention_block};
 use crate::layers::comm::gather_dim;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::layers::rope::Rope;
@@ -160,6 +161,9 @@ impl Attention {
     /// `x` `[b, s, hidden]` (this rank's tokens; sequence-sharded again under SP) at
     /// `positions` to `[b, s, hidden]`.
     pub fn forward(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
+        if self.ctx.tp.size() == 1 && self.ctx.cp.size() == 1 {
+            return self.fused(x, positions.own());
+        }
         let (hq, hkv) =
             (self.spec.heads / self.ctx.tp.size(), self.spec.kv_heads / self.ctx.tp.size());
         // One gather (or gradient reduction) over `tp` for the three projections.
@@ -183,6 +187,22 @@ impl Attention {
         };
         let (b, s, h, d) = out.dims4()?;
         self.o.forward(&out.reshape((b, s, h * d))?)
+    }
+
+    /// The block on one rank as one node ([`attention_block`]): the composed block's bits
+    /// without candle's zero fills and adds between its nodes.
+    fn fused(&self, x: &Tensor, own: &[usize]) -> Result<Tensor> {
+        let rope = self.rope.as_ref().map(|r| r.tables(own));
+        let (q, how) = self.q.projection();
+        let anchor = q.weight.0.clone();
+        let weights = BlockWeights {
+            q,
+            k: self.k.projection().0,
+            v: self.v.projection().0,
+            o: self.o.projection(),
+        };
+        let heads = (self.spec.heads, self.spec.kv_heads);
+        Ok(attention_block(how, x, &anchor, weights, heads, rope, self.attend(own, own, false))?)
     }
 
     fn all_gather(&self, q: &Tensor, k: &Tensor, v: &Tensor, p: &CpPositions) -> Result<Tensor> {

@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
+use crate::kernels::block::Projection;
 use crate::kernels::linear::{Matmul, linear_bias_gelu_into, linear_bias_into, linear_into};
 use crate::kernels::pointwise::{bias_add, gelu};
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
@@ -144,6 +145,24 @@ impl ColumnParallel {
         Ok(linear_bias_gelu_into(how, &x, w, &b, sink)?)
     }
 
+    /// Ranks of the tensor-parallel group.
+    pub(crate) fn tp_size(&self) -> usize {
+        self.ctx.tp.size()
+    }
+
+    /// The weight and bias as a fused node takes them, with their sinks (a detached bias
+    /// without one: it is applied, never trained), and how the layer multiplies.
+    pub(crate) fn projection(&self) -> (Projection, Matmul) {
+        let bias = self.bias.as_ref().map(|b| {
+            let sink = (!self.bias_detached).then(|| b.sink.clone());
+            (b.tensor().clone(), sink)
+        });
+        (
+            Projection { weight: (self.weight.tensor().clone(), self.weight.sink.clone()), bias },
+            self.matmul,
+        )
+    }
+
     /// The local matmul on an already replicated (or gathered) input.
     pub fn local(&self, x: &Tensor) -> Result<Tensor> {
         let (w, how, sink) = (self.weight.tensor(), self.matmul, &self.weight.sink);
@@ -213,6 +232,14 @@ impl RowParallel {
             Some(b) => bias_add(&y, b.tensor())?,
             None => y,
         })
+    }
+}
+
+impl RowParallel {
+    /// The weight and bias as a fused node takes them, with their sinks.
+    pub(crate) fn projection(&self) -> Projection {
+        let bias = self.bias.as_ref().map(|b| (b.tensor().clone(), Some(b.sink.clone())));
+        Projection { weight: (self.weight.tensor().clone(), self.weight.sink.clone()), bias }
     }
 }
 

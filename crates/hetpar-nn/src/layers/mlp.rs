@@ -5,6 +5,7 @@
 use candle_core::Tensor;
 
 use crate::error::Result;
+use crate::kernels::block::{gelu_mlp, swiglu_mlp};
 use crate::kernels::pointwise::swiglu;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::params::{HasParams, Param};
@@ -34,8 +35,15 @@ impl SwiGlu {
         })
     }
 
-    /// `[b, s, hidden]` to `[b, s, hidden]` (sequence-sharded in and out under SP).
+    /// `[b, s, hidden]` to `[b, s, hidden]` (sequence-sharded in and out under SP); on one
+    /// rank as one node ([`swiglu_mlp`], the same bits).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.gate.tp_size() == 1 {
+            let (gate, how) = self.gate.projection();
+            let anchor = gate.weight.0.clone();
+            let parts = [gate, self.up.projection().0, self.down.projection()];
+            return Ok(swiglu_mlp(how, x, &anchor, parts)?);
+        }
         // One gather (or gradient reduction) over `tp` for both projections.
         let x = self.gate.input(x)?;
         let h = swiglu(&self.gate.local(&x)?, &self.up.local(&x)?)?;
@@ -80,8 +88,14 @@ impl GeluMlp {
         })
     }
 
-    /// `[b, s, input]` to `[b, s, output]`.
+    /// `[b, s, input]` to `[b, s, output]`; on one rank as one node ([`gelu_mlp`], the same
+    /// bits).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.fc1.tp_size() == 1 {
+            let (fc1, how) = self.fc1.projection();
+            let anchor = fc1.weight.0.clone();
+            return Ok(gelu_mlp(how, x, &anchor, fc1, self.fc2.projection())?);
+        }
         self.fc2.forward(&self.fc1.forward_gelu(x)?)
     }
 }

@@ -1,0 +1,430 @@
+//! A self-attention block on one rank (no tensor or context parallelism) as one autograd
+//! node: the q, k and v projections, the rotary embedding of q and k where the model has
+//! one, the attention core and the output projection; and an MLP (GELU or SwiGLU) on one
+//! rank, likewise.
+//!
+//! Composed, the block is seven nodes between its input and output (three projections,
+//! three head reshapes, the attention core, a reshape and the output projection), and
+//! candle's backward zero-fills the gradient of every input of every node and adds into
+//! it: about eight fills and ten full passes over `[tokens, hidden]`-sized tensors per block
+//! and step that no arithmetic needs (the input's gradient alone is a fill and three adds,
+//! one per projection). Here the forward keeps q, k, v, the attention's output and its
+//! log-sum-exps, and the backward runs the same kernels in the same order as the composed
+//! nodes' backwards: the output projection's ([`backward`]), the attention core's, then
+//! each projection's, summing the input's three gradients in the order candle's backward
+//! visits them; the weights' and trained biases' gradients go to their sinks. The results
+//! are the composed block's bits (zeros aside: candle's store turns `-0` into `0`).
+//!
+//! The weights are not inputs of the node (a custom op takes at most three); an anchor, a
+//! variable the caller passes, makes candle run the backward whenever the block trains, and
+//! gets no gradient from it.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{CpuStorage, CustomOp2, Device, Error, Layout, Shape, Tensor};
+
+use super::attention::{Dims, FlashAttention};
+use super::linear::{Matmul, backward, product};
+use super::pointwise::{BiasAddOp, GeluOp, NormalCdf, RopeOp, RopeTables, SwiGluOp};
+use super::sink::GradSink;
+use super::{Anchored, CResult, Real, by_real, simd, slice, with_data};
+
+/// One projection: its weight `[out, in]` with the sink its gradient goes to, and its bias
+/// `[out]` with its sink (`None`: applied but never trained, as the key bias).
+#[derive(Clone, Debug)]
+pub struct Projection {
+    /// The weight and its sink.
+    pub weight: (Tensor, GradSink),
+    /// The bias and, when it trains, its sink.
+    pub bias: Option<(Tensor, Option<GradSink>)>,
+}
+
+/// The four projections of a block.
+#[derive(Clone, Debug)]
+pub struct BlockWeights {
+    /// Queries: `[heads * d, hidden]`.
+    pub q: Projection,
+    /// Keys: `[kv_heads * d, hidden]`.
+    pub k: Projection,
+    /// Values: `[kv_heads * d, hidden]`.
+    pub v: Projection,
+    /// Output: `[hidden, heads * d]`.
+    pub o: Projection,
+}
+
+/// What the forward keeps for the backward.
+#[derive(Debug)]
+struct Saved {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    att: Tensor,
+    lse: Vec<f64>,
+}
+
+#[derive(Debug)]
+struct AttentionBlockOp {
+    how: Matmul,
+    weights: BlockWeights,
+    /// Query and key/value heads.
+    heads: (usize, usize),
+    /// The rotary tables of the sequence's positions, if q and k are rotated.
+    rope: Option<Arc<RopeTables>>,
+    attention: FlashAttention,
+    saved: Mutex<Option<Saved>>,
+}
+
+/// `(rows, in, out)` of `p` on `rows` rows.
+fn proj_dims(p: &Projection, rows: usize) -> CResult<(usize, usize, usize)> {
+    let (out, inner) = p.weight.0.dims2()?;
+    Ok((rows, inner, out))
+}
+
+/// `input @ w^T + b` on `rows` rows, as [`super::linear::LinearBiasOp`] computes it.
+fn project<T: Real>(how: Matmul, p: &Projection, input: &[T], rows: usize) -> CResult<Vec<T>> {
+    let op = "fused block";
+    let dims = proj_dims(p, rows)?;
+    let mut y = with_data::<T, _>(&p.weight.0, op, |w| product(how, input, w, dims))?;
+    if let Some((b, _)) = &p.bias {
+        with_data::<T, _>(b, op, |b| {
+            simd::fast!(BiasAddOp::add_rows(&mut y, b));
+            Ok(())
+        })?;
+    }
+    Ok(y)
+}
+
+/// The input's gradient through `p` (returned) and the weight's and bias's (to their
+/// sinks), as [`super::linear::LinearBiasOp`]'s backward computes them.
+fn project_back<T: Real>(
+    how: Matmul,
+    p: &Projection,
+    input: &[T],
+    dy: &[T],
+    rows: usize,
+) -> CResult<Vec<T>> {
+    let dims = proj_dims(p, rows)?;
+    let (dx, dw) = with_data::<T, _>(&p.weight.0, "fused block backward", |w| {
+        backward(how, input, w, dy, dims)
+    })?;
+    p.weight.1.add(dw)?;
+    if let Some((_, Some(sink))) = &p.bias {
+        sink.add(simd::fast!(BiasAddOp::bias_grad(dy, dims.2)))?;
+    }
+    Ok(dx)
+}
+
+impl AttentionBlockOp {
+    fn saved(&self) -> CResult<MutexGuard<'_, Option<Saved>>> {
+        self.saved
+            .lock()
+            .map_err(|_| Error::Msg("attention block: a panic poisoned the saved state".into()))
+    }
+
+    /// The attention core's dims on `[b, s, hidden]` input.
+    fn dims(&self, b: usize, s: usize) -> CResult<Dims> {
+        let (hq, hkv) = self.heads;
+        let d = self.weights.q.weight.0.dims2()?.0 / hq;
+        let kv = Shape::from((b, s, hkv, d));
+        self.attention.dims(&Shape::from((b, s, hq, d)), &kv, &kv)
+    }
+
+    fn forward<T: Real>(&self, x: &[T], (b, s): (usize, usize)) -> CResult<Vec<T>> {
+        let rows = b * s;
+        let w = &self.weights;
+        let (mut q, mut k, v) = (
+            project(self.how, &w.q, x, rows)?,
+            project(self.how, &w.k, x, rows)?,
+            project(self.how, &w.v, x, rows)?,
+        );
+        if let Some(tables) = &self.rope {
+            let (hq, hkv) = self.heads;
+            let rot = RopeOp { tables: tables.clone(), inverse: false };
+            q = simd::fast!({ rot.rotate(&q, s, hq) });
+            k = simd::fast!({ rot.rotate(&k, s, hkv) });
+        }
+        let dm = self.dims(b, s)?;
+        let (att, lse) = simd::fast!(self.attention.forward(&q, &k, &v, dm));
+        let o = project(self.how, &w.o, &att, rows)?;
+        let keep = |t: Vec<T>| {
+            let n = t.len();
+            Tensor::from_vec(t, n, &Device::Cpu)
+        };
+        *self.saved()? =
+            Some(Saved { q: keep(q)?, k: keep(k)?, v: keep(v)?, att: keep(att)?, lse });
+        Ok(o)
+    }
+
+    fn backward<T: Real>(&self, x: &[T], dy: &[T], (b, s): (usize, usize)) -> CResult<Vec<T>> {
+        let op = "attention block backward";
+        let rows = b * s;
+        let saved = self.saved()?;
+        let sv = saved
+            .as_ref()
+            .ok_or_else(|| Error::Msg("attention block: backward without its forward".into()))?;
+        let w = &self.weights;
+        let dm = self.dims(b, s)?;
+        with_data::<T, _>(&sv.q, op, |q| {
+            with_data::<T, _>(&sv.k, op, |k| {
+                with_data::<T, _>(&sv.v, op, |v| {
+                    with_data::<T, _>(&sv.att, op, |att| {
+                        let datt = project_back(self.how, &w.o, att, dy, rows)?;
+                        let (mut dq, mut dk, dv) =
+                            simd::fast!(self.attention.backward(q, k, v, att, &datt, &sv.lse, dm));
+                        if let Some(tables) = &self.rope {
+                            let (hq, hkv) = self.heads;
+                            let back = RopeOp { tables: tables.clone(), inverse: true };
+                            dq = simd::fast!({ back.rotate(&dq, s, hq) });
+                            dk = simd::fast!({ back.rotate(&dk, s, hkv) });
+                        }
+                        // Candle's backward reaches v's projection first, then k's, then q's.
+                        let mut dx = project_back(self.how, &w.v, x, &dv, rows)?;
+                        let dxk = project_back(self.how, &w.k, x, &dk, rows)?;
+                        let dxq = project_back(self.how, &w.q, x, &dq, rows)?;
+                        for ((d, &a), &c) in dx.iter_mut().zip(&dxk).zip(&dxq) {
+                            *d = (*d + a) + c;
+                        }
+                        Ok(dx)
+                    })
+                })
+            })
+        })
+    }
+}
+
+impl Anchored for AttentionBlockOp {
+    const NAME: &'static str = "attention block";
+
+    fn input_grad<T: NormalCdf>(&self, x: &[T], shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
+        let (b, s, _) = shape.dims3()?;
+        self.backward(x, dy, (b, s))
+    }
+}
+
+impl CustomOp2 for AttentionBlockOp {
+    fn name(&self) -> &'static str {
+        "attention-block"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (b, s, hidden) = l1.shape().dims3()?;
+        let (out, inner) = self.weights.o.weight.0.dims2()?;
+        if self.weights.q.weight.0.dims2()?.1 != hidden || out != hidden {
+            return Err(Error::Msg(format!(
+                "attention block: input {:?} and output projection [{out}, {inner}] do not fit",
+                l1.shape()
+            )));
+        }
+        by_real!(s1, "attention block", |T| {
+            let x = slice::<T>(s1, l1, "attention block")?;
+            let y = self.forward(x, (b, s))?;
+            Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _anchor: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        self.anchored_bwd(x, grad)
+    }
+}
+
+/// The block over `x` `[b, s, hidden]` (one rank's whole sequences) as one node: `heads`
+/// query and `kv_heads` key/value heads, q and k rotated by `rope`'s tables (one row per
+/// position of the sequence) where given, the core as `attention` runs it; `anchor` (a
+/// variable of the block, say the query weight) makes candle run the backward. The
+/// weights' gradients go to their sinks, so they must be the parameters' `Var`s.
+pub fn attention_block(
+    how: Matmul,
+    x: &Tensor,
+    anchor: &Tensor,
+    weights: BlockWeights,
+    (heads, kv_heads): (usize, usize),
+    rope: Option<Arc<RopeTables>>,
+    attention: FlashAttention,
+) -> CResult<Tensor> {
+    let op = AttentionBlockOp {
+        how,
+        weights,
+        heads: (heads, kv_heads),
+        rope,
+        attention,
+        saved: Mutex::new(None),
+    };
+    x.contiguous()?.apply_op2(anchor, op)
+}
+
+/// An MLP on one rank as one node: the GELU MLP's first layer and GELU (composed, one node,
+/// [`super::linear::linear_bias_gelu_into`]) then its second layer, or SwiGLU's gate and up
+/// projections, their product and the down projection. Composed, every activation between
+/// the layers (the MLP's widest tensors) is an edge whose gradient candle zero-fills and
+/// adds into on every backward, and the input's gradient is a fill and two adds in SwiGLU;
+/// here the forward keeps the activations the backward needs and the backward runs the
+/// layers' backwards in turn, with the composed MLP's bits (the two input gradients of
+/// SwiGLU sum in either order to the same bits).
+#[derive(Debug)]
+enum Mlp {
+    Gelu { fc1: Projection, fc2: Projection },
+    SwiGlu { gate: Projection, up: Projection, down: Projection },
+}
+
+#[derive(Debug)]
+struct MlpOp {
+    how: Matmul,
+    mlp: Mlp,
+    /// The activations the backward reads, from the forward: the GELU's input and output,
+    /// or SwiGLU's gate, up and product.
+    saved: Mutex<Vec<Tensor>>,
+}
+
+impl MlpOp {
+    fn saved(&self) -> CResult<MutexGuard<'_, Vec<Tensor>>> {
+        self.saved.lock().map_err(|_| Error::Msg("MLP: a panic poisoned the saved state".into()))
+    }
+
+    /// `(in, out)` widths.
+    fn widths(&self) -> CResult<(usize, usize)> {
+        let (first, last) = match &self.mlp {
+            Mlp::Gelu { fc1, fc2 } => (fc1, fc2),
+            Mlp::SwiGlu { gate, down, .. } => (gate, down),
+        };
+        Ok((first.weight.0.dims2()?.1, last.weight.0.dims2()?.0))
+    }
+
+    fn forward<T: NormalCdf>(&self, x: &[T], rows: usize) -> CResult<Vec<T>> {
+        let keep = |t: Vec<T>| {
+            let n = t.len();
+            Tensor::from_vec(t, n, &Device::Cpu)
+        };
+        let how = self.how;
+        let (y, saved) = match &self.mlp {
+            Mlp::Gelu { fc1, fc2 } => {
+                let pre = project(how, fc1, x, rows)?;
+                let h = simd::fast!({ GeluOp::forward(&pre) });
+                let y = project(how, fc2, &h, rows)?;
+                (y, vec![keep(pre)?, keep(h)?])
+            }
+            Mlp::SwiGlu { gate, up, down } => {
+                let (g, u) = (project(how, gate, x, rows)?, project(how, up, x, rows)?);
+                let h = simd::fast!({ SwiGluOp::forward(&g, &u) });
+                let y = project(how, down, &h, rows)?;
+                (y, vec![keep(g)?, keep(u)?, keep(h)?])
+            }
+        };
+        *self.saved()? = saved;
+        Ok(y)
+    }
+
+    fn backward<T: NormalCdf>(&self, x: &[T], dy: &[T], rows: usize) -> CResult<Vec<T>> {
+        let op = "MLP backward";
+        let how = self.how;
+        let saved = self.saved()?;
+        match (&self.mlp, saved.as_slice()) {
+            (Mlp::Gelu { fc1, fc2 }, [pre, h]) => with_data::<T, _>(pre, op, |pre| {
+                with_data::<T, _>(h, op, |h| {
+                    let dh = project_back(how, fc2, h, dy, rows)?;
+                    let dpre = simd::fast!({ GeluOp::backward(pre, h, &dh) });
+                    project_back(how, fc1, x, &dpre, rows)
+                })
+            }),
+            (Mlp::SwiGlu { gate, up, down }, [g, u, h]) => with_data::<T, _>(g, op, |g| {
+                with_data::<T, _>(u, op, |u| {
+                    with_data::<T, _>(h, op, |h| {
+                        let dh = project_back(how, down, h, dy, rows)?;
+                        let (dg, du) = simd::fast!({ SwiGluOp::backward(g, u, &dh) });
+                        let mut dx = project_back(how, gate, x, &dg, rows)?;
+                        let dxu = project_back(how, up, x, &du, rows)?;
+                        for (d, &a) in dx.iter_mut().zip(&dxu) {
+                            *d += a;
+                        }
+                        Ok(dx)
+                    })
+                })
+            }),
+            _ => Err(Error::Msg("MLP: backward without its forward".into())),
+        }
+    }
+}
+
+impl Anchored for MlpOp {
+    const NAME: &'static str = "MLP";
+
+    fn input_grad<T: NormalCdf>(&self, x: &[T], _shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
+        self.backward(x, dy, x.len() / self.widths()?.0.max(1))
+    }
+}
+
+impl CustomOp2 for MlpOp {
+    fn name(&self) -> &'static str {
+        "mlp"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (inner, out) = self.widths()?;
+        let Some((&width, lead)) = l1.shape().dims().split_last() else {
+            return Err(Error::Msg(format!("MLP: input {:?} has no feature dim", l1.shape())));
+        };
+        if width != inner {
+            return Err(Error::Msg(format!("MLP: input {:?}, first layer of {inner}", l1.shape())));
+        }
+        let rows = lead.iter().product();
+        let mut shape = l1.shape().dims().to_vec();
+        *shape.last_mut().expect("checked above") = out;
+        by_real!(s1, "MLP", |T| {
+            let x = slice::<T>(s1, l1, "MLP")?;
+            let y = self.forward(x, rows)?;
+            Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), Shape::from(shape)))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        _anchor: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        self.anchored_bwd(x, grad)
+    }
+}
+
+/// `fc2(gelu(fc1(x)))` on one rank as one node, `x` `[.., in]`; `anchor` (a variable of
+/// the MLP) makes candle run the backward. The weights' and biases' gradients go to their
+/// sinks, so they must be the parameters' `Var`s.
+pub fn gelu_mlp(
+    how: Matmul,
+    x: &Tensor,
+    anchor: &Tensor,
+    fc1: Projection,
+    fc2: Projection,
+) -> CResult<Tensor> {
+    let op = MlpOp { how, mlp: Mlp::Gelu { fc1, fc2 }, saved: Mutex::new(Vec::new()) };
+    x.contiguous()?.apply_op2(anchor, op)
+}
+
+/// `down(silu(gate(x)) * up(x))` on one rank as one node, as [`gelu_mlp`].
+pub fn swiglu_mlp(
+    how: Matmul,
+    x: &Tensor,
+    anchor: &Tensor,
+    [gate, up, down]: [Projection; 3],
+) -> CResult<Tensor> {
+    let op = MlpOp { how, mlp: Mlp::SwiGlu { gate, up, down }, saved: Mutex::new(Vec::new()) };
+    x.contiguous()?.apply_op2(anchor, op)
+}
