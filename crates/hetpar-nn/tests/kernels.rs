@@ -708,6 +708,33 @@ fn the_gelu_mlp_as_one_node_gives_the_composed_mlps_bits() {
 }
 
 #[test]
+fn a_fused_block_with_weights_or_tables_that_do_not_fit_is_an_error() {
+    let dtype = DType::F32;
+    let x = var("x", &[1, 6, 16], dtype);
+    let p = |n: &str, out: usize, inner: usize| Projection {
+        weight: (var(n, &[out, inner], dtype).as_tensor().clone(), GradSink::new()),
+        bias: None,
+    };
+    let pos: Arc<Vec<usize>> = Arc::new((0..6).collect());
+    let attention = || FlashAttention::new(pos.clone(), pos.clone(), true, 0.5, false);
+    let a = hetpar_nn::kernels::block::anchor(dtype).unwrap();
+    // A key projection one row short of two heads of 4.
+    let weights =
+        BlockWeights { q: p("q", 16, 16), k: p("k", 7, 16), v: p("v", 8, 16), o: p("o", 16, 16) };
+    let e = attention_block(Matmul::Native, &x, &a, weights, (4, 2), None, attention());
+    assert!(e.unwrap_err().to_string().contains("do not fit"));
+    // Rotary tables for 5 positions on a sequence of 6.
+    let tables = hetpar_nn::layers::rope::Rope::new(4, 10_000.0).tables(&[0, 1, 2, 3, 4]);
+    let weights =
+        BlockWeights { q: p("q", 16, 16), k: p("k", 8, 16), v: p("v", 8, 16), o: p("o", 16, 16) };
+    let e = attention_block(Matmul::Native, &x, &a, weights, (4, 2), Some(tables), attention());
+    assert!(e.unwrap_err().to_string().contains("rotary tables"));
+    // An MLP whose layers do not chain.
+    let e = swiglu_mlp(Matmul::Native, &x, &a, [p("g", 24, 16), p("u", 24, 16), p("d", 16, 20)]);
+    assert!(e.unwrap_err().to_string().contains("do not chain"));
+}
+
+#[test]
 fn the_swiglu_mlp_as_one_node_gives_the_composed_mlps_bits() {
     let same = |a: &Tensor, b: &Tensor| flat(a).unwrap() == flat(b).unwrap();
     for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]

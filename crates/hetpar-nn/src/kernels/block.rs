@@ -16,8 +16,10 @@
 //! are the composed block's bits (zeros aside: candle's store turns `-0` into `0`).
 //!
 //! The weights are not inputs of the node (a custom op takes at most three); an anchor, a
-//! variable the caller passes, makes candle run the backward whenever the block trains, and
-//! gets no gradient from it.
+//! variable the caller passes ([`anchor`]), makes candle run the backward whenever the
+//! block trains, and gets no gradient from it. It is an empty variable of its own, not one
+//! of the weights: candle holds its inputs' storage locks while the op runs, and the op
+//! reads the weights' storage.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -121,17 +123,51 @@ impl AttentionBlockOp {
             .map_err(|_| Error::Msg("attention block: a panic poisoned the saved state".into()))
     }
 
-    /// The attention core's dims on `[b, s, hidden]` input.
-    fn dims(&self, b: usize, s: usize) -> CResult<Dims> {
+    /// The attention core's dims on `[b, s, hidden]` input, after checking that every
+    /// projection, bias and rotary table fits it (errors, where a wrong width would reach
+    /// gemm's bound checks, or the rotation's slices, as panics).
+    fn dims(&self, b: usize, s: usize, hidden: usize) -> CResult<Dims> {
         let (hq, hkv) = self.heads;
-        let d = self.weights.q.weight.0.dims2()?.0 / hq;
+        let w = &self.weights;
+        let q_out = w.q.weight.0.dims2()?.0;
+        let d = q_out.checked_div(hq).unwrap_or(0);
+        let fits = |p: &Projection, out: usize, inner: usize| -> CResult<bool> {
+            let bias_fits = p.bias.as_ref().is_none_or(|(b, _)| b.dims() == [out]);
+            Ok(p.weight.0.dims2()? == (out, inner) && bias_fits)
+        };
+        if d == 0
+            || !fits(&w.q, hq * d, hidden)?
+            || !fits(&w.k, hkv * d, hidden)?
+            || !fits(&w.v, hkv * d, hidden)?
+            || !fits(&w.o, hidden, hq * d)?
+        {
+            return Err(Error::Msg(format!(
+                "attention block: weights q {:?}, k {:?}, v {:?}, o {:?} (and biases) do not fit \
+                 {hq} query and {hkv} key/value heads on input width {hidden}",
+                w.q.weight.0.shape(),
+                w.k.weight.0.shape(),
+                w.v.weight.0.shape(),
+                w.o.weight.0.shape()
+            )));
+        }
+        if let Some(t) = &self.rope
+            && (d != 2 * t.half || t.cos.len() != s * t.half || t.sin.len() != s * t.half)
+        {
+            return Err(Error::Msg(format!(
+                "attention block: rotary tables of {} positions x {} for {s} positions of \
+                 head dim {d}",
+                t.cos.len() / t.half.max(1),
+                t.half
+            )));
+        }
         let kv = Shape::from((b, s, hkv, d));
         self.attention.dims(&Shape::from((b, s, hq, d)), &kv, &kv)
     }
 
-    fn forward<T: Real>(&self, x: &[T], (b, s): (usize, usize)) -> CResult<Vec<T>> {
+    fn forward<T: Real>(&self, x: &[T], (b, s, hidden): (usize, usize, usize)) -> CResult<Vec<T>> {
         let rows = b * s;
         let w = &self.weights;
+        let dm = self.dims(b, s, hidden)?;
         let (mut q, mut k, v) = (
             project(self.how, &w.q, x, rows)?,
             project(self.how, &w.k, x, rows)?,
@@ -143,7 +179,6 @@ impl AttentionBlockOp {
             q = simd::fast!({ rot.rotate(&q, s, hq) });
             k = simd::fast!({ rot.rotate(&k, s, hkv) });
         }
-        let dm = self.dims(b, s)?;
         let (att, lse) = simd::fast!(self.attention.forward(&q, &k, &v, dm));
         let o = project(self.how, &w.o, &att, rows)?;
         let keep = |t: Vec<T>| {
@@ -155,7 +190,12 @@ impl AttentionBlockOp {
         Ok(o)
     }
 
-    fn backward<T: Real>(&self, x: &[T], dy: &[T], (b, s): (usize, usize)) -> CResult<Vec<T>> {
+    fn backward<T: Real>(
+        &self,
+        x: &[T],
+        dy: &[T],
+        (b, s, hidden): (usize, usize, usize),
+    ) -> CResult<Vec<T>> {
         let op = "attention block backward";
         let rows = b * s;
         let saved = self.saved()?;
@@ -163,7 +203,7 @@ impl AttentionBlockOp {
             .as_ref()
             .ok_or_else(|| Error::Msg("attention block: backward without its forward".into()))?;
         let w = &self.weights;
-        let dm = self.dims(b, s)?;
+        let dm = self.dims(b, s, hidden)?;
         with_data::<T, _>(&sv.q, op, |q| {
             with_data::<T, _>(&sv.k, op, |k| {
                 with_data::<T, _>(&sv.v, op, |v| {
@@ -196,8 +236,7 @@ impl Anchored for AttentionBlockOp {
     const NAME: &'static str = "attention block";
 
     fn input_grad<T: NormalCdf>(&self, x: &[T], shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
-        let (b, s, _) = shape.dims3()?;
-        self.backward(x, dy, (b, s))
+        self.backward(x, dy, shape.dims3()?)
     }
 }
 
@@ -213,17 +252,10 @@ impl CustomOp2 for AttentionBlockOp {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let (b, s, hidden) = l1.shape().dims3()?;
-        let (out, inner) = self.weights.o.weight.0.dims2()?;
-        if self.weights.q.weight.0.dims2()?.1 != hidden || out != hidden {
-            return Err(Error::Msg(format!(
-                "attention block: input {:?} and output projection [{out}, {inner}] do not fit",
-                l1.shape()
-            )));
-        }
+        let dims = l1.shape().dims3()?;
         by_real!(s1, "attention block", |T| {
             let x = slice::<T>(s1, l1, "attention block")?;
-            let y = self.forward(x, (b, s))?;
+            let y = self.forward(x, dims)?;
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), l1.shape().clone()))
         })
     }
@@ -292,13 +324,29 @@ impl MlpOp {
         self.saved.lock().map_err(|_| Error::Msg("MLP: a panic poisoned the saved state".into()))
     }
 
-    /// `(in, out)` widths.
+    /// `(in, out)` widths, after checking that the layers (and biases) chain.
     fn widths(&self) -> CResult<(usize, usize)> {
-        let (first, last) = match &self.mlp {
-            Mlp::Gelu { fc1, fc2 } => (fc1, fc2),
-            Mlp::SwiGlu { gate, down, .. } => (gate, down),
+        let shape = |p: &Projection| -> CResult<(usize, usize)> {
+            let (out, inner) = p.weight.0.dims2()?;
+            match &p.bias {
+                Some((b, _)) if b.dims() != [out] => Err(Error::Msg(format!(
+                    "MLP: bias {:?} for weight {:?}",
+                    b.shape(),
+                    p.weight.0.shape()
+                ))),
+                _ => Ok((out, inner)),
+            }
         };
-        Ok((first.weight.0.dims2()?.1, last.weight.0.dims2()?.0))
+        let (first, up, last) = match &self.mlp {
+            Mlp::Gelu { fc1, fc2 } => (shape(fc1)?, None, shape(fc2)?),
+            Mlp::SwiGlu { gate, up, down } => (shape(gate)?, Some(shape(up)?), shape(down)?),
+        };
+        if up.is_some_and(|u| u != first) || last.1 != first.0 {
+            return Err(Error::Msg(format!(
+                "MLP: layers of {first:?}, {up:?} and {last:?} (out, in) do not chain"
+            )));
+        }
+        Ok((first.1, last.0))
     }
 
     fn forward<T: NormalCdf>(&self, x: &[T], rows: usize) -> CResult<Vec<T>> {
@@ -427,4 +475,9 @@ pub fn swiglu_mlp(
 ) -> CResult<Tensor> {
     let op = MlpOp { how, mlp: Mlp::SwiGlu { gate, up, down }, saved: Mutex::new(Vec::new()) };
     x.contiguous()?.apply_op2(anchor, op)
+}
+
+/// An anchor for a fused node: an empty variable, which no op reads.
+pub fn anchor(dtype: candle_core::DType) -> CResult<Tensor> {
+    Ok(candle_core::Var::zeros(0, dtype, &Device::Cpu)?.as_tensor().clone())
 }

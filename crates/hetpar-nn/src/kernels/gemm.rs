@@ -127,8 +127,9 @@ pub fn matmul_wide<T: Real>(
 
 /// A new matrix of `len` elements, `lhs @ rhs` written through `dv`, which must name every
 /// element of it once (`dv.rows * dv.cols == len`): row-major, column-major or any other
-/// such layout. gemm writes each element once, without the zero fill a `vec![0; len]`
-/// destination costs (a memset of the whole output, a few percent of a layer's step).
+/// such layout. gemm writes each element before reading it, without the zero fill a
+/// `vec![0; len]` destination costs (a memset of the whole output, a few percent of a
+/// layer's step).
 /// Runs on as many threads as [`matmul_wide`].
 ///
 /// # Panics
@@ -146,7 +147,9 @@ pub fn matmul_new<T: Real>(
         "matmul destination {dv:?} does not cover {len} elements"
     );
     let k = lv.cols;
-    if len == 0 || k == 0 {
+    // A vector result goes through gemm's matrix-vector kernel, which views the destination
+    // as a slice before writing it: zero-filled first, at no cost worth counting.
+    if len == 0 || k == 0 || dv.rows <= 1 || dv.cols <= 1 {
         let mut dst = vec![T::zero(); len];
         matmul_wide(&mut dst, dv, lhs, lv, rhs, rv, false, T::ONE);
         return dst;
@@ -154,10 +157,12 @@ pub fn matmul_new<T: Real>(
     let mut dst: Vec<T> = Vec::with_capacity(len);
     check(len, dv, lhs.len(), lv, rhs.len(), rv);
     // SAFETY: as in `matmul_on`: the views lie inside their slices (the destination's
-    // inside the `len` elements allocated) and the destination's is injective. gemm does
-    // not read the destination (`read_dst` false) and writes each of the `rows * cols`
-    // elements it names: distinct and inside `len`, they are all `len` of them, so every
-    // element is initialized before `set_len`.
+    // inside the `len` elements allocated) and the destination's is injective. With
+    // `read_dst` false gemm's first pass over the inner dimension (its only one up to 512)
+    // writes each of the `rows * cols` elements it names before any later pass reads them,
+    // its threads joined in between; distinct and inside `len`, they are all `len` of
+    // them, so every element is initialized before `set_len`. Matrix results only: a
+    // vector takes the zero-filled path above.
     unsafe {
         gemm_raw(dst.as_mut_ptr(), dv, lhs, lv, rhs, rv, false, T::ONE, super::threads());
         dst.set_len(len);
@@ -313,6 +318,11 @@ mod tests {
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
             );
         }
+        // A vector result (one column) takes the zero-filled path, with the same bits.
+        let mut want = vec![0.0f32; 9];
+        let (dv, bv1) = (View::rows(0, 9, 1, 1), View::rows(0, 1, 20, 20).t());
+        matmul_wide(&mut want, dv, &a, av, &b, bv1, false, 1.0);
+        assert_eq!(matmul_new(9, dv, &a, av, &b, bv1), want);
         // No inner dimension: zeros.
         let got = matmul_new(
             6,

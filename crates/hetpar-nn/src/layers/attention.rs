@@ -22,7 +22,7 @@ use hetpar_layout::ownership::SeqSplit;
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::kernels::attention::FlashAttention;
-use crate::kernels::block::{BlockWeights, attention_block};
+use crate::kernels::block::{BlockWeights, anchor, attention_block};
 use crate::layers::comm::gather_dim;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::layers::rope::Rope;
@@ -194,7 +194,7 @@ impl Attention {
     fn fused(&self, x: &Tensor, own: &[usize]) -> Result<Tensor> {
         let rope = self.rope.as_ref().map(|r| r.tables(own));
         let (q, how) = self.q.projection();
-        let anchor = q.weight.0.clone();
+        let anchor = anchor(x.dtype())?;
         let weights = BlockWeights {
             q,
             k: self.k.projection().0,

@@ -5,7 +5,7 @@
 use candle_core::Tensor;
 
 use crate::error::Result;
-use crate::kernels::block::{gelu_mlp, swiglu_mlp};
+use crate::kernels::block::{anchor, gelu_mlp, swiglu_mlp};
 use crate::kernels::pointwise::swiglu;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::params::{HasParams, Param};
@@ -40,7 +40,7 @@ impl SwiGlu {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if self.gate.tp_size() == 1 {
             let (gate, how) = self.gate.projection();
-            let anchor = gate.weight.0.clone();
+            let anchor = anchor(x.dtype())?;
             let parts = [gate, self.up.projection().0, self.down.projection()];
             return Ok(swiglu_mlp(how, x, &anchor, parts)?);
         }
@@ -93,7 +93,7 @@ impl GeluMlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if self.fc1.tp_size() == 1 {
             let (fc1, how) = self.fc1.projection();
-            let anchor = fc1.weight.0.clone();
+            let anchor = anchor(x.dtype())?;
             return Ok(gelu_mlp(how, x, &anchor, fc1, self.fc2.projection())?);
         }
         self.fc2.forward(&self.fc1.forward_gelu(x)?)
