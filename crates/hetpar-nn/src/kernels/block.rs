@@ -26,10 +26,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use candle_core::{CpuStorage, CustomOp2, Device, Error, Layout, Shape, Tensor};
 
 use super::attention::{Dims, FlashAttention};
-use super::linear::{Matmul, backward, product};
+use super::linear::{Matmul, backward, biased};
 use super::pointwise::{BiasAddOp, GeluOp, NormalCdf, RopeOp, RopeTables, SwiGluOp};
 use super::sink::GradSink;
-use super::{Anchored, CResult, Real, by_real, simd, slice, with_data};
+use super::{Anchored, CResult, Real, by_real, kept, saved_state, simd, slice, with_data};
 
 /// One projection: its weight `[out, in]` with the sink its gradient goes to, and its bias
 /// `[out]` with its sink (`None`: applied but never trained, as the key bias).
@@ -86,14 +86,10 @@ fn proj_dims(p: &Projection, rows: usize) -> CResult<(usize, usize, usize)> {
 fn project<T: Real>(how: Matmul, p: &Projection, input: &[T], rows: usize) -> CResult<Vec<T>> {
     let op = "fused block";
     let dims = proj_dims(p, rows)?;
-    let mut y = with_data::<T, _>(&p.weight.0, op, |w| product(how, input, w, dims))?;
-    if let Some((b, _)) = &p.bias {
-        with_data::<T, _>(b, op, |b| {
-            simd::fast!(BiasAddOp::add_rows(&mut y, b));
-            Ok(())
-        })?;
-    }
-    Ok(y)
+    with_data::<T, _>(&p.weight.0, op, |w| match &p.bias {
+        Some((b, _)) => with_data::<T, _>(b, op, |b| biased(how, input, w, Some(b), dims)),
+        None => biased(how, input, w, None, dims),
+    })
 }
 
 /// The input's gradient through `p` (returned) and the weight's and bias's (to their
@@ -118,9 +114,7 @@ fn project_back<T: Real>(
 
 impl AttentionBlockOp {
     fn saved(&self) -> CResult<MutexGuard<'_, Option<Saved>>> {
-        self.saved
-            .lock()
-            .map_err(|_| Error::Msg("attention block: a panic poisoned the saved state".into()))
+        saved_state(&self.saved, "attention block")
     }
 
     /// The attention core's dims on `[b, s, hidden]` input, after checking that every
@@ -181,12 +175,8 @@ impl AttentionBlockOp {
         }
         let (att, lse) = simd::fast!(self.attention.forward(&q, &k, &v, dm));
         let o = project(self.how, &w.o, &att, rows)?;
-        let keep = |t: Vec<T>| {
-            let n = t.len();
-            Tensor::from_vec(t, n, &Device::Cpu)
-        };
         *self.saved()? =
-            Some(Saved { q: keep(q)?, k: keep(k)?, v: keep(v)?, att: keep(att)?, lse });
+            Some(Saved { q: kept(q)?, k: kept(k)?, v: kept(v)?, att: kept(att)?, lse });
         Ok(o)
     }
 
@@ -273,9 +263,9 @@ impl CustomOp2 for AttentionBlockOp {
 
 /// The block over `x` `[b, s, hidden]` (one rank's whole sequences) as one node: `heads`
 /// query and `kv_heads` key/value heads, q and k rotated by `rope`'s tables (one row per
-/// position of the sequence) where given, the core as `attention` runs it; `anchor` (a
-/// variable of the block, say the query weight) makes candle run the backward. The
-/// weights' gradients go to their sinks, so they must be the parameters' `Var`s.
+/// position of the sequence) where given, the core as `attention` runs it; `anchor` (an
+/// empty variable, [`anchor`]) makes candle run the backward. The weights' gradients go
+/// to their sinks, so they must be the parameters' `Var`s.
 pub fn attention_block(
     how: Matmul,
     x: &Tensor,
@@ -321,7 +311,7 @@ struct MlpOp {
 
 impl MlpOp {
     fn saved(&self) -> CResult<MutexGuard<'_, Vec<Tensor>>> {
-        self.saved.lock().map_err(|_| Error::Msg("MLP: a panic poisoned the saved state".into()))
+        saved_state(&self.saved, "MLP")
     }
 
     /// `(in, out)` widths, after checking that the layers (and biases) chain.
@@ -350,23 +340,19 @@ impl MlpOp {
     }
 
     fn forward<T: NormalCdf>(&self, x: &[T], rows: usize) -> CResult<Vec<T>> {
-        let keep = |t: Vec<T>| {
-            let n = t.len();
-            Tensor::from_vec(t, n, &Device::Cpu)
-        };
         let how = self.how;
         let (y, saved) = match &self.mlp {
             Mlp::Gelu { fc1, fc2 } => {
                 let pre = project(how, fc1, x, rows)?;
                 let h = simd::fast!({ GeluOp::forward(&pre) });
                 let y = project(how, fc2, &h, rows)?;
-                (y, vec![keep(pre)?, keep(h)?])
+                (y, vec![kept(pre)?, kept(h)?])
             }
             Mlp::SwiGlu { gate, up, down } => {
                 let (g, u) = (project(how, gate, x, rows)?, project(how, up, x, rows)?);
                 let h = simd::fast!({ SwiGluOp::forward(&g, &u) });
                 let y = project(how, down, &h, rows)?;
-                (y, vec![keep(g)?, keep(u)?, keep(h)?])
+                (y, vec![kept(g)?, kept(u)?, kept(h)?])
             }
         };
         *self.saved()? = saved;
@@ -452,8 +438,8 @@ impl CustomOp2 for MlpOp {
     }
 }
 
-/// `fc2(gelu(fc1(x)))` on one rank as one node, `x` `[.., in]`; `anchor` (a variable of
-/// the MLP) makes candle run the backward. The weights' and biases' gradients go to their
+/// `fc2(gelu(fc1(x)))` on one rank as one node, `x` `[.., in]`; `anchor` (an empty
+/// variable, [`anchor`]) makes candle run the backward. The weights' and biases' gradients go to their
 /// sinks, so they must be the parameters' `Var`s.
 pub fn gelu_mlp(
     how: Matmul,

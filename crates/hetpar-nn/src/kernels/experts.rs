@@ -23,7 +23,7 @@ use candle_core::{CpuStorage, CustomOp2, Error, Layout, Shape, Tensor};
 use super::linear::{Matmul, backward, product};
 use super::pointwise::{NormalCdf, SwiGluOp};
 use super::sink::GradSink;
-use super::{Anchored, CResult, Real, by_real, simd, slice, with_data};
+use super::{Anchored, CResult, Real, by_real, saved_state, simd, slice, with_data};
 
 /// One expert's weights, each with the sink its gradient goes to: `w1`, `w3` `[ffn,
 /// hidden]`, `w2` `[hidden, ffn]`.
@@ -49,9 +49,7 @@ struct ExpertsOp {
 
 impl ExpertsOp {
     fn saved(&self) -> CResult<MutexGuard<'_, Vec<[Tensor; 3]>>> {
-        self.saved
-            .lock()
-            .map_err(|_| Error::Msg("experts: a panic poisoned the saved state".into()))
+        saved_state(&self.saved, "experts")
     }
 
     /// `(hidden, ffn)` of expert `e`.

@@ -23,7 +23,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Sh
 use super::gemm::{View, matmul_new};
 use super::pointwise::{BiasAddOp, GeluOp};
 use super::sink::GradSink;
-use super::{CResult, Real, by_real, by_real_dtype, simd, slice, with_data};
+use super::{CResult, Real, by_real, by_real_dtype, saved_state, simd, slice, with_data};
 
 /// How a linear layer multiplies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -231,9 +231,24 @@ fn bias_dims(x: &Shape, w: &Shape, b: &Shape) -> CResult<(usize, usize, usize)> 
     Ok(dims)
 }
 
-/// `x @ w^T + b` on the storages of `x`, `w` and `b`: the product, then the bias added to
-/// every row, element by element.
-fn biased<T: Real>(
+/// `x @ w^T + b` on row-major slices: the product, then the bias (if any) added to every
+/// row, element by element, as the unfused bias add computes it.
+pub(crate) fn biased<T: Real>(
+    how: Matmul,
+    x: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    dims: (usize, usize, usize),
+) -> CResult<Vec<T>> {
+    let mut y = product(how, x, w, dims)?;
+    if let Some(b) = b {
+        simd::fast!(BiasAddOp::add_rows(&mut y, b));
+    }
+    Ok(y)
+}
+
+/// [`biased`] on the storages of a linear-bias op's three inputs.
+fn biased_storage<T: Real>(
     how: Matmul,
     (s1, l1): (&CpuStorage, &Layout),
     (s2, l2): (&CpuStorage, &Layout),
@@ -241,10 +256,7 @@ fn biased<T: Real>(
     dims: (usize, usize, usize),
 ) -> CResult<Vec<T>> {
     let (x, w) = (slice::<T>(s1, l1, "linear")?, slice::<T>(s2, l2, "linear")?);
-    let b = slice::<T>(s3, l3, "linear")?;
-    let mut y = product(how, x, w, dims)?;
-    simd::fast!(BiasAddOp::add_rows(&mut y, b));
-    Ok(y)
+    biased(how, x, w, Some(slice::<T>(s3, l3, "linear")?), dims)
 }
 
 impl CustomOp3 for LinearBiasOp {
@@ -263,7 +275,7 @@ impl CustomOp3 for LinearBiasOp {
     ) -> CResult<(CpuStorage, Shape)> {
         let dims = bias_dims(l1.shape(), l2.shape(), l3.shape())?;
         by_real!(s1, "linear", |T| {
-            let y = biased::<T>(self.how, (s1, l1), (s2, l2), (s3, l3), dims)?;
+            let y = biased_storage::<T>(self.how, (s1, l1), (s2, l2), (s3, l3), dims)?;
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(y),
                 out_shape(l1.shape(), dims.2),
@@ -329,10 +341,10 @@ impl CustomOp3 for LinearBiasGeluOp {
         let dims = bias_dims(l1.shape(), l2.shape(), l3.shape())?;
         let shape = out_shape(l1.shape(), dims.2);
         by_real!(s1, "linear", |T| {
-            let pre = biased::<T>(self.linear.how, (s1, l1), (s2, l2), (s3, l3), dims)?;
+            let pre = biased_storage::<T>(self.linear.how, (s1, l1), (s2, l2), (s3, l3), dims)?;
             let y = simd::fast!({ GeluOp::forward(&pre) });
             let pre = Tensor::from_vec(pre, shape.clone(), &candle_core::Device::Cpu)?;
-            *self.pre.lock().map_err(|_| poisoned())? = Some(pre);
+            *saved_state(&self.pre, "linear-bias-gelu")? = Some(pre);
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), shape))
         })
     }
@@ -345,17 +357,13 @@ impl CustomOp3 for LinearBiasGeluOp {
         res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let pre = self.pre.lock().map_err(|_| poisoned())?.clone();
+        let pre = saved_state(&self.pre, "linear-bias-gelu")?.clone();
         let pre =
             pre.ok_or_else(|| Error::Msg("linear-bias-gelu: backward without its forward".into()))?;
         let dpre =
             GeluOp.bwd(&pre, res, grad)?.expect("the GELU's backward gives its input's gradient");
         self.linear.bwd(x, w, b, &pre, &dpre)
     }
-}
-
-fn poisoned() -> Error {
-    Error::Msg("linear-bias-gelu: a panic poisoned the saved pre-activation".into())
 }
 
 /// `x @ w^T` through the fused op (`x` `[.., in]`, `w` `[out, in]`).

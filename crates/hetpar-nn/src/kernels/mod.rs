@@ -380,6 +380,21 @@ macro_rules! by_real_dtype {
 }
 pub(crate) use by_real_dtype;
 
+/// The state a node's forward keeps for its backward, locked; `op` names the node in the
+/// error a panic's poisoning gives.
+pub(crate) fn saved_state<'a, S>(
+    state: &'a std::sync::Mutex<S>,
+    op: &str,
+) -> CResult<std::sync::MutexGuard<'a, S>> {
+    state.lock().map_err(|_| Error::Msg(format!("{op}: a panic poisoned the saved state")))
+}
+
+/// A buffer a node's forward keeps for its backward, as a flat tensor.
+pub(crate) fn kept<T: Real>(v: Vec<T>) -> CResult<Tensor> {
+    let n = v.len();
+    Tensor::from_vec(v, n, &candle_core::Device::Cpu)
+}
+
 /// A node whose one input is `x` and whose second argument only anchors it in the graph
 /// (the experts, the attention block, the MLP): its backward maps the output's gradient to
 /// `x`'s on slices.

@@ -196,6 +196,12 @@ pub struct RowParallel {
 }
 
 impl RowParallel {
+    /// The weight and bias as a fused node takes them, with their sinks.
+    pub(crate) fn projection(&self) -> Projection {
+        let bias = self.bias.as_ref().map(|b| (b.tensor().clone(), Some(b.sink.clone())));
+        Projection { weight: (self.weight.tensor().clone(), self.weight.sink.clone()), bias }
+    }
+
     /// `name.weight` `[out, in]`, each rank holding `in / tp` columns; `name.bias` whole.
     pub fn new(
         b: &Build,
@@ -232,14 +238,6 @@ impl RowParallel {
             Some(b) => bias_add(&y, b.tensor())?,
             None => y,
         })
-    }
-}
-
-impl RowParallel {
-    /// The weight and bias as a fused node takes them, with their sinks.
-    pub(crate) fn projection(&self) -> Projection {
-        let bias = self.bias.as_ref().map(|b| (b.tensor().clone(), Some(b.sink.clone())));
-        Projection { weight: (self.weight.tensor().clone(), self.weight.sink.clone()), bias }
     }
 }
 
