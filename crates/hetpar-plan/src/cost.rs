@@ -10,9 +10,11 @@
 //!   rate over `cp_attention * (1 + cp_step * (cp - 2))`. The two factors are a fit, not a
 //!   derivation: they carry what the published long-context rows (the only
 //!   context-parallel measurements of that stack we have) lose against everything else the
-//!   model derives, attributed to ring attention (each pass as `cp` partial kernels on half
-//!   chunks merged by online-softmax corrections); the key/value exchange is the separate
-//!   term below;
+//!   model derives. They are not ring attention's own cost: measured on a Hopper GPU
+//!   (`scripts/gpu-attention/ring.py`, BENCHMARKS.md), one rank's partial kernels and
+//!   online-softmax merges run at 0.81-0.94 of one whole kernel's rate, where the factors
+//!   divide it by 5 (cp 2) to 10.7 (cp 8). What they stand for is not known; the key/value
+//!   exchange is the separate term below;
 //! - element-wise work: `t * elementwise_bytes * hidden` bytes of HBM traffic, split over
 //!   `tp` by sequence parallelism (without it, Korthikanti's `h`-wide part stays whole);
 //! - tensor parallelism: two all-gathers and two reduce-scatters (or two all-reduces) of

@@ -54,11 +54,14 @@ pub struct Efficiency {
     /// `gemm * w / (w + gemm_half_width)`.
     pub gemm_half_width: f64,
     /// Fraction of peak the attention core (flash attention) reaches in the forward pass;
-    /// its backward takes 2.5 times the forward time.
+    /// its backward takes 2.5 times the forward time. Fitted: above what cuDNN's fused
+    /// attention measures on a Hopper GPU (0.49-0.66 of peak forward, backward 2.7-3.0x).
     pub attention: f64,
     /// Slowdown of the attention core under context parallelism at `cp = 2`, fitted to the
-    /// published long-context rows (ring attention's partial kernels on half chunks and
-    /// online-softmax merges; the key/value exchange is costed apart, `cp_overlap`).
+    /// published long-context rows: what they lose against the rest of the model, charged
+    /// to CP attention. Not ring attention's kernels and merges, which a Hopper GPU runs at
+    /// 0.81-0.94 of one kernel's rate (`scripts/gpu-attention/ring.py`); the key/value
+    /// exchange is costed apart (`cp_overlap`).
     pub cp_attention: f64,
     /// Further slowdown per ring step beyond two: the attention runs at
     /// `attention / (cp_attention * (1 + cp_step * (cp - 2)))` of peak.
