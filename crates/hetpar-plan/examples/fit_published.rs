@@ -7,8 +7,9 @@
 //! The loss is the acceptance bounds as hinges (10% per row, 5 points per gain, 10% on the
 //! LLM-only median, each with a margin), the 8K rows weighted ten times, plus a little of
 //! the mean errors; Nelder-Mead then a pattern search, from the built-in factors and from
-//! spread-out points. `--set name=value` overrides a factor (the fit's start), `--show`
-//! prints the rows for the factors as they are.
+//! spread-out points. `--set name=value` overrides a factor (the fit's start), `--fix name`
+//! holds one at that value (a measured rate, say), `--show` prints the rows for the
+//! factors as they are.
 
 #![allow(clippy::print_stdout)]
 
@@ -257,7 +258,24 @@ fn main() {
         println!("{}", summary(&hw));
         return;
     }
-    let bounds: Vec<(f64, f64)> = FACTORS.iter().map(|f| (f.1, f.2)).collect();
+    // A fixed factor's bounds close on its value, so the fit cannot move it.
+    let fixed: Vec<&str> =
+        args.windows(2).filter(|w| w[0] == "--fix").map(|w| w[1].as_str()).collect();
+    for name in &fixed {
+        assert!(FACTORS.iter().any(|f| f.0 == *name), "--fix {name}: not a factor name");
+    }
+    let bounds: Vec<(f64, f64)> = FACTORS
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            if fixed.contains(&f.0) {
+                let v = *get(&mut hw.efficiency.clone(), i);
+                (v, v)
+            } else {
+                (f.1, f.2)
+            }
+        })
+        .collect();
     // Nelder-Mead on the parameters scaled to [0, 1] by their bounds, restarted from the
     // built-in factors and from a few spread-out points; the best result wins.
     let n = FACTORS.len();
@@ -273,7 +291,11 @@ fn main() {
         .iter()
         .enumerate()
         .map(|(i, &(lo, hi))| {
-            ((*get(&mut hw.efficiency.clone(), i) - lo) / (hi - lo)).clamp(0.0, 1.0)
+            if hi > lo {
+                ((*get(&mut hw.efficiency.clone(), i) - lo) / (hi - lo)).clamp(0.0, 1.0)
+            } else {
+                0.0
+            }
         })
         .collect();
     println!("start: loss {:.4}: {}", f(&start), summary(&hw));

@@ -11,7 +11,7 @@
 //!   derivation: they carry what the published long-context rows (the only
 //!   context-parallel measurements of that stack we have) lose against everything else the
 //!   model derives. They are not ring attention's own cost: measured on a Hopper GPU
-//!   (`scripts/gpu-attention/ring.py`, BENCHMARKS.md), one rank's partial kernels and
+//!   (`scripts/hopper/ring.py`, BENCHMARKS.md), one rank's partial kernels and
 //!   online-softmax merges run at 0.81-0.94 of one whole kernel's rate, where the factors
 //!   divide it by 5 (cp 2) to 10.7 (cp 8). What they stand for is not known; the key/value
 //!   exchange is the separate term below;

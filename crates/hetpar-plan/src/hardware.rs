@@ -48,7 +48,8 @@ fn default_host() -> f64 {
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Efficiency {
-    /// Fraction of peak a large GEMM reaches.
+    /// Fraction of peak a large GEMM reaches. Fitted: a Hopper GPU measures 0.67-0.74 for
+    /// the LLMs' wide layer GEMMs (`scripts/hopper/gemm.py`, BENCHMARKS.md).
     pub gemm: f64,
     /// Per-GPU GEMM width (hidden / tp) at which GEMMs run at half of `gemm`: the rate is
     /// `gemm * w / (w + gemm_half_width)`.
@@ -60,7 +61,7 @@ pub struct Efficiency {
     /// Slowdown of the attention core under context parallelism at `cp = 2`, fitted to the
     /// published long-context rows: what they lose against the rest of the model, charged
     /// to CP attention. Not ring attention's kernels and merges, which a Hopper GPU runs at
-    /// 0.81-0.94 of one kernel's rate (`scripts/gpu-attention/ring.py`); the key/value
+    /// 0.81-0.94 of one kernel's rate (`scripts/hopper/ring.py`); the key/value
     /// exchange is costed apart (`cp_overlap`).
     pub cp_attention: f64,
     /// Further slowdown per ring step beyond two: the attention runs at

@@ -22,7 +22,7 @@ FLOPs follow the planner's convention: forward `4 * q_len * kv_len * heads * hea
 halved for a causal square block; the backward counted as twice the forward. Rates are
 TFLOP/s on this GPU. Needs PyTorch with CUDA; prints JSON lines and a Markdown table.
 
-    python3 scripts/gpu-attention/ring.py --json out.jsonl
+    python3 scripts/hopper/ring.py --json out.jsonl
 
 `--quick` runs tiny shapes on the CPU through the math backend, to check the script.
 """
