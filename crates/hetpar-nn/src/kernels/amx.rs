@@ -21,6 +21,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
+use super::bf16::avx::transpose;
 use super::bf16::{Blocking, Out, Tile, avx, blocked, pair};
 use super::gemm::View;
 
@@ -341,43 +342,6 @@ fn transposed_is_cheaper(dv: View, lv: View, rv: View) -> bool {
 /// start: tile rows are pairs, lanes columns.
 fn rhs_at(c: usize, p: usize, kp: usize) -> usize {
     (c / NR) * NR * kp + (p / TILE) * 2 * BLOCK + (c % NR / TILE) * BLOCK + (p % TILE) * TILE
-}
-
-/// `dst[r * dst_rs + c] = src[c * src_rs + r]` for `r, c < 16`: a 16 x 16 transpose of
-/// 32-bit lanes in registers (pairs within each 128-bit lane, then 4 x 4 blocks, then the
-/// lanes themselves).
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
-fn transpose(src: &[u32], src_rs: usize, dst: &mut [u32], dst_rs: usize) {
-    assert!(src.len() >= 15 * src_rs + TILE && dst.len() >= 15 * dst_rs + TILE);
-    // SAFETY: row `i < 16` of `src` is inside it (checked above); unaligned loads.
-    let r: [__m512i; TILE] =
-        std::array::from_fn(|i| unsafe { _mm512_loadu_si512(src.as_ptr().add(i * src_rs).cast()) });
-    let a: [__m512i; TILE] = std::array::from_fn(|i| {
-        let (x, y) = (r[i & !1], r[i | 1]);
-        if i % 2 == 0 { _mm512_unpacklo_epi32(x, y) } else { _mm512_unpackhi_epi32(x, y) }
-    });
-    // `b[4g + j]`, 128-bit lane `l`: column `4l + j` of rows `4g..4g + 4`.
-    let b: [__m512i; TILE] = std::array::from_fn(|i| {
-        let (g, j) = (i / 4, i % 4);
-        let (x, y) = (a[4 * g + j / 2], a[4 * g + 2 + j / 2]);
-        if j % 2 == 0 { _mm512_unpacklo_epi64(x, y) } else { _mm512_unpackhi_epi64(x, y) }
-    });
-    for j in 0..4 {
-        let c0 = _mm512_shuffle_i32x4::<0x44>(b[j], b[4 + j]);
-        let c1 = _mm512_shuffle_i32x4::<0xee>(b[j], b[4 + j]);
-        let d0 = _mm512_shuffle_i32x4::<0x44>(b[8 + j], b[12 + j]);
-        let d1 = _mm512_shuffle_i32x4::<0xee>(b[8 + j], b[12 + j]);
-        let rows = [
-            _mm512_shuffle_i32x4::<0x88>(c0, d0),
-            _mm512_shuffle_i32x4::<0xdd>(c0, d0),
-            _mm512_shuffle_i32x4::<0x88>(c1, d1),
-            _mm512_shuffle_i32x4::<0xdd>(c1, d1),
-        ];
-        for (l, v) in rows.into_iter().enumerate() {
-            // SAFETY: row `4l + j` of `dst`, inside it (checked above).
-            unsafe { _mm512_storeu_si512(dst.as_mut_ptr().add((4 * l + j) * dst_rs).cast(), v) };
-        }
-    }
 }
 
 /// The tile products of one `MR` x `NR` block over `kp` pairs: `a` (`MR` rows) times `b`

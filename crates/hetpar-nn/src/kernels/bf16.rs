@@ -471,9 +471,46 @@ pub(super) mod avx {
                     let start = lv.offset + (i0 + i) * lv.rs;
                     convert(&lhs[start + k0..start + k1], &mut out[i * KC..i * KC + kc]);
                 }
+            } else if lv.rs == 1 {
+                // Rows are neighbours in memory (a transposed operand, as a weight gradient's
+                // `dy^T`): 16 rows of two columns give 16 pairs, and 16 such columns of
+                // pairs transpose into 16 packed rows (rows past `mc` zero, as the masked
+                // loads leave them).
+                let rows = mc.next_multiple_of(MR);
+                for i in (0..mc).step_by(16) {
+                    let n = 16.min(mc - i);
+                    for q in (0..kc).step_by(16) {
+                        let mut t = [0u32; 256];
+                        for l in 0..16.min(kc - q) {
+                            let (ke, ko) = (k0 + 2 * (q + l), k0 + 2 * (q + l) + 1);
+                            let col = |kk: usize| {
+                                if kk < k1 {
+                                    let s = lv.offset + (i0 + i) + kk * lv.cs;
+                                    &lhs[s..s + n]
+                                } else {
+                                    &[][..]
+                                }
+                            };
+                            interleave(col(ke), col(ko), &mut t[l * 16..(l + 1) * 16]);
+                        }
+                        // Row `i + r`, pairs `q..q + 16` (those past `kc` zero, inside the
+                        // row's `KC`).
+                        let at = i * KC + q;
+                        if i + 16 <= rows {
+                            transpose(&t, 16, &mut out[at..], KC);
+                        } else {
+                            let mut u = [0u32; 256];
+                            transpose(&t, 16, &mut u, 16);
+                            for r in 0..rows - i {
+                                out[at + r * KC..at + r * KC + 16]
+                                    .copy_from_slice(&u[r * 16..(r + 1) * 16]);
+                            }
+                        }
+                    }
+                }
             } else {
-                // The inner dimension is strided (a transposed operand): walk it outside, so
-                // each step reads neighbouring rows.
+                // The inner dimension is strided, and so are the rows: walk the inner
+                // dimension outside, so each step reads neighbouring rows.
                 for p in 0..kc {
                     let (ke, ko) = (k0 + 2 * p, k0 + 2 * p + 1);
                     for i in 0..mc {
@@ -656,6 +693,51 @@ pub(super) mod avx {
             unsafe { _mm512_storeu_si512(dst.as_mut_ptr().add(16 * h).cast(), v) };
         }
     }
+
+    /// `dst[r * dst_rs + c] = src[c * src_rs + r]` for `r, c < 16`: a 16 x 16 transpose of
+    /// 32-bit lanes in registers (pairs within each 128-bit lane, then 4 x 4 blocks, then the
+    /// lanes themselves).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+    pub(in crate::kernels) fn transpose(
+        src: &[u32],
+        src_rs: usize,
+        dst: &mut [u32],
+        dst_rs: usize,
+    ) {
+        assert!(src.len() >= 15 * src_rs + 16 && dst.len() >= 15 * dst_rs + 16);
+        // SAFETY: row `i < 16` of `src` is inside it (checked above); unaligned loads.
+        let r: [__m512i; 16] = std::array::from_fn(|i| unsafe {
+            _mm512_loadu_si512(src.as_ptr().add(i * src_rs).cast())
+        });
+        let a: [__m512i; 16] = std::array::from_fn(|i| {
+            let (x, y) = (r[i & !1], r[i | 1]);
+            if i % 2 == 0 { _mm512_unpacklo_epi32(x, y) } else { _mm512_unpackhi_epi32(x, y) }
+        });
+        // `b[4g + j]`, 128-bit lane `l`: column `4l + j` of rows `4g..4g + 4`.
+        let b: [__m512i; 16] = std::array::from_fn(|i| {
+            let (g, j) = (i / 4, i % 4);
+            let (x, y) = (a[4 * g + j / 2], a[4 * g + 2 + j / 2]);
+            if j % 2 == 0 { _mm512_unpacklo_epi64(x, y) } else { _mm512_unpackhi_epi64(x, y) }
+        });
+        for j in 0..4 {
+            let c0 = _mm512_shuffle_i32x4::<0x44>(b[j], b[4 + j]);
+            let c1 = _mm512_shuffle_i32x4::<0xee>(b[j], b[4 + j]);
+            let d0 = _mm512_shuffle_i32x4::<0x44>(b[8 + j], b[12 + j]);
+            let d1 = _mm512_shuffle_i32x4::<0xee>(b[8 + j], b[12 + j]);
+            let rows = [
+                _mm512_shuffle_i32x4::<0x88>(c0, d0),
+                _mm512_shuffle_i32x4::<0xdd>(c0, d0),
+                _mm512_shuffle_i32x4::<0x88>(c1, d1),
+                _mm512_shuffle_i32x4::<0xdd>(c1, d1),
+            ];
+            for (l, v) in rows.into_iter().enumerate() {
+                // SAFETY: row `4l + j` of `dst`, inside it (checked above).
+                unsafe {
+                    _mm512_storeu_si512(dst.as_mut_ptr().add((4 * l + j) * dst_rs).cast(), v)
+                };
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -807,6 +889,41 @@ mod tests {
                         assert!(g == &got[0], "{kernel:?} layouts {la}/{lb}: destination {i}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn every_operand_layout_packs_the_same_bits() {
+        // The same values row-major, column-major (packed through 16 x 16 transposes on
+        // the vector kernels) and with neither stride 1 (one pair at a time): partial
+        // blocks of rows and of the inner dimension, an odd inner length, subnormals
+        // (flushed) and ties of the rounding among them.
+        for (m, n, k) in [(70, 40, 530), (13, 33, 37), (129, 17, 45)] {
+            let value = |r: usize, i: usize| match (r * 31 + i * 17) % 23 {
+                0 => f32::from_bits(0x0000_1234),
+                1 => f32::from_bits(0x3f80_8000),
+                2 => -f32::from_bits(0x3f81_8000),
+                _ => ((r * 13 + i * 7) as f32 * 0.173).sin(),
+            };
+            let (b, bv) = matrix(k, n, 0, 5);
+            for kernel in kernels_here() {
+                let got: Vec<Vec<u32>> = (0..3)
+                    .map(|layout| {
+                        let (mut a, av) = matrix(m, k, layout, 6);
+                        for r in 0..m {
+                            for i in 0..k {
+                                a[av.offset + r * av.rs + i * av.cs] = value(r, i);
+                            }
+                        }
+                        let mut d = vec![0f32; m * n];
+                        let dv = View::rows(0, m, n, n);
+                        matmul_with(kernel, &mut d, dv, &a, av, &b, bv, false, 1.0, 1);
+                        d.iter().map(|x| x.to_bits()).collect()
+                    })
+                    .collect();
+                assert!(got[1] == got[0], "{kernel:?} ({m}, {n}, {k}): column-major");
+                assert!(got[2] == got[0], "{kernel:?} ({m}, {n}, {k}): strided");
             }
         }
     }
