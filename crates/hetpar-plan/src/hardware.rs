@@ -56,7 +56,8 @@ pub struct Efficiency {
     pub gemm_half_width: f64,
     /// Fraction of peak the attention core (flash attention) reaches in the forward pass;
     /// its backward takes 2.5 times the forward time. Fitted: above what cuDNN's fused
-    /// attention measures on a Hopper GPU (0.49-0.66 of peak forward, backward 2.7-3.0x).
+    /// attention measures on a Hopper GPU at head dim 128 (0.49-0.66 of peak forward,
+    /// backward 2.7-3.0x).
     pub attention: f64,
     /// Slowdown of the attention core under context parallelism at `cp = 2`, fitted to the
     /// published long-context rows: what they lose against the rest of the model, charged
