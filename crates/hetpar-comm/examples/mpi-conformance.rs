@@ -13,27 +13,34 @@ use hetpar_comm::{CommExt, Communicator, ReduceOp};
 fn main() -> ExitCode {
     let opts = MpiOptions {
         timeout: Duration::from_secs(30),
-        on_fatal: Box::new(|e| eprintln!("fatal: {e}")),
+        // Lines in one write each, so ranks sharing mpirun's output do not split them.
+        on_fatal: Box::new(|e| {
+            let line = format!("fatal: {e}\n");
+            eprint!("{line}")
+        }),
     };
     let world = match init(opts) {
         Ok(w) => w,
         Err(e) => {
-            eprintln!("error: {e}");
+            let line = format!("error: {e}\n");
+            eprint!("{line}");
             return ExitCode::FAILURE;
         }
     };
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprintln!("{line}"));
+    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
     let mut failures = 0i64;
     for (name, check) in SUITE {
         if let Err(e) = check(&world) {
-            eprintln!("FAILED {name}: {e}");
+            let line = format!("FAILED {name}: {e}\n");
+            eprint!("{line}");
             failures += 1;
         }
     }
     let mut total = [failures];
     if let Err(e) = world.all_reduce(&mut total, ReduceOp::Sum) {
-        eprintln!("error: {e}");
+        let line = format!("error: {e}\n");
+        eprint!("{line}");
         return ExitCode::FAILURE;
     }
     if rank == 0 {

@@ -18,11 +18,15 @@ fn main() -> ExitCode {
     let case = std::env::args().nth(1).unwrap_or_default();
     let opts = MpiOptions {
         timeout: Duration::from_secs(3),
-        on_fatal: Box::new(|e| eprintln!("fatal: {e}")),
+        // Lines in one write each, so ranks sharing mpirun's output do not split them.
+        on_fatal: Box::new(|e| {
+            let line = format!("fatal: {e}\n");
+            eprint!("{line}")
+        }),
     };
     let world = init(opts).expect("MPI initializes");
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprintln!("{line}"));
+    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
     let result = match case.as_str() {
         "hang" => {
             if rank == 1 {
@@ -72,7 +76,8 @@ fn main() -> ExitCode {
     match result.and_then(|()| world.barrier()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("rank {rank}: error: {e}");
+            let line = format!("rank {rank}: error: {e}\n");
+            eprint!("{line}");
             abort_job(1)
         }
     }

@@ -14,24 +14,30 @@ use hetpar_comm::{CommExt, Communicator, ReduceOp};
 fn main() -> ExitCode {
     let opts = MpiOptions {
         timeout: Duration::from_secs(60),
-        on_fatal: Box::new(|e| eprintln!("fatal: {e}")),
+        // Lines in one write each, so ranks sharing mpirun's output do not split them.
+        on_fatal: Box::new(|e| {
+            let line = format!("fatal: {e}\n");
+            eprint!("{line}")
+        }),
     };
     let world = init(opts).expect("MPI initializes");
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprintln!("{line}"));
+    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
     let devices: usize =
         std::env::var("HETPAR_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let comm = match hetpar_comm::nccl::init(Box::new(world), rank % devices.max(1)) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("rank {rank}: cannot start NCCL: {e}");
+            let line = format!("rank {rank}: cannot start NCCL: {e}\n");
+            eprint!("{line}");
             return ExitCode::FAILURE;
         }
     };
     let mut failures = 0i64;
     for (name, check) in SUITE {
         if let Err(e) = check(&comm) {
-            eprintln!("FAILED {name}: {e}");
+            let line = format!("FAILED {name}: {e}\n");
+            eprint!("{line}");
             failures += 1;
         }
     }

@@ -14,16 +14,21 @@ use hetpar_runtime::testing::{check_boundary, fixed_plans};
 fn main() -> ExitCode {
     let opts = MpiOptions {
         timeout: Duration::from_secs(30),
-        on_fatal: Box::new(|e| eprintln!("fatal: {e}")),
+        // Lines in one write each, so ranks sharing mpirun's output do not split them.
+        on_fatal: Box::new(|e| {
+            let line = format!("fatal: {e}\n");
+            eprint!("{line}")
+        }),
     };
     let world = init(opts).expect("MPI initializes");
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprintln!("{line}"));
+    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
     let plans = fixed_plans(world.size());
     let mut failures = 0i64;
     for (name, plan) in &plans {
         if let Err(e) = check_boundary(&world, plan, name) {
-            eprintln!("FAILED {e}");
+            let line = format!("FAILED {e}\n");
+            eprint!("{line}");
             failures += 1;
         }
     }

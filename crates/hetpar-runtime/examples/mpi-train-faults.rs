@@ -35,11 +35,15 @@ fn main() -> ExitCode {
     let case = std::env::args().nth(1).unwrap_or_default();
     let opts = MpiOptions {
         timeout: Duration::from_secs(3),
-        on_fatal: Box::new(|e| eprintln!("error: {e}")),
+        // Lines in one write each, so ranks sharing mpirun's output do not split them.
+        on_fatal: Box::new(|e| {
+            let line = format!("error: {e}\n");
+            eprint!("{line}")
+        }),
     };
     let world = init(opts).expect("MPI initializes");
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprintln!("{line}"));
+    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
     match run(&world, &case) {
         Ok(lines) => {
             if rank == 0 {
@@ -50,7 +54,8 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("error: rank {rank}: {e}");
+            let line = format!("error: rank {rank}: {e}\n");
+            eprint!("{line}");
             abort_job(1)
         }
     }

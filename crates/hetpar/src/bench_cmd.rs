@@ -156,14 +156,19 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 fn run_mpi(sizes: &[usize], iters: usize, header: &str) -> anyhow::Result<()> {
     use hetpar_comm::Communicator;
     use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
+    // Each line in one write: ranks share mpirun's output, and a line written in pieces
+    // (as `eprintln!` writes its arguments) can take another rank's line inside it.
     #[allow(clippy::print_stderr)]
     let opts = MpiOptions {
         timeout: Duration::from_secs(600),
-        on_fatal: Box::new(|e| eprintln!("error: {e}")),
+        on_fatal: Box::new(|e| {
+            let line = format!("error: {e}\n");
+            eprint!("{line}")
+        }),
     };
     let world = init(opts)?;
     #[allow(clippy::print_stderr)]
-    abort_on_panic(world.rank(), |l| eprintln!("{l}"));
+    abort_on_panic(world.rank(), |l| eprint!("{}", l.to_owned() + "\n"));
     let lead = world.rank() == 0;
     if lead {
         let memcpy = memcpy_bandwidth(256 << 20, 5);

@@ -125,10 +125,12 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line: the chain of contexts joined by ": ".
+            // One line: the chain of contexts joined by ": ", in one write, so that ranks
+            // sharing mpirun's output cannot interleave inside it (each line below too).
             #[allow(clippy::print_stderr)]
             {
-                eprintln!("error: {e:#}");
+                let line = format!("error: {e:#}\n");
+                eprint!("{line}");
             }
             ExitCode::FAILURE
         }

@@ -942,11 +942,19 @@ fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Com
     use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
     // The ranks mpirun started on this host share its cores.
     crate::threads::share_host();
+    // Each line in one write: ranks share mpirun's output, and a line written in pieces
+    // (as `eprintln!` writes its arguments) can take another rank's line inside it.
     #[allow(clippy::print_stderr)]
-    let opts = MpiOptions { timeout, on_fatal: Box::new(|e| eprintln!("error: {e}")) };
+    let opts = MpiOptions {
+        timeout,
+        on_fatal: Box::new(|e| {
+            let line = format!("error: {e}\n");
+            eprint!("{line}")
+        }),
+    };
     let world = init(opts)?;
     #[allow(clippy::print_stderr)]
-    abort_on_panic(world.rank(), |l| eprintln!("{l}"));
+    abort_on_panic(world.rank(), |l| eprint!("{}", l.to_owned() + "\n"));
     if world.size() != graph.world {
         bail!("the config places ranks 0..{}, mpirun started {}", graph.world, world.size());
     }
@@ -965,7 +973,8 @@ fn open_mpi(_: Duration, _: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>
 fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
     #[allow(clippy::print_stderr)]
     {
-        eprintln!("error: rank {rank}: {e}");
+        let line = format!("error: rank {rank}: {e}\n");
+        eprint!("{line}");
     }
     hetpar_comm::mpi::abort_job(1)
 }
