@@ -28,7 +28,7 @@ fn main() -> ExitCode {
         }
     };
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
+    abort_on_panic(rank, |line| eprint!("{line}"));
     let mut failures = 0i64;
     for (name, check) in SUITE {
         if let Err(e) = check(&world) {

@@ -26,7 +26,7 @@ fn main() -> ExitCode {
     };
     let world = init(opts).expect("MPI initializes");
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
+    abort_on_panic(rank, |line| eprint!("{line}"));
     let result = match case.as_str() {
         "hang" => {
             if rank == 1 {

@@ -22,7 +22,7 @@ fn main() -> ExitCode {
     };
     let world = init(opts).expect("MPI initializes");
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
+    abort_on_panic(rank, |line| eprint!("{line}"));
     let devices: usize =
         std::env::var("HETPAR_GPUS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
     let comm = match hetpar_comm::nccl::init(Box::new(world), rank % devices.max(1)) {

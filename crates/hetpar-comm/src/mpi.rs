@@ -153,7 +153,9 @@ pub fn abort_job(code: i32) -> ! {
 
 /// Makes a panic on this rank print one line naming the rank and end the whole job, so
 /// every process exits non-zero at once instead of waiting for the panicked one. Programs
-/// call it right after [`init`].
+/// call it right after [`init`]. `print` gets the whole line, its newline included, to
+/// write in one call: ranks share mpirun's output, and a line written in pieces can take
+/// another rank's line inside it.
 pub fn abort_on_panic(rank: usize, print: fn(&str)) {
     std::panic::set_hook(Box::new(move |info| {
         let msg = info
@@ -164,7 +166,7 @@ pub fn abort_on_panic(rank: usize, print: fn(&str)) {
             .unwrap_or_else(|| "a panic with a non-string payload".into());
         let at =
             info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
-        print(&format!("rank {rank} panicked{at}: {msg}"));
+        print(&format!("rank {rank} panicked{at}: {msg}\n"));
         abort_job(101);
     }));
 }

@@ -22,7 +22,7 @@ fn main() -> ExitCode {
     };
     let world = init(opts).expect("MPI initializes");
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
+    abort_on_panic(rank, |line| eprint!("{line}"));
     let plans = fixed_plans(world.size());
     let mut failures = 0i64;
     for (name, plan) in &plans {

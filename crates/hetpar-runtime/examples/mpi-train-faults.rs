@@ -43,7 +43,7 @@ fn main() -> ExitCode {
     };
     let world = init(opts).expect("MPI initializes");
     let rank = world.rank();
-    abort_on_panic(rank, |line| eprint!("{}", line.to_owned() + "\n"));
+    abort_on_panic(rank, |line| eprint!("{line}"));
     match run(&world, &case) {
         Ok(lines) => {
             if rank == 0 {

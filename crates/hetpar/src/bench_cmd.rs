@@ -168,7 +168,7 @@ fn run_mpi(sizes: &[usize], iters: usize, header: &str) -> anyhow::Result<()> {
     };
     let world = init(opts)?;
     #[allow(clippy::print_stderr)]
-    abort_on_panic(world.rank(), |l| eprint!("{}", l.to_owned() + "\n"));
+    abort_on_panic(world.rank(), |l| eprint!("{l}"));
     let lead = world.rank() == 0;
     if lead {
         let memcpy = memcpy_bandwidth(256 << 20, 5);

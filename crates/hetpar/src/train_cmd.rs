@@ -954,7 +954,7 @@ fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Com
     };
     let world = init(opts)?;
     #[allow(clippy::print_stderr)]
-    abort_on_panic(world.rank(), |l| eprint!("{}", l.to_owned() + "\n"));
+    abort_on_panic(world.rank(), |l| eprint!("{l}"));
     if world.size() != graph.world {
         bail!("the config places ranks 0..{}, mpirun started {}", graph.world, world.size());
     }
