@@ -6,7 +6,7 @@
 #![allow(clippy::print_stderr)]
 
 use hetpar_plan::hardware::{GIB, builtin};
-use hetpar_plan::validation::{homogeneous_miss, llm_only, multimodal, workload};
+use hetpar_plan::validation::{homogeneous_miss, llm_only, microbatch_ms, multimodal, workload};
 use hetpar_plan::{Kind, Workload, search};
 
 #[test]
@@ -74,6 +74,41 @@ fn multimodal_rows_heterogeneous_above_homogeneous_within_10_percent() {
             measured_gain * 100.0
         );
     }
+}
+
+#[test]
+fn published_microbatch_times_within_10_percent() {
+    // Where the source gives time per microbatch (the 64K row), each layout's is predicted
+    // within 10%, at the published microbatch size; and as published, the heterogeneous
+    // microbatch takes longer (each rank holds twice the LLM's share of a sample) while the
+    // step runs at more TFLOPS/GPU.
+    let hw = builtin("h100").expect("h100");
+    let mut checked = 0;
+    for (row, (hc, ph), (tc, pt)) in multimodal(&hw).expect("predictions") {
+        let Some(published) = row.microbatch else { continue };
+        let (homo, het) = (microbatch_ms(&hc, &ph), microbatch_ms(&tc, &pt));
+        let (m_homo, m_het) = published.ms;
+        eprintln!(
+            "{}: per microbatch of {} sample(s) per replica, homogeneous {homo:.0} ms (measured {m_homo}), heterogeneous {het:.0} ms (measured {m_het})",
+            row.name, published.samples
+        );
+        for (c, predicted, measured) in [(&hc, homo, m_homo), (&tc, het, m_het)] {
+            assert_eq!(c.llm_mbs(&workload(row.name).expect("workload")), published.samples as f64);
+            assert!(
+                (predicted - measured).abs() / measured <= 0.10,
+                "{}: {predicted:.0} ms per microbatch vs {measured} measured",
+                row.name
+            );
+        }
+        assert!(
+            het > homo,
+            "{}: heterogeneous microbatch {het:.0} ms not above {homo:.0}",
+            row.name
+        );
+        assert!(pt.tflops_per_gpu > ph.tflops_per_gpu, "{}", row.name);
+        checked += 1;
+    }
+    assert_eq!(checked, 1, "the rows with published microbatch times");
 }
 
 #[test]
