@@ -8,7 +8,8 @@
 //! (`k_pos <= q_pos` under the causal mask), so context-parallel ranks pass their zigzag
 //! positions; a block of keys all after its queries is skipped, one all before them runs
 //! unmasked, and only blocks on the diagonal test elements. The score matrix is never
-//! stored: each `64 x 64` block is a gemm into a buffer, exponentiated, and multiplied into
+//! stored whole: each block pair (`64 x 64` under the causal mask; without it, a sequence of
+//! up to 256 rows is one block) is a gemm into a buffer, exponentiated, and multiplied into
 //! the output; the backward recomputes it from the log-sum-exp kept per row.
 //!
 //! With `with_lse` the output gains a last column, the row's log-sum-exp (`-inf` for a row
@@ -22,10 +23,17 @@ use candle_core::{CpuStorage, CustomOp3, Error, Layout, Shape, Tensor};
 use super::gemm::{View, matmul};
 use super::{CResult, Real, by_real, by_real_dtype, dot, max, simd, slice, sum, with_data};
 
-/// Query rows per block.
-const BQ: usize = 64;
-/// Keys per block.
-const BK: usize = 64;
+/// Rows (queries or keys) per block under a causal mask, and beyond [`WHOLE`] rows.
+const BLOCK: usize = 64;
+/// Without a causal mask, a sequence of up to this many rows is one block: nothing is
+/// skipped there, and one product over the whole sequence runs faster than many small
+/// ones with the online softmax's rescaling between them.
+const WHOLE: usize = 256;
+
+/// Rows per block for `n` rows.
+fn block_len(n: usize, causal: bool) -> usize {
+    if !causal && n <= WHOLE { n.max(1) } else { BLOCK }
+}
 
 /// `softmax(scale * q k^T + mask) v` over the positions given.
 #[derive(Debug)]
@@ -132,12 +140,12 @@ fn visible(causal: bool, q: &Block, k: &Block) -> Visible {
     }
 }
 
-/// Sets the masked scores of a diagonal block to `-inf`.
-fn mask<T: Real>(s: &mut [T], q_pos: &[usize], k_pos: &[usize]) {
+/// Sets the masked scores of a diagonal block (rows `bk` apart) to `-inf`.
+fn mask<T: Real>(s: &mut [T], bk: usize, q_pos: &[usize], k_pos: &[usize]) {
     for (i, &qp) in q_pos.iter().enumerate() {
         for (j, &kp) in k_pos.iter().enumerate() {
             if kp > qp {
-                s[i * BK + j] = T::NEG_INF;
+                s[i * bk + j] = T::NEG_INF;
             }
         }
     }
@@ -170,12 +178,13 @@ impl Dims {
 }
 
 impl FlashAttention {
-    /// `scale * q k^T` of one block pair into `s` (`BK` apart), masked where needed.
+    /// `scale * q k^T` of one block pair into `s` (rows `bk` apart), masked where needed.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn scores<T: Real>(
         &self,
         s: &mut [T],
+        bk: usize,
         q: &[T],
         k: &[T],
         x: &Bases,
@@ -184,13 +193,14 @@ impl FlashAttention {
         kb: &Block,
         vis: Visible,
     ) -> (View, View, View) {
-        let sv = View::rows(0, qb.len, kb.len, BK);
+        let sv = View::rows(0, qb.len, kb.len, bk);
         let qv = View::rows(x.q + qb.start * x.qrs, qb.len, d, x.qrs);
         let kv = View::rows(x.k + kb.start * x.krs, kb.len, d, x.krs);
         matmul(s, sv, q, qv, k, kv.t(), false, T::from_f64(self.scale));
         if vis == Visible::Some {
             mask(
                 s,
+                bk,
                 &self.q_pos[qb.start..qb.start + qb.len],
                 &self.k_pos[kb.start..kb.start + kb.len],
             );
@@ -210,9 +220,10 @@ impl FlashAttention {
         let d = dm.d;
         let mut out = vec![T::ZERO; dm.b * dm.sq * dm.hq * dm.od];
         let mut lse = vec![f64::NEG_INFINITY; dm.b * dm.hq * dm.sq];
-        let (qbl, kbl) = (blocks(&self.q_pos, BQ), blocks(&self.k_pos, BK));
-        let mut s = vec![T::ZERO; BQ * BK];
-        let (mut m, mut l) = ([T::NEG_INF; BQ], [T::ZERO; BQ]);
+        let (bq, bk) = (block_len(dm.sq, self.causal), block_len(dm.sk, self.causal));
+        let (qbl, kbl) = (blocks(&self.q_pos, bq), blocks(&self.k_pos, bk));
+        let mut s = vec![T::ZERO; bq * bk];
+        let (mut m, mut l) = (vec![T::NEG_INF; bq], vec![T::ZERO; bq]);
         for bi in 0..dm.b {
             for h in 0..dm.hq {
                 let x = dm.bases(bi, h);
@@ -226,9 +237,9 @@ impl FlashAttention {
                         if vis == Visible::None {
                             continue;
                         }
-                        let (sv, _, kv) = self.scores(&mut s, q, k, &x, d, qb, kb, vis);
+                        let (sv, _, kv) = self.scores(&mut s, bk, q, k, &x, d, qb, kb, vis);
                         for i in 0..rows {
-                            let row = &mut s[i * BK..i * BK + kb.len];
+                            let row = &mut s[i * bk..i * bk + kb.len];
                             let top = max(row);
                             let m_new = m[i].larger(top);
                             if m_new == T::NEG_INF {
@@ -286,9 +297,10 @@ impl FlashAttention {
         let mut dq = vec![T::ZERO; q.len()];
         let mut dk = vec![T::ZERO; k.len()];
         let mut dv = vec![T::ZERO; v.len()];
-        let (qbl, kbl) = (blocks(&self.q_pos, BQ), blocks(&self.k_pos, BK));
-        let (mut s, mut dp) = (vec![T::ZERO; BQ * BK], vec![T::ZERO; BQ * BK]);
-        let (mut delta, mut row_lse) = ([T::ZERO; BQ], [T::ZERO; BQ]);
+        let (bq, bk) = (block_len(dm.sq, self.causal), block_len(dm.sk, self.causal));
+        let (qbl, kbl) = (blocks(&self.q_pos, bq), blocks(&self.k_pos, bk));
+        let (mut s, mut dp) = (vec![T::ZERO; bq * bk], vec![T::ZERO; bq * bk]);
+        let (mut delta, mut row_lse) = (vec![T::ZERO; bq], vec![T::ZERO; bq]);
         let scale = T::from_f64(self.scale);
         for bi in 0..dm.b {
             for h in 0..dm.hq {
@@ -308,9 +320,9 @@ impl FlashAttention {
                         if vis == Visible::None {
                             continue;
                         }
-                        let (sv, qv, kv) = self.scores(&mut s, q, k, &x, d, qb, kb, vis);
+                        let (sv, qv, kv) = self.scores(&mut s, bk, q, k, &x, d, qb, kb, vis);
                         for i in 0..rows {
-                            let row = &mut s[i * BK..i * BK + kb.len];
+                            let row = &mut s[i * bk..i * bk + kb.len];
                             if row_lse[i] == T::NEG_INF {
                                 row.fill(T::ZERO);
                             } else {
@@ -322,7 +334,7 @@ impl FlashAttention {
                         matmul(&mut dv, kv, &s, sv.t(), go, gv, true, T::ONE);
                         matmul(&mut dp, sv, go, gv, v, kv.t(), false, T::ONE);
                         for ((dr, pr), &di) in
-                            dp.chunks_exact_mut(BK).zip(s.chunks_exact(BK)).zip(&delta[..rows])
+                            dp.chunks_exact_mut(bk).zip(s.chunks_exact(bk)).zip(&delta[..rows])
                         {
                             for (g, &p) in dr[..kb.len].iter_mut().zip(&pr[..kb.len]) {
                                 *g = p * (*g - di);
