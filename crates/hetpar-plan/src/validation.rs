@@ -82,9 +82,10 @@ pub struct MultimodalRow {
 
 /// Published time per microbatch of a multimodal row. Where the source gives it, it also
 /// pins the microbatch size that the tables leave open: with one sample per LLM replica
-/// and microbatch, the 64K row's times add up to steps whose ratio is the published
-/// TFLOPS/GPU ratio within 1.5% (4 x 2569 ms against 2 x 3717 ms for 71.3 against 100.0);
-/// any other size misses it by a factor of two or more.
+/// and microbatch, the 64K row's times make steps of 4 x 2569 and 2 x 3717 ms, whose ratio
+/// is the published TFLOPS/GPU ratio (71.3 against 100.0) within 1.5% and which are 6-7%
+/// shorter than the steps those rates mean at the model's FLOP count; with two samples a
+/// microbatch the steps would be half as long as that.
 #[derive(Clone, Copy, Debug)]
 pub struct Microbatch {
     /// Samples per LLM replica and microbatch.
@@ -265,8 +266,7 @@ fn best_microbatching(
     })
 }
 
-/// Predicted milliseconds per microbatch: the step over its microbatches, as the published
-/// per-microbatch times add up to the step (see [`Microbatch`]).
+/// Predicted milliseconds per microbatch: the simulated step over its microbatch count.
 pub fn microbatch_ms(c: &Candidate, p: &Prediction) -> f64 {
     p.step_time_s / c.microbatches as f64 * 1e3
 }
