@@ -7,15 +7,15 @@
 //! The loss is the acceptance bounds as hinges (10% per row, 5 points per gain, 10% on the
 //! LLM-only median, each with a margin), the 8K rows weighted ten times, plus a little of
 //! the mean errors; Nelder-Mead then a pattern search, from the built-in factors and from
-//! spread-out points. The published times per microbatch (the 64K row) are printed with
-//! their errors but not fitted. `--set name=value` overrides a factor (the fit's start),
+//! spread-out points. The published times per microbatch (the 64K row) and Meta's Llama 3
+//! 405B rows are printed with their errors but not fitted. `--set name=value` overrides a factor (the fit's start),
 //! `--fix name` holds one at that value (a measured rate, say), `--show` prints the rows
 //! for the factors as they are.
 
 #![allow(clippy::print_stdout)]
 
 use hetpar_plan::hardware::builtin;
-use hetpar_plan::validation::{llm_only, microbatch_ms, multimodal};
+use hetpar_plan::validation::{llama3, llm_only, microbatch_ms, multimodal};
 use hetpar_plan::{Efficiency, Hardware};
 
 /// Per-row errors: LLM-only TFLOPS/GPU, multimodal TFLOPS/GPU, multimodal gain (points),
@@ -121,6 +121,15 @@ fn show(hw: &Hardware) {
         println!(
             "{name}: {:.1} (measured {m}) {} idle {:.1}%",
             r.prediction.tflops_per_gpu,
+            r.candidate.llm.describe(),
+            r.prediction.bubble * 100.0
+        );
+    }
+    for (name, gpus, r, m) in llama3(hw).expect("predictions") {
+        println!(
+            "{name} on {gpus} GPUs (not fitted): {:.1} (measured {m}, {:+.0}%) {} idle {:.1}%",
+            r.prediction.tflops_per_gpu,
+            (r.prediction.tflops_per_gpu / m - 1.0) * 100.0,
             r.candidate.llm.describe(),
             r.prediction.bubble * 100.0
         );

@@ -63,7 +63,9 @@ pub struct Efficiency {
     /// published long-context rows: what they lose against the rest of the model, charged
     /// to CP attention. Not ring attention's kernels and merges, which a Hopper GPU runs at
     /// 0.81-0.94 of one kernel's rate (`scripts/hopper/ring.py`); the key/value
-    /// exchange is costed apart (`cp_overlap`).
+    /// exchange is costed apart (`cp_overlap`). Nor context parallelism's cost in general:
+    /// they put Meta's Llama 3 405B at 131K with CP 16 (`validation::LLAMA3`) at a sixth of
+    /// its published rate, which the measured ring cost (1.2, `cp_step` 0) predicts.
     pub cp_attention: f64,
     /// Further slowdown per ring step beyond two: the attention runs at
     /// `attention / (cp_attention * (1 + cp_step * (cp - 2)))` of peak.

@@ -16,7 +16,7 @@ macro_rules! workload {
 }
 
 /// Every workload in `examples/workloads/`, by name.
-pub const WORKLOADS: [(&str, &str); 19] = [
+pub const WORKLOADS: [(&str, &str); 21] = [
     workload!("gpt-1.7b"),
     workload!("gpt-7.1b"),
     workload!("gpt-16b"),
@@ -26,6 +26,8 @@ pub const WORKLOADS: [(&str, &str); 19] = [
     workload!("gpt-177b"),
     workload!("gpt-314b"),
     workload!("gpt-462b"),
+    workload!("llama3-405b-8k"),
+    workload!("llama3-405b-131k"),
     workload!("mm-1b-14b-8k"),
     workload!("mm-3b-14b-8k"),
     workload!("mm-3b-32b-8k"),
@@ -60,6 +62,33 @@ pub const LLM_ONLY: [(&str, f64); 9] = [
     ("gpt-314b", 474.4),
     ("gpt-462b", 459.9),
 ];
+
+/// Meta's Llama 3 405B rows on H100 (PUBLISHED.md): workload, GPUs, measured TFLOPS/GPU.
+/// The workloads pin the published TP, CP and PP; the search picks the rest. The fit never
+/// sees these rows: they check the model, and the long-context one checks its context
+/// parallelism against a stack other than the multimodal sweep the CP factors are fitted to.
+pub const LLAMA3: [(&str, usize, f64); 3] = [
+    ("llama3-405b-8k", 8192, 430.0),
+    ("llama3-405b-8k", 16384, 400.0),
+    ("llama3-405b-131k", 16384, 380.0),
+];
+
+/// The best homogeneous candidate of each [`LLAMA3`] row on its GPUs, with the measurement.
+pub fn llama3(hw: &Hardware) -> Result<Vec<(&'static str, usize, Ranked, f64)>> {
+    LLAMA3
+        .iter()
+        .map(|&(name, gpus, measured)| {
+            let mut wl = workload(name)?;
+            wl.gpus = gpus;
+            let plan = search(&wl, hw, 1)?;
+            let best = plan
+                .best_of(Kind::Homogeneous)
+                .cloned()
+                .ok_or_else(|| PlanError(format!("{name} on {gpus} GPUs: no layout fits")))?;
+            Ok((name, gpus, best, measured))
+        })
+        .collect()
+}
 
 /// One row of a published multimodal table: homogeneous against colocated heterogeneous.
 #[derive(Clone, Copy, Debug)]
