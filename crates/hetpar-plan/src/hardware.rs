@@ -133,7 +133,7 @@ pub fn builtin(name: &str) -> Result<Hardware> {
     let names: Vec<&String> = table.keys().collect();
     table.get(name).cloned().ok_or_else(|| {
         PlanError(format!(
-            "unknown hardware {name:?}: built in are {names:?}, or `local` after `hetpar calibrate`"
+            "unknown hardware {name:?}: built in are {names:?}, `local` after `hetpar calibrate`, or a .toml file with one hardware table"
         ))
     })
 }

@@ -21,7 +21,8 @@ pub struct Args {
     /// GPUs in the cluster (default: the workload's cluster.gpus).
     #[arg(long)]
     gpus: Option<usize>,
-    /// Accelerator: h100, h200, a100, or local (measured by `hetpar calibrate`).
+    /// Accelerator: h100, h200, a100, local (measured by `hetpar calibrate`), or a TOML file
+    /// holding one hardware table (as `hetpar calibrate` writes; `examples/hardware/`).
     #[arg(long)]
     hardware: Option<String>,
     /// Candidates shown per placement family.
@@ -45,8 +46,19 @@ fn note(s: &str) {
     eprintln!("{s}");
 }
 
-/// The hardware spec `name` (`local` reads what `hetpar calibrate` wrote).
+/// The hardware spec `name` (`local` reads what `hetpar calibrate` wrote; a name ending in
+/// `.toml` is a file holding one hardware table).
 fn hardware(name: &str) -> anyhow::Result<Hardware> {
+    if name.ends_with(".toml") {
+        let text = std::fs::read_to_string(name)
+            .with_context(|| format!("cannot read hardware {name}"))?;
+        let table = parse(&text).with_context(|| name.to_string())?;
+        if table.len() != 1 {
+            let names: Vec<&String> = table.keys().collect();
+            bail!("{name}: {} hardware tables {names:?}; a hardware file holds one", table.len());
+        }
+        return Ok(table.into_values().next().expect("one table"));
+    }
     if name != "local" {
         return Ok(builtin(name)?);
     }

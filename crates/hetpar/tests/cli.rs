@@ -319,6 +319,43 @@ fn plan_json_has_the_interface_fields_and_emits_a_config_layout_accepts() {
 }
 
 #[test]
+fn plan_reads_a_hardware_file() {
+    // Llama 3 405B at 131K with CP 16 (published: 380 TFLOPS/GPU), planned with the built-in
+    // factors and with examples/hardware/h100-ring-cp.toml (CP at the measured ring cost):
+    // the file's factors reach the search, the rest take the built-in values.
+    let tflops = |extra: &[&str]| {
+        let mut args = vec!["plan", "examples/workloads/llama3-405b-131k.toml", "--json"];
+        args.extend_from_slice(extra);
+        let v: Value = serde_json::from_str(&stdout(&hetpar(&args))).expect("json");
+        v["candidates"][0]["tflops_per_gpu"].as_f64().expect("tflops")
+    };
+    let built_in = tflops(&[]);
+    let ring = tflops(&["--hardware", "examples/hardware/h100-ring-cp.toml"]);
+    assert!(built_in < 190.0, "built-in factors: {built_in}");
+    assert!((ring - 380.0).abs() / 380.0 <= 0.10, "measured ring cost: {ring}");
+    // A file with two tables is refused in one line that names them.
+    let dir = std::env::temp_dir().join(format!("hetpar-hardware-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let two = dir.join("two.toml");
+    let table = |name: &str| {
+        format!(
+            "[{name}]\ndescription = \"x\"\npeak_tflops = 1.0\nmemory_gib = 1.0\nhbm_gbps = 1.0\ngpus_per_node = 1\nintra_node_gbps = 1.0\ninter_node_gbps = 1.0\nlatency_us = 1.0\n"
+        )
+    };
+    std::fs::write(&two, table("a") + &table("b")).expect("write");
+    let out = hetpar(&[
+        "plan",
+        "examples/workloads/gpt-1.7b.toml",
+        "--hardware",
+        two.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("2 hardware tables [\"a\", \"b\"]"), "{err}");
+}
+
+#[test]
 fn plan_errors_are_one_line() {
     let out = hetpar(&["plan", "examples/workloads/mm-3b-70b-8k.toml", "--gpus", "2"]);
     assert_eq!(out.status.code(), Some(1));
