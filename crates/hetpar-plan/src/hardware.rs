@@ -65,7 +65,8 @@ pub struct Efficiency {
     /// 0.81-0.94 of one kernel's rate (`scripts/hopper/ring.py`); the key/value
     /// exchange is costed apart (`cp_overlap`). Nor context parallelism's cost in general:
     /// they put Meta's Llama 3 405B at 131K with CP 16 (`validation::LLAMA3`) at a sixth of
-    /// its published rate, which the measured ring cost (1.2, `cp_step` 0) predicts.
+    /// its published rate, which the measured ring cost (1.2, `cp_step` 0, the exchange
+    /// exposed: `examples/hardware/h100-ring-cp.toml`) predicts.
     pub cp_attention: f64,
     /// Further slowdown per ring step beyond two: the attention runs at
     /// `attention / (cp_attention * (1 + cp_step * (cp - 2)))` of peak.

@@ -138,8 +138,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         wl.gpus = n;
     }
-    if let Some(h) = &a.hardware {
-        wl.hardware = h.clone();
+    match &a.hardware {
+        Some(h) => wl.hardware = h.clone(),
+        // A hardware file the workload names sits next to it.
+        None if wl.hardware.ends_with(".toml") => {
+            let dir = a.workload.parent().unwrap_or(Path::new(""));
+            wl.hardware = dir.join(&wl.hardware).display().to_string();
+        }
+        None => {}
     }
     if a.top == 0 {
         bail!("--top must be at least 1");

@@ -333,9 +333,25 @@ fn plan_reads_a_hardware_file() {
     let ring = tflops(&["--hardware", "examples/hardware/h100-ring-cp.toml"]);
     assert!(built_in < 190.0, "built-in factors: {built_in}");
     assert!((ring - 380.0).abs() / 380.0 <= 0.10, "measured ring cost: {ring}");
-    // A file with two tables is refused in one line that names them.
+    // A workload naming a hardware file finds it next to itself.
     let dir = std::env::temp_dir().join(format!("hetpar-hardware-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::copy(root().join("examples/hardware/h100-ring-cp.toml"), dir.join("ring.toml"))
+        .expect("copy");
+    let text = std::fs::read_to_string(root().join("examples/workloads/llama3-405b-131k.toml"))
+        .expect("workload");
+    let named = text.replace("hardware = \"h100\"", "hardware = \"ring.toml\"");
+    assert_ne!(named, text);
+    let workload = dir.join("workload.toml");
+    std::fs::write(&workload, named).expect("write");
+    let v: Value = serde_json::from_str(&stdout(&hetpar(&[
+        "plan",
+        workload.to_str().expect("utf-8"),
+        "--json",
+    ])))
+    .expect("json");
+    assert_eq!(v["candidates"][0]["tflops_per_gpu"].as_f64(), Some(ring));
+    // A file with two tables is refused in one line that names them.
     let two = dir.join("two.toml");
     let table = |name: &str| {
         format!(
