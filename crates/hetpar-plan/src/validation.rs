@@ -80,12 +80,7 @@ pub fn llama3(hw: &Hardware) -> Result<Vec<(&'static str, usize, Ranked, f64)>> 
         .map(|&(name, gpus, measured)| {
             let mut wl = workload(name)?;
             wl.gpus = gpus;
-            let plan = search(&wl, hw, 1)?;
-            let best = plan
-                .best_of(Kind::Homogeneous)
-                .cloned()
-                .ok_or_else(|| PlanError(format!("{name} on {gpus} GPUs: no layout fits")))?;
-            Ok((name, gpus, best, measured))
+            Ok((name, gpus, best_homogeneous(&wl, hw)?, measured))
         })
         .collect()
 }
@@ -214,16 +209,15 @@ pub fn homogeneous_miss(row: &str) -> bool {
 pub fn llm_only(hw: &Hardware) -> Result<Vec<(&'static str, Ranked, f64)>> {
     LLM_ONLY
         .iter()
-        .map(|&(name, measured)| {
-            let wl = workload(name)?;
-            let plan = search(&wl, hw, 1)?;
-            let best = plan
-                .best_of(Kind::Homogeneous)
-                .cloned()
-                .ok_or_else(|| PlanError(format!("{name}: no layout fits")))?;
-            Ok((name, best, measured))
-        })
+        .map(|&(name, measured)| Ok((name, best_homogeneous(&workload(name)?, hw)?, measured)))
         .collect()
+}
+
+/// The best homogeneous candidate of a search of `wl`.
+fn best_homogeneous(wl: &Workload, hw: &Hardware) -> Result<Ranked> {
+    search(wl, hw, 1)?.best_of(Kind::Homogeneous).cloned().ok_or_else(|| {
+        PlanError(format!("{} on {} GPUs: no homogeneous layout fits", wl.name, wl.gpus))
+    })
 }
 
 fn choice(n: usize, (tp, cp, pp): (usize, usize, usize)) -> Choice {

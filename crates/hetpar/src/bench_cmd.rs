@@ -156,15 +156,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 fn run_mpi(sizes: &[usize], iters: usize, header: &str) -> anyhow::Result<()> {
     use hetpar_comm::Communicator;
     use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
-    // Each line in one write: ranks share mpirun's output, and a line written in pieces
-    // (as `eprintln!` writes its arguments) can take another rank's line inside it.
-    #[allow(clippy::print_stderr)]
     let opts = MpiOptions {
         timeout: Duration::from_secs(600),
-        on_fatal: Box::new(|e| {
-            let line = format!("error: {e}\n");
-            eprint!("{line}")
-        }),
+        on_fatal: Box::new(|e| crate::stderr_line(&format!("error: {e}"))),
     };
     let world = init(opts)?;
     #[allow(clippy::print_stderr)]

@@ -125,14 +125,18 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line: the chain of contexts joined by ": ", in one write, so that ranks
-            // sharing mpirun's output cannot interleave inside it (each line below too).
-            #[allow(clippy::print_stderr)]
-            {
-                let line = format!("error: {e:#}\n");
-                eprint!("{line}");
-            }
+            // One line: the chain of contexts joined by ": ".
+            stderr_line(&format!("error: {e:#}"));
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes `line` and its newline to stderr in one write: ranks under mpirun share the
+/// stream, and a line written in pieces (as `eprintln!` writes its arguments) can take
+/// another rank's line inside it. Every error line of the binary goes through here.
+#[allow(clippy::print_stderr)]
+pub(crate) fn stderr_line(line: &str) {
+    let whole = format!("{line}\n");
+    eprint!("{whole}");
 }

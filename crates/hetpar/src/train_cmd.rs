@@ -942,16 +942,8 @@ fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Com
     use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
     // The ranks mpirun started on this host share its cores.
     crate::threads::share_host();
-    // Each line in one write: ranks share mpirun's output, and a line written in pieces
-    // (as `eprintln!` writes its arguments) can take another rank's line inside it.
-    #[allow(clippy::print_stderr)]
-    let opts = MpiOptions {
-        timeout,
-        on_fatal: Box::new(|e| {
-            let line = format!("error: {e}\n");
-            eprint!("{line}")
-        }),
-    };
+    let opts =
+        MpiOptions { timeout, on_fatal: Box::new(|e| crate::stderr_line(&format!("error: {e}"))) };
     let world = init(opts)?;
     #[allow(clippy::print_stderr)]
     abort_on_panic(world.rank(), |l| eprint!("{l}"));
@@ -971,11 +963,7 @@ fn open_mpi(_: Duration, _: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>
 /// A rank's error under MPI: printed, and the whole job ends at once.
 #[cfg(feature = "mpi")]
 fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
-    #[allow(clippy::print_stderr)]
-    {
-        let line = format!("error: rank {rank}: {e}\n");
-        eprint!("{line}");
-    }
+    crate::stderr_line(&format!("error: rank {rank}: {e}"));
     hetpar_comm::mpi::abort_job(1)
 }
 
