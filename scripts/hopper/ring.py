@@ -28,12 +28,13 @@ TFLOP/s on this GPU. Needs PyTorch with CUDA; prints JSON lines and a Markdown t
 """
 
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from common import Records, Timer
 
 # (name, heads per GPU, head dim, sequence, cp, causal, batch): the rows of
 # crates/hetpar-plan/src/validation.rs at their published layouts (heads / tp).
@@ -57,33 +58,6 @@ BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "math": SDPBackend.MATH,
 }
-
-
-class Timer:
-    """Mean seconds of `fn` over `reps` calls after `warm` calls."""
-
-    def __init__(self, device, warm, reps):
-        self.device, self.warm, self.reps = device, warm, reps
-
-    def __call__(self, fn):
-        for _ in range(self.warm):
-            fn()
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(self.reps):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3 / self.reps
-        import time
-
-        t = time.perf_counter()
-        for _ in range(self.reps):
-            fn()
-        return (time.perf_counter() - t) / self.reps
 
 
 def tensors(batch, heads, length, dim, device, dtype):
@@ -184,16 +158,8 @@ def main():
     timer = Timer(device, warm=2 if args.quick else 3, reps=2 if args.quick else args.reps)
     if device == "cuda":
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    sink = open(args.json, "w") if args.json else None
-    rows = []
-
-    def emit(rec):
-        rows.append(rec)
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if sink:
-            sink.write(line + "\n")
-            sink.flush()
+    records = Records(args.json)
+    emit, rows = records.emit, records.rows
 
     for name, heads, dim, seq, cp, causal, batch in shapes:
         for bname in backends:

@@ -8,15 +8,19 @@
 //! LLM-only median, each with a margin), the 8K rows weighted ten times, plus a little of
 //! the mean errors; Nelder-Mead then a pattern search, from the built-in factors and from
 //! spread-out points. The published times per microbatch (the 64K row) and Meta's Llama 3
-//! 405B rows are printed with their errors but not fitted. `--set name=value` overrides a factor (the fit's start),
-//! `--fix name` holds one at that value (a measured rate, say), `--show` prints the rows
-//! for the factors as they are.
+//! 405B rows are printed with their errors but not fitted. `--set name=value` overrides a
+//! factor (the fit's start), `--fix name` holds one at that value (a measured rate, say),
+//! `--show` prints the rows for the factors as they are. `--count weights` reads the
+//! multimodal rows' rates as counting the weights' products only (no core attention), with
+//! the microbatch size the 64K row's times then pin (two samples; BENCHMARKS.md).
 
 #![allow(clippy::print_stdout)]
 
 use hetpar_plan::hardware::builtin;
-use hetpar_plan::validation::{llama3, llm_only, microbatch_ms, multimodal};
-use hetpar_plan::{Efficiency, Hardware};
+use hetpar_plan::validation::{
+    counted_rate, llama3, llm_only, microbatch_ms, multimodal_counting, workload,
+};
+use hetpar_plan::{Efficiency, FlopCount, Hardware};
 
 /// Per-row errors: LLM-only TFLOPS/GPU, multimodal TFLOPS/GPU, multimodal gain (points),
 /// and the published times per microbatch.
@@ -27,15 +31,16 @@ struct Errors {
     microbatch: Vec<f64>,
 }
 
-fn errors(hw: &Hardware) -> Option<Errors> {
+fn errors(hw: &Hardware, count: FlopCount) -> Option<Errors> {
     let llm: Vec<f64> = llm_only(hw)
         .ok()?
         .iter()
         .map(|(_, r, m)| (r.prediction.tflops_per_gpu - m).abs() / m)
         .collect();
     let (mut mm, mut gain, mut microbatch) = (Vec::new(), Vec::new(), Vec::new());
-    for (row, (hc, ph), (tc, pt)) in multimodal(hw).ok()? {
-        let (a, b) = (ph.tflops_per_gpu, pt.tflops_per_gpu);
+    for (row, (hc, ph), (tc, pt)) in multimodal_counting(hw, count).ok()? {
+        let wl = workload(row.name).ok()?;
+        let (a, b) = (counted_rate(&wl, &ph, count), counted_rate(&wl, &pt, count));
         mm.push((a - row.measured.0).abs() / row.measured.0);
         mm.push((b - row.measured.1).abs() / row.measured.1);
         gain.push(((b / a) - (row.measured.1 / row.measured.0)).abs());
@@ -56,9 +61,9 @@ fn worst(v: &[f64]) -> f64 {
 }
 
 /// The acceptance bounds as hinges with a margin; see the module docs.
-fn loss(hw: &Hardware) -> f64 {
+fn loss(hw: &Hardware, count: FlopCount) -> f64 {
     // The published microbatch times are reported, not fitted (see BENCHMARKS.md).
-    errors(hw).map_or(f64::INFINITY, |Errors { mut llm, mm, gain, .. }| {
+    errors(hw, count).map_or(f64::INFINITY, |Errors { mut llm, mm, gain, .. }| {
         llm.sort_by(f64::total_cmp);
         let hinge = |e: f64, bound: f64| (e - bound).max(0.0).powi(2) / (bound * bound);
         // The 8K rows come first in the table: two predictions and one gain each.
@@ -72,8 +77,8 @@ fn loss(hw: &Hardware) -> f64 {
 
 /// The acceptance numbers: median LLM-only error, worst multimodal error, worst gain error;
 /// and the worst error on the published microbatch times.
-fn summary(hw: &Hardware) -> String {
-    let Some(Errors { mut llm, mm, gain, microbatch }) = errors(hw) else {
+fn summary(hw: &Hardware, count: FlopCount) -> String {
+    let Some(Errors { mut llm, mm, gain, microbatch }) = errors(hw, count) else {
         return "no prediction".into();
     };
     llm.sort_by(f64::total_cmp);
@@ -116,7 +121,7 @@ fn get(e: &mut Efficiency, i: usize) -> &mut f64 {
 }
 
 /// Every row with its prediction and where the time goes.
-fn show(hw: &Hardware) {
+fn show(hw: &Hardware, count: FlopCount) {
     for (name, r, m) in llm_only(hw).expect("predictions") {
         println!(
             "{name}: {:.1} (measured {m}) {} idle {:.1}%",
@@ -134,8 +139,8 @@ fn show(hw: &Hardware) {
             r.prediction.bubble * 100.0
         );
     }
-    for (row, (hc, ph), (tc, pt)) in multimodal(hw).expect("predictions") {
-        let wl = hetpar_plan::validation::workload(row.name).expect("workload");
+    for (row, (hc, ph), (tc, pt)) in multimodal_counting(hw, count).expect("predictions") {
+        let wl = workload(row.name).expect("workload");
         let ev = hetpar_plan::Evaluator::new(&wl, hw);
         let ms = row.microbatch.map(|m| m.ms);
         for (label, c, p, m, m_ms) in [
@@ -143,6 +148,7 @@ fn show(hw: &Hardware) {
             ("het", tc, pt, row.measured.1, ms.map(|t| t.1)),
         ] {
             let per_mb = microbatch_ms(&c, &p);
+            let rate = counted_rate(&wl, &p, count);
             let measured_mb = m_ms.map_or(String::new(), |ms| {
                 format!(" ({ms:.0} measured, {:+.1}%)", (per_mb / ms - 1.0) * 100.0)
             });
@@ -151,10 +157,10 @@ fn show(hw: &Hardware) {
             println!(
                 "{} {label}: {:.1} (measured {m}, {:+.0}%) step {:.2} s ({:.2} s measured) per microbatch {per_mb:.0} ms{measured_mb} idle {:.1}% boundary {:.2} s {:.1} GiB, {} microbatches, llm {} enc {}; busy {}",
                 row.name,
-                p.tflops_per_gpu,
-                (p.tflops_per_gpu / m - 1.0) * 100.0,
+                rate,
+                (rate / m - 1.0) * 100.0,
                 p.step_time_s,
-                p.step_time_s * p.tflops_per_gpu / m,
+                p.step_time_s * rate / m,
                 p.bubble * 100.0,
                 p.boundary_s,
                 p.memory.total() / hetpar_plan::hardware::GIB,
@@ -287,9 +293,15 @@ fn main() {
         *get(&mut hw.efficiency, i) = v.parse().expect("a number");
     }
     let hw = hw;
+    // `--count weights`: read the multimodal rates as counting the weights' products only.
+    let count = match args.windows(2).find(|w| w[0] == "--count").map(|w| w[1].as_str()) {
+        None | Some("all") => FlopCount::All,
+        Some("weights") => FlopCount::Weights,
+        Some(other) => panic!("--count {other}: all or weights"),
+    };
     if args.iter().any(|a| a == "--show") {
-        show(&hw);
-        println!("{}", summary(&hw));
+        show(&hw, count);
+        println!("{}", summary(&hw, count));
         return;
     }
     // A fixed factor's bounds close on its value, so the fit cannot move it.
@@ -320,7 +332,7 @@ fn main() {
         }
         h
     };
-    let f = |u: &[f64]| loss(&to_hw(u));
+    let f = |u: &[f64]| loss(&to_hw(u), count);
     let start: Vec<f64> = bounds
         .iter()
         .enumerate()
@@ -332,7 +344,7 @@ fn main() {
             }
         })
         .collect();
-    println!("start: loss {:.4}: {}", f(&start), summary(&hw));
+    println!("start: loss {:.4}: {}", f(&start), summary(&hw, count));
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut rand = move || {
         seed ^= seed << 13;
@@ -358,8 +370,8 @@ fn main() {
         }
     }
     let hw = to_hw(&best_u);
-    println!("{}", summary(&hw));
-    show(&hw);
+    println!("{}", summary(&hw, count));
+    show(&hw, count);
     for (i, (n, _, _)) in FACTORS.iter().enumerate() {
         println!("{n} = {}", get(&mut hw.efficiency.clone(), i));
     }

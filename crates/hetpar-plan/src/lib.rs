@@ -27,4 +27,4 @@ pub use evaluate::Evaluator;
 pub use hardware::{Efficiency, Hardware};
 pub use model::{Mlp, ModuleShape};
 pub use search::{Plan, Ranked, search};
-pub use workload::Workload;
+pub use workload::{FlopCount, Workload};

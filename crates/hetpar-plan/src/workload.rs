@@ -182,6 +182,17 @@ pub struct Workload {
     pub encoders: Vec<Encoder>,
 }
 
+/// Which FLOPs a TFLOPS/GPU figure counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlopCount {
+    /// Every product, the weights' and core attention's, causal attention as half the score
+    /// matrix: Megatron's count and the planner's TFLOPS/GPU.
+    All,
+    /// The products with weights only (6 FLOPs per weight and token: projections, MLP, LM
+    /// head, projector), no core attention: the "6N" count some reports use.
+    Weights,
+}
+
 impl Workload {
     /// Parses and validates a workload file. Errors name the field and say what to write.
     pub fn from_toml(text: &str) -> Result<Workload> {
@@ -193,14 +204,25 @@ impl Workload {
     /// Model FLOPs of one step (the TFLOPS/GPU numerator): every module's training FLOPs per
     /// token times its tokens, causal attention counted as half the score matrix.
     pub fn step_flops(&self) -> f64 {
+        self.step_flops_counting(FlopCount::All)
+    }
+
+    /// The FLOPs of one step that `count` counts.
+    pub fn step_flops_counting(&self, count: FlopCount) -> f64 {
         let b = self.global_batch as f64;
-        let llm = self.llm.flops_per_token(self.seq_len) * self.seq_len as f64 * b;
+        let attention = |flops: f64| if count == FlopCount::All { flops } else { 0.0 };
+        let l = &self.llm;
+        let per_token = l.layers as f64
+            * (l.layer_gemm_flops() + attention(l.layer_attention_flops(self.seq_len)))
+            + l.end_flops();
+        let llm = per_token * self.seq_len as f64 * b;
         let enc: f64 = self
             .encoders
             .iter()
             .map(|e| {
                 let layers = e.shape.layers as f64
-                    * (e.shape.layer_gemm_flops() + e.shape.layer_attention_flops(e.seq))
+                    * (e.shape.layer_gemm_flops()
+                        + attention(e.shape.layer_attention_flops(e.seq)))
                     * e.tokens_per_sample();
                 (layers + e.shape.end_flops() * e.rows_per_sample()) * b
             })

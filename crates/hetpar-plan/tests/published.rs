@@ -7,9 +7,10 @@
 
 use hetpar_plan::hardware::{GIB, builtin};
 use hetpar_plan::validation::{
-    homogeneous_miss, llama3, llm_only, microbatch_ms, multimodal, workload,
+    MULTIMODAL, homogeneous_miss, llama3, llm_only, microbatch_ms, microbatch_samples, multimodal,
+    workload,
 };
-use hetpar_plan::{Kind, Workload, search};
+use hetpar_plan::{FlopCount, Kind, Workload, search};
 
 #[test]
 fn llm_only_table_median_error_at_most_10_percent() {
@@ -90,12 +91,13 @@ fn published_microbatch_times_within_10_percent() {
         let Some(published) = row.microbatch else { continue };
         let (homo, het) = (microbatch_ms(&hc, &ph), microbatch_ms(&tc, &pt));
         let (m_homo, m_het) = published.ms;
+        let samples = microbatch_samples(&row, FlopCount::All).expect("samples").expect("times");
         eprintln!(
-            "{}: per microbatch of {} sample(s) per replica, homogeneous {homo:.0} ms (measured {m_homo}), heterogeneous {het:.0} ms (measured {m_het})",
-            row.name, published.samples
+            "{}: per microbatch of {samples} sample(s) per replica, homogeneous {homo:.0} ms (measured {m_homo}), heterogeneous {het:.0} ms (measured {m_het})",
+            row.name
         );
         for (c, predicted, measured) in [(&hc, homo, m_homo), (&tc, het, m_het)] {
-            assert_eq!(c.llm_mbs(&workload(row.name).expect("workload")), published.samples as f64);
+            assert_eq!(c.llm_mbs(&workload(row.name).expect("workload")), samples as f64);
             assert!(
                 (predicted - measured).abs() / measured <= 0.10,
                 "{}: {predicted:.0} ms per microbatch vs {measured} measured",
@@ -111,6 +113,23 @@ fn published_microbatch_times_within_10_percent() {
         checked += 1;
     }
     assert_eq!(checked, 1, "the rows with published microbatch times");
+}
+
+#[test]
+fn microbatch_times_pin_the_microbatch_size_of_each_flop_count() {
+    // The 64K row's times per microbatch and its rates agree on one sample per replica and
+    // microbatch if the rates count every FLOP (the model's count), and on two if they
+    // count the weights' products only: the times pin FLOPs per sample, not the count.
+    let row = MULTIMODAL.iter().find(|r| r.microbatch.is_some()).expect("a row with times");
+    assert_eq!(microbatch_samples(row, FlopCount::All).expect("samples"), Some(1));
+    assert_eq!(microbatch_samples(row, FlopCount::Weights).expect("samples"), Some(2));
+    let wl = workload(row.name).expect("workload");
+    let (all, weights) = (wl.step_flops(), wl.step_flops_counting(FlopCount::Weights));
+    // Core attention is over half of a 64K step's FLOPs (2.53e16 against 1.16e16).
+    assert!(weights < 0.5 * all && weights > 0.4 * all, "{weights:e} of {all:e}");
+    for other in MULTIMODAL.iter().filter(|r| r.microbatch.is_none()) {
+        assert_eq!(microbatch_samples(other, FlopCount::All).expect("samples"), None);
+    }
 }
 
 #[test]
