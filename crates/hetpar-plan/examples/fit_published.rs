@@ -143,19 +143,23 @@ fn show(hw: &Hardware, count: FlopCount) {
         let wl = workload(row.name).expect("workload");
         let ev = hetpar_plan::Evaluator::new(&wl, hw);
         let ms = row.microbatch.map(|m| m.ms);
-        for (label, c, p, m, m_ms) in [
-            ("homo", hc, ph, row.measured.0, ms.map(|t| t.0)),
-            ("het", tc, pt, row.measured.1, ms.map(|t| t.1)),
+        let gb = row.memory_gb;
+        for (label, c, p, m, m_ms, m_gb) in [
+            ("homo", hc, ph, row.measured.0, ms.map(|t| t.0), gb.map(|g| g.0)),
+            ("het", tc, pt, row.measured.1, ms.map(|t| t.1), gb.map(|g| g.1)),
         ] {
             let per_mb = microbatch_ms(&c, &p);
             let rate = counted_rate(&wl, &p, count);
             let measured_mb = m_ms.map_or(String::new(), |ms| {
                 format!(" ({ms:.0} measured, {:+.1}%)", (per_mb / ms - 1.0) * 100.0)
             });
+            let memory = p.memory.total() / hetpar_plan::hardware::GIB;
+            let published_memory =
+                m_gb.map_or(String::new(), |g| format!(" (published {g} GB, {:+.1})", memory - g));
             let busy: Vec<String> =
                 p.busy.iter().map(|(n, w, c)| format!("{n} {w:.2} s (comm {c:.2})")).collect();
             println!(
-                "{} {label}: {:.1} (measured {m}, {:+.0}%) step {:.2} s ({:.2} s measured) per microbatch {per_mb:.0} ms{measured_mb} idle {:.1}% boundary {:.2} s {:.1} GiB, {} microbatches, llm {} enc {}; busy {}",
+                "{} {label}: {:.1} (measured {m}, {:+.0}%) step {:.2} s ({:.2} s measured) per microbatch {per_mb:.0} ms{measured_mb} idle {:.1}% boundary {:.2} s {memory:.1} GiB{published_memory}, {} microbatches, llm {} enc {}; busy {}",
                 row.name,
                 rate,
                 (rate / m - 1.0) * 100.0,
@@ -163,11 +167,18 @@ fn show(hw: &Hardware, count: FlopCount) {
                 p.step_time_s * rate / m,
                 p.bubble * 100.0,
                 p.boundary_s,
-                p.memory.total() / hetpar_plan::hardware::GIB,
                 c.microbatches,
                 c.llm.describe(),
                 c.encoders[0].describe(),
                 busy.join(", ")
+            );
+            let g = hetpar_plan::hardware::GIB;
+            println!(
+                "    memory (GiB): states {:.1}, activations {:.1}, buffers {:.1}, overhead {:.1}",
+                p.memory.states / g,
+                p.memory.activations / g,
+                p.memory.buffers / g,
+                p.memory.overhead / g
             );
             let runs = std::iter::once(("llm", ev.llm_run(&c)))
                 .chain((0..c.encoders.len()).map(|i| ("enc", ev.encoder_run(&c, i))));

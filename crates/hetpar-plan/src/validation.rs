@@ -102,6 +102,10 @@ pub struct MultimodalRow {
     /// Measured time per microbatch, homogeneous and heterogeneous, where the source gives
     /// it (see [`Microbatch`]).
     pub microbatch: Option<Microbatch>,
+    /// Published memory per GPU, homogeneous and heterogeneous, as the source gives it
+    /// ("GB"; the 8K table). The model's recomputation choice rests on its own memory
+    /// estimate, which these check (`fit_published --show`, BENCHMARKS.md).
+    pub memory_gb: Option<(f64, f64)>,
 }
 
 /// Published time per microbatch of a multimodal row. Where the source gives it, it also
@@ -128,6 +132,7 @@ pub const MULTIMODAL: [MultimodalRow; 7] = [
         encoder_tp: 1,
         measured: (415.1, 473.3),
         microbatch: None,
+        memory_gb: Some((57.6, 58.2)),
     },
     MultimodalRow {
         name: "mm-3b-14b-8k",
@@ -136,6 +141,7 @@ pub const MULTIMODAL: [MultimodalRow; 7] = [
         encoder_tp: 1,
         measured: (441.4, 498.3),
         microbatch: None,
+        memory_gb: Some((60.1, 58.3)),
     },
     MultimodalRow {
         name: "mm-3b-32b-8k",
@@ -144,6 +150,7 @@ pub const MULTIMODAL: [MultimodalRow; 7] = [
         encoder_tp: 1,
         measured: (432.0, 486.9),
         microbatch: None,
+        memory_gb: Some((69.4, 55.9)),
     },
     MultimodalRow {
         name: "mm-3b-70b-8k",
@@ -152,6 +159,7 @@ pub const MULTIMODAL: [MultimodalRow; 7] = [
         encoder_tp: 1,
         measured: (408.0, 467.4),
         microbatch: None,
+        memory_gb: Some((56.3, 62.9)),
     },
     MultimodalRow {
         name: "mm-1b-7b-16k",
@@ -160,6 +168,7 @@ pub const MULTIMODAL: [MultimodalRow; 7] = [
         encoder_tp: 1,
         measured: (266.9, 290.1),
         microbatch: None,
+        memory_gb: None,
     },
     MultimodalRow {
         name: "mm-1b-14b-32k",
@@ -168,6 +177,7 @@ pub const MULTIMODAL: [MultimodalRow; 7] = [
         encoder_tp: 2,
         measured: (208.1, 267.2),
         microbatch: None,
+        memory_gb: None,
     },
     MultimodalRow {
         name: "mm-1b-7b-64k",
@@ -176,6 +186,7 @@ pub const MULTIMODAL: [MultimodalRow; 7] = [
         encoder_tp: 1,
         measured: (71.3, 100.0),
         microbatch: Some(Microbatch { ms: (2569.0, 3717.0) }),
+        memory_gb: None,
     },
 ];
 
