@@ -116,7 +116,8 @@ def inputs(kind, hidden, heads, kv, dim, ffn, tp, tokens, device, dtype):
 
 
 def least_forward_bytes(args, outs):
-    """Every tensor input read once and every output written once."""
+    """Every tensor of `args` read once and every output written once (the caller passes
+    the inputs of two or more dimensions: the norms' weights are left out)."""
     return sum(a.numel() * a.element_size() for a in args) + sum(
         o.numel() * o.element_size() for o in outs
     )
@@ -171,15 +172,21 @@ def main():
     ap.add_argument("--json", help="also write JSON lines here")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-compile", action="store_true", help="eager only")
+    ap.add_argument("--bandwidth-gbps", type=float,
+                    help="datasheet HBM bandwidth, GB/s (default: by GPU name, H100 or H200)")
     args = ap.parse_args()
     device = "cpu" if args.quick else "cuda"
     dtype = torch.float32 if args.quick else torch.bfloat16
     shapes = QUICK if args.quick else SHAPES
     warm, reps = (2, 2) if args.quick else (3, args.reps)
-    bandwidth = 3350.0
+    bandwidth = args.bandwidth_gbps or 3350.0
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        bandwidth = next((v for k, v in BANDWIDTH.items() if k in name), bandwidth)
+        if not args.bandwidth_gbps:
+            known = [v for k, v in BANDWIDTH.items() if k in name]
+            if not known:
+                ap.error(f"no datasheet bandwidth known for {name!r}: pass --bandwidth-gbps")
+            bandwidth = known[0]
         print(f"# {name}, torch {torch.__version__}, datasheet HBM {bandwidth:.0f} GB/s",
               flush=True)
     records = Records(args.json)

@@ -12,14 +12,16 @@ measured rate next to the model's:
     python3 scripts/hopper/gemm.py --json out.jsonl
 
 Needs PyTorch with CUDA. Shapes are the published rows' models (PUBLISHED.md, the issue's
-1B ViT and Llama-2-7B) at the tp their layouts use.
+1B ViT and Llama-2-7B) at the tp their layouts use. `--quick` runs two of them on 64 rows
+on the CPU in f32, to check the script.
 """
 
 import argparse
-import json
 import sys
 
 import torch
+
+from common import Records, Timer
 
 # (name, hidden, heads, kv heads, ffn, swiglu)
 MODELS = {
@@ -55,13 +57,16 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192, help="rows per rank (the microbatch)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="also write JSON lines here")
+    ap.add_argument("--quick", action="store_true", help="64 rows, two runs, on the CPU")
     args = ap.parse_args()
-    dev, dt = "cuda", torch.bfloat16
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    sink = open(args.json, "w") if args.json else None
-    rows = []
-    t = args.tokens
-    for model, tp in RUNS:
+    if args.quick:
+        dev, dt, t, runs = "cpu", torch.float32, 64, RUNS[:2]
+    else:
+        dev, dt, t, runs = "cuda", torch.bfloat16, args.tokens, RUNS
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    timer = Timer(dev, warm=3, reps=2 if args.quick else args.reps)
+    records = Records(args.json)
+    for model, tp in runs:
         mats = []
         flops = 0.0
         for k, n in products(model, tp):
@@ -77,30 +82,18 @@ def main():
                 dy @ w.t()
                 x.t() @ dy
 
-        for _ in range(3):
-            layer()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.reps):
-            layer()
-        end.record()
-        torch.cuda.synchronize()
-        secs = start.elapsed_time(end) / 1e3 / args.reps
+        secs = timer(layer)
         width = MODELS[model][0] / tp
-        rec = {
+        records.emit({
             "model": model, "tp": tp, "tokens": t, "width": width, "ms": 1e3 * secs,
             "tflops": flops / secs / 1e12, "of_peak": flops / secs / 1e12 / PEAK,
             "model_of_peak": GEMM * width / (width + HALF_WIDTH),
-        }
-        rows.append(rec)
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if sink:
-            sink.write(line + "\n")
+        })
         del mats
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
+    rows = records.rows
     print(f"\n| model | tp | width (hidden / tp) | ms per layer | TFLOP/s | of {PEAK:.0f} | planner's |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -154,8 +154,9 @@ fn show(hw: &Hardware, count: FlopCount) {
                 format!(" ({ms:.0} measured, {:+.1}%)", (per_mb / ms - 1.0) * 100.0)
             });
             let memory = p.memory.total() / hetpar_plan::hardware::GIB;
-            let published_memory =
-                m_gb.map_or(String::new(), |g| format!(" (published {g} GB, {:+.1})", memory - g));
+            let published_memory = m_gb.map_or(String::new(), |g| {
+                format!(" (published {g} GB, {:+.1} GiB reading GB as GiB)", memory - g)
+            });
             let busy: Vec<String> =
                 p.busy.iter().map(|(n, w, c)| format!("{n} {w:.2} s (comm {c:.2})")).collect();
             println!(
@@ -305,10 +306,14 @@ fn main() {
     }
     let hw = hw;
     // `--count weights`: read the multimodal rates as counting the weights' products only.
-    let count = match args.windows(2).find(|w| w[0] == "--count").map(|w| w[1].as_str()) {
-        None | Some("all") => FlopCount::All,
-        Some("weights") => FlopCount::Weights,
-        Some(other) => panic!("--count {other}: all or weights"),
+    let at = args.iter().position(|a| a.starts_with("--count"));
+    let count = match at.map(|i| (args[i].as_str(), args.get(i + 1).map(String::as_str))) {
+        None => FlopCount::All,
+        Some(("--count", Some("all"))) => FlopCount::All,
+        Some(("--count", Some("weights"))) => FlopCount::Weights,
+        Some((flag, value)) => {
+            panic!("{flag} {}: write --count all or --count weights", value.unwrap_or(""))
+        }
     };
     if args.iter().any(|a| a == "--show") {
         show(&hw, count);

@@ -104,7 +104,7 @@ pub struct MultimodalRow {
     pub microbatch: Option<Microbatch>,
     /// Published memory per GPU, homogeneous and heterogeneous, as the source gives it
     /// ("GB"; the 8K table). The model's recomputation choice rests on its own memory
-    /// estimate, which these check (`fit_published --show`, BENCHMARKS.md).
+    /// estimate; `fit_published --show` prints it next to these (BENCHMARKS.md).
     pub memory_gb: Option<(f64, f64)>,
 }
 
@@ -310,35 +310,57 @@ pub fn microbatch_ms(c: &Candidate, p: &Prediction) -> f64 {
 /// when its rates count `count`'s FLOPs: of the sizes (1, 2, 4, ...) that split the global
 /// batch on both published layouts, the one whose microbatch count times the published
 /// time per microbatch comes closest to the step that the published rate means (the FLOPs
-/// over the rate and the GPUs), summed over both layouts as log ratios. None where the row
-/// gives no times.
+/// over the rate and the GPUs), by the sum of both layouts' log ratios. A size is pinned
+/// only if that sum stays under `ln 2` (each layout within a factor of about `sqrt 2`,
+/// nearer to it than to the next size); otherwise times and rates disagree and this is an
+/// error. None where the row gives no times.
 pub fn microbatch_samples(row: &MultimodalRow, count: FlopCount) -> Result<Option<usize>> {
     let Some(m) = row.microbatch else { return Ok(None) };
     let wl = workload(row.name)?;
     let flops = wl.step_flops_counting(count);
-    let layouts = [(row.homogeneous, row.measured.0, m.ms.0), (row.llm, row.measured.1, m.ms.1)];
+    let mut layouts = Vec::new();
+    for (layout, rate, ms) in
+        [(row.homogeneous, row.measured.0, m.ms.0), (row.llm, row.measured.1, m.ms.1)]
+    {
+        let c = choice(wl.gpus, layout);
+        let block = c.tp * c.cp * c.pp;
+        if block == 0 || !wl.gpus.is_multiple_of(block) {
+            return Err(PlanError(format!(
+                "{}: tp({})*cp({})*pp({}) = {block} does not divide gpus({})",
+                row.name, c.tp, c.cp, c.pp, wl.gpus
+            )));
+        }
+        let step = flops / (rate * 1e12 * wl.gpus as f64);
+        layouts.push((c.dp(), step, ms / 1e3));
+    }
     let mut best: Option<(f64, usize)> = None;
     let mut samples = 1;
     while samples <= wl.global_batch {
         let mut miss = 0.0;
-        for &((tp, cp, pp), rate, ms) in &layouts {
-            let per_step = wl.gpus / (tp * cp * pp) * samples;
+        for &(dp, step, secs) in &layouts {
+            let per_step = dp * samples;
             if !wl.global_batch.is_multiple_of(per_step) {
                 miss = f64::INFINITY;
                 break;
             }
-            let step = flops / (rate * 1e12 * wl.gpus as f64);
-            let summed = (wl.global_batch / per_step) as f64 * ms / 1e3;
-            miss += (summed / step).ln().abs();
+            miss += ((wl.global_batch / per_step) as f64 * secs / step).ln().abs();
         }
         if miss.is_finite() && best.is_none_or(|(b, _)| miss < b) {
             best = Some((miss, samples));
         }
         samples *= 2;
     }
-    best.map(|(_, s)| Some(s)).ok_or_else(|| {
-        PlanError(format!("{}: no microbatch size splits the global batch", row.name))
-    })
+    match best {
+        Some((miss, samples)) if miss < std::f64::consts::LN_2 => Ok(Some(samples)),
+        Some((miss, samples)) => Err(PlanError(format!(
+            "{}: the published times per microbatch ({} and {} ms) and rates ({} and {} TFLOPS/GPU, {flops:.3e} FLOPs a step) fit no microbatch size: the nearest, {samples} samples, is off by a summed log ratio of {miss:.2}",
+            row.name, m.ms.0, m.ms.1, row.measured.0, row.measured.1
+        ))),
+        None => Err(PlanError(format!(
+            "{}: global_batch({}) splits into no power-of-two microbatch size on both layouts (dp {} and {})",
+            row.name, wl.global_batch, layouts[0].0, layouts[1].0
+        ))),
+    }
 }
 
 /// The published homogeneous and heterogeneous layouts of every multimodal row as

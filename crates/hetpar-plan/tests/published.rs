@@ -7,8 +7,8 @@
 
 use hetpar_plan::hardware::{GIB, builtin};
 use hetpar_plan::validation::{
-    MULTIMODAL, homogeneous_miss, llama3, llm_only, microbatch_ms, microbatch_samples, multimodal,
-    workload,
+    MULTIMODAL, Microbatch, MultimodalRow, homogeneous_miss, llama3, llm_only, microbatch_ms,
+    microbatch_samples, multimodal, workload,
 };
 use hetpar_plan::{FlopCount, Kind, Workload, search};
 
@@ -127,9 +127,10 @@ fn microbatch_times_pin_the_microbatch_size_of_each_flop_count() {
     let (all, weights) = (wl.step_flops(), wl.step_flops_counting(FlopCount::Weights));
     // Core attention is over half of a 64K step's FLOPs (2.53e16 against 1.16e16).
     assert!(weights < 0.5 * all && weights > 0.4 * all, "{weights:e} of {all:e}");
-    for other in MULTIMODAL.iter().filter(|r| r.microbatch.is_none()) {
-        assert_eq!(microbatch_samples(other, FlopCount::All).expect("samples"), None);
-    }
+    // Times ten times too long fit no size: an error, not the nearest size.
+    let off = MultimodalRow { microbatch: Some(Microbatch { ms: (25690.0, 37170.0) }), ..*row };
+    let e = microbatch_samples(&off, FlopCount::All).expect_err("times off by 10x");
+    assert!(e.to_string().contains("fit no microbatch size"), "{e}");
 }
 
 #[test]
