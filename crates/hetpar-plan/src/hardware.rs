@@ -75,8 +75,8 @@ pub struct Efficiency {
     pub cp_overlap: f64,
     /// Bytes of HBM traffic per token and hidden unit that a layer's element-wise work
     /// (norms, residuals, activations, rotary, dropout) moves in the forward pass. Fitted:
-    /// a Hopper GPU runs an LLM layer's element-wise work (no dropout) in the time of 48-57
-    /// such bytes when fused and 266-312 op by op (`scripts/hopper/elementwise.py`,
+    /// a Hopper GPU runs an LLM layer's element-wise work (no dropout) in the time of 47-58
+    /// such bytes when fused and 264-312 op by op (`scripts/hopper/elementwise.py`,
     /// BENCHMARKS.md), so the fitted value carries more than that work.
     pub elementwise_bytes: f64,
     /// Fraction of a layer's GEMM time that can hide its tensor-parallel communication
