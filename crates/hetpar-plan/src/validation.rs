@@ -313,10 +313,13 @@ pub fn microbatch_ms(c: &Candidate, p: &Prediction) -> f64 {
 /// over the rate and the GPUs), by the sum of both layouts' log ratios. A size is pinned
 /// only if that sum stays under `ln 2` (each layout within a factor of about `sqrt 2`,
 /// nearer to it than to the next size); otherwise times and rates disagree and this is an
-/// error. None where the row gives no times.
-pub fn microbatch_samples(row: &MultimodalRow, count: FlopCount) -> Result<Option<usize>> {
+/// error. None where the row gives no times. `wl` is the row's workload.
+pub fn microbatch_samples(
+    row: &MultimodalRow,
+    wl: &Workload,
+    count: FlopCount,
+) -> Result<Option<usize>> {
     let Some(m) = row.microbatch else { return Ok(None) };
-    let wl = workload(row.name)?;
     let flops = wl.step_flops_counting(count);
     let mut layouts = Vec::new();
     for (layout, rate, ms) in
@@ -393,7 +396,7 @@ pub fn multimodal_counting(hw: &Hardware, count: FlopCount) -> Result<Vec<Multim
                 encoders: vec![Choice { offload: true, ..choice(n, (row.encoder_tp, 1, 1)) }],
                 microbatches: 1,
             };
-            let pinned = microbatch_samples(row, count)?.map(|s| [s]);
+            let pinned = microbatch_samples(row, &wl, count)?.map(|s| [s]);
             let sizes: &[usize] = match &pinned {
                 Some(s) => s,
                 None => &[1, 2, 4],

@@ -91,7 +91,9 @@ fn published_microbatch_times_within_10_percent() {
         let Some(published) = row.microbatch else { continue };
         let (homo, het) = (microbatch_ms(&hc, &ph), microbatch_ms(&tc, &pt));
         let (m_homo, m_het) = published.ms;
-        let samples = microbatch_samples(&row, FlopCount::All).expect("samples").expect("times");
+        let wl = workload(row.name).expect("workload");
+        let samples =
+            microbatch_samples(&row, &wl, FlopCount::All).expect("samples").expect("times");
         eprintln!(
             "{}: per microbatch of {samples} sample(s) per replica, homogeneous {homo:.0} ms (measured {m_homo}), heterogeneous {het:.0} ms (measured {m_het})",
             row.name
@@ -121,15 +123,15 @@ fn microbatch_times_pin_the_microbatch_size_of_each_flop_count() {
     // microbatch if the rates count every FLOP (the model's count), and on two if they
     // count the weights' products only: the times pin FLOPs per sample, not the count.
     let row = MULTIMODAL.iter().find(|r| r.microbatch.is_some()).expect("a row with times");
-    assert_eq!(microbatch_samples(row, FlopCount::All).expect("samples"), Some(1));
-    assert_eq!(microbatch_samples(row, FlopCount::Weights).expect("samples"), Some(2));
     let wl = workload(row.name).expect("workload");
+    assert_eq!(microbatch_samples(row, &wl, FlopCount::All).expect("samples"), Some(1));
+    assert_eq!(microbatch_samples(row, &wl, FlopCount::Weights).expect("samples"), Some(2));
     let (all, weights) = (wl.step_flops(), wl.step_flops_counting(FlopCount::Weights));
     // Core attention is over half of a 64K step's FLOPs (2.53e16 against 1.16e16).
     assert!(weights < 0.5 * all && weights > 0.4 * all, "{weights:e} of {all:e}");
     // Times ten times too long fit no size: an error, not the nearest size.
     let off = MultimodalRow { microbatch: Some(Microbatch { ms: (25690.0, 37170.0) }), ..*row };
-    let e = microbatch_samples(&off, FlopCount::All).expect_err("times off by 10x");
+    let e = microbatch_samples(&off, &wl, FlopCount::All).expect_err("times off by 10x");
     assert!(e.to_string().contains("fit no microbatch size"), "{e}");
 }
 

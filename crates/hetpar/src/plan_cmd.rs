@@ -1,6 +1,7 @@
 //! `hetpar plan WORKLOAD` (best homogeneous, colocated and non-colocated layouts, and why)
 //! and `hetpar calibrate` (this machine as a hardware spec for `--hardware local`).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -50,9 +51,7 @@ fn note(s: &str) {
 /// `.toml` is a file holding one hardware table).
 fn hardware(name: &str) -> anyhow::Result<Hardware> {
     if name.ends_with(".toml") {
-        let text = std::fs::read_to_string(name)
-            .with_context(|| format!("cannot read hardware {name}"))?;
-        let table = parse(&text).with_context(|| name.to_string())?;
+        let table = read_tables(name, " (a hardware file)")?;
         if table.len() != 1 {
             let names: Vec<&String> = table.keys().collect();
             bail!("{name}: {} hardware tables {names:?}; a hardware file holds one", table.len());
@@ -62,11 +61,15 @@ fn hardware(name: &str) -> anyhow::Result<Hardware> {
     if name != "local" {
         return Ok(builtin(name)?);
     }
-    let text = std::fs::read_to_string(LOCAL_SPEC).with_context(|| {
-        format!("cannot read {LOCAL_SPEC}: run `hetpar calibrate` on this machine first")
-    })?;
-    let mut table = parse(&text).with_context(|| LOCAL_SPEC.to_string())?;
+    let mut table = read_tables(LOCAL_SPEC, ": run `hetpar calibrate` on this machine first")?;
     table.remove("local").with_context(|| format!("{LOCAL_SPEC} has no [local] table"))
+}
+
+/// The hardware tables in the file at `path`; `hint` follows a read error.
+fn read_tables(path: &str, hint: &str) -> anyhow::Result<BTreeMap<String, Hardware>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {path}{hint}"))?;
+    parse(&text).with_context(|| path.to_string())
 }
 
 fn row(r: &Ranked, wl: &Workload) -> String {
@@ -356,7 +359,7 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
     let mut text = String::from(
         "# This machine as a planner hardware spec: `hetpar plan WORKLOAD --hardware local`.\n",
     );
-    text += &toml::to_string_pretty(&std::collections::BTreeMap::from([("local", &hw)]))?;
+    text += &toml::to_string_pretty(&BTreeMap::from([("local", &hw)]))?;
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
