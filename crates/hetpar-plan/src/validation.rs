@@ -208,8 +208,9 @@ pub const KNOWN_MISSES: [(&str, &str); 1] = [(
      puts the 3B-encoder 8K rows 21-23% low, and refitted it still leaves this row +16% \
      and breaks other bounds (a gain 24 points off). At two samples a microbatch they mean \
      half that, about the weights' products alone (FlopCount::Weights): read so, a refit \
-     passes every bound, but the 8K rows would then run above every LLM-only measurement \
-     (BENCHMARKS.md)",
+     passes every bound, but the 8K rows would then run above every LLM-only measurement, \
+     and NVIDIA's multimodal count (Megatron-LM examples/mimo/utils/flops.py) is the \
+     model's (BENCHMARKS.md)",
 )];
 
 /// Whether `row`'s homogeneous prediction is a known miss.

@@ -10,7 +10,7 @@ use hetpar_plan::validation::{
     MULTIMODAL, Microbatch, MultimodalRow, homogeneous_miss, llama3, llm_only, microbatch_ms,
     microbatch_samples, multimodal, workload,
 };
-use hetpar_plan::{FlopCount, Kind, Workload, search};
+use hetpar_plan::{FlopCount, Kind, Mlp, ModuleShape, Workload, search};
 
 #[test]
 fn llm_only_table_median_error_at_most_10_percent() {
@@ -133,6 +133,56 @@ fn microbatch_times_pin_the_microbatch_size_of_each_flop_count() {
     let off = MultimodalRow { microbatch: Some(Microbatch { ms: (25690.0, 37170.0) }), ..*row };
     let e = microbatch_samples(&off, &wl, FlopCount::All).expect_err("times off by 10x");
     assert!(e.to_string().contains("fit no microbatch size"), "{e}");
+}
+
+#[test]
+fn step_flops_are_megatrons_count_with_the_encoder_terms() {
+    // The planner's FLOP count, written the other way round: Megatron-LM's closed form for
+    // the LLM (`num_floating_point_operations`: 12 B s L h^2 times attention with the causal
+    // half, MLP and logits terms) plus the vision encoder and projector terms of NVIDIA's
+    // multimodal count (Megatron-LM `examples/mimo/utils/flops.py`: every ViT product and
+    // the full, non-causal score matrix of each image, training = 3x forward). The 64K
+    // row's times per microbatch read against this count are what BENCHMARKS.md discusses.
+    for row in MULTIMODAL {
+        let wl = workload(row.name).expect("workload");
+        let (b, s) = (wl.global_batch as f64, wl.seq_len as f64);
+        let m = &wl.llm;
+        let (h, l) = (m.hidden as f64, m.layers as f64);
+        let d = h / m.heads as f64;
+        let ratio = m.heads as f64 * d / h;
+        let gated = |shape: &ModuleShape| match shape.mlp {
+            Mlp::Swiglu => 1.5,
+            Mlp::Gelu => 1.0,
+        };
+        let llm = 12.0
+            * b
+            * s
+            * l
+            * h
+            * h
+            * ((1.0 + m.kv_heads as f64 / m.heads as f64 + s / h / 2.0) * ratio
+                + m.ffn as f64 / h * gated(m)
+                + m.vocab as f64 / (2.0 * l * h));
+        let mut expected = llm;
+        for e in &wl.encoders {
+            let v = &e.shape;
+            let (hv, f) = (v.hidden as f64, v.ffn as f64);
+            let images = e.items_per_sample * b;
+            let tokens = images * e.seq as f64;
+            let linear = 2.0 * tokens * (4.0 * hv * hv + 2.0 * hv * f * gated(v));
+            let attention = 2.0 * 2.0 * images * (e.seq as f64).powi(2) * hv;
+            let vit = 3.0 * v.layers as f64 * (linear + attention);
+            let rows = e.rows_per_sample() * b;
+            let projector = 3.0 * 2.0 * rows * (hv * h + h * h);
+            expected += vit + projector;
+        }
+        let got = wl.step_flops();
+        assert!(
+            (got - expected).abs() <= 1e-12 * expected,
+            "{}: {got:e} against {expected:e}",
+            row.name
+        );
+    }
 }
 
 #[test]
