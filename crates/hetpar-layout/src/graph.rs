@@ -236,6 +236,25 @@ impl ModuleSizes {
                 return err(format!("{key} must be at least 1, got 0"));
             }
         }
+        let optional = [
+            ("image_size", m.image_size),
+            ("patch_size", m.patch_size),
+            ("n_mels", m.n_mels),
+            ("frames", m.frames),
+            ("vocab", m.vocab),
+            ("kv_heads", m.kv_heads),
+            ("experts", m.experts),
+            ("top_k", m.top_k),
+        ];
+        for (key, v) in [("hidden", Some(m.hidden)), ("layers", Some(m.layers))]
+            .into_iter()
+            .chain([("heads", Some(m.heads)), ("ffn", Some(m.ffn))])
+            .chain(optional)
+        {
+            if let Some(v) = v {
+                at_most(&field, key, v, MAX_SIZE)?;
+            }
+        }
         if !m.hidden.is_multiple_of(m.heads) {
             return err(format!("hidden({}) is not divisible by heads({})", m.hidden, m.heads));
         }
@@ -280,10 +299,31 @@ impl ModuleSizes {
     }
 }
 
+/// The largest size, count or length a config may give (2^24): far beyond any model or
+/// batch, small enough that products of a few never overflow and a layout never asks
+/// for more memory than a machine has.
+pub const MAX_SIZE: usize = 1 << 24;
+
+/// The most ranks a config may span (2^20).
+pub const MAX_RANKS: usize = 1 << 20;
+
+/// `field` (or its `key`, where given) at most `limit`.
+fn at_most(field: &str, key: &str, v: usize, limit: usize) -> Result<()> {
+    if v > limit {
+        let what = if key.is_empty() { v.to_string() } else { format!("{key}({v})") };
+        return Err(ConfigError::new(
+            field,
+            format!("{what} is more than {limit}, the largest hetpar takes"),
+        ));
+    }
+    Ok(())
+}
+
 fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Module> {
     let field = format!("modules.{name}");
     let kind = m.kind.name();
     let (spec, dims) = m.sizes().validate(name)?;
+    at_most(&format!("{field}.parallel.ranks"), "end", m.parallel.ranks[1], MAX_RANKS)?;
     if let Some(lr) = m.lr
         && !(lr.is_finite() && lr > 0.0)
     {
@@ -586,6 +626,8 @@ fn resolve_strategy(
 
 fn check_batch(train: &TrainConfig, modules: &[Module]) -> Result<()> {
     let (b, m) = (train.global_batch, train.microbatches);
+    at_most("train.global_batch", "", b, MAX_SIZE)?;
+    at_most("train.seq_len", "", train.seq_len, MAX_SIZE)?;
     if b == 0 || m == 0 || b % m != 0 {
         return Err(ConfigError::new(
             "train.global_batch",
@@ -636,6 +678,7 @@ fn check_optimizer(t: &TrainConfig) -> Result<()> {
 }
 
 fn check_data(data: &DataConfig) -> Result<()> {
+    at_most("data.max_items", "", data.max_items, MAX_SIZE)?;
     if data.max_items == 0 {
         return Err(ConfigError::new(
             "data.max_items",

@@ -373,3 +373,41 @@ fn expert_and_encoder_sharding_limits() {
         "modules.vision.parallel: 9 rows per item do not split into cp(2) x sequence-parallel tp(1) = 2 equal parts"
     );
 }
+
+#[test]
+fn sizes_past_the_largest_hetpar_takes() {
+    // RELIABILITY.md's security line: every size read from a file is bounded before any
+    // product or allocation uses it (a batch of 2^40 samples once made `hetpar layout` ask
+    // for 32 TB).
+    let huge = 1u64 << 40;
+    for (from, to, want) in [
+        (
+            "global_batch = 32",
+            format!("global_batch = {huge}"),
+            "train.global_batch: 1099511627776 is more than 16777216, the largest hetpar takes",
+        ),
+        (
+            "seq_len = 128",
+            format!("seq_len = {huge}"),
+            "train.seq_len: 1099511627776 is more than 16777216",
+        ),
+        (
+            "vocab = 512",
+            format!("vocab = {huge}"),
+            "modules.llm: vocab(1099511627776) is more than 16777216",
+        ),
+        (
+            "ffn = 192",
+            format!("ffn = {huge}"),
+            "modules.llm: ffn(1099511627776) is more than 16777216",
+        ),
+        (
+            "ranks = [8, 10]",
+            format!("ranks = [8, {huge}]"),
+            "modules.audio.parallel.ranks: end(1099511627776) is more than 1048576",
+        ),
+    ] {
+        let msg = error_after(from, &to);
+        assert!(msg.starts_with(want), "{to}: {msg}");
+    }
+}

@@ -243,6 +243,17 @@ impl WorkloadFile {
         if w.seq_len == 0 || w.global_batch == 0 {
             return err("workload", "seq_len and global_batch must be at least 1".into());
         }
+        let (size, ranks) = (hetpar_layout::graph::MAX_SIZE, hetpar_layout::graph::MAX_RANKS);
+        for (field, v, limit) in [
+            ("workload.seq_len", w.seq_len, size),
+            ("workload.global_batch", w.global_batch, size),
+            ("cluster.gpus", self.cluster.gpus, ranks),
+            ("cluster.gpus_per_node", self.cluster.gpus_per_node.unwrap_or(0), ranks),
+        ] {
+            if v > limit {
+                return err(field, format!("{v} is more than {limit}, the largest hetpar takes"));
+            }
+        }
         if !(0.0..1.0).contains(&w.vision_token_fraction) {
             return err(
                 "workload.vision_token_fraction",
