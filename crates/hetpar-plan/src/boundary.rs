@@ -5,7 +5,11 @@
 //! whom: the two layouts and spans, items per sample, and where items sit relative to the
 //! LLM's CP and SP chunks. Its samples are the least multiple of the LLM's `dp` whose items
 //! split evenly over the encoder's replicas (encoder replicas split items), and it has
-//! `lcm(cp*tp of the encoder, 4)` rows per item. Each
+//! `lcm(cp*tp of the encoder, 4)` rows per item. On a large cluster both modules' replicas
+//! are cut by a common factor down to a world of at least [`PLANNED_WORLD`] ranks (the same
+//! replicas, fewer of them): a rank's traffic per row follows from the replicas' ratio and
+//! shapes, not their number, while a plan holds a per-rank entry for every member of a
+//! collective, so planning the full world would grow with its square. Each
 //! rank's time is the sum over its plan operations of the rows it sends or receives, scaled
 //! to the real rows and width, over the bandwidth of the operation's group (or of the
 //! point-to-point link); the edge takes its slowest rank.
@@ -69,10 +73,40 @@ impl BoundaryCache {
     }
 }
 
+/// The least world a boundary plan is cut down to (32 nodes of 8): large enough that groups
+/// and peers span nodes as they do in the full world.
+pub const PLANNED_WORLD: usize = 256;
+
 /// Seconds per boundary row of one microbatch (forward, backward), from the scaled-down plan.
 fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Result<[f64; 2]> {
+    per_row_times_at(wl, hw, i, c, PLANNED_WORLD)
+}
+
+/// `c`'s encoder `i` and LLM with their replicas divided by the largest common factor that
+/// leaves at least `world` ranks in the larger module, and that factor.
+fn cut_down(c: &Candidate, i: usize, world: usize) -> (Choice, Choice, usize) {
+    let (ec, lc) = (c.encoders[i], c.llm);
+    let g = gcd(ec.dp(), lc.dp());
+    let most = ec.ranks().max(lc.ranks());
+    let k = (1..=g).rev().find(|&k| g.is_multiple_of(k) && most / k >= world).unwrap_or(1);
+    let cut = |ch: Choice| Choice { start: 0, end: ch.ranks() / k, ..ch };
+    (cut(ec), cut(lc), k)
+}
+
+/// [`per_row_times`] with the plan's world cut down to at least `world` ranks.
+fn per_row_times_at(
+    wl: &Workload,
+    hw: &Hardware,
+    i: usize,
+    c: &Candidate,
+    world: usize,
+) -> Result<[f64; 2]> {
     let e = &wl.encoders[i];
-    let (ec, lc) = (&c.encoders[i], &c.llm);
+    // A rank of the cut-down world carries its share of the microbatch's rows, `k` times
+    // what a rank of the full world carries: the time per row of the whole microbatch is
+    // its time over `k`.
+    let (ec, lc, k) = cut_down(c, i, world);
+    let (ec, lc) = (&ec, &lc);
     let rows = lcm(ec.cp * ec.tp, 4);
     let items = (e.items_per_sample.round() as usize).max(1);
     // A multiple of the LLM's dp whose items split evenly over the encoder's replicas.
@@ -171,7 +205,52 @@ fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Resul
             }
             worst = worst.max(t);
         }
-        out[d] = worst;
+        out[d] = worst / k as f64;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hardware::builtin;
+    use crate::workload::Workload;
+
+    /// A workload file's text with `gpus` GPUs.
+    fn workload(gpus: usize) -> Workload {
+        let text = include_str!("../../../examples/workloads/mm-1b-7b-64k.toml").replacen(
+            "gpus = 32",
+            &format!("gpus = {gpus}"),
+            1,
+        );
+        Workload::from_toml(&text).expect("workload")
+    }
+
+    fn choice(start: usize, end: usize, tp: usize, cp: usize, pp: usize) -> Choice {
+        Choice { start, end, tp, cp, pp, vpp: 1, ep: 1, recompute: 0, offload: false }
+    }
+
+    #[test]
+    fn a_cut_down_world_plans_the_same_time_per_row() {
+        // 1,024 GPUs, colocated (the encoder at tp 1 or 2 on every rank) and on islands:
+        // the plan cut down to 256 ranks gives each rank the traffic per row of the full one.
+        let wl = workload(1024);
+        let hw = builtin("h100").expect("h100");
+        let cases = [
+            (Kind::Colocated, choice(0, 1024, 1, 1, 1), choice(0, 1024, 2, 8, 1)),
+            (Kind::Colocated, choice(0, 1024, 2, 1, 1), choice(0, 1024, 4, 2, 2)),
+            (Kind::NonColocated, choice(0, 512, 1, 1, 1), choice(512, 1024, 4, 2, 1)),
+        ];
+        for (kind, enc, llm) in cases {
+            let c = Candidate { kind, encoders: vec![enc], llm, microbatches: 1 };
+            let (e, l, _) = cut_down(&c, 0, PLANNED_WORLD);
+            assert!(e.ranks().max(l.ranks()) < 1024, "{kind:?} is cut down");
+            let full = per_row_times_at(&wl, &hw, 0, &c, usize::MAX).expect("full");
+            let cut = per_row_times_at(&wl, &hw, 0, &c, PLANNED_WORLD).expect("cut");
+            for d in 0..2 {
+                let rel = (cut[d] - full[d]).abs() / full[d];
+                assert!(rel < 1e-9, "{kind:?} {}: {cut:?} against {full:?}", ["fwd", "bwd"][d]);
+            }
+        }
+    }
 }
