@@ -41,8 +41,13 @@ use crate::optim::AdamState;
 
 type Result<T> = std::result::Result<T, RuntimeError>;
 
-/// The manifest's format tag.
-pub const FORMAT: &str = "hetpar-checkpoint/1";
+/// The manifest's format tag: version 2 manifests carry their own SHA-256
+/// ([`Manifest::sha256`]).
+pub const FORMAT: &str = "hetpar-checkpoint/2";
+
+/// The first format, without the manifest's own checksum: still read (its files are checked
+/// as before; an edit to the manifest itself goes unseen).
+pub const FORMAT_1: &str = "hetpar-checkpoint/1";
 
 /// The run's resolved config, saved next to the tensors (what `hetpar export` reads).
 pub const CONFIG_FILE: &str = "config.toml";
@@ -96,6 +101,22 @@ pub struct Manifest {
     pub model: BTreeMap<String, String>,
     /// The files.
     pub files: Vec<FileEntry>,
+    /// SHA-256 of this manifest as `save_checkpoint` writes it (pretty JSON) with this field
+    /// empty, hex: an edit to the manifest, not only to the files it lists, is refused.
+    #[serde(default)]
+    pub sha256: String,
+}
+
+impl Manifest {
+    /// The manifest's own checksum ([`Manifest::sha256`]).
+    fn own_sha256(&self) -> std::result::Result<String, serde_json::Error> {
+        let blank = Manifest { sha256: String::new(), ..self.clone() };
+        Ok(hex(&Sha256::digest(serde_json::to_vec_pretty(&blank)?)))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// What a resume loaded.
@@ -161,7 +182,7 @@ pub fn sha256(path: &Path) -> Result<(String, u64)> {
         h.update(&buf[..k]);
         n += k as u64;
     }
-    Ok((h.finalize().iter().map(|b| format!("{b:02x}")).collect(), n))
+    Ok((hex(&h.finalize()), n))
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {
@@ -322,8 +343,11 @@ fn commit(
             .collect(),
         model: model_of(graph),
         files,
+        sha256: String::new(),
     };
     let path = tmp.join("manifest.json");
+    let sha256 = manifest.own_sha256().map_err(|e| io(&path, e))?;
+    let manifest = Manifest { sha256, ..manifest };
     let text = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&path, e))?;
     File::create(&path)
         .and_then(|mut f| f.write_all(&text).and_then(|()| f.sync_all()))
@@ -390,14 +414,51 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
     Ok(committed(root)?.pop().map(|c| c.1))
 }
 
-/// Reads and checks `dir/manifest.json` (format, and that it describes `graph`'s model).
+/// Reads and checks `dir/manifest.json`: its format, its own checksum, that its counts,
+/// modules and file names are consistent, and that it describes `graph`'s model.
 pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
     let path = dir.join("manifest.json");
     let text = std::fs::read(&path).map_err(|e| io(&path, e))?;
     let m: Manifest = serde_json::from_slice(&text)
         .map_err(|e| io(&path, format!("not a valid manifest: {e}")))?;
-    if m.format != FORMAT {
-        return Err(io(&path, format!("format {:?}, this hetpar reads {FORMAT:?}", m.format)));
+    if m.format == FORMAT {
+        let own = m.own_sha256().map_err(|e| io(&path, e))?;
+        if m.sha256 != own {
+            return Err(io(
+                &path,
+                format!(
+                    "its content hashes to SHA-256 {own}, the manifest says {:?}: it was edited or is corrupt",
+                    m.sha256
+                ),
+            ));
+        }
+    } else if m.format != FORMAT_1 {
+        return Err(io(
+            &path,
+            format!("format {:?}, this hetpar reads {FORMAT:?} and {FORMAT_1:?}", m.format),
+        ));
+    }
+    if m.skipped > m.step {
+        return Err(io(&path, format!("{} steps skipped of {} done", m.skipped, m.step)));
+    }
+    for f in &m.files {
+        if f.file.is_empty() || f.file.contains(['/', '\\']) || f.file.starts_with('.') {
+            return Err(io(
+                &path,
+                format!("file {:?} is not a name inside the checkpoint", f.file),
+            ));
+        }
+    }
+    let saved: Vec<&str> = m.modules.iter().map(|s| s.module.as_str()).collect();
+    let mut config: Vec<&str> = graph.modules.iter().map(|g| g.name.as_str()).collect();
+    let mut sorted = saved.clone();
+    sorted.sort_unstable();
+    config.sort_unstable();
+    if sorted != config {
+        return Err(io(
+            &path,
+            format!("its modules are [{}], the config's [{}]", saved.join(", "), config.join(", ")),
+        ));
     }
     let want = model_of(graph);
     if m.model != want {
@@ -475,7 +536,10 @@ pub fn load_checkpoint(
         let module = s.ctx().layout.name().to_string();
         let params = s.params();
         let trains = !exec.state(i).m.is_empty() || params.is_empty();
-        let mut state = AdamState { m: Vec::new(), v: Vec::new(), steps: adam[module.as_str()] };
+        let steps = adam.get(module.as_str()).copied().ok_or_else(|| {
+            io(&dir.join("manifest.json"), format!("no entry for module {module}"))
+        })?;
+        let mut state = AdamState { m: Vec::new(), v: Vec::new(), steps };
         for p in &params {
             let path = dir.join(&where_[p.name.as_str()].file);
             let dtype = p.tensor().dtype();

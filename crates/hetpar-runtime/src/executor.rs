@@ -72,6 +72,10 @@ pub struct StepReport {
     pub module_norms: Vec<f64>,
     /// Whether the update was applied (false: skipped for a non-finite gradient).
     pub applied: bool,
+    /// Where a skipped step found non-finite values, job-wide, in module order then edge
+    /// order: `NAME` for a module with a non-finite gradient, `boundary SRC -> DST` for an edge whose
+    /// rows or row gradients arrived non-finite. Empty when the step was applied.
+    pub nonfinite_at: Vec<String>,
     /// Forward passes this rank ran again before their backward (`recompute`).
     pub recomputed: usize,
     /// Seconds this rank spent per kind of action: `forward`, `backward`, `pipeline`
@@ -104,6 +108,7 @@ struct Outcome {
     apply: bool,
     clip: f64,
     collective_bytes: Vec<u64>,
+    nonfinite_at: Vec<String>,
 }
 
 /// A forward waiting for its backward.
@@ -161,6 +166,9 @@ struct Stash {
     boundary_grads: HashMap<(EdgeId, usize), Tensor>,
     /// Targets this rank's forwards scored.
     scored: Vec<Scored>,
+    /// Edges whose rows or row gradients reached this rank non-finite (under the skip
+    /// policy; the stop policy ends the step there).
+    nonfinite_edges: BTreeSet<EdgeId>,
 }
 
 /// One message's bytes in the module's element type.
@@ -418,7 +426,7 @@ impl Executor {
                 }
                 Action::Step(m) => {
                     if outcome.is_none() {
-                        let o = self.finish(world, &grads, reported, &traffic, plans)?;
+                        let o = self.finish(world, &grads, reported, &traffic, &stash, plans)?;
                         outcome = Some(o);
                     }
                     let (ok, clip) =
@@ -441,7 +449,7 @@ impl Executor {
         }
         let o = match outcome {
             Some(o) => o,
-            None => self.finish(world, &grads, reported, &traffic, plans)?,
+            None => self.finish(world, &grads, reported, &traffic, &stash, plans)?,
         };
         // The largest of each module's memory over its ranks, and each rank's own peak (its
         // slot, zero elsewhere), in one reduction.
@@ -461,6 +469,7 @@ impl Executor {
             grad_norm: o.norm,
             module_norms: o.module_norms,
             applied: o.apply,
+            nonfinite_at: o.nonfinite_at,
             recomputed: stash.recomputed,
             seconds,
             executed,
@@ -756,8 +765,11 @@ impl Executor {
                 .map_err(|e| in_transform(e, &name, mb, dir))?;
                 if dst_stage.is_some() {
                     let rows = Tensor::from_vec(needed, (n_needed, width), &Device::Cpu)?;
-                    if self.opts.on_nonfinite == OnNonFinite::Stop && !finite(&rows)? {
-                        return Err(bad("activation"));
+                    if !finite(&rows)? {
+                        if self.opts.on_nonfinite == OnNonFinite::Stop {
+                            return Err(bad("activation"));
+                        }
+                        stash.nonfinite_edges.insert(edge);
                     }
                     stash
                         .boundary_in
@@ -791,8 +803,11 @@ impl Executor {
                 .map_err(|e| in_transform(e, &name, mb, dir))?;
                 if let Some(i) = src_stage {
                     let g = Tensor::from_vec(held, (n_held, width), &Device::Cpu)?;
-                    if self.opts.on_nonfinite == OnNonFinite::Stop && !finite(&g)? {
-                        return Err(bad("gradient"));
+                    if !finite(&g)? {
+                        if self.opts.on_nonfinite == OnNonFinite::Stop {
+                            return Err(bad("gradient"));
+                        }
+                        stash.nonfinite_edges.insert(edge);
                     }
                     let v = self.stages[i].n_vstages() - 1;
                     stash.out_grads.insert((src, v, mb), g);
@@ -887,19 +902,22 @@ impl Executor {
     }
 
     /// The job-wide sums before the first update over `modules` modules: the norm (and each
-    /// module's), the loss, whether to apply, the clip factor.
+    /// module's), the loss, whether to apply, the clip factor, where values were non-finite.
     fn finish(
         &mut self,
         world: &dyn Communicator,
         grads: &[Grads],
         reported: f64,
         traffic: &[u64],
+        stash: &Stash,
         plans: &StepPlans,
     ) -> Result<Outcome> {
-        let modules = plans.names.len();
+        let (modules, edges) = (plans.names.len(), plans.edges.len());
         // [loss, non-finite count, each module's squared norm share, each module's
-        // collective bytes since the step began]
-        let mut sums = vec![0.0; 2 + 2 * modules];
+        // collective bytes since the step began, each module's and each edge's non-finite
+        // findings]
+        let found = 2 + 2 * modules;
+        let mut sums = vec![0.0; found + modules + edges];
         sums[0] = reported;
         for (s, t0) in self.stages.iter().zip(traffic) {
             sums[2 + modules + s.module()] = (s.ctx().traffic.bytes() - t0) as f64;
@@ -907,15 +925,19 @@ impl Executor {
         let mut bad: Option<(String, String)> = None;
         for (s, g) in self.stages.iter().zip(grads) {
             let params = trained(s.as_ref(), &self.opts);
-            if bad.is_none()
-                && let Some(p) = g.first_nonfinite(&params)?
-            {
-                bad = Some((s.ctx().layout.name().to_string(), p.to_string()));
+            if let Some(p) = g.first_nonfinite(&params)? {
+                sums[found + s.module()] = 1.0;
+                if bad.is_none() {
+                    bad = Some((s.ctx().layout.name().to_string(), p.to_string()));
+                }
             }
             sums[2 + s.module()] += norm_sq_share(s.ctx(), &params, g)?;
         }
         if bad.is_some() {
             sums[1] = 1.0;
+        }
+        for &e in &stash.nonfinite_edges {
+            sums[found + modules + e] = 1.0;
         }
         world.all_reduce(&mut sums, ReduceOp::Sum)?;
         let (loss, nonfinite) = (sums[0], sums[1] > 0.0);
@@ -925,13 +947,36 @@ impl Executor {
         let collective_bytes = sums[2 + modules..].iter().map(|&b| b as u64).collect();
         if !nonfinite {
             let clip = clip_factor(norm, self.opts.clip);
-            return Ok(Outcome { norm, module_norms, loss, apply: true, clip, collective_bytes });
+            let nonfinite_at = Vec::new();
+            return Ok(Outcome {
+                norm,
+                module_norms,
+                loss,
+                apply: true,
+                clip,
+                collective_bytes,
+                nonfinite_at,
+            });
         }
         match (self.opts.on_nonfinite, bad) {
             (OnNonFinite::Skip, _) => {
                 self.skipped += 1;
                 let norm = f64::NAN;
-                Ok(Outcome { norm, module_norms, loss, apply: false, clip: 0.0, collective_bytes })
+                let flags = &sums[found..];
+                let nonfinite_at = (0..modules)
+                    .filter(|&m| flags[m] > 0.0)
+                    .map(|m| plans.names[m].clone())
+                    .chain((0..edges).filter(|&e| flags[modules + e] > 0.0).map(|e| format!("boundary {}", plans.edge_name(e))))
+                    .collect();
+                Ok(Outcome {
+                    norm,
+                    module_norms,
+                    loss,
+                    apply: false,
+                    clip: 0.0,
+                    collective_bytes,
+                    nonfinite_at,
+                })
             }
             (OnNonFinite::Stop, Some((module, param))) => {
                 Err(RuntimeError::NonFinite { module, param })

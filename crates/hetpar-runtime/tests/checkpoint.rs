@@ -1,7 +1,7 @@
 //! Checkpoints (RELIABILITY.md rows 3-5): saved under a colocated layout and resumed under
 //! a non-colocated one with bitwise-equal parameters and optimizer state, and the losses of
 //! the uninterrupted run; corrupt checkpoints (a flipped byte, a truncated or missing shard,
-//! a bad manifest) refused before any tensor is used, naming the file; an uncommitted
+//! a bad or edited manifest) refused before any tensor is used, naming the file; an uncommitted
 //! directory never visible as `latest`.
 
 #![allow(clippy::unwrap_used)]
@@ -116,6 +116,14 @@ fn a_resume_under_another_layout_continues_bitwise() {
 /// An edit that breaks a checkpoint directory.
 type Breaks = Box<dyn Fn(&Path)>;
 
+/// Rewrites `dir/manifest.json` through `edit` (as JSON values).
+fn edit_manifest(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut m);
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+}
+
 #[test]
 fn corrupt_checkpoints_are_refused_naming_the_file() {
     let root = temp("corrupt");
@@ -153,6 +161,34 @@ fn corrupt_checkpoints_are_refused_naming_the_file() {
             "bad manifest",
             Box::new(|d: &Path| std::fs::write(d.join("manifest.json"), "{\"format\": 1").unwrap()),
             "manifest.json: not a valid manifest",
+        ),
+        (
+            "edited manifest",
+            // Still valid JSON, one step further: the data position and the learning-rate
+            // schedule would shift by a step.
+            Box::new(|d: &Path| edit_manifest(d, |m| m["step"] = 3.into())),
+            "manifest.json: its content hashes to SHA-256",
+        ),
+        (
+            "module missing from a first-format manifest",
+            // Format 1 has no checksum of its own; what it says is still checked.
+            Box::new(|d: &Path| {
+                edit_manifest(d, |m| {
+                    m["format"] = "hetpar-checkpoint/1".into();
+                    m["modules"].as_array_mut().unwrap().remove(0);
+                })
+            }),
+            "manifest.json: its modules are [vision], the config's [llm, vision]",
+        ),
+        (
+            "file outside the checkpoint",
+            Box::new(|d: &Path| {
+                edit_manifest(d, |m| {
+                    m["format"] = "hetpar-checkpoint/1".into();
+                    m["files"][0]["file"] = "../step-00000002/config.toml".into();
+                })
+            }),
+            "is not a name inside the checkpoint",
         ),
     ];
     for (what, break_it, want) in cases {

@@ -1,5 +1,5 @@
 //! Faults on the local backend: a NaN in one boundary activation (caught that step under
-//! `stop`, the step skipped under `skip`), a rank that panics inside an encoder, a boundary
+//! `stop`, the step skipped under `skip`, saying where), a rank that panics inside an encoder, a boundary
 //! transform one side never runs; every rank ends within the timeout and the error names
 //! what failed.
 
@@ -82,6 +82,9 @@ fn a_nan_in_a_boundary_row_skips_the_step_under_skip() {
         let reports = r.unwrap();
         assert!(reports[0].applied && !reports[1].applied, "step 1 skipped");
         assert!(reports[1].grad_norm.is_nan());
+        // Every rank says where: both modules' gradients and the edge the NaN crossed.
+        assert!(reports[0].nonfinite_at.is_empty());
+        assert_eq!(reports[1].nonfinite_at, ["llm", "vision", "boundary vision -> llm"]);
     }
 }
 

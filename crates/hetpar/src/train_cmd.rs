@@ -269,6 +269,9 @@ impl Report {
         if !nonfinite.is_empty() {
             line["nonfinite"] = serde_json::json!(nonfinite);
         }
+        if !r.applied {
+            line["nonfinite_at"] = serde_json::json!(r.nonfinite_at);
+        }
         let scalars = [
             ("loss", r.loss),
             ("grad_norm", r.grad_norm),
@@ -282,13 +285,14 @@ impl Report {
         events.scalars(log.step, &scalars).context("cannot write the TensorBoard events")?;
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
         writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
+        let skipped = if r.applied {
+            String::new()
+        } else {
+            format!("  (skipped: non-finite gradient; non-finite in {})", r.nonfinite_at.join(", "))
+        };
         let text = format!(
-            "loss {:.4}  grad norm {:.3}  lr {:.2e}  {:.0} tokens/s{}",
-            r.loss,
-            r.grad_norm,
-            log.lr,
-            tps,
-            if r.applied { "" } else { "  (skipped: non-finite gradient)" }
+            "loss {:.4}  grad norm {:.3}  lr {:.2e}  {:.0} tokens/s{skipped}",
+            r.loss, r.grad_norm, log.lr, tps,
         );
         match &self.bar {
             Some(b) => {
@@ -613,7 +617,7 @@ fn resumed_from(dir: &Path, m: &hetpar_runtime::checkpoint::Manifest, steps: usi
         )
     };
     format!(
-        "resuming from {}: {} of {steps} steps done{schedule}, saved under {}; files {}, each checked against its SHA-256",
+        "resuming from {}: {} of {steps} steps done{schedule}, saved under {}; files {}, each to be checked against its SHA-256 before any tensor is read",
         dir.display(),
         m.step,
         layouts.join(", "),
