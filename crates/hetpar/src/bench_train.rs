@@ -29,6 +29,10 @@ pub struct TrainArgs {
     /// One JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Override a config value before validation (repeatable): a dotted key and a TOML
+    /// value, e.g. `--set train.microbatches=4`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
 }
 
 /// Kinds of action in the order the table shows them.
@@ -68,7 +72,7 @@ fn say(s: &str) {
 }
 
 pub fn run_train(a: &TrainArgs) -> anyhow::Result<()> {
-    let (_, mut graph) = load(a.config.as_ref(), &[])?;
+    let (_, mut graph) = load(a.config.as_ref(), &a.set)?;
     let dtype = dtype(a.dtype.as_deref(), &mut graph)?;
     if a.steps == 0 {
         bail!("--steps 0: nothing to measure");

@@ -21,7 +21,8 @@ pub struct Args {
     /// Steps to compare.
     #[arg(long, default_value_t = 3)]
     pub steps: usize,
-    /// Element type: f32, f64 or bf16 (bf16 products, f32 weights; default: the config's).
+    /// Element type: f32, f64 or bf16 (bf16 products, f32 weights). Default f32, whatever
+    /// the config trains in: parity judges a layout at f32's tolerance.
     #[arg(long)]
     pub dtype: Option<String>,
     /// Relative tolerance (default: 1e-5 in f32, 1e-10 in f64, 2^-8 for bf16 products).
@@ -78,7 +79,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         None => ModelGraph::from_config(&one_rank(&cfg))
             .context("the one-rank reference of this config does not validate")?,
     };
-    let dt = dtype(a.dtype.as_deref(), &mut graph)?;
+    if a.dtype.is_none() && graph.train.dtype.name() != "f32" {
+        note(&format!(
+            "note: {} trains in {}; check compares in f32 (--dtype {} to compare that)",
+            a.config.display(),
+            graph.train.dtype.name(),
+            graph.train.dtype.name()
+        ));
+    }
+    let dt = dtype(Some(a.dtype.as_deref().unwrap_or("f32")), &mut graph)?;
     // The reference multiplies as the run does.
     reference.train.dtype = graph.train.dtype;
     if a.steps == 0 {
@@ -192,4 +201,10 @@ fn say(line: &str) {
     {
         println!("{line}");
     }
+}
+
+/// A line on stderr, kept out of the table and the JSON.
+#[allow(clippy::print_stderr)]
+fn note(line: &str) {
+    eprintln!("{line}");
 }

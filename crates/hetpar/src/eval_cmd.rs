@@ -57,6 +57,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         format!("data.heldout={f:?}"),
         format!("data.tokenizer={tok:?}"),
         format!("data.image_root={d:?}"),
+        // Items come from the records: the synthetic source's item count does not apply.
+        "data.max_items=1".to_string(),
     ];
     sets.extend(a.set.iter().cloned());
     let (_, mut graph) = crate::config_load::load_text(text, config.display().to_string(), &sets)?;

@@ -79,8 +79,12 @@ enum Command {
     #[command(after_help = "Example:\n  RAYON_NUM_THREADS=1 hetpar calibrate")]
     Calibrate(plan_cmd::CalibrateArgs),
     /// Benchmarks: `hetpar bench comm`, `hetpar bench nn`, `hetpar bench train`.
+    #[command(
+        after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench nn --only layer\n  hetpar bench comm\n  hetpar bench train examples/colocated-fanin.toml"
+    )]
     Bench(bench_cmd::Args),
     /// Datasets: `hetpar data synth --out DIR` writes the synthetic LLaVA-format set.
+    #[command(after_help = "Example:\n  hetpar data synth --out /tmp/d --samples 200")]
     Data(data_cmd::Args),
     /// Write a checkpoint as HF-format models: per module model.safetensors (HF names, no
     /// optimizer state) and config.json (Llama or Mixtral, SigLIP vision tower with its
@@ -92,7 +96,7 @@ enum Command {
     /// Held-out loss and answer accuracy of a checkpoint (greedy decoding of each answer,
     /// scored as exact match), on the layout it was saved under.
     #[command(
-        after_help = "Examples:\n  hetpar eval runs/demo --data ~/.cache/hetpar/synth-hetpar-synth-1-n1000-seed1234\n  hetpar data synth --out /tmp/d && hetpar eval runs/demo/checkpoints/step-00000100 --data /tmp/d/heldout.json --json"
+        after_help = "Examples:\n  hetpar data synth --out /tmp/d --seed 1234 && hetpar eval runs/demo --data /tmp/d   (the demo's set)\n  hetpar eval runs/demo/checkpoints/step-00000100 --data /tmp/d/heldout.json --json"
     )]
     Eval(eval_cmd::Args),
 }
@@ -121,7 +125,10 @@ fn main() -> ExitCode {
     // Freed pages stay for the next step's tensors, unless the environment set mimalloc's
     // purge delay (see `alloc.rs`).
     alloc::keep_freed_pages();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return bad_usage(&e),
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -130,6 +137,41 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A command line clap refuses: one line (its reason, and where to look) and exit 2; help
+/// and version requests print as clap prints them.
+fn bad_usage(e: &clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit();
+    }
+    // The reason is what clap writes before its usage and tips, on one line.
+    let text = e.render().to_string();
+    let reason: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| {
+            !l.starts_with("Usage:") && !l.starts_with("tip:") && !l.starts_with("For more")
+        })
+        .filter(|l| !l.is_empty())
+        .collect();
+    // The (sub)command whose help to point at: the leading words that name one.
+    let mut cmd = <Cli as clap::CommandFactory>::command();
+    let mut words = Vec::new();
+    for a in std::env::args().skip(1) {
+        let Some(sub) = cmd.find_subcommand(&a).cloned() else { break };
+        words.push(a);
+        cmd = sub;
+    }
+    let help: String = words.iter().map(|w| format!(" {w}")).collect();
+    stderr_line(&format!("{} (see hetpar{help} --help)", reason.join(" ")));
+    ExitCode::from(2)
 }
 
 /// Writes `line` and its newline to stderr in one write: ranks under mpirun share the

@@ -180,6 +180,39 @@ fn bad_input_is_one_line_and_a_nonzero_exit() {
     assert_eq!(err.lines().count(), 1);
 }
 
+/// A command line the parser refuses is one line too (INTERFACES.md), exit status 2, pointing
+/// at the help of the command it got to.
+#[test]
+fn bad_command_lines_are_one_line() {
+    for (args, want) in [
+        (
+            &["train", "--bogus"][..],
+            "error: unexpected argument '--bogus' found (see hetpar train --help)",
+        ),
+        (
+            &["bench", "train", "--nope"],
+            "error: unexpected argument '--nope' found (see hetpar bench train --help)",
+        ),
+        (&["frob"], "error: unrecognized subcommand 'frob' (see hetpar --help)"),
+        (
+            &["layout"],
+            "error: the following required arguments were not provided: <CONFIG> (see hetpar layout --help)",
+        ),
+        (
+            &["plan", "w.toml", "--top", "abc"],
+            "error: invalid value 'abc' for '--top <TOP>': invalid digit found in string (see hetpar plan --help)",
+        ),
+    ] {
+        let out = hetpar(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8(out.stderr).expect("utf-8");
+        assert_eq!(err.trim_end(), want, "{args:?}");
+    }
+    let help = hetpar(&["bench", "--help"]);
+    assert!(help.status.success());
+    assert!(stdout(&help).contains("Examples:"), "bench --help has examples");
+}
+
 #[test]
 fn help_shows_an_example() {
     let help = stdout(&hetpar(&["layout", "--help"]));
@@ -587,7 +620,8 @@ fn bf16_from_the_config_multiplies_in_bf16_and_keeps_parity() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_str(&stdout(&out)).expect("json")
     };
-    let (bf16, f32) = (check(&[]), check(&["--dtype", "f32"]));
+    // Parity runs in f32 unless asked otherwise, whatever the config trains in.
+    let (bf16, f32) = (check(&["--dtype", "bf16"]), check(&[]));
     assert_eq!(bf16["dtype"], "bf16", "{bf16}");
     assert_eq!(f32["dtype"], "f32", "{f32}");
     assert_eq!(bf16["pass"], Value::Bool(true), "{bf16}");
