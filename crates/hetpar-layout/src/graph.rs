@@ -300,12 +300,14 @@ impl ModuleSizes {
 }
 
 /// The largest size, count or length a config may give (2^24): far beyond any model or
-/// batch, small enough that products of a few never overflow and a layout never asks
-/// for more memory than a machine has.
+/// batch, small enough that products of a few fit in 64 bits.
 pub const MAX_SIZE: usize = 1 << 24;
 
-/// The most ranks a config may span (2^20).
+/// The most ranks a config may span, and the largest parallel size (2^20).
 pub const MAX_RANKS: usize = 1 << 20;
+
+/// The most tokens a step may hold, `global_batch * seq_len` (2^32).
+pub const MAX_STEP_TOKENS: usize = 1 << 32;
 
 /// `field` (or its `key`, where given) at most `limit`.
 fn at_most(field: &str, key: &str, v: usize, limit: usize) -> Result<()> {
@@ -323,7 +325,15 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
     let field = format!("modules.{name}");
     let kind = m.kind.name();
     let (spec, dims) = m.sizes().validate(name)?;
-    at_most(&format!("{field}.parallel.ranks"), "end", m.parallel.ranks[1], MAX_RANKS)?;
+    let pfield = format!("{field}.parallel");
+    let q = &m.parallel;
+    at_most(&format!("{pfield}.ranks"), "end", q.ranks[1], MAX_RANKS)?;
+    for (key, v) in [("tp", q.tp), ("cp", q.cp), ("pp", q.pp), ("ep", q.ep), ("vpp", q.vpp)]
+        .into_iter()
+        .chain(q.etp.map(|e| ("etp", e)))
+    {
+        at_most(&pfield, key, v, MAX_RANKS)?;
+    }
     if let Some(lr) = m.lr
         && !(lr.is_finite() && lr > 0.0)
     {
@@ -343,7 +353,6 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
     let etp = if experts > 0 { Some(p.etp.unwrap_or(1)) } else { p.etp };
     let layout_spec = LayoutSpec { tp: p.tp, cp: p.cp, pp: p.pp, ep: p.ep, etp, sp: p.sp };
     let layout = ModuleLayout::new(name, span, layout_spec)?;
-    let pfield = format!("{field}.parallel");
     let perr = |message: String| Err(ConfigError::new(pfield.clone(), message));
     let tp = layout.tp();
     let mut divides = vec![("heads", m.heads), ("ffn", m.ffn)];
@@ -628,6 +637,16 @@ fn check_batch(train: &TrainConfig, modules: &[Module]) -> Result<()> {
     let (b, m) = (train.global_batch, train.microbatches);
     at_most("train.global_batch", "", b, MAX_SIZE)?;
     at_most("train.seq_len", "", train.seq_len, MAX_SIZE)?;
+    if b * train.seq_len > MAX_STEP_TOKENS {
+        return Err(ConfigError::new(
+            "train.global_batch",
+            format!(
+                "global_batch({b}) x seq_len({}) = {} tokens a step is more than {MAX_STEP_TOKENS}, the most hetpar takes",
+                train.seq_len,
+                b * train.seq_len
+            ),
+        ));
+    }
     if b == 0 || m == 0 || b % m != 0 {
         return Err(ConfigError::new(
             "train.global_batch",
@@ -679,6 +698,7 @@ fn check_optimizer(t: &TrainConfig) -> Result<()> {
 
 fn check_data(data: &DataConfig) -> Result<()> {
     at_most("data.max_items", "", data.max_items, MAX_SIZE)?;
+    at_most("data.samples", "", data.samples, MAX_SIZE)?;
     if data.max_items == 0 {
         return Err(ConfigError::new(
             "data.max_items",
@@ -725,14 +745,16 @@ fn check_sequence(
         .collect();
     let rows: usize = edges.iter().filter_map(|e| modules[e.src].rows_per_item()).sum();
     let k = data.max_items;
-    if k * rows + 1 > train.seq_len {
+    // Bounded sizes can still make `k * rows` pass 64 bits (an image of 2^24 patches a side).
+    let need = k.saturating_mul(rows);
+    if need.saturating_add(1) > train.seq_len {
         let items = if k == 1 {
             format!("one item per encoder ({} rows)", parts.join(" + "))
         } else {
             format!(
                 "data.max_items({k}) items per encoder ({k} x ({} rows) = {})",
                 parts.join(" + "),
-                k * rows
+                need
             )
         };
         return Err(ConfigError::new(

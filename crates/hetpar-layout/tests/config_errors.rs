@@ -410,4 +410,27 @@ fn sizes_past_the_largest_hetpar_takes() {
         let msg = error_after(from, &to);
         assert!(msg.starts_with(want), "{to}: {msg}");
     }
+    let tp = error_after("tp = 4\ncp = 2", &format!("tp = {huge}\ncp = 2"));
+    assert!(tp.starts_with("modules.llm.parallel: tp(1099511627776) is more than 1048576"), "{tp}");
+    // Each within bounds, together too many tokens a step.
+    let big = GOOD.replacen("global_batch = 32", "global_batch = 16777216", 1).replacen(
+        "seq_len = 128",
+        "seq_len = 16384",
+        1,
+    );
+    let msg = validate(&big).expect_err("2^38 tokens a step");
+    assert_eq!(
+        msg,
+        "train.global_batch: global_batch(16777216) x seq_len(16384) = 274877906944 tokens a step is more than 4294967296, the most hetpar takes"
+    );
+    // Bounded sizes whose product passes 64 bits (2^16 items of 2^48 patches) are refused,
+    // not wrapped around.
+    let wide = GOOD
+        .replacen("image_size = 32\npatch_size = 8", "image_size = 16777216\npatch_size = 1", 1)
+        .replacen("name = \"t\"", "name = \"t\"\n[data]\nmax_items = 65536", 1);
+    let msg = validate(&wide).expect_err("too many rows");
+    assert!(
+        msg.starts_with("train.seq_len: seq_len(128) cannot hold data.max_items(65536)"),
+        "{msg}"
+    );
 }

@@ -83,12 +83,28 @@ fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Resul
 }
 
 /// `c`'s encoder `i` and LLM with their replicas divided by the largest common factor that
-/// leaves at least `world` ranks in the larger module, and that factor.
-fn cut_down(c: &Candidate, i: usize, world: usize) -> (Choice, Choice, usize) {
+/// leaves at least `world` ranks in the larger module, and that factor. Islands are cut
+/// only where the encoder's fills whole nodes of `gpus_per_node` before and after (so no
+/// node holds ranks of both, and every replica sits where it sat within its node);
+/// colocated modules share their first rank and keep every replica's place.
+fn cut_down(
+    c: &Candidate,
+    i: usize,
+    world: usize,
+    gpus_per_node: usize,
+) -> (Choice, Choice, usize) {
     let (ec, lc) = (c.encoders[i], c.llm);
     let g = gcd(ec.dp(), lc.dp());
     let most = ec.ranks().max(lc.ranks());
-    let k = (1..=g).rev().find(|&k| g.is_multiple_of(k) && most / k >= world).unwrap_or(1);
+    let aligned = |k: usize| {
+        c.kind != Kind::NonColocated
+            || (ec.ranks().is_multiple_of(gpus_per_node)
+                && (ec.ranks() / k).is_multiple_of(gpus_per_node))
+    };
+    let k = (1..=g)
+        .rev()
+        .find(|&k| g.is_multiple_of(k) && most / k >= world && aligned(k))
+        .unwrap_or(1);
     let cut = |ch: Choice| Choice { start: 0, end: ch.ranks() / k, ..ch };
     (cut(ec), cut(lc), k)
 }
@@ -105,7 +121,7 @@ fn per_row_times_at(
     // A rank of the cut-down world carries its share of the microbatch's rows, `k` times
     // what a rank of the full world carries: the time per row of the whole microbatch is
     // its time over `k`.
-    let (ec, lc, k) = cut_down(c, i, world);
+    let (ec, lc, k) = cut_down(c, i, world, hw.gpus_per_node);
     let (ec, lc) = (&ec, &lc);
     let rows = lcm(ec.cp * ec.tp, 4);
     let items = (e.items_per_sample.round() as usize).max(1);
@@ -232,24 +248,32 @@ mod tests {
 
     #[test]
     fn a_cut_down_world_plans_the_same_time_per_row() {
-        // 1,024 GPUs, colocated (the encoder at tp 1 or 2 on every rank) and on islands:
-        // the plan cut down to 256 ranks gives each rank the traffic per row of the full one.
-        let wl = workload(1024);
+        // Colocated (the encoder at tp 1 or 2 on every rank) and on islands: the plan cut
+        // down to 256 ranks gives each rank the traffic per row of the full one. The last
+        // two islands are cut only as far as the encoder's island stays whole nodes (16
+        // ranks: to 8; 12 ranks: not at all, or an LLM replica would straddle a node).
         let hw = builtin("h100").expect("h100");
         let cases = [
-            (Kind::Colocated, choice(0, 1024, 1, 1, 1), choice(0, 1024, 2, 8, 1)),
-            (Kind::Colocated, choice(0, 1024, 2, 1, 1), choice(0, 1024, 4, 2, 2)),
-            (Kind::NonColocated, choice(0, 512, 1, 1, 1), choice(512, 1024, 4, 2, 1)),
+            (1024, Kind::Colocated, choice(0, 1024, 1, 1, 1), choice(0, 1024, 2, 8, 1), 4),
+            (1024, Kind::Colocated, choice(0, 1024, 2, 1, 1), choice(0, 1024, 4, 2, 2), 4),
+            (1024, Kind::NonColocated, choice(0, 512, 1, 1, 1), choice(512, 1024, 4, 2, 1), 2),
+            (1040, Kind::NonColocated, choice(0, 16, 1, 1, 1), choice(16, 1040, 4, 2, 1), 2),
+            (1036, Kind::NonColocated, choice(0, 12, 1, 1, 1), choice(12, 1036, 4, 2, 1), 1),
         ];
-        for (kind, enc, llm) in cases {
+        for (gpus, kind, enc, llm, want) in cases {
+            let wl = workload(gpus);
             let c = Candidate { kind, encoders: vec![enc], llm, microbatches: 1 };
-            let (e, l, _) = cut_down(&c, 0, PLANNED_WORLD);
-            assert!(e.ranks().max(l.ranks()) < 1024, "{kind:?} is cut down");
+            let (_, _, k) = cut_down(&c, 0, PLANNED_WORLD, hw.gpus_per_node);
+            assert_eq!(k, want, "{gpus} GPUs, {kind:?}");
             let full = per_row_times_at(&wl, &hw, 0, &c, usize::MAX).expect("full");
             let cut = per_row_times_at(&wl, &hw, 0, &c, PLANNED_WORLD).expect("cut");
             for d in 0..2 {
                 let rel = (cut[d] - full[d]).abs() / full[d];
-                assert!(rel < 1e-9, "{kind:?} {}: {cut:?} against {full:?}", ["fwd", "bwd"][d]);
+                assert!(
+                    rel < 1e-9,
+                    "{gpus} {kind:?} {}: {cut:?} against {full:?}",
+                    ["fwd", "bwd"][d]
+                );
             }
         }
     }

@@ -119,16 +119,37 @@ pub const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
 const BUILTIN: &str = include_str!("hardware.toml");
 
-/// Every accelerator in `text` (a TOML table per name). Errors name the line and table.
+/// Every accelerator in `text` (a TOML table per name). Errors name the line and table,
+/// or the accelerator and the field whose value no cost can divide by.
 pub fn parse(text: &str) -> Result<BTreeMap<String, Hardware>> {
-    hetpar_layout::config::parse_toml(text).map_err(|e| {
+    let table: BTreeMap<String, Hardware> = hetpar_layout::config::parse_toml(text).map_err(|e| {
         let renamed = if e.message.contains("`dp_exposed`") {
             " (`dp_exposed` became `dp_overlap`, its complement: dp_overlap = 1 - dp_exposed; rerun `hetpar calibrate` or edit the file)"
         } else {
             ""
         };
         PlanError(format!("hardware table, {}: {}{renamed}", e.field, e.message))
-    })
+    })?;
+    for (name, h) in &table {
+        let rates = [
+            ("peak_tflops", h.peak_tflops),
+            ("memory_gib", h.memory_gib),
+            ("hbm_gbps", h.hbm_gbps),
+            ("intra_node_gbps", h.intra_node_gbps),
+            ("inter_node_gbps", h.inter_node_gbps),
+            ("host_gbps", h.host_gbps),
+        ];
+        if let Some((field, v)) = rates.iter().find(|(_, v)| !(v.is_finite() && *v > 0.0)) {
+            return Err(PlanError(format!("hardware {name}: {field} must be positive, got {v}")));
+        }
+        if h.gpus_per_node == 0 || !(h.latency_us.is_finite() && h.latency_us >= 0.0) {
+            return Err(PlanError(format!(
+                "hardware {name}: gpus_per_node must be at least 1 and latency_us 0 or more, got {} and {}",
+                h.gpus_per_node, h.latency_us
+            )));
+        }
+    }
+    Ok(table)
 }
 
 /// A built-in accelerator by name (`h100`, `h200`, `a100`).

@@ -194,6 +194,16 @@ pub enum FlopCount {
 }
 
 impl Workload {
+    /// `self` on `gpus` GPUs (`hetpar plan --gpus`), checked as the file's `cluster.gpus` is.
+    pub fn with_gpus(mut self, gpus: usize) -> Result<Workload> {
+        let most = hetpar_layout::graph::MAX_RANKS;
+        if gpus == 0 || gpus > most {
+            return Err(PlanError(format!("{gpus} GPUs: use 1 to {most}")));
+        }
+        self.gpus = gpus;
+        Ok(self)
+    }
+
     /// Parses and validates a workload file. Errors name the field and say what to write.
     pub fn from_toml(text: &str) -> Result<Workload> {
         let file: WorkloadFile =
@@ -248,11 +258,14 @@ impl WorkloadFile {
             ("workload.seq_len", w.seq_len, size),
             ("workload.global_batch", w.global_batch, size),
             ("cluster.gpus", self.cluster.gpus, ranks),
-            ("cluster.gpus_per_node", self.cluster.gpus_per_node.unwrap_or(0), ranks),
+            ("cluster.gpus_per_node", self.cluster.gpus_per_node.unwrap_or(1), ranks),
         ] {
             if v > limit {
                 return err(field, format!("{v} is more than {limit}, the largest hetpar takes"));
             }
+        }
+        if self.cluster.gpus_per_node == Some(0) {
+            return err("cluster.gpus_per_node", "must be at least 1, got 0".into());
         }
         if !(0.0..1.0).contains(&w.vision_token_fraction) {
             return err(

@@ -191,4 +191,49 @@ fn workloads_parse_and_bad_ones_say_what_to_fix() {
     assert!(workload_err(&pinned).contains("the planner chooses placements"));
     let e: PlanError = Workload::from_toml("name = 1").expect_err("bad");
     assert!(e.0.contains("line 1"), "{e}");
+    // Sizes are bounded before any search uses them, from the file and from `--gpus`.
+    let huge = 1u64 << 40;
+    for (from, to, want) in [
+        ("gpus = 8", format!("gpus = {huge}"), "cluster.gpus: 1099511627776 is more than 1048576"),
+        (
+            "gpus = 8",
+            "gpus = 8
+gpus_per_node = 0"
+                .into(),
+            "cluster.gpus_per_node: must be at least 1",
+        ),
+        (
+            "global_batch = 8",
+            format!("global_batch = {huge}"),
+            "workload.global_batch: 1099511627776 is more than 16777216",
+        ),
+        (
+            "seq_len = 1024",
+            format!("seq_len = {huge}"),
+            "workload.seq_len: 1099511627776 is more than 16777216",
+        ),
+    ] {
+        let e = workload_err(&BASE.replace(from, &to));
+        assert!(e.starts_with(want), "{to}: {e}");
+    }
+    let w = Workload::from_toml(BASE).expect("valid");
+    assert_eq!(w.clone().with_gpus(16384).expect("16384 GPUs").gpus, 16384);
+    for n in [0, 1 << 21] {
+        let e = w.clone().with_gpus(n).expect_err("out of range").0;
+        assert_eq!(e, format!("{n} GPUs: use 1 to 1048576"));
+    }
+}
+
+#[test]
+fn hardware_files_with_sizes_no_cost_can_divide_by_are_refused() {
+    let table = |gpus: &str, inter: &str| {
+        format!(
+            "[x]\ndescription = \"x\"\npeak_tflops = 1.0\nmemory_gib = 1.0\nhbm_gbps = 1.0\ngpus_per_node = {gpus}\nintra_node_gbps = 1.0\ninter_node_gbps = {inter}\nlatency_us = 1.0\n"
+        )
+    };
+    assert!(parse(&table("8", "1.0")).is_ok());
+    let e = parse(&table("0", "1.0")).expect_err("no GPUs per node").0;
+    assert!(e.starts_with("hardware x: gpus_per_node must be at least 1"), "{e}");
+    let e = parse(&table("8", "0.0")).expect_err("no network").0;
+    assert_eq!(e, "hardware x: inter_node_gbps must be positive, got 0");
 }

@@ -944,7 +944,7 @@ impl Executor {
         let shares = &sums[2..2 + modules];
         let module_norms: Vec<f64> = shares.iter().map(|x| x.sqrt()).collect();
         let norm = shares.iter().sum::<f64>().sqrt();
-        let collective_bytes = sums[2 + modules..].iter().map(|&b| b as u64).collect();
+        let collective_bytes = sums[2 + modules..found].iter().map(|&b| b as u64).collect();
         if !nonfinite {
             let clip = clip_factor(norm, self.opts.clip);
             let nonfinite_at = Vec::new();

@@ -79,14 +79,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         None => ModelGraph::from_config(&one_rank(&cfg))
             .context("the one-rank reference of this config does not validate")?,
     };
-    if a.dtype.is_none() && graph.train.dtype.name() != "f32" {
-        note(&format!(
-            "note: {} trains in {}; check compares in f32 (--dtype {} to compare that)",
-            a.config.display(),
-            graph.train.dtype.name(),
-            graph.train.dtype.name()
-        ));
-    }
+    let trains_in = graph.train.dtype.name();
     let dt = dtype(Some(a.dtype.as_deref().unwrap_or("f32")), &mut graph)?;
     // The reference multiplies as the run does.
     reference.train.dtype = graph.train.dtype;
@@ -121,6 +114,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         },
         other => bail!("--backend {other:?}: use local or mpi"),
     };
+    // Rank 0 alone gets here under MPI.
+    if a.dtype.is_none() && trains_in != "f32" {
+        note(&format!(
+            "note: {} trains in {trains_in}; check compares in f32 (--dtype {trains_in} to compare that)",
+            a.config.display(),
+        ));
+    }
     let want = train_local(&reference, dt, a.steps, timeout, &quiet)
         .with_context(|| format!("the reference on {} ranks", reference.world))?;
     // A NaN or infinity on either side is no match (a skipped step reports a NaN norm).

@@ -164,9 +164,9 @@ fn bad_usage(e: &clap::Error) -> ExitCode {
     // The (sub)command whose help to point at: the leading words that name one.
     let mut cmd = <Cli as clap::CommandFactory>::command();
     let mut words = Vec::new();
-    for a in std::env::args().skip(1) {
-        let Some(sub) = cmd.find_subcommand(&a).cloned() else { break };
-        words.push(a);
+    for a in std::env::args_os().skip(1) {
+        let Some(sub) = a.to_str().and_then(|a| cmd.find_subcommand(a)).cloned() else { break };
+        words.push(sub.get_name().to_string());
         cmd = sub;
     }
     let help: String = words.iter().map(|w| format!(" {w}")).collect();

@@ -136,10 +136,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         .with_context(|| format!("cannot read workload {}", a.workload.display()))?;
     let mut wl = Workload::from_toml(&text).with_context(|| a.workload.display().to_string())?;
     if let Some(n) = a.gpus {
-        if n == 0 {
-            bail!("--gpus must be at least 1");
-        }
-        wl.gpus = n;
+        wl = wl.with_gpus(n).context("--gpus")?;
     }
     match &a.hardware {
         Some(h) => wl.hardware = h.clone(),

@@ -607,7 +607,7 @@ fn train_refuses_what_it_cannot_run_in_one_line() {
 /// rounding (not at f32's), and its layout still matches the one-rank reference that
 /// multiplies the same way.
 #[test]
-fn bf16_from_the_config_multiplies_in_bf16_and_keeps_parity() {
+fn bf16_multiplies_in_bf16_and_keeps_parity() {
     let dir = temp("train-bf16");
     let demo = std::fs::read_to_string(root().join("examples/in-memory.toml")).expect("demo");
     let path = dir.join("bf16.toml");
@@ -620,8 +620,11 @@ fn bf16_from_the_config_multiplies_in_bf16_and_keeps_parity() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_str(&stdout(&out)).expect("json")
     };
-    // Parity runs in f32 unless asked otherwise, whatever the config trains in.
+    // Parity runs in f32 unless asked otherwise, whatever the config trains in, and says so.
     let (bf16, f32) = (check(&["--dtype", "bf16"]), check(&[]));
+    let noted = hetpar(&["check", path.to_str().expect("utf-8"), "--steps", "1"]);
+    let err = String::from_utf8(noted.stderr).expect("utf-8");
+    assert!(err.contains("trains in bf16; check compares in f32 (--dtype bf16"), "{err}");
     assert_eq!(bf16["dtype"], "bf16", "{bf16}");
     assert_eq!(f32["dtype"], "f32", "{f32}");
     assert_eq!(bf16["pass"], Value::Bool(true), "{bf16}");
@@ -936,4 +939,44 @@ fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
     let help = stdout(&hetpar(&["data", "synth", "--help"]));
     assert!(help.contains("Examples:\n  hetpar data synth --out /tmp/d"), "{help}");
     std::fs::remove_dir_all(dir).expect("cleanup");
+}
+
+/// Under `on_nonfinite = "skip"` a skipped step says where its values stopped being finite:
+/// on the progress line and in `metrics.jsonl` (`nonfinite_at`: modules, then edges).
+#[test]
+fn a_skipped_step_names_where_it_went_non_finite() {
+    let dir = temp("skip-where");
+    let out = dir.join("run");
+    let run = hetpar(&[
+        "train",
+        "examples/in-memory.toml",
+        "--steps",
+        "2",
+        "--out",
+        out.to_str().expect("utf-8"),
+        "--set",
+        "train.lr=1e30",
+        "--set",
+        "train.clip_grad=0",
+        "--set",
+        "train.warmup=0",
+        "--set",
+        "train.on_nonfinite=\"skip\"",
+    ]);
+    let err = String::from_utf8(run.stderr).expect("utf-8");
+    assert!(run.status.success(), "{err}");
+    assert!(err.contains("(skipped: non-finite gradient; non-finite in "), "{err}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
+    let steps: Vec<Value> =
+        metrics.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    assert_eq!(steps[0]["applied"], Value::Bool(true));
+    assert!(steps[0].get("nonfinite_at").is_none(), "{}", steps[0]);
+    assert_eq!(steps[1]["applied"], Value::Bool(false));
+    let at: Vec<&str> = steps[1]["nonfinite_at"]
+        .as_array()
+        .expect("nonfinite_at")
+        .iter()
+        .map(|v| v.as_str().expect("a name"))
+        .collect();
+    assert!(at.contains(&"llm") && at.contains(&"boundary vision -> llm"), "{at:?}");
 }
