@@ -73,8 +73,8 @@ pub struct StepReport {
     /// Whether the update was applied (false: skipped for a non-finite gradient).
     pub applied: bool,
     /// Where a skipped step found non-finite values, job-wide, in module order then edge
-    /// order: `NAME` for a module with a non-finite gradient, `boundary SRC -> DST` for an edge whose
-    /// rows or row gradients arrived non-finite. Empty when the step was applied.
+    /// order: `NAME` for a module with a non-finite gradient, `boundary SRC -> DST` for an
+    /// edge whose rows or row gradients arrived non-finite. Empty when the step was applied.
     pub nonfinite_at: Vec<String>,
     /// Forward passes this rank ran again before their backward (`recompute`).
     pub recomputed: usize,
@@ -963,10 +963,11 @@ impl Executor {
                 self.skipped += 1;
                 let norm = f64::NAN;
                 let flags = &sums[found..];
+                let edge = |e: usize| format!("boundary {}", plans.edge_name(e));
                 let nonfinite_at = (0..modules)
                     .filter(|&m| flags[m] > 0.0)
                     .map(|m| plans.names[m].clone())
-                    .chain((0..edges).filter(|&e| flags[modules + e] > 0.0).map(|e| format!("boundary {}", plans.edge_name(e))))
+                    .chain((0..edges).filter(|&e| flags[modules + e] > 0.0).map(edge))
                     .collect();
                 Ok(Outcome {
                     norm,

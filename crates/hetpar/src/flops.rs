@@ -17,6 +17,11 @@ pub struct StepFlops {
 }
 
 impl StepFlops {
+    /// Each module's parameters (the planner's count: layers, embeddings or projector).
+    pub fn module_params(&self) -> Vec<f64> {
+        self.shapes.iter().map(ModuleShape::params).collect()
+    }
+
     /// The shapes of `graph`'s modules.
     pub fn new(graph: &ModelGraph) -> StepFlops {
         let llm_hidden = graph

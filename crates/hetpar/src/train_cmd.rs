@@ -455,6 +455,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             (ranks.into_iter().next().expect("rank 0"), seconds)
         }
         Some(world) => {
+            if let Err(e) = fits_memory(&graph, dtype, &[world.rank()]) {
+                fail_job(world.rank(), RuntimeError::Model(format!("{e:#}")))?;
+            }
             match rank_run(world.as_ref(), &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
                 Ok(logs) => {
                     let seconds = per_rank(std::slice::from_ref(&logs));
@@ -887,6 +890,10 @@ pub fn train_mpi(
             return Ok(None);
         }
     };
+    if let Err(e) = fits_memory(graph, dtype, &[rank]) {
+        fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
+        return Ok(None);
+    }
     let logs =
         match rank_run(world.as_ref(), graph, &data, (dtype, steps), &|_| Ok(()), None, &None) {
             Ok(logs) => logs,
@@ -916,6 +923,39 @@ struct LocalRun<'a> {
     ckpt: &'a Option<Checkpoints>,
 }
 
+/// Refuses a run whose ranks in this process (`ranks`: all of a local run, one under MPI)
+/// would hold more weights, gradients and AdamW moments than the machine has memory
+/// available, before anything is allocated: the allocation would otherwise end the process
+/// without a message. Activations come on top, so passing says little; failing is certain.
+pub fn fits_memory(graph: &ModelGraph, dtype: DType, ranks: &[usize]) -> anyhow::Result<()> {
+    let Some(available) = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+        let line = t.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<f64>().ok().map(|kib| kib * 1024.0)
+    }) else {
+        return Ok(());
+    };
+    // Parameter, gradient and two moments, each of the parameters' type.
+    let per_param = 4.0 * dtype.size_in_bytes() as f64;
+    let params = crate::flops::StepFlops::new(graph).module_params();
+    let mut need = 0.0;
+    for (m, module) in graph.modules.iter().enumerate() {
+        let l = &module.layout;
+        let here = ranks.iter().filter(|&&r| l.span().contains(r)).count() as f64;
+        need += here * params[m] / (l.tp() * l.pp()) as f64 * per_param;
+    }
+    if need > available {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        bail!(
+            "{}: its weights, gradients and AdamW moments on {} rank(s) in this process need about {:.1} GiB, more than the {:.1} GiB this machine has available; use smaller sizes or more machines (--backend mpi)",
+            graph.name,
+            ranks.len(),
+            gib(need),
+            gib(available)
+        );
+    }
+    Ok(())
+}
+
 /// Every rank's logs of a local run, by rank.
 fn local_ranks(
     graph: &ModelGraph,
@@ -923,6 +963,7 @@ fn local_ranks(
     timeout: Duration,
     run: &LocalRun<'_>,
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
+    fits_memory(graph, dtype, &(0..graph.world).collect::<Vec<_>>())?;
     let opts = hetpar_comm::LocalOptions { timeout };
     let results = hetpar_comm::launch(graph.world, opts, |c| {
         hetpar_nn::kernels::share_threads(graph.world);

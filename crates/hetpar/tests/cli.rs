@@ -980,3 +980,30 @@ fn a_skipped_step_names_where_it_went_non_finite() {
         .collect();
     assert!(at.contains(&"llm") && at.contains(&"boundary vision -> llm"), "{at:?}");
 }
+
+/// A model whose weights and optimizer state alone cannot fit this machine is refused in one
+/// line before anything is allocated (an allocation that fails ends a process without a
+/// message).
+#[test]
+fn a_model_too_large_for_the_machine_is_refused_before_allocating() {
+    let dir = temp("too-large");
+    let out = hetpar(&[
+        "train",
+        "examples/in-memory.toml",
+        "--steps",
+        "1",
+        "--out",
+        dir.join("run").to_str().expect("utf-8"),
+        "--set",
+        "modules.llm.hidden=61440",
+        "--set",
+        "modules.llm.ffn=122880",
+        "--set",
+        "modules.llm.layers=64",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: in-memory: its weights, gradients and AdamW moments on 3 rank(s) in this process need about "), "{err}");
+    assert!(err.contains("GiB this machine has available"), "{err}");
+}
