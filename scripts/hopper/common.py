@@ -48,3 +48,19 @@ class Records:
         if self.sink:
             self.sink.write(line + "\n")
             self.sink.flush()
+
+    def table(self, columns, text_columns, cells, keys=(), failed="failed"):
+        """The records as a Markdown table: `columns` headers, the first `text_columns` of
+        them left-aligned; `cells(record)` gives a row's cells. A record with an "error"
+        shows its `keys` fields and `failed: <error>` instead."""
+        print("\n| " + " | ".join(columns) + " |")
+        print("|" + "|".join("---" if i < text_columns else "---:"
+                             for i in range(len(columns))) + "|")
+        for r in self.rows:
+            if "error" in r:
+                row = [str(r[k]) for k in keys] + [f"{failed}: {r['error'][:60]}"]
+                row += [""] * (len(columns) - len(row))
+            else:
+                row = cells(r)
+            print("| " + " | ".join(row) + " |")
+

@@ -190,7 +190,7 @@ def main():
         print(f"# {name}, torch {torch.__version__}, datasheet HBM {bandwidth:.0f} GB/s",
               flush=True)
     records = Records(args.json)
-    emit, rows = records.emit, records.rows
+    emit = records.emit
 
     modes = ["eager"] if args.no_compile else ["eager", "compiled"]
     for name, kind, hidden, heads, kv, dim, ffn, tp, tokens in shapes:
@@ -216,16 +216,14 @@ def main():
             })
         if device == "cuda":
             torch.cuda.empty_cache()
-    print("\n| shape | run | fwd ms | bwd ms | bwd/fwd | bytes per token-hidden (fwd+bwd)/3 | "
-          "forward alone | least forward | wall fwd+bwd ms |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['mode']} | failed: {r['error'][:60]} | | | | | |")
-            continue
-        print(f"| {r['shape']} | {r['mode']} | {1e3 * r['fwd_s']:.3f} | {1e3 * r['bwd_s']:.3f} | "
-              f"{r['bwd_s'] / r['fwd_s']:.2f} | {r['bytes']:.0f} | {r['fwd_bytes']:.0f} | "
-              f"{r['least_fwd_bytes']:.0f} | {1e3 * r['wall_fwd_bwd_s']:.3f} |")
+    records.table(
+        ["shape", "run", "fwd ms", "bwd ms", "bwd/fwd", "bytes per token-hidden (fwd+bwd)/3",
+         "forward alone", "least forward", "wall fwd+bwd ms"], 2,
+        lambda r: [r["shape"], r["mode"], f"{1e3 * r['fwd_s']:.3f}", f"{1e3 * r['bwd_s']:.3f}",
+                   f"{r['bwd_s'] / r['fwd_s']:.2f}", f"{r['bytes']:.0f}",
+                   f"{r['fwd_bytes']:.0f}", f"{r['least_fwd_bytes']:.0f}",
+                   f"{1e3 * r['wall_fwd_bwd_s']:.3f}"],
+        keys=("shape", "mode"))
 
 
 if __name__ == "__main__":

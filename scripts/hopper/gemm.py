@@ -93,12 +93,11 @@ def main():
         if dev == "cuda":
             torch.cuda.empty_cache()
 
-    rows = records.rows
-    print(f"\n| model | tp | width (hidden / tp) | ms per layer | TFLOP/s | of {PEAK:.0f} | planner's |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['model']} | {r['tp']} | {r['width']:.0f} | {r['ms']:.2f} | {r['tflops']:.0f} | "
-              f"{r['of_peak']:.2f} | {r['model_of_peak']:.2f} |")
+    records.table(
+        ["model", "tp", "width (hidden / tp)", "ms per layer", "TFLOP/s", f"of {PEAK:.0f}",
+         "planner's"], 1,
+        lambda r: [r["model"], str(r["tp"]), f"{r['width']:.0f}", f"{r['ms']:.2f}",
+                   f"{r['tflops']:.0f}", f"{r['of_peak']:.2f}", f"{r['model_of_peak']:.2f}"])
     return 0
 
 

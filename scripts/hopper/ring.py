@@ -159,7 +159,7 @@ def main():
     if device == "cuda":
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     records = Records(args.json)
-    emit, rows = records.emit, records.rows
+    emit = records.emit
 
     for name, heads, dim, seq, cp, causal, batch in shapes:
         for bname in backends:
@@ -190,15 +190,13 @@ def main():
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-    print("\n| shape | backend | run | fwd ms | bwd ms | bwd/fwd | fwd TFLOP/s | train TFLOP/s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['backend']} | {r['kind']} | refused: {r['error'][:60]} | | | | |")
-            continue
-        print(f"| {r['shape']} | {r['backend']} | {r['kind']} | {1e3 * r['fwd_s']:.2f} | "
-              f"{1e3 * r['bwd_s']:.2f} | {r['bwd_s'] / r['fwd_s']:.2f} | {r['fwd_tflops']:.0f} | "
-              f"{r['train_tflops']:.0f} |")
+    records.table(
+        ["shape", "backend", "run", "fwd ms", "bwd ms", "bwd/fwd", "fwd TFLOP/s",
+         "train TFLOP/s"], 3,
+        lambda r: [r["shape"], r["backend"], r["kind"], f"{1e3 * r['fwd_s']:.2f}",
+                   f"{1e3 * r['bwd_s']:.2f}", f"{r['bwd_s'] / r['fwd_s']:.2f}",
+                   f"{r['fwd_tflops']:.0f}", f"{r['train_tflops']:.0f}"],
+        keys=("shape", "backend", "kind"), failed="refused")
     return 0
 
 

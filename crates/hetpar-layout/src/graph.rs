@@ -309,8 +309,9 @@ pub const MAX_RANKS: usize = 1 << 20;
 /// The most tokens a step may hold, `global_batch * seq_len` (2^32).
 pub const MAX_STEP_TOKENS: usize = 1 << 32;
 
-/// `field` (or its `key`, where given) at most `limit`.
-fn at_most(field: &str, key: &str, v: usize, limit: usize) -> Result<()> {
+/// `field` (or its `key`, where given) at most `limit`: the bound every size read from a
+/// config or planner workload file goes through.
+pub fn at_most(field: &str, key: &str, v: usize, limit: usize) -> Result<()> {
     if v > limit {
         let what = if key.is_empty() { v.to_string() } else { format!("{key}({v})") };
         return Err(ConfigError::new(

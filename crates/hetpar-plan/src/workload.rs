@@ -253,16 +253,15 @@ impl WorkloadFile {
         if w.seq_len == 0 || w.global_batch == 0 {
             return err("workload", "seq_len and global_batch must be at least 1".into());
         }
-        let (size, ranks) = (hetpar_layout::graph::MAX_SIZE, hetpar_layout::graph::MAX_RANKS);
+        use hetpar_layout::graph::{MAX_RANKS, MAX_SIZE, at_most};
         for (field, v, limit) in [
-            ("workload.seq_len", w.seq_len, size),
-            ("workload.global_batch", w.global_batch, size),
-            ("cluster.gpus", self.cluster.gpus, ranks),
-            ("cluster.gpus_per_node", self.cluster.gpus_per_node.unwrap_or(1), ranks),
+            ("workload.seq_len", w.seq_len, MAX_SIZE),
+            ("workload.global_batch", w.global_batch, MAX_SIZE),
+            ("cluster.gpus", self.cluster.gpus, MAX_RANKS),
+            ("cluster.gpus_per_node", self.cluster.gpus_per_node.unwrap_or(1), MAX_RANKS),
         ] {
-            if v > limit {
-                return err(field, format!("{v} is more than {limit}, the largest hetpar takes"));
-            }
+            at_most(field, "", v, limit)
+                .map_err(|e| PlanError(format!("{}: {}", e.field, e.message)))?;
         }
         if self.cluster.gpus_per_node == Some(0) {
             return err("cluster.gpus_per_node", "must be at least 1, got 0".into());

@@ -101,6 +101,14 @@ enum Command {
     Eval(eval_cmd::Args),
 }
 
+/// A `/proc/meminfo` field (`MemTotal`, `MemAvailable`) in bytes; `None` where the file or
+/// the field cannot be read.
+pub(crate) fn meminfo_bytes(field: &str) -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.split(':').next() == Some(field))?;
+    line.split_whitespace().nth(1)?.parse::<f64>().ok().map(|kib| kib * 1024.0)
+}
+
 /// Reads and validates a config file with `--set` overrides; errors name the file.
 pub(crate) fn load_graph(path: &Path, sets: &[String]) -> anyhow::Result<ModelGraph> {
     Ok(config_load::load(Some(path), sets)?.1)

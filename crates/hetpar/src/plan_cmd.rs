@@ -317,15 +317,8 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
         all_to_all / 1e9,
         latency * 1e6
     ));
-    let mem_total = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<f64>().ok()))
-        })
-        .map(|kib| kib * 1024.0)
-        .context("cannot read MemTotal from /proc/meminfo")?;
+    let mem_total =
+        crate::meminfo_bytes("MemTotal").context("cannot read MemTotal from /proc/meminfo")?;
     let defaults = Efficiency::default();
     let hw = Hardware {
         description: format!(

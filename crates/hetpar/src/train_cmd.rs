@@ -928,12 +928,7 @@ struct LocalRun<'a> {
 /// available, before anything is allocated: the allocation would otherwise end the process
 /// without a message. Activations come on top, so passing says little; failing is certain.
 pub fn fits_memory(graph: &ModelGraph, dtype: DType, ranks: &[usize]) -> anyhow::Result<()> {
-    let Some(available) = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
-        let line = t.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        line.split_whitespace().nth(1)?.parse::<f64>().ok().map(|kib| kib * 1024.0)
-    }) else {
-        return Ok(());
-    };
+    let Some(available) = crate::meminfo_bytes("MemAvailable") else { return Ok(()) };
     // Parameter, gradient and two moments, each of the parameters' type.
     let per_param = 4.0 * dtype.size_in_bytes() as f64;
     let params = crate::flops::StepFlops::new(graph).module_params();
