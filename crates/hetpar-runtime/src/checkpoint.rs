@@ -52,6 +52,9 @@ pub const FORMAT_1: &str = "hetpar-checkpoint/1";
 /// The run's resolved config, saved next to the tensors (what `hetpar export` reads).
 pub const CONFIG_FILE: &str = "config.toml";
 
+/// A checkpoint's manifest ([`Manifest`]), in its directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
 /// One file of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
@@ -115,7 +118,8 @@ impl Manifest {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// `bytes` in lower-case hex.
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -345,7 +349,7 @@ fn commit(
         files,
         sha256: String::new(),
     };
-    let path = tmp.join("manifest.json");
+    let path = tmp.join(MANIFEST_FILE);
     let sha256 = manifest.own_sha256().map_err(|e| io(&path, e))?;
     let manifest = Manifest { sha256, ..manifest };
     let text = serde_json::to_vec_pretty(&manifest).map_err(|e| io(&path, e))?;
@@ -386,7 +390,7 @@ pub fn committed(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
     for e in rd.flatten() {
         let n = e.file_name().to_string_lossy().into_owned();
         if let Some(s) = n.strip_prefix("step-").and_then(|s| s.parse::<usize>().ok())
-            && e.path().join("manifest.json").is_file()
+            && e.path().join(MANIFEST_FILE).is_file()
         {
             out.push((s, e.path()));
         }
@@ -404,7 +408,7 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
     match std::fs::read_to_string(&path) {
         Ok(name) => {
             let dir = root.join(name.trim());
-            if dir.join("manifest.json").is_file() {
+            if dir.join(MANIFEST_FILE).is_file() {
                 return Ok(Some(dir));
             }
         }
@@ -417,7 +421,7 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
 /// Reads and checks `dir/manifest.json`: its format, its own checksum, that its counts,
 /// modules and file names are consistent, and that it describes `graph`'s model.
 pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
-    let path = dir.join("manifest.json");
+    let path = dir.join(MANIFEST_FILE);
     let text = std::fs::read(&path).map_err(|e| io(&path, e))?;
     let m: Manifest = serde_json::from_slice(&text)
         .map_err(|e| io(&path, format!("not a valid manifest: {e}")))?;
@@ -536,9 +540,10 @@ pub fn load_checkpoint(
         let module = s.ctx().layout.name().to_string();
         let params = s.params();
         let trains = !exec.state(i).m.is_empty() || params.is_empty();
-        let steps = adam.get(module.as_str()).copied().ok_or_else(|| {
-            io(&dir.join("manifest.json"), format!("no entry for module {module}"))
-        })?;
+        let steps = adam
+            .get(module.as_str())
+            .copied()
+            .ok_or_else(|| io(&dir.join(MANIFEST_FILE), format!("no entry for module {module}")))?;
         let mut state = AdamState { m: Vec::new(), v: Vec::new(), steps };
         for p in &params {
             let path = dir.join(&where_[p.name.as_str()].file);

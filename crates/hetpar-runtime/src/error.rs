@@ -23,6 +23,10 @@ pub enum RuntimeError {
         /// Parameter (HF name).
         param: String,
     },
+    /// The ranks of a job were started with different configs, data or checkpoints
+    /// ([`crate::agree::agree`]); the message names the ranks and the keys that differ.
+    #[error("{0}")]
+    Disagree(String),
     /// Boundary buffers disagree with the plan (RELIABILITY.md row 8), found before any
     /// byte moves.
     #[error("boundary {edge}: {message}")]

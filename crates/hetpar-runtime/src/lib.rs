@@ -3,6 +3,7 @@
 //! the step executor, which walks a rank's schedule through its modules' stages; and the
 //! gradient side of a step (reduction by `ShardSpec`, the global norm, AdamW).
 
+pub mod agree;
 pub mod assemble;
 pub mod bench;
 pub mod boundary;
@@ -22,6 +23,7 @@ pub mod synthetic;
 pub mod testing;
 pub mod train;
 
+pub use agree::{RunFacts, agree};
 pub use assemble::{Sources, build_stages};
 pub use boundary::{Groups, run_boundary};
 pub use data::{BatchSource, FileData, HELDOUT};

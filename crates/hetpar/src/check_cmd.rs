@@ -107,7 +107,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             crate::threads::size_candle_pool(graph.world);
             train_local(&graph, dt, a.steps, timeout, &quiet).with_context(what)?
         }
-        "mpi" => match train_mpi(&graph, dt, a.steps, timeout).with_context(what)? {
+        "mpi" => match train_mpi((&cfg, &graph), dt, a.steps, timeout).with_context(what)? {
             Some(logs) => logs,
             // Ranks other than 0 are done: rank 0 compares and reports.
             None => return Ok(()),

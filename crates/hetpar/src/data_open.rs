@@ -11,7 +11,7 @@ use hetpar_data::dataset::{BadData, Fronts};
 use hetpar_data::{Dataset, DatasetSpec, SynthOptions};
 use hetpar_layout::config::{DataSource, OnBad};
 use hetpar_layout::{ModelGraph, ModuleSpec};
-use hetpar_runtime::Sources;
+use hetpar_runtime::{RunFacts, Sources};
 
 /// What a run's ranks read.
 #[derive(Clone, Debug)]
@@ -28,6 +28,33 @@ pub enum RunData {
 }
 
 impl RunData {
+    /// Records what this process read into `facts` (`hetpar_runtime::agree`): the SHA-256
+    /// of each records file and of the tokenizer, and how many records each kept and left
+    /// out. Media files are not read here: a missing or unreadable one is refused when a
+    /// rank decodes it.
+    pub fn facts(&self, facts: &mut RunFacts) -> anyhow::Result<()> {
+        let RunData::Files { train, heldout } = self else {
+            facts.set("data.source", "in-process");
+            return Ok(());
+        };
+        let digest = |path: &Path| -> anyhow::Result<String> {
+            let (sha, bytes) = hetpar_runtime::checkpoint::sha256(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            Ok(format!("{sha} ({bytes} bytes)"))
+        };
+        facts.set("data.tokenizer", digest(&train.spec().tokenizer)?);
+        for (name, ds) in
+            std::iter::once(("train", train)).chain(heldout.iter().map(|h| ("heldout", h)))
+        {
+            facts.set(format!("data.{name}.file"), digest(&ds.spec().path)?);
+            facts.set(format!("data.{name}.records"), ds.entries().len());
+            let skipped: Vec<&str> = ds.skipped().iter().map(|k| k.id.as_str()).collect();
+            facts.set(format!("data.{name}.left_out"), skipped.len());
+            facts.set_digest(format!("data.{name}.left_out_ids"), skipped.join("\n").as_bytes());
+        }
+        Ok(())
+    }
+
     /// Rank `rank`'s sources.
     pub fn sources(&self, graph: &ModelGraph, rank: usize) -> Sources {
         match self {

@@ -12,7 +12,7 @@ use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
 use hetpar_layout::{Config, Dtype, ModelGraph};
-use hetpar_runtime::{EvalReport, Resident, RuntimeError, StepLog, Trainer};
+use hetpar_runtime::{EvalReport, Resident, RunFacts, RuntimeError, StepLog, Trainer};
 
 use crate::data_open::RunData;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -458,6 +458,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             if let Err(e) = fits_memory(&graph, dtype, &[world.rank()]) {
                 fail_job(world.rank(), RuntimeError::Model(format!("{e:#}")))?;
             }
+            let resume = ckpt.as_ref().and_then(|k| k.resume.as_deref());
+            let facts = run_facts(&cfg, dtype_name(dtype, &graph), steps, &data, resume);
+            let agreed = facts
+                .map_err(|e| RuntimeError::Data(format!("{e:#}")))
+                .and_then(|f| hetpar_runtime::agree(world.as_ref(), &f).map(|()| f));
+            match agreed {
+                Ok(f) if lead => say(&format!(
+                    "all {} processes were started alike: config, dtype, steps, data and checkpoint (sha256 {})",
+                    world.size(),
+                    &f.digest()[..16]
+                )),
+                Ok(_) => {}
+                Err(e) => {
+                    fail_job(world.rank(), e)?;
+                }
+            }
             match rank_run(world.as_ref(), &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
                 Ok(logs) => {
                     let seconds = per_rank(std::slice::from_ref(&logs));
@@ -875,8 +891,9 @@ pub fn train_local(
 
 /// Trains with this process as one rank of an MPI job (`--backend mpi`); the logs on
 /// rank 0, `None` on the others. A rank's error ends the whole job, printed.
+/// `cfg` is the config `graph` came from, which every rank must have been given alike.
 pub fn train_mpi(
-    graph: &ModelGraph,
+    (cfg, graph): (&Config, &ModelGraph),
     dtype: DType,
     steps: usize,
     timeout: Duration,
@@ -890,6 +907,12 @@ pub fn train_mpi(
             return Ok(None);
         }
     };
+    let facts = run_facts(cfg, dtype_name(dtype, graph), steps, &data, None)
+        .map_err(|e| RuntimeError::Data(format!("{e:#}")));
+    if let Err(e) = facts.and_then(|f| hetpar_runtime::agree(world.as_ref(), &f)) {
+        fail_job(rank, e)?;
+        return Ok(None);
+    }
     if let Err(e) = fits_memory(graph, dtype, &[rank]) {
         fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
         return Ok(None);
@@ -900,6 +923,47 @@ pub fn train_mpi(
             Err(e) => fail_job(rank, e)?,
         };
     Ok((rank == 0).then_some(logs))
+}
+
+/// What this process was started with, which every process of an MPI job must share
+/// (`hetpar_runtime::agree`): every key of the resolved config (after `--set`), the dtype,
+/// the steps, the data it read and the manifest of the checkpoint it resumes from. Paths
+/// and `--out` may differ between hosts; what they hold may not.
+pub fn run_facts(
+    cfg: &Config,
+    dtype: &str,
+    steps: usize,
+    data: &RunData,
+    resume: Option<&Path>,
+) -> anyhow::Result<RunFacts> {
+    fn flatten(key: &str, v: &toml::Value, facts: &mut RunFacts) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if key.is_empty() { k.clone() } else { format!("{key}.{k}") };
+                    flatten(&key, v, facts);
+                }
+            }
+            other => facts.set(key, other),
+        }
+    }
+    let mut facts = RunFacts::new();
+    facts.set("hetpar.version", env!("CARGO_PKG_VERSION"));
+    let config = toml::Value::try_from(cfg).context("cannot write the resolved config")?;
+    flatten("", &config, &mut facts);
+    facts.set("run.dtype", dtype);
+    facts.set("run.steps", steps);
+    match resume {
+        Some(dir) => {
+            let path = dir.join(hetpar_runtime::checkpoint::MANIFEST_FILE);
+            let (sha, _) = hetpar_runtime::checkpoint::sha256(&path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            facts.set("run.resume", format!("manifest sha256 {sha}"));
+        }
+        None => facts.set("run.resume", "none"),
+    }
+    data.facts(&mut facts)?;
+    Ok(facts)
 }
 
 /// Every rank's logs of a local run without checkpoints, by rank.
