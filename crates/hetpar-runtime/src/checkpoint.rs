@@ -193,6 +193,58 @@ fn fsync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))
 }
 
+/// Checks that every rank of `world` sees `root` as rank 0 does, before a run whose
+/// checkpoints go there: a checkpoint's files are written by several ranks into the
+/// directory rank 0 creates and are hashed and committed by rank 0, and a resume reads them
+/// on every rank, so `root` must be on a filesystem every process mounts. Rank 0 writes a
+/// probe file holding a fresh token and every rank reads it back; ranks that cannot are
+/// named in the same error on every rank. Every rank of `world` calls it.
+pub fn check_shared(world: &dyn Communicator, root: &Path) -> Result<()> {
+    let me = world.global_rank();
+    let mut token = [0i64];
+    let mut failed = [0.0f64];
+    if me == 0 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        // Fresh per job: a probe left by another job (or host) does not pass.
+        token[0] = ((nanos as i64) ^ (i64::from(std::process::id()) << 32)) & i64::MAX;
+        let probe = root.join(format!(".shared-{}", token[0]));
+        let wrote = std::fs::create_dir_all(root).and_then(|()| {
+            let mut f = File::create(&probe)?;
+            f.write_all(token[0].to_string().as_bytes())?;
+            f.sync_all()
+        });
+        if wrote.is_err() {
+            failed[0] = 1.0;
+        }
+    }
+    world.all_reduce(&mut failed, ReduceOp::Sum)?;
+    if failed[0] > 0.0 {
+        return Err(io(root, "rank 0 cannot write there"));
+    }
+    world.broadcast(&mut token, 0)?;
+    let probe = root.join(format!(".shared-{}", token[0]));
+    let seen = std::fs::read_to_string(&probe).is_ok_and(|t| t == token[0].to_string());
+    let mut blind = vec![0i64; world.size()];
+    world.all_gather(&[i64::from(!seen)], &mut blind)?;
+    if me == 0 {
+        // Every rank has read it: the gather above is the last use.
+        let _ = std::fs::remove_file(&probe);
+    }
+    let blind: Vec<usize> = (0..blind.len()).filter(|&r| blind[r] != 0).collect();
+    if blind.is_empty() {
+        return Ok(());
+    }
+    Err(io(
+        root,
+        format!(
+            "rank 0 wrote a file there and rank(s) {} do not see it: checkpoints need a directory every process mounts (a shared filesystem); point --out at one",
+            hetpar_layout::plan::rank_list(&blind)
+        ),
+    ))
+}
+
 /// Where and how to save.
 #[derive(Clone, Copy, Debug)]
 pub struct SaveAt<'a> {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use candle_core::DType;
-use hetpar_comm::{LocalOptions, launch};
+use hetpar_comm::{Communicator, LocalOptions, launch};
 use hetpar_layout::ModelGraph;
 use hetpar_nn::io::read_header;
 use hetpar_runtime::checkpoint::{committed, latest};
@@ -225,4 +225,31 @@ fn an_uncommitted_checkpoint_is_never_latest() {
     assert_eq!(latest(&root).unwrap(), Some(root.join("step-00000003")));
     std::fs::remove_file(root.join("latest")).unwrap();
     assert_eq!(latest(&root).unwrap(), Some(root.join("step-00000003")));
+}
+
+/// Checkpoints need a directory every process mounts: a rank whose `OUT` is another
+/// directory (as on a host that does not mount rank 0's) is named on every rank before the
+/// run; where every rank sees rank 0's directory the probe passes and leaves nothing.
+#[test]
+fn a_checkpoint_directory_not_every_rank_sees_is_refused() {
+    let shared = temp("shared");
+    let own = temp("own");
+    let opts = || LocalOptions { timeout: Duration::from_secs(20) };
+    let ok = launch(3, opts(), |c| hetpar_runtime::checkpoint::check_shared(c, &shared)).unwrap();
+    assert!(ok.iter().all(Result::is_ok), "{ok:?}");
+    assert_eq!(std::fs::read_dir(&shared).unwrap().count(), 0, "the probe stays behind");
+    let apart = launch(4, opts(), |c| {
+        let root = if c.rank() == 2 { &own } else { &shared };
+        hetpar_runtime::checkpoint::check_shared(c, root).map_err(|e| e.to_string())
+    })
+    .unwrap();
+    for got in apart {
+        let e = got.unwrap_err();
+        assert!(
+            e.contains(
+                "rank(s) 2 do not see it: checkpoints need a directory every process mounts"
+            ),
+            "{e}"
+        );
+    }
 }

@@ -474,6 +474,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     fail_job(world.rank(), e)?;
                 }
             }
+            if let Some(k) = &ckpt
+                && let Err(e) = hetpar_runtime::checkpoint::check_shared(world.as_ref(), &k.root)
+            {
+                fail_job(world.rank(), e)?;
+            }
             match rank_run(world.as_ref(), &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
                 Ok(logs) => {
                     let seconds = per_rank(std::slice::from_ref(&logs));
