@@ -20,7 +20,7 @@ pub struct Args {
 
 /// The checkpoint `path` names.
 pub fn checkpoint(path: &Path) -> anyhow::Result<PathBuf> {
-    if path.join("manifest.json").is_file() {
+    if path.join(hetpar_runtime::checkpoint::MANIFEST_FILE).is_file() {
         return Ok(path.to_path_buf());
     }
     for root in [path.to_path_buf(), path.join("checkpoints")] {

@@ -608,7 +608,7 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
         }
         Some(dir) => {
             let dir = PathBuf::from(dir);
-            if !dir.join("manifest.json").is_file() {
+            if !dir.join(hetpar_runtime::checkpoint::MANIFEST_FILE).is_file() {
                 bail!(
                     "--resume {}: no checkpoint there (no manifest.json); use a step-NNNNNNNN directory or --resume auto",
                     dir.display()
@@ -949,6 +949,9 @@ pub fn run_facts(
                     flatten(&key, v, facts);
                 }
             }
+            // Where the data lies may differ between hosts; its digests are compared.
+            _ if ["data.path", "data.image_root", "data.tokenizer", "data.heldout"]
+                .contains(&key) => {}
             other => facts.set(key, other),
         }
     }
@@ -1079,4 +1082,25 @@ fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
 #[cfg(not(feature = "mpi"))]
 fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
     Err(anyhow::anyhow!("rank {rank}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn run_facts_compare_what_the_data_paths_hold_not_the_paths() {
+        let facts = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| (*s).to_string()).collect();
+            let (cfg, _) = load(None, &sets).unwrap();
+            run_facts(&cfg, "f32", 3, &RunData::Synthetic, None).unwrap()
+        };
+        let here = facts(&["data.path=\"/a/train.json\"", "data.image_root=\"/a\""]);
+        let there = facts(&["data.path=\"/b/train.json\"", "data.image_root=\"/b\""]);
+        assert_eq!(here, there);
+        assert!(here.text().contains("train.lr = 0.001\n"), "{}", here.text());
+        assert_ne!(here, facts(&["train.lr=1e-2"]));
+    }
 }
