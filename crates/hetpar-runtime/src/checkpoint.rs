@@ -193,6 +193,20 @@ fn fsync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))
 }
 
+/// Rank 0's failure (`failed`, its message; `None` elsewhere and on success) as the same
+/// error on every rank of `world`, so whichever rank reports first says why.
+fn rank0_outcome(world: &dyn Communicator, path: &Path, failed: Option<String>) -> Result<()> {
+    let text = failed.unwrap_or_default().into_bytes();
+    let mut len = [text.len() as i64];
+    world.broadcast(&mut len, 0)?;
+    if len[0] == 0 {
+        return Ok(());
+    }
+    let mut bytes = if world.rank() == 0 { text } else { vec![0u8; len[0] as usize] };
+    world.broadcast_bytes(&mut bytes, 0)?;
+    Err(io(path, String::from_utf8_lossy(&bytes)))
+}
+
 /// Checks that every rank of `world` sees `root` as rank 0 does, before a run whose
 /// checkpoints go there: a checkpoint's files are written by several ranks into the
 /// directory rank 0 creates and are hashed and committed by rank 0, and a resume reads them
@@ -202,7 +216,7 @@ fn fsync_dir(dir: &Path) -> Result<()> {
 pub fn check_shared(world: &dyn Communicator, root: &Path) -> Result<()> {
     let me = world.global_rank();
     let mut token = [0i64];
-    let mut failed = [0.0f64];
+    let mut failed = None;
     if me == 0 {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -215,14 +229,11 @@ pub fn check_shared(world: &dyn Communicator, root: &Path) -> Result<()> {
             f.write_all(token[0].to_string().as_bytes())?;
             f.sync_all()
         });
-        if wrote.is_err() {
-            failed[0] = 1.0;
+        if let Err(e) = wrote {
+            failed = Some(format!("rank 0 cannot write there: {e}"));
         }
     }
-    world.all_reduce(&mut failed, ReduceOp::Sum)?;
-    if failed[0] > 0.0 {
-        return Err(io(root, "rank 0 cannot write there"));
-    }
+    rank0_outcome(world, root, failed)?;
     world.broadcast(&mut token, 0)?;
     let probe = root.join(format!(".shared-{}", token[0]));
     let seen = std::fs::read_to_string(&probe).is_ok_and(|t| t == token[0].to_string());
@@ -273,22 +284,19 @@ pub fn save_checkpoint(
     let name = dir_name(step);
     let tmp = root.join(format!(".tmp-{name}"));
     let done = root.join(&name);
-    let mut failed = [0.0f64];
+    let mut failed = None;
     if me == 0 {
-        let made = std::fs::create_dir_all(root)
-            .and_then(|()| match std::fs::remove_dir_all(&tmp) {
+        let made =
+            std::fs::create_dir_all(root).and_then(|()| match std::fs::remove_dir_all(&tmp) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
                 _ => std::fs::create_dir_all(&tmp),
-            })
-            .map_err(|e| io(&tmp, e));
-        if made.is_err() {
-            failed[0] = 1.0;
+            });
+        if let Err(e) = made {
+            failed = Some(format!("rank 0 could not create the directory: {e}"));
         }
     }
-    world.all_reduce(&mut failed, ReduceOp::Sum)?;
-    if failed[0] > 0.0 {
-        return Err(io(&tmp, "rank 0 could not create the directory"));
-    }
+    rank0_outcome(world, &tmp, failed)?;
+    let mut failed = [0.0f64];
     // Each stage of each module: its first rank writes the full tensors.
     let mut mine: Result<()> = Ok(());
     for (i, s) in exec.stages().iter().enumerate() {

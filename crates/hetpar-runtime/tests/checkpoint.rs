@@ -252,4 +252,16 @@ fn a_checkpoint_directory_not_every_rank_sees_is_refused() {
             "{e}"
         );
     }
+    // Where rank 0 cannot write, every rank says why (here: a file where a directory goes).
+    let file = own.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let blocked = launch(3, opts(), |c| {
+        hetpar_runtime::checkpoint::check_shared(c, &file.join("checkpoints"))
+            .map_err(|e| e.to_string())
+    })
+    .unwrap();
+    for got in blocked {
+        let e = got.unwrap_err();
+        assert!(e.contains("rank 0 cannot write there: Not a directory"), "{e}");
+    }
 }

@@ -321,6 +321,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         bail!("--steps 0: nothing to train");
     }
     let timeout = timeout(a.timeout)?;
+    if let Some(t) = a.peak_tflops
+        && !(t.is_finite() && t > 0.0)
+    {
+        bail!("--peak-tflops {t}: use a positive number");
+    }
     // Under MPI only rank 0 writes files and prints.
     let mpi = match a.backend.as_str() {
         "local" => {
@@ -330,10 +335,40 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         "mpi" => Some(open_mpi(timeout, &graph)?),
         other => bail!("--backend {other:?}: use local or mpi"),
     };
-    let lead = mpi.as_ref().is_none_or(|w| w.rank() == 0);
+    let result = run_on(a, (cfg, graph), (dtype, steps, timeout), mpi.as_deref());
+    match (result, &mpi) {
+        // Once MPI is up, an error on one process ends every process at once, printed
+        // (returned, it would wait in MPI's finalize, unprinted, until the others timed out).
+        (Err(e), Some(world)) => {
+            fail_job(world.rank(), RuntimeError::Model(format!("{e:#}")))?;
+            Ok(())
+        }
+        (result, _) => result,
+    }
+}
+
+/// [`run`] once the backend is up (`mpi`: this process's world under MPI).
+fn run_on(
+    a: &Args,
+    (cfg, graph): (Config, ModelGraph),
+    (dtype, steps, timeout): (DType, usize, Duration),
+    mpi: Option<&dyn Communicator>,
+) -> anyhow::Result<()> {
+    let lead = mpi.is_none_or(|w| w.rank() == 0);
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
     let root = out.join("checkpoints");
     let resume = resume_dir(a.resume.as_deref(), &root, lead)?;
+    if resume.is_none()
+        && lead
+        && let Ok(Some(old)) = hetpar_runtime::checkpoint::latest(&root)
+    {
+        say(&format!(
+            "note: {} holds an earlier run's checkpoints (latest {}); this run starts fresh and writes its metrics over that run's (--resume auto continues it instead)",
+            root.display(),
+            old.file_name()
+                .map_or_else(|| old.display().to_string(), |n| n.to_string_lossy().into_owned())
+        ));
+    }
     let start = match &resume {
         Some(dir) => {
             let m = hetpar_runtime::checkpoint::read_manifest(dir, &graph)
@@ -361,24 +396,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         stop: stop_on_signals()?,
         config: resolved.clone(),
     });
-    let report = if lead {
-        let peak = match a.peak_tflops {
-            Some(t) if t.is_finite() && t > 0.0 => t * 1e12,
-            Some(t) => bail!("--peak-tflops {t}: use a positive number"),
-            None => {
-                // As `hetpar bench nn` measures it: a few 512^3 products alone moved the
-                // peak by a quarter run to run.
-                let one = match graph.train.dtype {
-                    Dtype::Bf16 => hetpar_nn::bench::bf16_peak_gflops(10),
-                    Dtype::F32 => hetpar_nn::bench::matmul_peak_gflops(10, dtype)?,
-                } * 1e9;
-                one * mpi.as_ref().map_or(1, |w| w.size()) as f64
-            }
-        };
-        Some(Report::create(&out, &resolved, &graph, (steps, start), peak)?)
-    } else {
-        None
-    };
     if lead {
         say(&format!(
             "training {} on {} ranks ({} backend, {}, {}) for {steps} steps; metrics in {}",
@@ -419,7 +436,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             say(l)
         }
     });
-    let data = match (opened, &mpi) {
+    let data = match (opened, mpi) {
         (Ok(d), _) => d,
         // One process failing to open the data ends the whole job at once.
         (Err(e), Some(world)) => {
@@ -427,6 +444,28 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             return Ok(());
         }
         (Err(e), None) => return Err(e),
+    };
+    if let Some(world) = mpi {
+        // Before anything is written under --out: a refused job leaves an earlier run's
+        // metrics as they were.
+        agree_mpi(world, (&cfg, &graph), (dtype, steps), &data, &ckpt)?;
+    }
+    let report = if lead {
+        let peak = match a.peak_tflops {
+            Some(t) => t * 1e12,
+            None => {
+                // As `hetpar bench nn` measures it: a few 512^3 products alone moved the
+                // peak by a quarter run to run.
+                let one = match graph.train.dtype {
+                    Dtype::Bf16 => hetpar_nn::bench::bf16_peak_gflops(10),
+                    Dtype::F32 => hetpar_nn::bench::matmul_peak_gflops(10, dtype)?,
+                } * 1e9;
+                one * mpi.map_or(1, |w| w.size()) as f64
+            }
+        };
+        Some(Report::create(&out, &resolved, &graph, (steps, start), peak)?)
+    } else {
+        None
     };
     let on_step = |log: &StepLog| report.as_ref().map_or(Ok(()), |r| r.step(log));
     let on_eval = |done: usize, e: &EvalReport| report.as_ref().map_or(Ok(()), |r| r.eval(done, e));
@@ -447,7 +486,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             })
             .collect()
     };
-    let (logs, seconds) = match &mpi {
+    let (logs, seconds) = match mpi {
         None => {
             let run = LocalRun { data: &data, on_step: &on_step, evals, ckpt: &ckpt };
             let ranks = local_ranks(&graph, (dtype, steps), timeout, &run)?;
@@ -455,31 +494,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             (ranks.into_iter().next().expect("rank 0"), seconds)
         }
         Some(world) => {
-            if let Err(e) = fits_memory(&graph, dtype, &[world.rank()]) {
-                fail_job(world.rank(), RuntimeError::Model(format!("{e:#}")))?;
-            }
-            let resume = ckpt.as_ref().and_then(|k| k.resume.as_deref());
-            let facts = run_facts(&cfg, dtype_name(dtype, &graph), steps, &data, resume);
-            let agreed = facts
-                .map_err(|e| RuntimeError::Data(format!("{e:#}")))
-                .and_then(|f| hetpar_runtime::agree(world.as_ref(), &f).map(|()| f));
-            match agreed {
-                Ok(f) if lead => say(&format!(
-                    "all {} processes were started alike: config, dtype, steps, data and checkpoint (sha256 {})",
-                    world.size(),
-                    &f.digest()[..16]
-                )),
-                Ok(_) => {}
-                Err(e) => {
-                    fail_job(world.rank(), e)?;
-                }
-            }
-            if let Some(k) = &ckpt
-                && let Err(e) = hetpar_runtime::checkpoint::check_shared(world.as_ref(), &k.root)
-            {
-                fail_job(world.rank(), e)?;
-            }
-            match rank_run(world.as_ref(), &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
+            match rank_run(world, &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
                 Ok(logs) => {
                     let seconds = per_rank(std::slice::from_ref(&logs));
                     (logs, seconds)
@@ -580,13 +595,18 @@ impl Checkpoints {
 /// A flag SIGTERM and SIGINT set (instead of ending the process), so the run commits a
 /// checkpoint after the current step and stops cleanly; a second signal ends the process at
 /// once (exit 130), for a run stuck in its step.
+/// SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 set the flag (the run commits a checkpoint after
+/// the step in progress and ends); a second one ends the process at once. Under mpirun,
+/// SIGUSR1 and SIGUSR2 are the ones to send: mpirun passes them on to every process,
+/// where a SIGTERM it follows with SIGKILL a second later.
 fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
+    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     let flag = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+    for sig in [SIGTERM, SIGINT, SIGUSR1, SIGUSR2] {
         // The shutdown is registered first, so it fires only once the flag is set.
         signal_hook::flag::register_conditional_shutdown(sig, 130, flag.clone())
             .and_then(|_| signal_hook::flag::register(sig, flag.clone()))
-            .context("cannot handle SIGTERM/SIGINT")?;
+            .context("cannot handle SIGTERM, SIGINT, SIGUSR1 and SIGUSR2")?;
     }
     Ok(flag)
 }
@@ -972,6 +992,42 @@ pub fn run_facts(
     }
     data.facts(&mut facts)?;
     Ok(facts)
+}
+
+/// Under MPI, before anything is written: this process's memory, then every process
+/// started alike (`hetpar_runtime::agree`) and, for checkpoints, seeing rank 0's checkpoint
+/// directory. A failure ends the whole job, printed.
+fn agree_mpi(
+    world: &dyn Communicator,
+    (cfg, graph): (&Config, &ModelGraph),
+    (dtype, steps): (DType, usize),
+    data: &RunData,
+    ckpt: &Option<Checkpoints>,
+) -> anyhow::Result<()> {
+    let rank = world.rank();
+    if let Err(e) = fits_memory(graph, dtype, &[rank]) {
+        fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
+    }
+    let resume = ckpt.as_ref().and_then(|k| k.resume.as_deref());
+    let facts = run_facts(cfg, dtype_name(dtype, graph), steps, data, resume)
+        .map_err(|e| RuntimeError::Data(format!("{e:#}")));
+    match facts.and_then(|f| hetpar_runtime::agree(world, &f).map(|()| f)) {
+        Ok(f) if rank == 0 => say(&format!(
+            "all {} processes were started alike: config, dtype, steps, data and checkpoint (sha256 {})",
+            world.size(),
+            &f.digest()[..16]
+        )),
+        Ok(_) => {}
+        Err(e) => {
+            fail_job(rank, e)?;
+        }
+    }
+    if let Some(k) = ckpt
+        && let Err(e) = hetpar_runtime::checkpoint::check_shared(world, &k.root)
+    {
+        fail_job(rank, e)?;
+    }
+    Ok(())
 }
 
 /// Every rank's logs of a local run without checkpoints, by rank.
