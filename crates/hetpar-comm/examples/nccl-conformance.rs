@@ -34,7 +34,10 @@ fn main() -> ExitCode {
         }
     };
     let mut failures = 0i64;
-    for (name, check) in SUITE {
+    // NCCL sums in its own order (deterministic for one topology, not the members' order
+    // the local and MPI backends keep), so the order checks do not apply to it.
+    let suite: Vec<_> = SUITE.iter().filter(|(name, _)| !name.starts_with("sum_order")).collect();
+    for (name, check) in &suite {
         if let Err(e) = check(&comm) {
             let line = format!("FAILED {name}: {e}\n");
             eprint!("{line}");
@@ -47,7 +50,7 @@ fn main() -> ExitCode {
         println!(
             "nccl conformance on {} ranks: {} checks, {} failures",
             comm.size(),
-            SUITE.len(),
+            suite.len(),
             total[0]
         );
     }

@@ -1,6 +1,8 @@
 //! The backend conformance suite (feature `testing`): one body per operation, run on every
 //! backend by the local tests and by the MPI runner under `mpirun`. Inputs are small
-//! integers, so every reduction is exact in any order and results can be compared bitwise.
+//! integers, so every reduction is exact in any order and results can be compared bitwise;
+//! `sum_order_*` alone feeds sums whose rounding depends on the order, which every backend
+//! must take as the members' order.
 
 use half::bf16;
 
@@ -17,6 +19,8 @@ pub const SUITE: &[(&str, Check)] = &[
     ("all_reduce_f64", all_reduce::<f64>),
     ("all_reduce_i64", all_reduce::<i64>),
     ("all_reduce_bf16", all_reduce::<bf16>),
+    ("sum_order_f32", sum_order::<f32>),
+    ("sum_order_f64", sum_order::<f64>),
     ("broadcast", broadcast),
     ("all_gather", all_gather),
     ("all_gather_v", all_gather_v),
@@ -102,6 +106,95 @@ fn all_reduce<T: Exact>(c: &dyn Communicator) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Floats whose sum rounds differently by order: the contract is the members' order
+/// (`((x0 + x1) + x2) + ...`), the local backend's, so a run gives the same bits on every
+/// backend. At element `i`, one member holds a large value, the next its negation and the
+/// rest 1: in member order the large pair cancels before or after the ones are absorbed,
+/// depending on where the pair sits. All-reduce and reduce-scatter.
+fn sum_order<T: Element + num_like::Float>(c: &dyn Communicator) -> Result<(), String> {
+    let n = c.size();
+    let v = |m: usize, i: usize| -> T {
+        if m == i % n {
+            T::big()
+        } else if m == (i + 1) % n {
+            T::big().neg()
+        } else {
+            T::one()
+        }
+    };
+    let want = |i: usize| (1..n).fold(v(0, i), |acc, m| acc.add(v(m, i)));
+    let len = 64 * n;
+    let mut data: Vec<T> = (0..len).map(|i| v(c.rank(), i)).collect();
+    ok(c, c.all_reduce(&mut data, ReduceOp::Sum), "all-reduce")?;
+    for (i, got) in data.iter().enumerate() {
+        if *got != want(i) {
+            return Err(fail(
+                c,
+                format!(
+                    "all-reduce sum of {len}: element {i} is {got:?}, want {:?} (member order)",
+                    want(i)
+                ),
+            ));
+        }
+    }
+    let send: Vec<T> = (0..len).map(|i| v(c.rank(), i)).collect();
+    let mut recv = vec![T::one(); 64];
+    ok(c, c.reduce_scatter(&send, &mut recv, ReduceOp::Sum), "reduce-scatter")?;
+    for (k, got) in recv.iter().enumerate() {
+        let i = c.rank() * 64 + k;
+        if *got != want(i) {
+            return Err(fail(
+                c,
+                format!(
+                    "reduce-scatter sum: element {i} is {got:?}, want {:?} (member order)",
+                    want(i)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The float operations [`sum_order`] needs.
+mod num_like {
+    /// f32 and f64.
+    pub trait Float: Copy + PartialEq + std::fmt::Debug {
+        /// Large enough that adding 1 to it, or to its negation, changes nothing.
+        fn big() -> Self;
+        fn one() -> Self;
+        fn neg(self) -> Self;
+        fn add(self, o: Self) -> Self;
+    }
+    impl Float for f32 {
+        fn big() -> f32 {
+            1e9
+        }
+        fn one() -> f32 {
+            1.0
+        }
+        fn neg(self) -> f32 {
+            -self
+        }
+        fn add(self, o: f32) -> f32 {
+            self + o
+        }
+    }
+    impl Float for f64 {
+        fn big() -> f64 {
+            1e17
+        }
+        fn one() -> f64 {
+            1.0
+        }
+        fn neg(self) -> f64 {
+            -self
+        }
+        fn add(self, o: f64) -> f64 {
+            self + o
+        }
+    }
 }
 
 fn broadcast(c: &dyn Communicator) -> Result<(), String> {

@@ -16,7 +16,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ::mpi::collective::SystemOperation;
 use ::mpi::datatype::{Partition, PartitionMut};
 use ::mpi::environment::Universe;
 use ::mpi::point_to_point::{Message, Status};
@@ -29,7 +28,7 @@ use ::mpi::{Rank, Threading};
 use crate::comm::{
     Communicator, P2p, args, check_batch, check_peer, check_subgroup, length_mismatch,
 };
-use crate::dtype::{DType, ReduceOp, reduce_onto, typed};
+use crate::dtype::{DType, ReduceOp, reduce_onto};
 use crate::engine::EngineHandle;
 use crate::error::{CommError, Result, ranks};
 use crate::pool::BufferPool;
@@ -169,14 +168,6 @@ pub fn abort_on_panic(rank: usize, print: fn(&str)) {
         print(&format!("rank {rank} panicked{at}: {msg}\n"));
         abort_job(101);
     }));
-}
-
-fn mpi_op(op: ReduceOp) -> SystemOperation {
-    match op {
-        ReduceOp::Sum => SystemOperation::sum(),
-        ReduceOp::Max => SystemOperation::max(),
-        ReduceOp::Min => SystemOperation::min(),
-    }
 }
 
 fn counts_i32(counts: &[usize]) -> Vec<Rank> {
@@ -337,65 +328,31 @@ impl MpiEngine {
         }
     }
 
-    /// All-reduce of `data` into `out` as `T`s, in place on the pooled bytes when they are
-    /// aligned for `T` (large buffers always are), through typed copies otherwise.
-    fn all_reduce_typed<T: Equivalence + bytemuck::Pod>(
-        &self,
-        id: usize,
-        data: &[u8],
-        out: &mut [u8],
-        op: ReduceOp,
-        name: &str,
-    ) {
-        let run = |send: &[T], recv: &mut [T]| {
-            scope(|s| {
-                let req =
-                    self.entries[id].comm.immediate_all_reduce_into(s, send, recv, mpi_op(op));
-                self.wait(req, id, name, &self.others(id));
-            })
-        };
-        match (bytemuck::try_cast_slice::<u8, T>(data), bytemuck::try_cast_slice_mut::<u8, T>(out))
-        {
-            (Ok(send), Ok(recv)) => run(send, recv),
-            (_, recv) => {
-                let send: Vec<T> = typed(data);
-                match recv {
-                    Ok(recv) => run(&send, recv),
-                    Err(_) => {
-                        let mut recv = send.clone();
-                        run(&send, &mut recv);
-                        out.copy_from_slice(bytemuck::cast_slice(&recv));
-                    }
-                }
-            }
-        }
-    }
-
     fn all_reduce(&self, id: usize, data: Vec<u8>, dtype: DType, op: ReduceOp) -> Result<Vec<u8>> {
+        // Member m reduces elements [m * len / n, (m + 1) * len / n) of every member's
+        // buffer in member order, then every member gathers the reduced ranges: the same
+        // arithmetic as the local backend for every type and group size (MPI's own
+        // all-reduce picks its order by message size and group, so a sum over three or more
+        // ranks could round differently from the local run's, and from one MPI to another).
         let name = self.begin(id, "all-reduce");
-        let mut out = self.pool.take(data.len());
-        match dtype {
-            DType::F32 => self.all_reduce_typed::<f32>(id, &data, &mut out, op, &name),
-            DType::F64 => self.all_reduce_typed::<f64>(id, &data, &mut out, op, &name),
-            DType::I64 => self.all_reduce_typed::<i64>(id, &data, &mut out, op, &name),
-            DType::Bf16 => {
-                // MPI has no bf16: reduce in f32, round once.
-                let wide: Vec<f32> =
-                    typed::<half::bf16>(&data).iter().map(|v| v.to_f32()).collect();
-                let mut summed = vec![0u8; wide.len() * 4];
-                self.all_reduce_typed::<f32>(
-                    id,
-                    bytemuck::cast_slice(&wide),
-                    &mut summed,
-                    op,
-                    &name,
-                );
-                let narrow: Vec<half::bf16> =
-                    typed::<f32>(&summed).iter().map(|&v| half::bf16::from_f32(v)).collect();
-                out.copy_from_slice(bytemuck::cast_slice(&narrow));
-            }
+        let e = &self.entries[id];
+        let n = e.members.len();
+        if n == 1 {
+            self.end();
+            return Ok(data);
         }
-        self.pool.give(data);
+        let size = dtype.size();
+        let len = data.len() / size;
+        let counts: Vec<usize> = (0..n).map(|m| ((m + 1) * len / n - m * len / n) * size).collect();
+        let mine = counts[e.me];
+        let blocks = self.exchange(id, &name, data, counts.clone(), vec![mine; n]);
+        let mut acc = self.pool.copy_of(&blocks[..mine]);
+        let rest: Vec<&[u8]> = (1..n).map(|m| &blocks[m * mine..(m + 1) * mine]).collect();
+        if mine > 0 {
+            reduce_onto(&mut acc, &rest, dtype, op);
+        }
+        self.pool.give(blocks);
+        let out = self.gather_v(id, &name, acc, &counts);
         self.end();
         Ok(out)
     }
@@ -422,18 +379,24 @@ impl MpiEngine {
 
     fn all_gather_v(&self, id: usize, send: Vec<u8>, counts: Vec<usize>) -> Result<Vec<u8>> {
         let name = self.begin(id, "all-gather-v");
+        let recv = self.gather_v(id, &name, send, &counts);
+        self.end();
+        Ok(recv)
+    }
+
+    /// The all-gather of operation `name` (begun by the caller).
+    fn gather_v(&self, id: usize, name: &str, send: Vec<u8>, counts: &[usize]) -> Vec<u8> {
         let mut recv = self.pool.take(counts.iter().sum());
-        let c = counts_i32(&counts);
+        let c = counts_i32(counts);
         let d = displacements(&c);
         let mut part = PartitionMut::new(&mut recv[..], &c[..], &d[..]);
         scope(|s| {
             let req =
                 self.entries[id].comm.immediate_all_gather_varcount_into(s, &send[..], &mut part);
-            self.wait(req, id, &name, &self.others(id));
+            self.wait(req, id, name, &self.others(id));
         });
         self.pool.give(send);
-        self.end();
-        Ok(recv)
+        recv
     }
 
     fn reduce_scatter(
@@ -446,16 +409,18 @@ impl MpiEngine {
     ) -> Result<Vec<u8>> {
         // Gather every member's block for this rank and reduce it in member order: the
         // same arithmetic as the local backend for every type, bf16 included.
+        let name = self.begin(id, "reduce-scatter");
         let e = &self.entries[id];
         let n = e.members.len();
         let sc = vec![block; n];
-        let mine = self.all_to_all_v(id, send, sc.clone(), sc)?;
+        let mine = self.exchange(id, &name, send, sc.clone(), sc);
         let mut acc = self.pool.copy_of(&mine[..block]);
         let rest: Vec<&[u8]> = (1..n).map(|m| &mine[m * block..(m + 1) * block]).collect();
         if block > 0 {
             reduce_onto(&mut acc, &rest, dtype, op);
         }
         self.pool.give(mine);
+        self.end();
         Ok(acc)
     }
 
@@ -467,6 +432,21 @@ impl MpiEngine {
         rc: Vec<usize>,
     ) -> Result<Vec<u8>> {
         let name = self.begin(id, "all-to-all-v");
+        let recv = self.exchange(id, &name, send, sc, rc);
+        self.end();
+        Ok(recv)
+    }
+
+    /// The all-to-all of operation `name` (begun by the caller): `sc[m]` bytes of `send`
+    /// to member `m`, `rc[m]` from it.
+    fn exchange(
+        &self,
+        id: usize,
+        name: &str,
+        send: Vec<u8>,
+        sc: Vec<usize>,
+        rc: Vec<usize>,
+    ) -> Vec<u8> {
         let mut recv = self.pool.take(rc.iter().sum());
         let (sc, rc) = (counts_i32(&sc), counts_i32(&rc));
         let (sd, rd) = (displacements(&sc), displacements(&rc));
@@ -475,11 +455,10 @@ impl MpiEngine {
         scope(|s| {
             let req =
                 self.entries[id].comm.immediate_all_to_all_varcount_into(s, &part, &mut rpart);
-            self.wait(req, id, &name, &self.others(id));
+            self.wait(req, id, name, &self.others(id));
         });
         self.pool.give(send);
-        self.end();
-        Ok(recv)
+        recv
     }
 
     fn send(&self, id: usize, data: &[u8], dst: usize, tag: u32) -> Result<()> {
