@@ -339,6 +339,24 @@ pub trait CommExt: Communicator {
         self.all_gather_v_bytes(bytes(send), bytes_mut(recv), &scaled::<T>(counts))
     }
 
+    /// All-gather of byte strings of any length, their lengths exchanged first: every
+    /// member's bytes, in member order.
+    fn all_gather_any(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mut lens = vec![0i64; self.size()];
+        self.all_gather(&[mine.len() as i64], &mut lens)?;
+        let counts: Vec<usize> = lens.iter().map(|&l| usize::try_from(l).unwrap_or(0)).collect();
+        let mut all = vec![0u8; counts.iter().sum()];
+        self.all_gather_v_bytes(mine, &mut all, &counts)?;
+        let mut at = 0;
+        Ok(counts
+            .iter()
+            .map(|&k| {
+                at += k;
+                all[at - k..at].to_vec()
+            })
+            .collect())
+    }
+
     /// Typed [`Communicator::reduce_scatter_bytes`].
     fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
         self.reduce_scatter_bytes(bytes(send), bytes_mut(recv), T::DTYPE, op)

@@ -54,7 +54,17 @@ pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
             Ok((n.as_str(), TensorView::new(*d, s.clone(), b).map_err(|e| bad(path, e))?))
         })
         .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| bad(path, e))
+    // safetensors writes a private temporary file (mode 0600) and renames it into place: the
+    // file gets the mode a plain create gives here (or the one it had), so whoever may read
+    // the directory may read what a run saved.
+    let mode = match std::fs::metadata(path) {
+        Ok(m) => m.permissions(),
+        Err(_) => {
+            File::create(path).and_then(|f| f.metadata()).map_err(|e| bad(path, e))?.permissions()
+        }
+    };
+    safetensors::serialize_to_file(views, None, path).map_err(|e| bad(path, e))?;
+    std::fs::set_permissions(path, mode).map_err(|e| bad(path, e))
 }
 
 fn bytemuck_f32(v: &[f32]) -> Vec<u8> {

@@ -132,3 +132,22 @@ fn corrupt_files_are_refused_naming_the_file() {
         "{e}"
     );
 }
+
+/// A saved file is as readable as any file created in its directory (safetensors writes a
+/// private temporary file and renames it).
+#[cfg(unix)]
+#[test]
+fn saved_files_get_the_mode_a_plain_create_gives() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = dir().join("mode");
+    std::fs::create_dir_all(&d).unwrap();
+    let plain = d.join("plain");
+    std::fs::File::create(&plain).unwrap();
+    let file = d.join("w.safetensors");
+    let _ = std::fs::remove_file(&file);
+    let t = Tensor::zeros((2, 3), DType::F32, &candle_core::Device::Cpu).unwrap();
+    save(&file, &BTreeMap::from([("w".to_string(), t)])).unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    // (Under a umask of 077 both are 0600 and this says nothing; CI's is 022.)
+    assert_eq!(mode(&file), mode(&plain));
+}

@@ -72,19 +72,10 @@ pub fn agree(c: &dyn Communicator, facts: &RunFacts) -> Result<(), RuntimeError>
     if digests.iter().all(|d| *d == digests[0]) {
         return Ok(());
     }
-    let mut lens = vec![0i64; n];
-    c.all_gather(&[text.len() as i64], &mut lens)?;
-    let counts: Vec<usize> = lens.iter().map(|&l| usize::try_from(l).unwrap_or(0)).collect();
-    let mut texts = vec![0u8; counts.iter().sum()];
-    c.all_gather_v_bytes(text.as_bytes(), &mut texts, &counts)?;
-    let mut at = 0;
-    let texts: Vec<String> = counts
+    let texts: Vec<String> = c
+        .all_gather_any(text.as_bytes())?
         .iter()
-        .map(|&k| {
-            let t = String::from_utf8_lossy(&texts[at..at + k]).into_owned();
-            at += k;
-            t
-        })
+        .map(|t| String::from_utf8_lossy(t).into_owned())
         .collect();
     Err(RuntimeError::Disagree(describe(&texts)))
 }
@@ -139,7 +130,7 @@ fn describe(texts: &[String]) -> String {
         k => format!("; and {k} more groups of ranks"),
     };
     format!(
-        "the ranks were started with different runs: {}{more}; start every rank with the same config (after --set), --dtype, --steps, data files and checkpoint",
+        "the ranks were started with different runs: {}{more}; start every rank with the same build, config (after --set), --dtype, --steps, data files and checkpoint",
         parts.join("; ")
     )
 }
@@ -167,7 +158,7 @@ mod tests {
         })
         .expect("launch");
         let want = "the ranks were started with different runs: rank 1 has train.lr = 0.01 where rank 0 has 0.003; \
-                    start every rank with the same config (after --set), --dtype, --steps, data files and checkpoint";
+                    start every rank with the same build, config (after --set), --dtype, --steps, data files and checkpoint";
         for got in apart {
             assert_eq!(got, Err(want.to_string()));
         }
@@ -191,7 +182,7 @@ mod tests {
             got,
             "the ranks were started with different runs: ranks 2-3 have train.lr = 0.01 where rank 0 has 0.003; \
              rank 4 has data.train.sha256 = ab where rank 0 has (absent), train.lr = (absent) where rank 0 has 0.003; \
-             start every rank with the same config (after --set), --dtype, --steps, data files and checkpoint"
+             start every rank with the same build, config (after --set), --dtype, --steps, data files and checkpoint"
         );
     }
 

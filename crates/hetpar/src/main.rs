@@ -35,7 +35,7 @@ static ALLOCATOR: alloc::Staggered = alloc::Staggered;
 #[derive(Parser)]
 #[command(
     name = "hetpar",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("HETPAR_BUILD"), ")"),
     about = "Heterogeneous parallelism for multimodal LLM training: every module gets its own layout and placement.",
     after_help = "Examples:\n  hetpar train\n  hetpar layout examples/colocated-fanin.toml"
 )]

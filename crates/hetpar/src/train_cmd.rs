@@ -471,7 +471,7 @@ fn run_on(
     let on_eval = |done: usize, e: &EvalReport| report.as_ref().map_or(Ok(()), |r| r.eval(done, e));
     let every = a.eval_every.unwrap_or(steps.div_ceil(4));
     let evals = Some(Evals { every, on_eval: &on_eval });
-    // Seconds by kind of action, per rank (under MPI rank 0 sees its own only).
+    // Seconds by kind of action, per rank (under MPI gathered from every process).
     let per_rank = |ranks: &[Vec<StepLog>]| -> Vec<std::collections::BTreeMap<String, f64>> {
         ranks
             .iter()
@@ -496,7 +496,13 @@ fn run_on(
         Some(world) => {
             match rank_run(world, &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
                 Ok(logs) => {
-                    let seconds = per_rank(std::slice::from_ref(&logs));
+                    let mine = per_rank(std::slice::from_ref(&logs));
+                    let mine = serde_json::to_vec(&mine[0])?;
+                    let seconds = world
+                        .all_gather_any(&mine)?
+                        .iter()
+                        .map(|m| serde_json::from_slice(m))
+                        .collect::<Result<_, _>>()?;
                     (logs, seconds)
                 }
                 Err(e) => (fail_job(world.rank(), e)?, Vec::new()),
@@ -951,9 +957,10 @@ pub fn train_mpi(
 }
 
 /// What this process was started with, which every process of an MPI job must share
-/// (`hetpar_runtime::agree`): every key of the resolved config (after `--set`), the dtype,
-/// the steps, the data it read and the manifest of the checkpoint it resumes from. Paths
-/// and `--out` may differ between hosts; what they hold may not.
+/// (`hetpar_runtime::agree`): the commit hetpar was built from, every key of the resolved
+/// config (after `--set`), the dtype, the steps, the data it read and the manifest of the
+/// checkpoint it resumes from. Paths and `--out` may differ between hosts; what they hold
+/// may not.
 pub fn run_facts(
     cfg: &Config,
     dtype: &str,
@@ -977,6 +984,8 @@ pub fn run_facts(
     }
     let mut facts = RunFacts::new();
     facts.set("hetpar.version", env!("CARGO_PKG_VERSION"));
+    // The commit it was built from (build.rs): a host left on an older build is named.
+    facts.set("hetpar.build", env!("HETPAR_BUILD"));
     let config = toml::Value::try_from(cfg).context("cannot write the resolved config")?;
     flatten("", &config, &mut facts);
     facts.set("run.dtype", dtype);
