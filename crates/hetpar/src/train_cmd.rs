@@ -944,7 +944,7 @@ pub fn train_mpi(
         fail_job(rank, e)?;
         return Ok(None);
     }
-    if let Err(e) = fits_memory(graph, dtype, &[rank]) {
+    if let Err(e) = fits_memory_mpi(world.as_ref(), graph, dtype) {
         fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
         return Ok(None);
     }
@@ -1003,9 +1003,10 @@ pub fn run_facts(
     Ok(facts)
 }
 
-/// Under MPI, before anything is written: this process's memory, then every process
-/// started alike (`hetpar_runtime::agree`) and, for checkpoints, seeing rank 0's checkpoint
-/// directory. A failure ends the whole job, printed.
+/// Under MPI, before anything is written: every process started alike
+/// (`hetpar_runtime::agree`), the memory of the processes on each machine, and, for
+/// checkpoints, every process seeing rank 0's checkpoint directory. A failure ends the
+/// whole job, printed.
 fn agree_mpi(
     world: &dyn Communicator,
     (cfg, graph): (&Config, &ModelGraph),
@@ -1014,9 +1015,6 @@ fn agree_mpi(
     ckpt: &Option<Checkpoints>,
 ) -> anyhow::Result<()> {
     let rank = world.rank();
-    if let Err(e) = fits_memory(graph, dtype, &[rank]) {
-        fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
-    }
     let resume = ckpt.as_ref().and_then(|k| k.resume.as_deref());
     let facts = run_facts(cfg, dtype_name(dtype, graph), steps, data, resume)
         .map_err(|e| RuntimeError::Data(format!("{e:#}")));
@@ -1030,6 +1028,9 @@ fn agree_mpi(
         Err(e) => {
             fail_job(rank, e)?;
         }
+    }
+    if let Err(e) = fits_memory_mpi(world, graph, dtype) {
+        fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
     }
     if let Some(k) = ckpt
         && let Err(e) = hetpar_runtime::checkpoint::check_shared(world, &k.root)
@@ -1060,11 +1061,42 @@ struct LocalRun<'a> {
     ckpt: &'a Option<Checkpoints>,
 }
 
-/// Refuses a run whose ranks in this process (`ranks`: all of a local run, one under MPI)
-/// would hold more weights, gradients and AdamW moments than the machine has memory
-/// available, before anything is allocated: the allocation would otherwise end the process
-/// without a message. Activations come on top, so passing says little; failing is certain.
+/// Refuses a run whose ranks in this process (`ranks`: all of a local run) would hold more
+/// weights, gradients and AdamW moments than the machine has memory available, before
+/// anything is allocated: the allocation would otherwise end the process without a message.
+/// Activations come on top, so passing says little; failing is certain.
 pub fn fits_memory(graph: &ModelGraph, dtype: DType, ranks: &[usize]) -> anyhow::Result<()> {
+    fits_memory_of(graph, dtype, ranks, "in this process", " (--backend mpi)")
+}
+
+/// [`fits_memory`] under MPI, for the processes of `world` on this machine together (those
+/// reporting its boot id; MPI places several ranks on a host, and they share its memory).
+/// Every rank of `world` calls it.
+fn fits_memory_mpi(
+    world: &dyn Communicator,
+    graph: &ModelGraph,
+    dtype: DType,
+) -> anyhow::Result<()> {
+    let me = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let ids = world.all_gather_any(me.as_bytes())?;
+    let here: Vec<usize> = if me.is_empty() {
+        vec![world.rank()]
+    } else {
+        (0..ids.len()).filter(|&r| ids[r] == me.as_bytes()).collect()
+    };
+    let at = format!("on this machine (ranks {})", hetpar_layout::plan::rank_list(&here));
+    fits_memory_of(graph, dtype, &here, &at, "")
+}
+
+fn fits_memory_of(
+    graph: &ModelGraph,
+    dtype: DType,
+    ranks: &[usize],
+    at: &str,
+    how: &str,
+) -> anyhow::Result<()> {
     let Some(available) = crate::meminfo_bytes("MemAvailable") else { return Ok(()) };
     // Parameter, gradient and two moments, each of the parameters' type.
     let per_param = 4.0 * dtype.size_in_bytes() as f64;
@@ -1078,7 +1110,7 @@ pub fn fits_memory(graph: &ModelGraph, dtype: DType, ranks: &[usize]) -> anyhow:
     if need > available {
         let gib = |b: f64| b / (1u64 << 30) as f64;
         bail!(
-            "{}: its weights, gradients and AdamW moments on {} rank(s) in this process need about {:.1} GiB, more than the {:.1} GiB this machine has available; use smaller sizes or more machines (--backend mpi)",
+            "{}: its weights, gradients and AdamW moments on {} rank(s) {at} need about {:.1} GiB, more than the {:.1} GiB this machine has available; use smaller sizes or more machines{how}",
             graph.name,
             ranks.len(),
             gib(need),
