@@ -28,6 +28,10 @@ pub trait Communicator: Send + Sync {
     fn backend(&self) -> &'static str;
     /// How long a blocking call may wait.
     fn timeout(&self) -> Duration;
+    /// Sets how long this rank's blocking calls may wait, in this communicator and every
+    /// other of this rank in the job (its world and groups share one setting per rank).
+    /// [`CommExt::with_timeout`] is the scoped form.
+    fn set_timeout(&self, timeout: Duration);
 
     /// Waits until every member has arrived.
     fn barrier(&self) -> Result<()>;
@@ -223,6 +227,9 @@ impl<C: Communicator + ?Sized> Communicator for &C {
     fn timeout(&self) -> Duration {
         (**self).timeout()
     }
+    fn set_timeout(&self, timeout: Duration) {
+        (**self).set_timeout(timeout)
+    }
     fn barrier(&self) -> Result<()> {
         (**self).barrier()
     }
@@ -316,6 +323,28 @@ fn scaled<T: Element>(counts: &[usize]) -> Vec<usize> {
     counts.iter().map(|c| c * T::DTYPE.size()).collect()
 }
 
+/// A timeout the communicators of one rank share and may change (in nanoseconds).
+#[derive(Debug)]
+pub(crate) struct SharedTimeout(std::sync::atomic::AtomicU64);
+
+impl SharedTimeout {
+    pub(crate) fn new(t: Duration) -> SharedTimeout {
+        SharedTimeout(std::sync::atomic::AtomicU64::new(nanos(t)))
+    }
+
+    pub(crate) fn get(&self) -> Duration {
+        Duration::from_nanos(self.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    pub(crate) fn set(&self, t: Duration) {
+        self.0.store(nanos(t), std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn nanos(t: Duration) -> u64 {
+    u64::try_from(t.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// The typed API, for every communicator (including `dyn Communicator`).
 pub trait CommExt: Communicator {
     /// Typed [`Communicator::all_reduce_bytes`].
@@ -337,6 +366,18 @@ pub trait CommExt: Communicator {
     /// Typed [`Communicator::all_gather_v_bytes`]; `counts` in elements.
     fn all_gather_v<T: Element>(&self, send: &[T], recv: &mut [T], counts: &[usize]) -> Result<()> {
         self.all_gather_v_bytes(bytes(send), bytes_mut(recv), &scaled::<T>(counts))
+    }
+
+    /// Runs `f` with this rank's blocking calls allowed to wait `timeout` (or the current
+    /// timeout where that is longer), then restores the timeout: for phases where members
+    /// wait on one another's disks rather than on communication, such as writing a
+    /// checkpoint. Every member calls it around the same calls.
+    fn with_timeout<R>(&self, timeout: Duration, f: impl FnOnce() -> R) -> R {
+        let before = self.timeout();
+        self.set_timeout(timeout.max(before));
+        let out = f();
+        self.set_timeout(before);
+        out
     }
 
     /// All-gather of byte strings of any length, their lengths exchanged first: every

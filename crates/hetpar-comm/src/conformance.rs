@@ -15,6 +15,7 @@ pub type Check = fn(&dyn Communicator) -> Result<(), String>;
 /// Every check, by name.
 pub const SUITE: &[(&str, Check)] = &[
     ("barrier", barrier),
+    ("longer_waits", longer_waits),
     ("all_reduce_f32", all_reduce::<f32>),
     ("all_reduce_f64", all_reduce::<f64>),
     ("all_reduce_i64", all_reduce::<i64>),
@@ -195,6 +196,33 @@ mod num_like {
             self + o
         }
     }
+}
+
+/// A phase allowed to wait longer than the timeout, as a checkpoint's writes are
+/// (`with_timeout`): with the timeout at 100 ms, a member arriving 300 ms late at a barrier
+/// inside `with_timeout(10 s)` is no timeout, and the 100 ms are back afterwards.
+fn longer_waits(c: &dyn Communicator) -> Result<(), String> {
+    use std::time::Duration;
+    let before = c.timeout();
+    ok(c, c.barrier(), "barrier")?;
+    let short = Duration::from_millis(100);
+    c.set_timeout(short);
+    let late = c.with_timeout(Duration::from_secs(10), || {
+        if c.rank() == 1 {
+            std::thread::sleep(3 * short);
+        }
+        c.barrier()
+    });
+    let after = c.timeout();
+    c.set_timeout(before);
+    ok(c, late, "barrier 300 ms late inside with_timeout(10 s)")?;
+    if after != short {
+        return Err(fail(
+            c,
+            format!("the timeout after with_timeout is {after:?}, want {short:?}"),
+        ));
+    }
+    ok(c, c.barrier(), "barrier")
 }
 
 fn broadcast(c: &dyn Communicator) -> Result<(), String> {

@@ -72,6 +72,9 @@ impl Communicator for Counted<'_> {
     fn timeout(&self) -> Duration {
         self.inner.timeout()
     }
+    fn set_timeout(&self, timeout: Duration) {
+        self.inner.set_timeout(timeout)
+    }
     fn barrier(&self) -> Result<()> {
         self.traffic.add(0);
         self.inner.barrier()

@@ -26,7 +26,8 @@ use ::mpi::traits::*;
 use ::mpi::{Rank, Threading};
 
 use crate::comm::{
-    Communicator, P2p, args, check_batch, check_peer, check_subgroup, length_mismatch,
+    Communicator, P2p, SharedTimeout, args, check_batch, check_peer, check_subgroup,
+    length_mismatch,
 };
 use crate::dtype::{DType, ReduceOp, reduce_onto};
 use crate::engine::EngineHandle;
@@ -67,7 +68,7 @@ pub struct MpiEngine {
     pool: Arc<BufferPool>,
     control: SimpleCommunicator,
     doing: RefCell<String>,
-    timeout: Duration,
+    timeout: Arc<SharedTimeout>,
     on_fatal: Box<dyn Fn(&CommError) + Send>,
     world_rank: usize,
     _universe: Universe,
@@ -86,7 +87,7 @@ pub struct MpiComm {
     id: usize,
     members: Vec<usize>,
     me: usize,
-    timeout: Duration,
+    timeout: Arc<SharedTimeout>,
 }
 
 impl std::fmt::Debug for MpiComm {
@@ -98,7 +99,8 @@ impl std::fmt::Debug for MpiComm {
 /// Initializes MPI on an engine thread and returns the world communicator. Fails when MPI
 /// was initialized already.
 pub fn init(opts: MpiOptions) -> Result<MpiComm> {
-    let timeout = opts.timeout;
+    let timeout = Arc::new(SharedTimeout::new(opts.timeout));
+    let engine_timeout = timeout.clone();
     let pool = Arc::new(BufferPool::new());
     let engine_pool = pool.clone();
     let engine = EngineHandle::spawn(
@@ -125,7 +127,7 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
                 pool: engine_pool,
                 control,
                 doing: RefCell::new("computing (not in a communication call)".into()),
-                timeout: opts.timeout,
+                timeout: engine_timeout,
                 on_fatal: opts.on_fatal,
                 world_rank: rank,
                 _universe: universe,
@@ -288,7 +290,7 @@ impl MpiEngine {
             op: name.to_string(),
             group: self.entries[id].members.clone(),
             rank: self.world_rank,
-            after: self.timeout,
+            after: self.timeout.get(),
             detail: notes.join("; "),
         }
     }
@@ -302,7 +304,7 @@ impl MpiEngine {
         waiting_on: &[usize],
     ) {
         let start = Instant::now();
-        let deadline = start + self.timeout;
+        let deadline = start + self.timeout.get();
         let mut spins = 0u32;
         loop {
             match req.test() {
@@ -476,7 +478,7 @@ impl MpiEngine {
     fn recv(&self, id: usize, len: usize, src: usize, tag: u32) -> Result<Vec<u8>> {
         let e = &self.entries[id];
         let name = self.begin_named(id, format!("recv from rank {} (tag {tag})", e.members[src]));
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.timeout.get();
         let (msg, status) = loop {
             if let Some(found) =
                 e.comm.process_at_rank(src as Rank).immediate_matched_probe_with_tag(tag as i32)
@@ -545,7 +547,7 @@ impl MpiEngine {
         let e = &self.entries[id];
         let name = self.begin_named(id, name);
         let start = Instant::now();
-        let deadline = start + self.timeout;
+        let deadline = start + self.timeout.get();
         let out = scope(|s| {
             let reqs: Vec<_> = sends
                 .iter()
@@ -659,7 +661,11 @@ impl Communicator for MpiComm {
         "mpi"
     }
     fn timeout(&self) -> Duration {
-        self.timeout
+        self.timeout.get()
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.timeout.set(timeout);
     }
 
     fn barrier(&self) -> Result<()> {
@@ -799,7 +805,7 @@ impl Communicator for MpiComm {
             id: new_id,
             members,
             me,
-            timeout: self.timeout,
+            timeout: self.timeout.clone(),
         }))
     }
 }

@@ -313,6 +313,15 @@ impl Communicator for NcclComm {
         self.bootstrap.timeout()
     }
 
+    fn set_timeout(&self, timeout: Duration) {
+        // The bootstrap's setting is the job's; the engine waits on the GPU by its own.
+        self.bootstrap.set_timeout(timeout);
+        let _ = self.engine.call(move |s| {
+            s.timeout = timeout;
+            Ok(())
+        });
+    }
+
     fn barrier(&self) -> Result<()> {
         let mut x = [0u8; 4];
         self.all_reduce_bytes(&mut x, DType::F32, ReduceOp::Sum)

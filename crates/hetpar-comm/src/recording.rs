@@ -194,6 +194,9 @@ impl Communicator for Recording<'_> {
     fn timeout(&self) -> Duration {
         self.inner.timeout()
     }
+    fn set_timeout(&self, timeout: Duration) {
+        self.inner.set_timeout(timeout)
+    }
 
     fn barrier(&self) -> Result<()> {
         self.record(OpKind::Barrier, None, 0, 0);

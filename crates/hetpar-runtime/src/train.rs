@@ -14,6 +14,10 @@ use hetpar_schedule::{Options, PipelineGraph, Schedule};
 use crate::assemble::{Sources, build_stages};
 use crate::data::{BatchSource, HELDOUT};
 use crate::error::RuntimeError;
+
+/// How long ranks wait for one another while a checkpoint is saved or loaded, unless
+/// [`Trainer::set_io_timeout`] says otherwise: an hour.
+pub const DEFAULT_IO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3600);
 use crate::executor::{Executor, OnNonFinite, StepReport, TrainOptions};
 use crate::optim::{AdamW, LrSchedule};
 use crate::plans::StepPlans;
@@ -122,6 +126,7 @@ pub struct Trainer {
     exec: Executor,
     lr: LrSchedule,
     config_text: Option<String>,
+    io_timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -158,6 +163,7 @@ impl Trainer {
             exec,
             lr,
             config_text: None,
+            io_timeout: DEFAULT_IO_TIMEOUT,
         })
     }
 
@@ -301,6 +307,13 @@ impl Trainer {
         self.config_text = Some(text);
     }
 
+    /// How long ranks wait for one another while a checkpoint is saved or loaded
+    /// ([`DEFAULT_IO_TIMEOUT`] unless set): the communicator's timeout is for
+    /// communication, and writing, hashing and reading a large model's files takes longer.
+    pub fn set_io_timeout(&mut self, timeout: std::time::Duration) {
+        self.io_timeout = timeout;
+    }
+
     /// The executor (stages and optimizer state).
     pub fn executor(&self) -> &Executor {
         &self.exec
@@ -322,7 +335,9 @@ impl Trainer {
             keep,
             config: self.config_text.as_deref(),
         };
-        crate::checkpoint::save_checkpoint(world, &self.graph, &self.exec, at)
+        world.with_timeout(self.io_timeout, || {
+            crate::checkpoint::save_checkpoint(world, &self.graph, &self.exec, at)
+        })
     }
 
     /// Loads checkpoint `dir` (saved under any layout) into this rank's stages and
@@ -332,7 +347,10 @@ impl Trainer {
         world: &dyn Communicator,
         dir: &std::path::Path,
     ) -> Result<crate::checkpoint::Loaded, RuntimeError> {
-        crate::checkpoint::load_checkpoint(world, &self.graph, &mut self.exec, dir)
+        let (graph, exec) = (&self.graph, &mut self.exec);
+        world.with_timeout(self.io_timeout, || {
+            crate::checkpoint::load_checkpoint(world, graph, exec, dir)
+        })
     }
 }
 

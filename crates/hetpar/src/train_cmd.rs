@@ -40,6 +40,10 @@ pub struct Args {
     /// Seconds a rank waits in a communication call before the run fails naming it.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+    /// Seconds a rank waits for the others while a checkpoint is written or read (writing,
+    /// hashing and loading a large model's files takes longer than any communication).
+    #[arg(long, value_name = "SECONDS", default_value_t = 3600.0)]
+    pub io_timeout: f64,
     /// Also commit a checkpoint every N steps (one is always committed at the end) under
     /// OUT/checkpoints.
     #[arg(long, value_name = "N")]
@@ -131,10 +135,15 @@ fn first_cause(errors: Vec<RuntimeError>) -> RuntimeError {
 
 /// A `--timeout` in seconds, checked.
 pub fn timeout(secs: f64) -> anyhow::Result<Duration> {
-    if !(secs.is_finite() && secs > 0.0) {
-        bail!("--timeout {secs}: use a positive number of seconds");
+    seconds("--timeout", secs)
+}
+
+/// A positive number of seconds given to `flag`, checked.
+fn seconds(flag: &str, secs: f64) -> anyhow::Result<Duration> {
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if secs > 0.0 => Ok(d),
+        _ => bail!("{flag} {secs}: use a positive number of seconds"),
     }
-    Ok(Duration::from_secs_f64(secs))
 }
 
 struct Report {
@@ -395,6 +404,7 @@ fn run_on(
         resume,
         stop: stop_on_signals()?,
         config: resolved.clone(),
+        io_timeout: seconds("--io-timeout", a.io_timeout)?,
     });
     if lead {
         say(&format!(
@@ -584,11 +594,13 @@ pub struct Checkpoints {
     pub keep: usize,
     /// The checkpoint to load first.
     pub resume: Option<PathBuf>,
-    /// Set by SIGTERM or SIGINT: every rank finishes its step, the job commits a
-    /// checkpoint and stops.
+    /// Set by SIGTERM, SIGINT, SIGUSR1 or SIGUSR2: every rank finishes its step, the job
+    /// commits a checkpoint and stops.
     pub stop: Arc<AtomicBool>,
     /// The resolved config, saved in each checkpoint.
     pub config: String,
+    /// How long ranks wait for one another's checkpoint files (`--io-timeout`).
+    pub io_timeout: Duration,
 }
 
 impl Checkpoints {
@@ -598,13 +610,11 @@ impl Checkpoints {
     }
 }
 
-/// A flag SIGTERM and SIGINT set (instead of ending the process), so the run commits a
-/// checkpoint after the current step and stops cleanly; a second signal ends the process at
-/// once (exit 130), for a run stuck in its step.
-/// SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 set the flag (the run commits a checkpoint after
-/// the step in progress and ends); a second one ends the process at once. Under mpirun,
-/// SIGUSR1 and SIGUSR2 are the ones to send: mpirun passes them on to every process,
-/// where a SIGTERM it follows with SIGKILL a second later.
+/// A flag SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 set (instead of ending the process), so the
+/// run commits a checkpoint after the current step and stops cleanly; a second signal ends
+/// the process at once (exit 130), for a run stuck in its step. Under mpirun, SIGUSR1 and
+/// SIGUSR2 are the ones to send: mpirun passes them on to every process, where a SIGTERM
+/// it follows with SIGKILL a second later.
 fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
     use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     let flag = Arc::new(AtomicBool::new(false));
@@ -860,6 +870,7 @@ fn rank_run(
     let mut start = 0;
     if let Some(k) = ckpt {
         trainer.set_config_text(k.config.clone());
+        trainer.set_io_timeout(k.io_timeout);
         if let Some(dir) = &k.resume {
             start = trainer.resume(c, dir)?.manifest.step;
         }

@@ -152,7 +152,11 @@ impl Communicator for LocalComm {
     }
 
     fn timeout(&self) -> Duration {
-        self.shared.timeout
+        self.shared.timeouts[self.members[self.me]].get()
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        self.shared.timeouts[self.members[self.me]].set(timeout);
     }
 
     fn barrier(&self) -> Result<()> {

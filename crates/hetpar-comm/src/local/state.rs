@@ -12,6 +12,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::comm::SharedTimeout;
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{CommError, Result, ranks};
 use crate::pool::BufferPool;
@@ -189,7 +190,8 @@ enum Lend {
 /// The world of one `launch`.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    pub timeout: Duration,
+    /// Each rank's timeout (its calls' waits), by world rank.
+    pub timeouts: Vec<SharedTimeout>,
     state: Mutex<State>,
     cond: Condvar,
     /// Payload buffers to reuse.
@@ -220,7 +222,7 @@ impl Shared {
         let state = State { exited: vec![false; world], next_group: 1, ..State::default() };
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         Shared {
-            timeout,
+            timeouts: (0..world).map(|_| SharedTimeout::new(timeout)).collect(),
             state: Mutex::new(state),
             cond: Condvar::new(),
             pool: BufferPool::new(),
@@ -277,7 +279,8 @@ impl Shared {
         waiting_on: impl Fn(&State) -> Vec<usize>,
         (gone, never): (&str, &str),
     ) -> Result<T> {
-        let deadline = Instant::now() + self.timeout;
+        let timeout = self.timeouts[members[me]].get();
+        let deadline = Instant::now() + timeout;
         loop {
             if let Some((failed, message)) = &st.failed {
                 return Err(CommError::PeerFailed { failed: *failed, message: message.clone() });
@@ -298,7 +301,7 @@ impl Shared {
                     op: op(),
                     group: members.to_vec(),
                     rank: members[me],
-                    after: self.timeout,
+                    after: timeout,
                     detail: format!("ranks {} never {never}", ranks(&missing)),
                 });
             }
