@@ -172,6 +172,9 @@ pub fn abort_on_panic(rank: usize, print: fn(&str)) {
     }));
 }
 
+/// The most bytes one all-reduce exchanges at once (MPI counts and displacements are 32-bit).
+const PIECE: usize = 1 << 30;
+
 fn counts_i32(counts: &[usize]) -> Vec<Rank> {
     counts.iter().map(|&c| Rank::try_from(c).expect("message under 2 GiB")).collect()
 }
@@ -343,18 +346,32 @@ impl MpiEngine {
             self.end();
             return Ok(data);
         }
+        // In pieces of at most `PIECE` bytes, so MPI's 32-bit counts and displacements hold
+        // (the sums are per element, so the pieces change nothing in the result).
         let size = dtype.size();
-        let len = data.len() / size;
-        let counts: Vec<usize> = (0..n).map(|m| ((m + 1) * len / n - m * len / n) * size).collect();
-        let mine = counts[e.me];
-        let blocks = self.exchange(id, &name, data, counts.clone(), vec![mine; n]);
-        let mut acc = self.pool.copy_of(&blocks[..mine]);
-        let rest: Vec<&[u8]> = (1..n).map(|m| &blocks[m * mine..(m + 1) * mine]).collect();
-        if mine > 0 {
-            reduce_onto(&mut acc, &rest, dtype, op);
+        let piece = (PIECE / size).max(1) * size;
+        let mut out = self.pool.take(data.len());
+        // One piece at least: an empty all-reduce still meets the other members.
+        for k in 0..data.len().div_ceil(piece).max(1) {
+            let at = k * piece..((k + 1) * piece).min(data.len());
+            let (src, dst) = (&data[at.clone()], &mut out[at]);
+            let len = src.len() / size;
+            let counts: Vec<usize> =
+                (0..n).map(|m| ((m + 1) * len / n - m * len / n) * size).collect();
+            let mine = counts[e.me];
+            let blocks =
+                self.exchange(id, &name, self.pool.copy_of(src), counts.clone(), vec![mine; n]);
+            let mut acc = self.pool.copy_of(&blocks[..mine]);
+            let rest: Vec<&[u8]> = (1..n).map(|m| &blocks[m * mine..(m + 1) * mine]).collect();
+            if mine > 0 {
+                reduce_onto(&mut acc, &rest, dtype, op);
+            }
+            self.pool.give(blocks);
+            let reduced = self.gather_v(id, &name, acc, &counts);
+            dst.copy_from_slice(&reduced);
+            self.pool.give(reduced);
         }
-        self.pool.give(blocks);
-        let out = self.gather_v(id, &name, acc, &counts);
+        self.pool.give(data);
         self.end();
         Ok(out)
     }

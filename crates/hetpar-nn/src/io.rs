@@ -57,13 +57,20 @@ pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
     // safetensors writes a private temporary file (mode 0600) and renames it into place: the
     // file gets the mode a plain create gives here (or the one it had), so whoever may read
     // the directory may read what a run saved.
-    let mode = match std::fs::metadata(path) {
-        Ok(m) => m.permissions(),
+    let (mode, created) = match std::fs::metadata(path) {
+        Ok(m) => (m.permissions(), false),
         Err(_) => {
-            File::create(path).and_then(|f| f.metadata()).map_err(|e| bad(path, e))?.permissions()
+            let f = File::create(path).and_then(|f| f.metadata()).map_err(|e| bad(path, e))?;
+            (f.permissions(), true)
         }
     };
-    safetensors::serialize_to_file(views, None, path).map_err(|e| bad(path, e))?;
+    if let Err(e) = safetensors::serialize_to_file(views, None, path) {
+        if created {
+            // No empty file left where the tensors were to go.
+            let _ = std::fs::remove_file(path);
+        }
+        return Err(bad(path, e));
+    }
     std::fs::set_permissions(path, mode).map_err(|e| bad(path, e))
 }
 

@@ -130,7 +130,7 @@ fn describe(texts: &[String]) -> String {
         k => format!("; and {k} more groups of ranks"),
     };
     format!(
-        "the ranks were started with different runs: {}{more}; start every rank with the same build, config (after --set), --dtype, --steps, data files and checkpoint",
+        "the ranks were started with different runs: {}{more}; start every rank with the same build, config (after --set), command-line flags, data files and checkpoint",
         parts.join("; ")
     )
 }
@@ -158,7 +158,7 @@ mod tests {
         })
         .expect("launch");
         let want = "the ranks were started with different runs: rank 1 has train.lr = 0.01 where rank 0 has 0.003; \
-                    start every rank with the same build, config (after --set), --dtype, --steps, data files and checkpoint";
+                    start every rank with the same build, config (after --set), command-line flags, data files and checkpoint";
         for got in apart {
             assert_eq!(got, Err(want.to_string()));
         }
@@ -182,7 +182,7 @@ mod tests {
             got,
             "the ranks were started with different runs: ranks 2-3 have train.lr = 0.01 where rank 0 has 0.003; \
              rank 4 has data.train.sha256 = ab where rank 0 has (absent), train.lr = (absent) where rank 0 has 0.003; \
-             start every rank with the same build, config (after --set), --dtype, --steps, data files and checkpoint"
+             start every rank with the same build, config (after --set), command-line flags, data files and checkpoint"
         );
     }
 

@@ -34,7 +34,7 @@ impl RunData {
     /// rank decodes it.
     pub fn facts(&self, facts: &mut RunFacts) -> anyhow::Result<()> {
         let RunData::Files { train, heldout } = self else {
-            facts.set("data.source", "in-process");
+            facts.set("data.read", "in-process");
             return Ok(());
         };
         let digest = |path: &Path| -> anyhow::Result<String> {

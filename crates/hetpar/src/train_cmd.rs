@@ -140,9 +140,10 @@ pub fn timeout(secs: f64) -> anyhow::Result<Duration> {
 
 /// A positive number of seconds given to `flag`, checked.
 fn seconds(flag: &str, secs: f64) -> anyhow::Result<Duration> {
+    // At most about 31 years: a deadline must fit an `Instant`.
     match Duration::try_from_secs_f64(secs) {
-        Ok(d) if secs > 0.0 => Ok(d),
-        _ => bail!("{flag} {secs}: use a positive number of seconds"),
+        Ok(d) if !d.is_zero() && secs <= 1e9 => Ok(d),
+        _ => bail!("{flag} {secs}: use a positive number of seconds, at most 1e9"),
     }
 }
 
@@ -458,7 +459,14 @@ fn run_on(
     if let Some(world) = mpi {
         // Before anything is written under --out: a refused job leaves an earlier run's
         // metrics as they were.
-        agree_mpi(world, (&cfg, &graph), (dtype, steps), &data, &ckpt)?;
+        // The flags that decide which steps every rank saves and evaluates on are
+        // compared too: ranks disagreeing there would enter different collectives.
+        let when = [
+            ("run.save_every", ckpt.as_ref().map_or(0, |k| k.every).to_string()),
+            ("run.eval_every", a.eval_every.unwrap_or(steps.div_ceil(4)).to_string()),
+            ("run.io_timeout", format!("{} s", a.io_timeout)),
+        ];
+        agree_mpi(world, (&cfg, &graph), (dtype, steps), &data, (&ckpt, &when))?;
     }
     let report = if lead {
         let peak = match a.peak_tflops {
@@ -1023,11 +1031,17 @@ fn agree_mpi(
     (cfg, graph): (&Config, &ModelGraph),
     (dtype, steps): (DType, usize),
     data: &RunData,
-    ckpt: &Option<Checkpoints>,
+    (ckpt, when): (&Option<Checkpoints>, &[(&str, String)]),
 ) -> anyhow::Result<()> {
     let rank = world.rank();
     let resume = ckpt.as_ref().and_then(|k| k.resume.as_deref());
     let facts = run_facts(cfg, dtype_name(dtype, graph), steps, data, resume)
+        .map(|mut f| {
+            for (k, v) in when {
+                f.set(*k, v);
+            }
+            f
+        })
         .map_err(|e| RuntimeError::Data(format!("{e:#}")));
     match facts.and_then(|f| hetpar_runtime::agree(world, &f).map(|()| f)) {
         Ok(f) if rank == 0 => say(&format!(
