@@ -179,13 +179,17 @@ fn counts_i32(counts: &[usize]) -> Vec<Rank> {
     counts.iter().map(|&c| Rank::try_from(c).expect("message under 2 GiB")).collect()
 }
 
+/// Each part's offset. MPI's offsets are 32-bit: a part starting past 2 GiB stops here (the
+/// all-reduce, which gradients go through, runs in pieces below that) rather than wrapping
+/// into an offset MPI would write through.
 fn displacements(counts: &[Rank]) -> Vec<Rank> {
+    let mut at = 0i64;
     counts
         .iter()
-        .scan(0, |acc, &c| {
-            let d = *acc;
-            *acc += c;
-            Some(d)
+        .map(|&c| {
+            let d = Rank::try_from(at).expect("a collective's parts to start under 2 GiB");
+            at += i64::from(c);
+            d
         })
         .collect()
 }
