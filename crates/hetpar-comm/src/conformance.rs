@@ -111,91 +111,46 @@ fn all_reduce<T: Exact>(c: &dyn Communicator) -> Result<(), String> {
 
 /// Floats whose sum rounds differently by order: the contract is the members' order
 /// (`((x0 + x1) + x2) + ...`), the local backend's, so a run gives the same bits on every
-/// backend. At element `i`, one member holds a large value, the next its negation and the
-/// rest 1: in member order the large pair cancels before or after the ones are absorbed,
-/// depending on where the pair sits. All-reduce and reduce-scatter.
-fn sum_order<T: Element + num_like::Float>(c: &dyn Communicator) -> Result<(), String> {
+/// backend. At element `i`, one member holds 1e17 (which absorbs a 1 in f32 and f64 alike),
+/// the next its negation and the rest 1: in member order the large pair cancels before or
+/// after the ones are absorbed, depending on where the pair sits. All-reduce and
+/// reduce-scatter.
+fn sum_order<T>(c: &dyn Communicator) -> Result<(), String>
+where
+    T: Exact + Copy + std::ops::Add<Output = T> + std::ops::Neg<Output = T>,
+{
     let n = c.size();
+    let big = T::of(100_000_000_000_000_000);
     let v = |m: usize, i: usize| -> T {
         if m == i % n {
-            T::big()
+            big
         } else if m == (i + 1) % n {
-            T::big().neg()
+            -big
         } else {
-            T::one()
+            T::of(1)
         }
     };
-    let want = |i: usize| (1..n).fold(v(0, i), |acc, m| acc.add(v(m, i)));
+    let want = |i: usize| (1..n).fold(v(0, i), |acc, m| acc + v(m, i));
+    let check = |what: &str, i: usize, got: T| {
+        if got == want(i) {
+            return Ok(());
+        }
+        let w = want(i);
+        Err(fail(c, format!("{what}: element {i} is {got:?}, want {w:?} (member order)")))
+    };
     let len = 64 * n;
     let mut data: Vec<T> = (0..len).map(|i| v(c.rank(), i)).collect();
     ok(c, c.all_reduce(&mut data, ReduceOp::Sum), "all-reduce")?;
-    for (i, got) in data.iter().enumerate() {
-        if *got != want(i) {
-            return Err(fail(
-                c,
-                format!(
-                    "all-reduce sum of {len}: element {i} is {got:?}, want {:?} (member order)",
-                    want(i)
-                ),
-            ));
-        }
+    for (i, &got) in data.iter().enumerate() {
+        check("all-reduce sum", i, got)?;
     }
     let send: Vec<T> = (0..len).map(|i| v(c.rank(), i)).collect();
-    let mut recv = vec![T::one(); 64];
+    let mut recv = vec![T::of(0); 64];
     ok(c, c.reduce_scatter(&send, &mut recv, ReduceOp::Sum), "reduce-scatter")?;
-    for (k, got) in recv.iter().enumerate() {
-        let i = c.rank() * 64 + k;
-        if *got != want(i) {
-            return Err(fail(
-                c,
-                format!(
-                    "reduce-scatter sum: element {i} is {got:?}, want {:?} (member order)",
-                    want(i)
-                ),
-            ));
-        }
+    for (k, &got) in recv.iter().enumerate() {
+        check("reduce-scatter sum", c.rank() * 64 + k, got)?;
     }
     Ok(())
-}
-
-/// The float operations [`sum_order`] needs.
-mod num_like {
-    /// f32 and f64.
-    pub trait Float: Copy + PartialEq + std::fmt::Debug {
-        /// Large enough that adding 1 to it, or to its negation, changes nothing.
-        fn big() -> Self;
-        fn one() -> Self;
-        fn neg(self) -> Self;
-        fn add(self, o: Self) -> Self;
-    }
-    impl Float for f32 {
-        fn big() -> f32 {
-            1e9
-        }
-        fn one() -> f32 {
-            1.0
-        }
-        fn neg(self) -> f32 {
-            -self
-        }
-        fn add(self, o: f32) -> f32 {
-            self + o
-        }
-    }
-    impl Float for f64 {
-        fn big() -> f64 {
-            1e17
-        }
-        fn one() -> f64 {
-            1.0
-        }
-        fn neg(self) -> f64 {
-            -self
-        }
-        fn add(self, o: f64) -> f64 {
-            self + o
-        }
-    }
 }
 
 /// A phase allowed to wait longer than the timeout, as a checkpoint's writes are

@@ -176,7 +176,12 @@ pub fn abort_on_panic(rank: usize, print: fn(&str)) {
 const PIECE: usize = 1 << 30;
 
 fn counts_i32(counts: &[usize]) -> Vec<Rank> {
-    counts.iter().map(|&c| Rank::try_from(c).expect("message under 2 GiB")).collect()
+    let fits = |&c: &usize| {
+        Rank::try_from(c).unwrap_or_else(|_| {
+            panic!("an MPI message of {c} bytes: MPI's counts stop at 2 GiB (2147483647 bytes)")
+        })
+    };
+    counts.iter().map(fits).collect()
 }
 
 /// Each part's offset. MPI's offsets are 32-bit: a part starting past 2 GiB stops here (the
@@ -187,7 +192,9 @@ fn displacements(counts: &[Rank]) -> Vec<Rank> {
     counts
         .iter()
         .map(|&c| {
-            let d = Rank::try_from(at).expect("a collective's parts to start under 2 GiB");
+            let d = Rank::try_from(at).unwrap_or_else(|_| {
+                panic!("a collective part starting at byte {at}: MPI's offsets stop at 2 GiB")
+            });
             at += i64::from(c);
             d
         })
@@ -344,40 +351,71 @@ impl MpiEngine {
         // all-reduce picks its order by message size and group, so a sum over three or more
         // ranks could round differently from the local run's, and from one MPI to another).
         let name = self.begin(id, "all-reduce");
-        let e = &self.entries[id];
-        let n = e.members.len();
-        if n == 1 {
+        if self.entries[id].members.len() == 1 {
             self.end();
             return Ok(data);
         }
         // In pieces of at most `PIECE` bytes, so MPI's 32-bit counts and displacements hold
-        // (the sums are per element, so the pieces change nothing in the result).
-        let size = dtype.size();
-        let piece = (PIECE / size).max(1) * size;
-        let mut out = self.pool.take(data.len());
-        // One piece at least: an empty all-reduce still meets the other members.
-        for k in 0..data.len().div_ceil(piece).max(1) {
-            let at = k * piece..((k + 1) * piece).min(data.len());
-            let (src, dst) = (&data[at.clone()], &mut out[at]);
-            let len = src.len() / size;
-            let counts: Vec<usize> =
-                (0..n).map(|m| ((m + 1) * len / n - m * len / n) * size).collect();
-            let mine = counts[e.me];
-            let blocks =
-                self.exchange(id, &name, self.pool.copy_of(src), counts.clone(), vec![mine; n]);
-            let mut acc = self.pool.copy_of(&blocks[..mine]);
-            let rest: Vec<&[u8]> = (1..n).map(|m| &blocks[m * mine..(m + 1) * mine]).collect();
-            if mine > 0 {
-                reduce_onto(&mut acc, &rest, dtype, op);
+        // (the sums are per element, so the pieces change nothing in the result). One piece,
+        // the usual case, goes through without a copy.
+        let piece = (PIECE / dtype.size()).max(1) * dtype.size();
+        let out = if data.len() <= piece {
+            self.reduce_piece(id, &name, data, dtype, op)
+        } else {
+            let mut out = self.pool.take(data.len());
+            for (src, dst) in data.chunks(piece).zip(out.chunks_mut(piece)) {
+                let reduced = self.reduce_piece(id, &name, self.pool.copy_of(src), dtype, op);
+                dst.copy_from_slice(&reduced);
+                self.pool.give(reduced);
             }
-            self.pool.give(blocks);
-            let reduced = self.gather_v(id, &name, acc, &counts);
-            dst.copy_from_slice(&reduced);
-            self.pool.give(reduced);
-        }
-        self.pool.give(data);
+            self.pool.give(data);
+            out
+        };
         self.end();
         Ok(out)
+    }
+
+    /// One piece of all-reduce `name`: member m sums its range of every member's `data` in
+    /// member order, then every member gathers the sums.
+    fn reduce_piece(
+        &self,
+        id: usize,
+        name: &str,
+        data: Vec<u8>,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Vec<u8> {
+        let e = &self.entries[id];
+        let (n, size) = (e.members.len(), dtype.size());
+        let len = data.len() / size;
+        let counts: Vec<usize> = (0..n).map(|m| ((m + 1) * len / n - m * len / n) * size).collect();
+        let sums = self.sum_ranges(id, name, data, &counts, dtype, op);
+        self.gather_v(id, name, sums, &counts)
+    }
+
+    /// Member m's range (`counts[m]` bytes, in member order through `data`) of every
+    /// member's `data`, reduced in member order: the same arithmetic as the local backend
+    /// for every type, bf16 included.
+    fn sum_ranges(
+        &self,
+        id: usize,
+        name: &str,
+        data: Vec<u8>,
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Vec<u8> {
+        let e = &self.entries[id];
+        let n = e.members.len();
+        let mine = counts[e.me];
+        let blocks = self.exchange(id, name, data, counts.to_vec(), vec![mine; n]);
+        let mut acc = self.pool.copy_of(&blocks[..mine]);
+        let rest: Vec<&[u8]> = (1..n).map(|m| &blocks[m * mine..(m + 1) * mine]).collect();
+        if mine > 0 {
+            reduce_onto(&mut acc, &rest, dtype, op);
+        }
+        self.pool.give(blocks);
+        acc
     }
 
     fn barrier(&self, id: usize) -> Result<()> {
@@ -430,21 +468,11 @@ impl MpiEngine {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<Vec<u8>> {
-        // Gather every member's block for this rank and reduce it in member order: the
-        // same arithmetic as the local backend for every type, bf16 included.
         let name = self.begin(id, "reduce-scatter");
-        let e = &self.entries[id];
-        let n = e.members.len();
-        let sc = vec![block; n];
-        let mine = self.exchange(id, &name, send, sc.clone(), sc);
-        let mut acc = self.pool.copy_of(&mine[..block]);
-        let rest: Vec<&[u8]> = (1..n).map(|m| &mine[m * block..(m + 1) * block]).collect();
-        if block > 0 {
-            reduce_onto(&mut acc, &rest, dtype, op);
-        }
-        self.pool.give(mine);
+        let counts = vec![block; self.entries[id].members.len()];
+        let mine = self.sum_ranges(id, &name, send, &counts, dtype, op);
         self.end();
-        Ok(acc)
+        Ok(mine)
     }
 
     fn all_to_all_v(
