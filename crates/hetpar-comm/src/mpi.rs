@@ -172,8 +172,38 @@ pub fn abort_on_panic(rank: usize, print: fn(&str)) {
     }));
 }
 
-/// The most bytes one all-reduce exchanges at once (MPI counts and displacements are 32-bit).
+/// The most bytes one all-reduce or one message exchanges at once (MPI counts and
+/// displacements are 32-bit).
 const PIECE: usize = 1 << 30;
+
+/// The byte ranges a point-to-point message of `len` bytes travels in: whole `PIECE`s, then
+/// one shorter piece (empty where `len` is a multiple of `PIECE`). A message under `PIECE`
+/// goes as one, and a sender of more bytes than the receiver expects sends a longer last
+/// piece than it waits for, so the length check still catches it.
+fn pieces(len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..=len / PIECE).map(move |k| k * PIECE..((k + 1) * PIECE).min(len))
+}
+
+/// Posts the send of `data` to member `dst` of group `e` on `tag`, in the messages
+/// [`pieces`] cuts it into (MPI keeps a pair's messages on one tag in order).
+fn post<'a, Sc: Scope<'a> + Copy>(
+    s: Sc,
+    e: &Entry,
+    dst: usize,
+    tag: u32,
+    data: &'a [u8],
+) -> Vec<Request<'a, [u8], Sc>> {
+    let p = e.comm.process_at_rank(dst as Rank);
+    pieces(data.len()).map(|r| p.immediate_send_with_tag(s, &data[r], tag as i32)).collect()
+}
+
+/// Why a message was not received.
+enum Missed {
+    /// Not there by the deadline.
+    Late,
+    /// Of another length: the bytes received up to and with the piece that differed.
+    Length(usize),
+}
 
 fn counts_i32(counts: &[usize]) -> Vec<Rank> {
     let fits = |&c: &usize| {
@@ -516,9 +546,9 @@ impl MpiEngine {
         let e = &self.entries[id];
         let name = self.begin_named(id, format!("send to rank {} (tag {tag})", e.members[dst]));
         scope(|s| {
-            let req =
-                e.comm.process_at_rank(dst as Rank).immediate_send_with_tag(s, data, tag as i32);
-            self.wait(req, id, &name, &[e.members[dst]]);
+            for req in post(s, e, dst, tag, data) {
+                self.wait(req, id, &name, &[e.members[dst]]);
+            }
         });
         self.end();
         Ok(())
@@ -527,27 +557,50 @@ impl MpiEngine {
     fn recv(&self, id: usize, len: usize, src: usize, tag: u32) -> Result<Vec<u8>> {
         let e = &self.entries[id];
         let name = self.begin_named(id, format!("recv from rank {} (tag {tag})", e.members[src]));
-        let deadline = Instant::now() + self.timeout.get();
-        let (msg, status) = loop {
-            if let Some(found) =
-                e.comm.process_at_rank(src as Rank).immediate_matched_probe_with_tag(tag as i32)
-            {
-                break found;
-            }
-            self.answer();
-            if Instant::now() >= deadline {
-                let err = self.timeout_error(id, &name, &[e.members[src]]);
-                self.end();
-                return Err(err);
-            }
+        let start = Instant::now();
+        let got = self.take_message(e, (src, tag, len), start + self.timeout.get(), || {
             std::thread::yield_now();
-        };
-        let data = receive_all(&self.pool, msg, &status);
+        });
+        let out = got.map_err(|missed| match missed {
+            Missed::Late => self.timeout_error(id, &name, &[e.members[src]]),
+            Missed::Length(got) => length_mismatch(&e.members, e.me, src, tag, got, len),
+        });
         self.end();
-        if data.len() != len {
-            let got = data.len();
-            self.pool.give(data);
-            return Err(length_mismatch(&e.members, e.me, src, tag, got, len));
+        out
+    }
+
+    /// Receives message `(src, tag, len)` of group `e` in the pieces [`pieces`] cuts it
+    /// into, probing until `deadline` (`idle` between probes). A piece of the wrong length
+    /// is taken anyway, so the tag's later messages still match.
+    fn take_message(
+        &self,
+        e: &Entry,
+        (src, tag, len): (usize, u32, usize),
+        deadline: Instant,
+        idle: impl Fn(),
+    ) -> std::result::Result<Vec<u8>, Missed> {
+        let mut data = self.pool.take(len);
+        for piece in pieces(len) {
+            let (msg, status) = loop {
+                if let Some(found) =
+                    e.comm.process_at_rank(src as Rank).immediate_matched_probe_with_tag(tag as i32)
+                {
+                    break found;
+                }
+                self.answer();
+                if Instant::now() >= deadline {
+                    self.pool.give(data);
+                    return Err(Missed::Late);
+                }
+                idle();
+            };
+            let got = status.count(u8::equivalent_datatype()) as usize;
+            if got != piece.len() {
+                self.pool.give(receive_all(&self.pool, msg, &status));
+                self.pool.give(data);
+                return Err(Missed::Length(piece.start + got));
+            }
+            msg.matched_receive_into(&mut data[piece]);
         }
         Ok(data)
     }
@@ -569,13 +622,11 @@ impl MpiEngine {
             format!("send-recv with ranks {} and {}", e.members[dst], e.members[src]),
         );
         let got = scope(|s| {
-            let req = e.comm.process_at_rank(dst as Rank).immediate_send_with_tag(
-                s,
-                &send[..],
-                st as i32,
-            );
+            let reqs = post(s, e, dst, st, &send);
             let got = self.recv(id, len, src, rt);
-            self.wait(req, id, &name, &[e.members[dst]]);
+            for req in reqs {
+                self.wait(req, id, &name, &[e.members[dst]]);
+            }
             self.end();
             got
         });
@@ -600,37 +651,25 @@ impl MpiEngine {
         let out = scope(|s| {
             let reqs: Vec<_> = sends
                 .iter()
-                .map(|(dst, tag, data)| {
-                    let p = e.comm.process_at_rank(*dst as Rank);
-                    (*dst, p.immediate_send_with_tag(s, &data[..], *tag as i32))
+                .flat_map(|(dst, tag, data)| {
+                    post(s, e, *dst, *tag, data).into_iter().map(|r| (*dst, r))
                 })
                 .collect();
             let mut got = Vec::with_capacity(recvs.len());
             let mut failed = None;
             for &(src, tag, len) in recvs {
-                let found = loop {
-                    let p = e.comm.process_at_rank(src as Rank);
-                    if let Some(found) = p.immediate_matched_probe_with_tag(tag as i32) {
-                        break Some(found);
+                match self.take_message(e, (src, tag, len), deadline, || pause(start)) {
+                    Ok(data) => got.push(data),
+                    Err(Missed::Late) => {
+                        let what = format!("{name}: recv from rank {} (tag {tag})", e.members[src]);
+                        failed = Some(self.timeout_error(id, &what, &[e.members[src]]));
+                        break;
                     }
-                    self.answer();
-                    if Instant::now() >= deadline {
-                        break None;
+                    Err(Missed::Length(n)) => {
+                        failed = Some(length_mismatch(&e.members, e.me, src, tag, n, len));
+                        break;
                     }
-                    pause(start);
-                };
-                let Some((msg, status)) = found else {
-                    let what = format!("{name}: recv from rank {} (tag {tag})", e.members[src]);
-                    failed = Some(self.timeout_error(id, &what, &[e.members[src]]));
-                    break;
-                };
-                let data = receive_all(&self.pool, msg, &status);
-                if data.len() != len {
-                    failed = Some(length_mismatch(&e.members, e.me, src, tag, data.len(), len));
-                    self.pool.give(data);
-                    break;
                 }
-                got.push(data);
             }
             let Some(err) = failed else {
                 for (dst, req) in reqs {

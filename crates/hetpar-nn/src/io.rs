@@ -6,12 +6,14 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
-use std::path::Path;
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use hetpar_comm::{CommExt, Communicator};
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::error::{NnError, Result};
 use crate::params::{Param, ShardSpec, Split};
@@ -33,49 +35,239 @@ fn bad(path: &Path, what: impl std::fmt::Display) -> NnError {
     NnError::Input(format!("{}: {what}", path.display()))
 }
 
-/// Writes `tensors` (full, f32 or f64) to `path`.
-pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
-    let mut bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (name, t) in tensors {
-        let t = t.contiguous()?;
-        let (dtype, data) = match t.dtype() {
-            DType::F32 => (Dtype::F32, bytemuck_f32(&t.flatten_all()?.to_vec1::<f32>()?)),
-            DType::F64 => (
-                Dtype::F64,
-                t.flatten_all()?.to_vec1::<f64>()?.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ),
-            other => return Err(bad(path, format!("{name}: saving {other:?} is not supported"))),
-        };
-        bytes.push((name.clone(), dtype, t.dims().to_vec(), data));
-    }
-    let views = bytes
-        .iter()
-        .map(|(n, d, s, b)| {
-            Ok((n.as_str(), TensorView::new(*d, s.clone(), b).map_err(|e| bad(path, e))?))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    // safetensors writes a private temporary file (mode 0600) and renames it into place: the
-    // file gets the mode a plain create gives here (or the one it had), so whoever may read
-    // the directory may read what a run saved.
-    let (mode, created) = match std::fs::metadata(path) {
-        Ok(m) => (m.permissions(), false),
-        Err(_) => {
-            let f = File::create(path).and_then(|f| f.metadata()).map_err(|e| bad(path, e))?;
-            (f.permissions(), true)
-        }
-    };
-    if let Err(e) = safetensors::serialize_to_file(views, None, path) {
-        if created {
-            // No empty file left where the tensors were to go.
-            let _ = std::fs::remove_file(path);
-        }
-        return Err(bad(path, e));
-    }
-    std::fs::set_permissions(path, mode).map_err(|e| bad(path, e))
+/// A safetensors file written tensor by tensor, hashed as it is written: the header first
+/// (from every tensor's name, element type and shape), then each tensor's bytes in the
+/// file's order ([`file_order`]), so no more than one tensor need be in memory. The file is
+/// the one `safetensors::serialize` would make from the same tensors, byte for byte.
+#[allow(missing_debug_implementations)] // holds a hasher and a buffered file
+pub struct Writer {
+    path: PathBuf,
+    out: BufWriter<File>,
+    hash: Sha256,
+    /// Bytes the data section holds.
+    data: u64,
+    /// Data bytes written so far.
+    written: u64,
+    /// Bytes of the whole file so far.
+    total: u64,
+    tensors: Vec<String>,
 }
 
-fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+/// What a [`Writer`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Written {
+    /// SHA-256 of the file's bytes, lower-case hex.
+    pub sha256: String,
+    /// Its length.
+    pub bytes: u64,
+    /// Its tensors, in name order.
+    pub tensors: Vec<String>,
+}
+
+/// One tensor of a file to write: name, element type, shape.
+pub type Planned = (String, Dtype, Vec<usize>);
+
+/// The order of tensors in a safetensors file, as the safetensors crate writes them: by
+/// element alignment, widest first, then by name.
+pub fn file_order(a: &Planned, b: &Planned) -> std::cmp::Ordering {
+    b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0))
+}
+
+/// Bytes per element of the types saved here (all whole bytes).
+fn elem_bytes(dtype: Dtype) -> usize {
+    dtype.bitsize() / 8
+}
+
+fn byte_len(dtype: Dtype, shape: &[usize]) -> u64 {
+    shape.iter().product::<usize>() as u64 * elem_bytes(dtype) as u64
+}
+
+impl Writer {
+    /// Creates `path` (as a plain create does: an existing file keeps its mode) and writes
+    /// the header of `tensors`.
+    pub fn create(path: &Path, tensors: &[Planned]) -> Result<Writer> {
+        let mut order = tensors.to_vec();
+        order.sort_by(file_order);
+        let mut at = 0usize;
+        let mut infos = Vec::with_capacity(order.len());
+        for (name, dtype, shape) in &order {
+            let n = byte_len(*dtype, shape) as usize;
+            infos.push((
+                name.clone(),
+                TensorInfo { dtype: *dtype, shape: shape.clone(), data_offsets: (at, at + n) },
+            ));
+            at += n;
+        }
+        let meta = Metadata::new(None, infos).map_err(|e| bad(path, e))?;
+        let mut header = serde_json::to_vec(&meta).map_err(|e| bad(path, e))?;
+        header.resize(header.len().next_multiple_of(8), b' ');
+        if header.len() > MAX_HEADER {
+            return Err(bad(path, format!("a header of {} bytes is too large", header.len())));
+        }
+        let file = File::create(path).map_err(|e| bad(path, e))?;
+        let mut w = Writer {
+            path: path.to_path_buf(),
+            out: BufWriter::with_capacity(1 << 20, file),
+            hash: Sha256::new(),
+            data: at as u64,
+            written: 0,
+            total: 0,
+            tensors: order.into_iter().map(|t| t.0).collect(),
+        };
+        w.tensors.sort();
+        w.put(&(header.len() as u64).to_le_bytes())?;
+        w.put(&header)?;
+        Ok(w)
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.out.write_all(bytes).map_err(|e| bad(&self.path, e))?;
+        self.hash.update(bytes);
+        self.total += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Appends `bytes` to the data: the tensors' little-endian values, in the file's order.
+    pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        if self.written + bytes.len() as u64 > self.data {
+            return Err(bad(
+                &self.path,
+                format!(
+                    "{} more bytes after {} of a data section of {}",
+                    bytes.len(),
+                    self.written,
+                    self.data
+                ),
+            ));
+        }
+        self.written += bytes.len() as u64;
+        self.put(bytes)
+    }
+
+    /// Checks every tensor was written, flushes and fsyncs the file.
+    pub fn finish(self) -> Result<Written> {
+        let Writer { path, out, hash, data, written, total, tensors } = self;
+        if written != data {
+            return Err(bad(&path, format!("{written} bytes written of {data}")));
+        }
+        let file = out.into_inner().map_err(|e| bad(&path, e.error()))?;
+        file.sync_all().map_err(|e| bad(&path, e))?;
+        Ok(Written { sha256: format!("{:x}", hash.finalize()), bytes: total, tensors })
+    }
+}
+
+/// The largest header [`read_header`] reads.
+const MAX_HEADER: usize = 100 << 20;
+
+/// A tensor's values as little-endian bytes (the layout safetensors stores).
+enum Host {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    Bf16(Vec<half::bf16>),
+}
+
+// Tensors go to disk and over the wire as their in-memory bytes, which safetensors requires
+// little-endian.
+const _: () = assert!(cfg!(target_endian = "little"), "safetensors files are little-endian");
+
+impl Host {
+    fn of(t: &Tensor) -> Result<Host> {
+        let t = t.flatten_all()?;
+        Ok(match t.dtype() {
+            DType::F32 => Host::F32(t.to_vec1()?),
+            DType::F64 => Host::F64(t.to_vec1()?),
+            DType::BF16 => Host::Bf16(t.to_vec1()?),
+            other => {
+                return Err(NnError::Input(format!("saving {other:?} tensors is not supported")));
+            }
+        })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Host::F32(v) => bytemuck::cast_slice(v),
+            Host::F64(v) => bytemuck::cast_slice(v),
+            Host::Bf16(v) => bytemuck::cast_slice(v),
+        }
+    }
+}
+
+fn stored(dtype: DType) -> Option<Dtype> {
+    match dtype {
+        DType::F32 => Some(Dtype::F32),
+        DType::F64 => Some(Dtype::F64),
+        DType::BF16 => Some(Dtype::BF16),
+        _ => None,
+    }
+}
+
+/// Writes `tensors` (full; f32, f64 or bf16) to `path`, one at a time; on failure no file is
+/// left where none was.
+pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<Written> {
+    let mut plan = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let dtype = stored(t.dtype())
+            .ok_or_else(|| bad(path, format!("{name}: saving {:?} is not supported", t.dtype())))?;
+        plan.push((name.clone(), dtype, t.dims().to_vec()));
+    }
+    let existed = path.exists();
+    let written = Writer::create(path, &plan).and_then(|mut w| {
+        plan.sort_by(file_order);
+        for (name, _, _) in &plan {
+            w.write(Host::of(&tensors[name])?.bytes())?;
+        }
+        w.finish()
+    });
+    if written.is_err() && !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    written
+}
+
+/// Writes tensors of safetensors files into one file `out` by copying their bytes, a
+/// mebibyte at a time: `(file, tensor)` pairs, each file's header checked as
+/// [`read_header`] does. On failure no file is left where none was.
+pub fn copy_tensors(out: &Path, from: &[(&Path, &str)]) -> Result<Written> {
+    let mut headers: BTreeMap<&Path, (u64, BTreeMap<String, Entry>)> = BTreeMap::new();
+    let mut plan = Vec::with_capacity(from.len());
+    let mut source: BTreeMap<&str, (&Path, u64, u64)> = BTreeMap::new();
+    for &(path, name) in from {
+        if !headers.contains_key(path) {
+            headers.insert(path, read_header(path)?);
+        }
+        let (start, entries) = &headers[path];
+        let e = entries.get(name).ok_or_else(|| bad(path, format!("no tensor named {name}")))?;
+        let dtype = match e.dtype.as_str() {
+            "F32" => Dtype::F32,
+            "F64" => Dtype::F64,
+            _ => Dtype::BF16,
+        };
+        if source.insert(name, (path, start + e.begin, e.end - e.begin)).is_some() {
+            return Err(bad(out, format!("tensor {name} is asked for twice")));
+        }
+        plan.push((name.to_string(), dtype, e.shape.clone()));
+    }
+    let existed = out.exists();
+    let written = Writer::create(out, &plan).and_then(|mut w| {
+        plan.sort_by(file_order);
+        let mut buf = vec![0u8; 1 << 20];
+        for (name, _, _) in &plan {
+            let (path, at, mut left) = source[name.as_str()];
+            let mut f = File::open(path).map_err(|e| bad(path, e))?;
+            f.seek(SeekFrom::Start(at)).map_err(|e| bad(path, e))?;
+            while left > 0 {
+                let k = left.min(buf.len() as u64) as usize;
+                f.read_exact(&mut buf[..k]).map_err(|e| bad(path, format!("{name}: {e}")))?;
+                w.write(&buf[..k])?;
+                left -= k as u64;
+            }
+        }
+        w.finish()
+    });
+    if written.is_err() && !existed {
+        let _ = std::fs::remove_file(out);
+    }
+    written
 }
 
 /// Parses the header of `path`: the offset where data starts and every entry, checked
@@ -86,7 +278,7 @@ pub fn read_header(path: &Path) -> Result<(u64, BTreeMap<String, Entry>)> {
     let mut n = [0u8; 8];
     f.read_exact(&mut n).map_err(|_| bad(path, "too short for a safetensors header"))?;
     let n = u64::from_le_bytes(n);
-    if n > 100 << 20 || 8 + n > len {
+    if n > MAX_HEADER as u64 || 8 + n > len {
         return Err(bad(path, format!("header of {n} bytes does not fit a file of {len} bytes")));
     }
     let mut header = vec![0u8; n as usize];
@@ -182,30 +374,36 @@ pub fn load_slice(
     if !local_shape.is_empty() {
         local_shape[dim] = len;
     }
-    let t = match e.dtype.as_str() {
+    let t = from_le(&raw, &e.dtype, local_shape)?;
+    Ok((t.to_dtype(dtype)?, raw.len() as u64))
+}
+
+/// A tensor from its little-endian bytes, of safetensors type `dtype` (`F32`, `F64`, `BF16`,
+/// as [`read_header`] admits them).
+fn from_le(raw: &[u8], dtype: &str, shape: Vec<usize>) -> Result<Tensor> {
+    Ok(match dtype {
         "F32" => Tensor::from_vec(
             raw.chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect::<Vec<_>>(),
-            local_shape,
+            shape,
             &Device::Cpu,
         )?,
         "F64" => Tensor::from_vec(
             raw.chunks_exact(8)
                 .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect::<Vec<_>>(),
-            local_shape,
+            shape,
             &Device::Cpu,
         )?,
         _ => Tensor::from_vec(
             raw.chunks_exact(2)
                 .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
                 .collect::<Vec<_>>(),
-            local_shape,
+            shape,
             &Device::Cpu,
         )?,
-    };
-    Ok((t.to_dtype(dtype)?, raw.len() as u64))
+    })
 }
 
 /// Loads every parameter's slice from `path` into the parameters; returns the bytes read.
@@ -219,6 +417,241 @@ pub fn load_params(path: &Path, params: &[&Param]) -> Result<u64> {
     Ok(read)
 }
 
+/// A slice one rank holds, as every member of the group learns it.
+#[derive(Serialize, Deserialize)]
+struct Held {
+    name: String,
+    dtype: String,
+    shape: Vec<usize>,
+    /// `[dim, offset, len]` of its split.
+    split: Option<[usize; 3]>,
+}
+
+/// One full tensor of a sharded save, and the slices that make it.
+#[derive(Clone, Debug)]
+struct Whole {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// The split dimension (0 when the tensor is not split).
+    dim: usize,
+    /// `(member, offset, len)` along `dim`, by offset, tiling it: each slice sent by the
+    /// first member holding it (one replica's copy; the others send nothing).
+    pieces: Vec<(usize, usize, usize)>,
+}
+
+impl Whole {
+    fn planned(&self) -> Planned {
+        (self.name.clone(), self.dtype, self.shape.clone())
+    }
+}
+
+/// The full tensors of `params` across a group: every member's slices gathered (one
+/// all-gather of names and shapes) into the same plan on every member, or the same error
+/// (members disagreeing on a tensor's shape or type, slices that do not tile it).
+fn plan_wholes(comm: Option<&dyn Communicator>, params: &[&Param]) -> Result<Vec<Whole>> {
+    let mine: Vec<Held> = params
+        .iter()
+        .map(|p| Held {
+            name: p.name.clone(),
+            dtype: format!("{:?}", p.tensor().dtype()),
+            shape: p.spec.global_shape.clone(),
+            split: p.spec.split.map(|s| [s.dim, s.offset, s.len]),
+        })
+        .collect();
+    let all: Vec<Vec<Held>> = match comm {
+        Some(c) => {
+            let text = serde_json::to_vec(&mine).map_err(|e| NnError::Input(e.to_string()))?;
+            c.all_gather_any(&text)?
+                .iter()
+                .map(|t| serde_json::from_slice(t).map_err(|e| NnError::Input(e.to_string())))
+                .collect::<Result<_>>()?
+        }
+        None => vec![mine],
+    };
+    let mut by_name: BTreeMap<&str, Vec<(usize, &Held)>> = BTreeMap::new();
+    for (member, held) in all.iter().enumerate() {
+        for h in held {
+            by_name.entry(h.name.as_str()).or_default().push((member, h));
+        }
+    }
+    let mut wholes = Vec::with_capacity(by_name.len());
+    for (name, holders) in by_name {
+        let first = holders[0].1;
+        if let Some((m, h)) =
+            holders.iter().find(|(_, h)| h.shape != first.shape || h.dtype != first.dtype)
+        {
+            return Err(NnError::Input(format!(
+                "{name}: member {} holds it as {} {:?}, member {m} as {} {:?}",
+                holders[0].0, first.dtype, first.shape, h.dtype, h.shape
+            )));
+        }
+        let dtype = match first.dtype.as_str() {
+            "F32" => Dtype::F32,
+            "F64" => Dtype::F64,
+            "BF16" => Dtype::BF16,
+            other => {
+                return Err(NnError::Input(format!("{name}: saving {other} is not supported")));
+            }
+        };
+        let full_len = first.shape.first().copied().unwrap_or(1);
+        let (dim, pieces) = match holders.iter().find(|(_, h)| h.split.is_none()) {
+            Some(&(m, _)) => (0, vec![(m, 0, full_len)]),
+            None => {
+                let dim = first.split.map_or(0, |s| s[0]);
+                let mut pieces: Vec<(usize, usize, usize)> = Vec::new();
+                for (m, h) in &holders {
+                    let [d, offset, len] = h.split.unwrap_or_default();
+                    if d != dim {
+                        return Err(NnError::Input(format!(
+                            "{name}: members split it on dimensions {dim} and {d}"
+                        )));
+                    }
+                    if !pieces.iter().any(|p| p.1 == offset && p.2 == len) {
+                        pieces.push((*m, offset, len));
+                    }
+                }
+                pieces.sort_by_key(|p| p.1);
+                let full = first.shape.get(dim).copied().unwrap_or(1);
+                let mut at = 0;
+                for p in &pieces {
+                    if p.1 != at {
+                        return Err(NnError::Input(format!(
+                            "{name}: the members' slices of dimension {dim} ({}) do not tile its {full}",
+                            pieces
+                                .iter()
+                                .map(|p| format!("{}..{}", p.1, p.1 + p.2))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )));
+                    }
+                    at += p.2;
+                }
+                if at != full {
+                    return Err(NnError::Input(format!(
+                        "{name}: the members' slices cover {at} of dimension {dim}'s {full}"
+                    )));
+                }
+                (dim, pieces)
+            }
+        };
+        wholes.push(Whole {
+            name: name.to_string(),
+            dtype,
+            shape: first.shape.clone(),
+            dim,
+            pieces,
+        });
+    }
+    wholes.sort_by(|a, b| file_order(&a.planned(), &b.planned()));
+    Ok(wholes)
+}
+
+const SLICE_TAG: u32 = 0x5742;
+
+/// Moves every whole tensor's slices to member 0, one tensor at a time in `wholes`' order,
+/// handing member 0 each tensor's bytes in order to `emit` (`(tensor, bytes)`, one or more
+/// calls per tensor). Slices split on the outer dimension pass through as they arrive;
+/// others are put together in one tensor-sized buffer. After `emit` fails, member 0 still
+/// takes every slice (so no member waits on a send), and returns that first error.
+fn stream_wholes(
+    comm: Option<&dyn Communicator>,
+    params: &[&Param],
+    wholes: &[Whole],
+    mut emit: impl FnMut(&Whole, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let me = comm.map_or(0, |c| c.rank());
+    let local: BTreeMap<&str, &Param> = params.iter().map(|p| (p.name.as_str(), *p)).collect();
+    let mut failed: Option<NnError> = None;
+    for w in wholes {
+        let elem = elem_bytes(w.dtype);
+        let outer: usize = w.shape[..w.dim.min(w.shape.len())].iter().product();
+        let inner: usize = w.shape.get(w.dim + 1..).map_or(1, |s| s.iter().product());
+        let full = w.shape.get(w.dim).copied().unwrap_or(1);
+        let mut assembled = if outer > 1 && failed.is_none() && me == 0 {
+            vec![0u8; outer * full * inner * elem]
+        } else {
+            Vec::new()
+        };
+        for &(owner, offset, len) in &w.pieces {
+            if me != 0 {
+                if owner == me {
+                    let host = Host::of(local[w.name.as_str()].tensor())?;
+                    comm.expect("several members").send_bytes(host.bytes(), 0, SLICE_TAG)?;
+                }
+                continue;
+            }
+            let host;
+            let mut received = Vec::new();
+            let bytes: &[u8] = if owner == 0 {
+                host = Host::of(local[w.name.as_str()].tensor())?;
+                host.bytes()
+            } else {
+                received.resize(outer * len * inner * elem, 0);
+                comm.expect("several members").recv_bytes(&mut received, owner, SLICE_TAG)?;
+                &received
+            };
+            if failed.is_some() {
+                continue;
+            }
+            if outer <= 1 {
+                if let Err(e) = emit(w, bytes) {
+                    failed = Some(e);
+                }
+                continue;
+            }
+            let (run, row) = (len * inner * elem, full * inner * elem);
+            for o in 0..outer {
+                let at = o * row + offset * inner * elem;
+                assembled[at..at + run].copy_from_slice(&bytes[o * run..(o + 1) * run]);
+            }
+        }
+        if outer > 1
+            && failed.is_none()
+            && me == 0
+            && let Err(e) = emit(w, &assembled)
+        {
+            failed = Some(e);
+        }
+    }
+    failed.map_or(Ok(()), Err)
+}
+
+/// Saves the full tensors of `params`, whose slices the members of `comm` hold (`None`: this
+/// rank holds them whole), to `path` on member 0, streaming: one tensor in memory at a
+/// time, each slice sent once (by the first member holding it, not by every replica), in
+/// messages of one slice. Every member calls it; member 0 returns what it wrote. An error
+/// is the same on every member, except one writing the file (member 0's own).
+pub fn save_sharded(
+    comm: Option<&dyn Communicator>,
+    params: &[&Param],
+    path: &Path,
+) -> Result<Option<Written>> {
+    let wholes = plan_wholes(comm, params)?;
+    let me = comm.map_or(0, |c| c.rank());
+    let mut writer = if me == 0 {
+        let plan: Vec<Planned> = wholes.iter().map(Whole::planned).collect();
+        Some(Writer::create(path, &plan))
+    } else {
+        None
+    };
+    let streamed = stream_wholes(comm, params, &wholes, |_, bytes| match writer.as_mut() {
+        Some(Ok(w)) => w.write(bytes),
+        // Creating the file failed: its error is returned below.
+        _ => Ok(()),
+    });
+    match writer {
+        None => streamed.map(|()| None),
+        Some(created) => {
+            let written = created.and_then(|w| streamed.and_then(|()| w.finish()));
+            if written.is_err() {
+                let _ = std::fs::remove_file(path);
+            }
+            written.map(Some)
+        }
+    }
+}
+
 /// Gathers every rank's slices of `params` over `comm` (the module's ranks; the same
 /// parameter names on every rank that holds them) and returns the full tensors on member 0,
 /// `None` on the others.
@@ -226,77 +659,19 @@ pub fn gather_full(
     comm: &dyn Communicator,
     params: &[&Param],
 ) -> Result<Option<BTreeMap<String, Tensor>>> {
-    let dtype = params.first().map_or(DType::F32, |p| p.tensor().dtype());
-    let mut meta = Vec::new();
-    let mut data: Vec<f64> = Vec::new();
-    for p in params {
-        let v: Vec<f64> = p.tensor().to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-        meta.push(serde_json::json!({
-            "name": p.name, "shape": p.spec.global_shape,
-            "split": p.spec.split.map(|s| [s.dim, s.offset, s.len]), "len": v.len(),
-        }));
-        data.extend(v);
-    }
-    let meta = serde_json::to_vec(&meta).map_err(|e| NnError::Input(e.to_string()))?;
-    const META: u32 = 0x5741;
-    const DATA: u32 = 0x5742;
+    let wholes = plan_wholes(Some(comm), params)?;
+    let mut bytes: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    stream_wholes(Some(comm), params, &wholes, |w, b| {
+        bytes.entry(w.name.clone()).or_default().extend_from_slice(b);
+        Ok(())
+    })?;
     if comm.rank() != 0 {
-        comm.send(&[meta.len() as i64, data.len() as i64], 0, META)?;
-        comm.send_bytes(&meta, 0, META)?;
-        comm.send(&data, 0, DATA)?;
         return Ok(None);
     }
-    let mut full: BTreeMap<String, (Vec<usize>, Vec<f64>)> = BTreeMap::new();
-    let mut place = |meta: &[u8], data: &[f64]| -> Result<()> {
-        let entries: Vec<serde_json::Value> =
-            serde_json::from_slice(meta).map_err(|e| NnError::Input(e.to_string()))?;
-        let mut at = 0;
-        for e in entries {
-            let name = e["name"].as_str().unwrap_or_default().to_string();
-            let shape: Vec<usize> = e["shape"]
-                .as_array()
-                .map(|a| {
-                    a.iter().filter_map(serde_json::Value::as_u64).map(|x| x as usize).collect()
-                })
-                .unwrap_or_default();
-            let len = e["len"].as_u64().unwrap_or(0) as usize;
-            let part = &data[at..at + len];
-            at += len;
-            let entry = full
-                .entry(name)
-                .or_insert_with(|| (shape.clone(), vec![0.0; shape.iter().product()]));
-            match e["split"].as_array() {
-                Some(s) if s.len() == 3 => {
-                    let (dim, off, l) = (
-                        s[0].as_u64().unwrap_or(0) as usize,
-                        s[1].as_u64().unwrap_or(0) as usize,
-                        s[2].as_u64().unwrap_or(0) as usize,
-                    );
-                    let outer: usize = shape[..dim].iter().product();
-                    let inner: usize = shape[dim + 1..].iter().product();
-                    for o in 0..outer {
-                        let dst = (o * shape[dim] + off) * inner;
-                        entry.1[dst..dst + l * inner]
-                            .copy_from_slice(&part[o * l * inner..(o + 1) * l * inner]);
-                    }
-                }
-                _ => entry.1.copy_from_slice(part),
-            }
-        }
-        Ok(())
-    };
-    place(&meta, &data)?;
-    for src in 1..comm.size() {
-        let mut sizes = [0i64; 2];
-        comm.recv(&mut sizes, src, META)?;
-        let mut m = vec![0u8; sizes[0] as usize];
-        comm.recv_bytes(&mut m, src, META)?;
-        let mut d = vec![0.0f64; sizes[1] as usize];
-        comm.recv(&mut d, src, DATA)?;
-        place(&m, &d)?;
+    let mut full = BTreeMap::new();
+    for w in &wholes {
+        let t = from_le(&bytes[&w.name], &format!("{:?}", w.dtype), w.shape.clone())?;
+        full.insert(w.name.clone(), t);
     }
-    full.into_iter()
-        .map(|(n, (shape, v))| Ok((n, Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)?)))
-        .collect::<Result<_>>()
-        .map(Some)
+    Ok(Some(full))
 }

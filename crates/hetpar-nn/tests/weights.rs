@@ -8,13 +8,16 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use candle_core::{DType, Tensor};
-use hetpar_comm::{LocalOptions, launch};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use hetpar_comm::{Communicator, Counted, LocalOptions, Traffic, launch};
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
-use hetpar_nn::io::{gather_full, load_params, read_header, save};
+use hetpar_nn::io::{copy_tensors, gather_full, load_params, read_header, save, save_sharded};
 use hetpar_nn::layers::attention::CpMode;
 use hetpar_nn::models::llama::{Llama, LlamaConfig};
-use hetpar_nn::{Build, HasParams, ParallelCtx};
+use hetpar_nn::{Build, HasParams, ParallelCtx, Param, ShardSpec, Split};
+use sha2::{Digest, Sha256};
 
 const CFG: LlamaConfig = LlamaConfig {
     vocab: 64,
@@ -133,8 +136,8 @@ fn corrupt_files_are_refused_naming_the_file() {
     );
 }
 
-/// A saved file is as readable as any file created in its directory (safetensors writes a
-/// private temporary file and renames it).
+/// A saved file is as readable as any file created in its directory (safetensors' own
+/// writer makes a private temporary file and renames it; ours creates the file plainly).
 #[cfg(unix)]
 #[test]
 fn saved_files_get_the_mode_a_plain_create_gives() {
@@ -145,9 +148,143 @@ fn saved_files_get_the_mode_a_plain_create_gives() {
     std::fs::File::create(&plain).unwrap();
     let file = d.join("w.safetensors");
     let _ = std::fs::remove_file(&file);
-    let t = Tensor::zeros((2, 3), DType::F32, &candle_core::Device::Cpu).unwrap();
+    let t = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
     save(&file, &BTreeMap::from([("w".to_string(), t)])).unwrap();
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     // (Under a umask of 077 both are 0600 and this says nothing; CI's is 022.)
     assert_eq!(mode(&file), mode(&plain));
+}
+
+/// The streaming writer's file is the one the safetensors crate makes from the same
+/// tensors, byte for byte (types of three widths, a scalar), with its SHA-256 and length;
+/// copying tensors out of it gives the file of those tensors.
+#[test]
+fn the_writer_makes_the_file_safetensors_makes() {
+    let d = dir().join("writer");
+    std::fs::create_dir_all(&d).unwrap();
+    let cpu = &Device::Cpu;
+    let values = |n: usize| (0..n).map(|i| i as f64 * 0.37 - 1.0).collect::<Vec<_>>();
+    let tensors = BTreeMap::from([
+        ("b.f32".to_string(), Tensor::new(values(15), cpu).unwrap().reshape((3, 5)).unwrap()),
+        ("a.f64".to_string(), Tensor::new(values(4), cpu).unwrap().reshape((2, 2)).unwrap()),
+        ("c.bf16".to_string(), Tensor::new(values(7), cpu).unwrap()),
+        ("d.scalar".to_string(), Tensor::new(2.5f64, cpu).unwrap()),
+    ]);
+    let tensors: BTreeMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(n, t)| {
+            let dtype = match n.rsplit('.').next().unwrap() {
+                "f32" => DType::F32,
+                "bf16" => DType::BF16,
+                _ => DType::F64,
+            };
+            (n, t.to_dtype(dtype).unwrap())
+        })
+        .collect();
+    let path = d.join("mixed.safetensors");
+    let written = save(&path, &tensors).unwrap();
+    // candle's tensors are safetensors views: the crate's own writer, for comparison.
+    let expected = safetensors::serialize(tensors.iter(), None).unwrap();
+    let file = std::fs::read(&path).unwrap();
+    assert_eq!(file, expected);
+    assert_eq!(written.bytes, file.len() as u64);
+    assert_eq!(written.sha256, format!("{:x}", Sha256::digest(&file)));
+    assert_eq!(written.tensors, tensors.keys().cloned().collect::<Vec<_>>());
+    // Two of the four, copied out.
+    let part = d.join("part.safetensors");
+    let copied = copy_tensors(&part, &[(&path, "c.bf16"), (&path, "a.f64")]).unwrap();
+    let alone = d.join("alone.safetensors");
+    let subset: BTreeMap<String, Tensor> = tensors
+        .iter()
+        .filter(|(n, _)| !n.starts_with('b') && !n.starts_with('d'))
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .collect();
+    assert_eq!(save(&alone, &subset).unwrap(), copied);
+    assert_eq!(std::fs::read(&part).unwrap(), std::fs::read(&alone).unwrap());
+}
+
+/// Streamed from tp 2 x dp 2 (column- and row-split weights), the file is the one a single
+/// rank writes from the whole tensors, byte for byte; the second replica sends none of the
+/// tensors (only the names and shapes every member learns).
+#[test]
+fn a_sharded_save_writes_what_one_rank_writes_sending_each_slice_once() {
+    let d = dir().join("sharded");
+    std::fs::create_dir_all(&d).unwrap();
+    let whole = d.join("tp1.safetensors");
+    let file_bytes = saved(1, 3, 0.25, &whole).values().map(|t| t.elem_count() * 4).sum::<usize>();
+    let sharded = d.join("tp2dp2.safetensors");
+    let l =
+        ModuleLayout::new("llm", Span::new(0, 4), LayoutSpec { tp: 2, ..LayoutSpec::default() })
+            .unwrap();
+    let out = launch(4, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let traffic = Arc::new(Traffic::default());
+        let counted = Counted::new(c.subgroup(&[0, 1, 2, 3]).unwrap(), traffic.clone());
+        let ctx = ParallelCtx::new(&counted, &l).unwrap();
+        let dp = ctx.coords.dp_idx;
+        let m = Llama::new(&Build::new(ctx.clone(), 3, DType::F32), CFG).unwrap();
+        for p in m.params() {
+            p.var.set(&(p.tensor() + 0.25).unwrap()).unwrap();
+        }
+        let before = traffic.bytes();
+        let comm = ctx.stage.comm().map(|c| c.as_ref());
+        let w = save_sharded(comm, &m.params(), &sharded).unwrap();
+        (w, dp, traffic.bytes() - before)
+    })
+    .unwrap();
+    let file = std::fs::read(&sharded).unwrap();
+    assert_eq!(file, std::fs::read(&whole).unwrap());
+    let w = out[0].0.as_ref().unwrap();
+    assert_eq!(
+        (w.sha256.clone(), w.bytes),
+        (format!("{:x}", Sha256::digest(&file)), file.len() as u64)
+    );
+    assert!(out[1..].iter().all(|o| o.0.is_none()));
+    assert_eq!(out.iter().filter(|o| o.1 == 1).count(), 2, "ranks 2 and 3 are the second replica");
+    for (_, dp, sent) in &out[1..] {
+        if *dp == 1 {
+            assert!((*sent as usize) < file_bytes / 10, "a replica sent {sent} of {file_bytes}");
+        } else {
+            assert!(
+                (*sent as usize) > file_bytes * 4 / 10,
+                "the tp peer sent {sent} of {file_bytes}"
+            );
+        }
+    }
+}
+
+/// Slices that leave a row unheld are refused with the same error on every member; a file
+/// the writer cannot create fails there while the others finish (nobody waits on a send).
+#[test]
+fn untiled_slices_and_an_unwritable_file_fail_without_a_hang() {
+    let d = dir().join("untiled");
+    std::fs::create_dir_all(&d).unwrap();
+    let out = launch(2, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let held = |offset: usize, len: usize| Param {
+            name: "w".into(),
+            var: Var::from_tensor(&Tensor::ones((len, 3), DType::F32, &Device::Cpu).unwrap())
+                .unwrap(),
+            spec: ShardSpec {
+                global_shape: vec![4, 3],
+                split: Some(Split { dim: 0, offset, len }),
+                reduce: vec![],
+            },
+            sink: Default::default(),
+        };
+        let comm: &dyn Communicator = c;
+        let gap = if c.rank() == 0 { held(0, 2) } else { held(3, 1) };
+        let gap = save_sharded(Some(comm), &[&gap], &d.join("gap.safetensors")).unwrap_err();
+        let fine = if c.rank() == 0 { held(0, 2) } else { held(2, 2) };
+        let lost = save_sharded(Some(comm), &[&fine], &d.join("no-such-dir/w.safetensors"));
+        (gap.to_string(), lost.map(|w| w.is_some()).map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    for (gap, _) in &out {
+        assert!(
+            gap.contains("w: the members' slices of dimension 0 (0..2, 3..4) do not tile its 4"),
+            "{gap}"
+        );
+    }
+    assert!(matches!(&out[0].1, Err(e) if e.contains("no-such-dir")), "{:?}", out[0].1);
+    assert_eq!(out[1].1, Ok(false));
+    assert!(!d.join("gap.safetensors").exists());
 }

@@ -12,9 +12,10 @@
 //! ```
 //!
 //! Commit protocol: rank 0 makes a temporary directory; the first rank of each module's
-//! pipeline stage gathers the stage's slices, writes its file and fsyncs it; every rank
-//! reports (a job-wide sum of failures); rank 0 hashes the files, writes and fsyncs the
-//! manifest, renames the directory into place, fsyncs the parent, and replaces `latest`
+//! pipeline stage writes its file, taking the stage's slices one tensor at a time (one
+//! replica's copy of each), hashing as it writes, and fsyncs it; every rank reports (a
+//! job-wide sum of failures) and the writers' hashes reach rank 0, which writes and fsyncs
+//! the manifest, renames the directory into place, fsyncs the parent, and replaces `latest`
 //! last (write, fsync, rename). A checkpoint without a manifest is never visible under its
 //! final name, so a crash at any point leaves the previous one as `latest`.
 //!
@@ -31,7 +32,7 @@ use candle_core::{Tensor, Var};
 use hetpar_comm::{CommExt, Communicator, ReduceOp};
 use hetpar_layout::ModelGraph;
 use hetpar_nn::Param;
-use hetpar_nn::io::{gather_full, load_slice, save};
+use hetpar_nn::io::{load_slice, save_sharded};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -296,9 +297,10 @@ pub fn save_checkpoint(
         }
     }
     rank0_outcome(world, &tmp, failed)?;
-    let mut failed = [0.0f64];
-    // Each stage of each module: its first rank writes the full tensors.
+    // Each stage of each module: its first rank writes the full tensors, streaming them
+    // from the stage's ranks, and hashes the file as it writes it.
     let mut mine: Result<()> = Ok(());
+    let mut wrote: Vec<FileEntry> = Vec::new();
     for (i, s) in exec.stages().iter().enumerate() {
         let params = s.params();
         let state = exec.state(i);
@@ -311,27 +313,41 @@ pub fn save_checkpoint(
         }
         let mut refs: Vec<&Param> = params.clone();
         refs.extend(all.iter());
-        let full = match s.ctx().stage.comm() {
-            Some(c) => gather_full(c.as_ref(), &refs)?,
-            None => Some(refs.iter().map(|p| (p.name.clone(), p.tensor().clone())).collect()),
-        };
-        if let Some(full) = full {
-            let module = s.ctx().layout.name();
-            let file = tmp.join(format!("{module}.stage{}.safetensors", s.ctx().coords.pp_idx));
-            let written = save(&file, &full).map_err(RuntimeError::from).and_then(|()| {
-                File::open(&file).and_then(|f| f.sync_all()).map_err(|e| io(&file, e))
-            });
-            if let Err(e) = written {
-                mine = Err(e);
+        let file = format!("{}.stage{}.safetensors", s.ctx().layout.name(), s.ctx().coords.pp_idx);
+        let comm = s.ctx().stage.comm().map(|c| c.as_ref());
+        match save_sharded(comm, &refs, &tmp.join(&file)) {
+            Ok(Some(w)) => {
+                wrote.push(FileEntry {
+                    file,
+                    sha256: w.sha256,
+                    bytes: w.bytes,
+                    tensors: w.tensors,
+                });
+            }
+            Ok(None) => {}
+            // A member that stops talking ends the save here.
+            Err(e @ hetpar_nn::NnError::Comm(_)) => return Err(e.into()),
+            // The others are the same on every member (a plan), or the writer's own.
+            Err(e) => {
+                if mine.is_ok() {
+                    mine = Err(e.into());
+                }
             }
         }
     }
     // Every rank reports.
-    failed[0] = if mine.is_err() { 1.0 } else { 0.0 };
+    let mut failed = [if mine.is_err() { 1.0 } else { 0.0 }];
     world.all_reduce(&mut failed, ReduceOp::Sum)?;
     mine?;
     if failed[0] > 0.0 {
         return Err(io(&tmp, format!("{} rank(s) failed to write their files", failed[0])));
+    }
+    // What each writer wrote, for rank 0's manifest.
+    let text = serde_json::to_vec(&wrote).map_err(|e| io(&tmp, e))?;
+    let mut files = Vec::new();
+    for t in world.all_gather_any(&text)? {
+        let theirs: Vec<FileEntry> = serde_json::from_slice(&t).map_err(|e| io(&tmp, e))?;
+        files.extend(theirs);
     }
     // Updates applied per module, from the ranks that hold it.
     let mut adam: Vec<f64> = vec![0.0; graph.modules.len()];
@@ -341,45 +357,45 @@ pub fn save_checkpoint(
     world.all_reduce(&mut adam, ReduceOp::Max)?;
     if me == 0 {
         let adam: Vec<u64> = adam.iter().map(|&x| x as u64).collect();
-        commit(graph, exec, at, &adam, &tmp, &done)?;
+        commit(graph, exec, at, &adam, files, &tmp, &done)?;
     }
     world.barrier()?;
     Ok(done)
 }
 
-/// Rank 0's part: hash, manifest, rename, `latest`, pruning.
+/// Rank 0's part: the config, the manifest of the writers' `files`, rename, `latest`,
+/// pruning.
 fn commit(
     graph: &ModelGraph,
     exec: &Executor,
     at: SaveAt<'_>,
     adam: &[u64],
+    mut files: Vec<FileEntry>,
     tmp: &Path,
     done: &Path,
 ) -> Result<()> {
     let (step, root, keep) = (at.step, at.root, at.keep);
+    // Each file as long as its writer wrote it, here too (the files' bytes were hashed as
+    // they were written: rank 0 does not read them again).
+    for f in &files {
+        let path = tmp.join(&f.file);
+        let len = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
+        if len != f.bytes {
+            return Err(io(
+                &path,
+                format!("{len} bytes here, its writer wrote {}: is --out shared?", f.bytes),
+            ));
+        }
+    }
     if let Some(text) = at.config {
         let path = tmp.join(CONFIG_FILE);
         File::create(&path)
             .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
             .map_err(|e| io(&path, e))?;
-    }
-    let mut files = Vec::new();
-    let mut names: Vec<String> = std::fs::read_dir(tmp)
-        .map_err(|e| io(tmp, e))?
-        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-        .filter(|n| n.ends_with(".safetensors") || n == CONFIG_FILE)
-        .collect();
-    names.sort();
-    for n in names {
-        let path = tmp.join(&n);
         let (sha256, bytes) = sha256(&path)?;
-        let tensors = if n == CONFIG_FILE {
-            Vec::new()
-        } else {
-            hetpar_nn::io::read_header(&path)?.1.into_keys().collect()
-        };
-        files.push(FileEntry { file: n, sha256, bytes, tensors });
+        files.push(FileEntry { file: CONFIG_FILE.into(), sha256, bytes, tensors: Vec::new() });
     }
+    files.sort_by(|a, b| a.file.cmp(&b.file));
     let manifest = Manifest {
         format: FORMAT.into(),
         name: graph.name.clone(),
@@ -536,14 +552,89 @@ pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
     Ok(m)
 }
 
+/// Checks every file some rank of `world` needs (`need`, this rank's) against the
+/// manifest's SHA-256, before anything is loaded, reading each file once per machine: the
+/// ranks reporting the same `machine` (a boot id; empty: unknown, a machine of its own) see
+/// one filesystem, so the files their ranks need are shared out among those ranks, each
+/// hashed by one of them. A failure anywhere is the same error, naming the file, on every
+/// rank.
+fn verify(
+    world: &dyn Communicator,
+    dir: &Path,
+    need: &BTreeMap<&str, &FileEntry>,
+    machine: &str,
+) -> Result<()> {
+    #[derive(Serialize, Deserialize)]
+    struct Needs {
+        machine: String,
+        files: Vec<String>,
+    }
+    let me = world.rank();
+    let mine = Needs {
+        machine: if machine.is_empty() { format!("rank {me}") } else { machine.to_string() },
+        files: need.keys().map(|f| f.to_string()).collect(),
+    };
+    let text = serde_json::to_vec(&mine).map_err(|e| io(dir, e))?;
+    let all: Vec<Needs> = world
+        .all_gather_any(&text)?
+        .iter()
+        .map(|t| serde_json::from_slice(t).map_err(|e| io(dir, e)))
+        .collect::<Result<_>>()?;
+    // The files of this machine's ranks, each with the ranks here that need it; the k-th
+    // file goes to the (k mod n)-th of those, so the reading is spread over them.
+    let mut here: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (r, n) in all.iter().enumerate().filter(|(_, n)| n.machine == all[me].machine) {
+        for f in &n.files {
+            here.entry(f.as_str()).or_default().push(r);
+        }
+    }
+    let mut bad: Option<String> = None;
+    for (k, (name, ranks)) in here.iter().enumerate() {
+        if ranks[k % ranks.len()] != me || bad.is_some() {
+            continue;
+        }
+        let f = need[name];
+        let path = dir.join(name);
+        bad = match sha256(&path) {
+            Ok((h, n)) if h == f.sha256 && n == f.bytes => None,
+            Ok((h, n)) => Some(
+                io(
+                    &path,
+                    format!(
+                        "SHA-256 {h} over {n} bytes, the manifest says {} over {}: the file is corrupt",
+                        f.sha256, f.bytes
+                    ),
+                )
+                .to_string(),
+            ),
+            Err(e) => Some(e.to_string()),
+        };
+    }
+    // Every rank agrees before anything is loaded: the first failure, by rank, everywhere.
+    let found = world.all_gather_any(bad.unwrap_or_default().as_bytes())?;
+    match found.iter().position(|t| !t.is_empty()) {
+        None => Ok(()),
+        Some(r) => {
+            let why = String::from_utf8_lossy(&found[r]).into_owned();
+            Err(RuntimeError::Model(if r == me {
+                why
+            } else {
+                format!("{why} (found by rank {r})")
+            }))
+        }
+    }
+}
+
 /// Loads checkpoint `dir` into `exec` (every rank of the job calls it): parameters and
-/// moments of this rank's slices under its own layout. Every file this rank reads is checked
-/// against the manifest's SHA-256 first.
+/// moments of this rank's slices under its own layout. Every file some rank reads is
+/// checked against the manifest's SHA-256 first, once per machine (see [`verify`]; this
+/// rank's `machine`, empty where unknown).
 pub fn load_checkpoint(
     world: &dyn Communicator,
     graph: &ModelGraph,
     exec: &mut Executor,
     dir: &Path,
+    machine: &str,
 ) -> Result<Loaded> {
     let manifest = read_manifest(dir, graph)?;
     let mut where_: BTreeMap<&str, &FileEntry> = BTreeMap::new();
@@ -562,36 +653,7 @@ pub fn load_checkpoint(
             need.insert(f.file.as_str(), f);
         }
     }
-    let mut bad = None;
-    for (name, f) in &need {
-        let path = dir.join(name);
-        match sha256(&path) {
-            Ok((h, n)) if h == f.sha256 && n == f.bytes => {}
-            Ok((h, n)) => {
-                bad = Some(io(
-                    &path,
-                    format!(
-                        "SHA-256 {h} over {n} bytes, the manifest says {} over {}: the file is corrupt",
-                        f.sha256, f.bytes
-                    ),
-                ));
-                break;
-            }
-            Err(e) => {
-                bad = Some(e);
-                break;
-            }
-        }
-    }
-    // Every rank agrees before anything is loaded.
-    let mut failed = [if bad.is_some() { 1.0 } else { 0.0 }];
-    world.all_reduce(&mut failed, ReduceOp::Sum)?;
-    if let Some(e) = bad {
-        return Err(e);
-    }
-    if failed[0] > 0.0 {
-        return Err(io(dir, "another rank found a file corrupt (it names the file)"));
-    }
+    verify(world, dir, &need, machine)?;
     let adam: BTreeMap<&str, u64> =
         manifest.modules.iter().map(|m| (m.module.as_str(), m.adam_steps)).collect();
     let mut read = 0;

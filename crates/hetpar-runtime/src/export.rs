@@ -7,13 +7,10 @@
 //! The checkpoint's files are checked against their SHA-256 first; only JSON, TOML and
 //! safetensors are read.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Tensor};
 use hetpar_layout::{Config, ModelGraph, Module, ModuleSpec};
-use hetpar_nn::ShardSpec;
-use hetpar_nn::io::{load_slice, read_header, save};
+use hetpar_nn::io::{copy_tensors, read_header};
 
 use crate::assemble::MOE_AUX_COEF;
 use crate::checkpoint::{CONFIG_FILE, read_manifest, sha256};
@@ -136,35 +133,34 @@ pub fn export_hf(ckpt: &Path, out: &Path) -> Result<Vec<Exported>> {
     }
     let mut done = Vec::new();
     for m in &graph.modules {
-        let mut tensors: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut from: Vec<(PathBuf, String)> = Vec::new();
         for f in manifest.files.iter().filter(|f| f.file.starts_with(&format!("{}.stage", m.name)))
         {
             let path = ckpt.join(&f.file);
             let (_, entries) = read_header(&path)?;
-            for (name, e) in entries.iter().filter(|(n, _)| !n.contains(':')) {
-                let spec = ShardSpec { global_shape: e.shape.clone(), split: None, reduce: vec![] };
-                let dtype = if e.dtype == "F64" { DType::F64 } else { DType::F32 };
-                tensors.insert(name.clone(), load_slice(&path, name, &spec, dtype)?.0);
-            }
+            from.extend(
+                entries.into_keys().filter(|n| !n.contains(':')).map(|n| (path.clone(), n)),
+            );
         }
-        if tensors.is_empty() {
+        if from.is_empty() {
             return Err(bad(ckpt, format!("no tensors of module {} in the checkpoint", m.name)));
         }
         let dir = out.join(&m.name);
         std::fs::create_dir_all(&dir).map_err(|e| bad(&dir, e))?;
         let file = dir.join("model.safetensors");
-        save(&file, &tensors)?;
+        let pairs: Vec<(&Path, &str)> =
+            from.iter().map(|(p, n)| (p.as_path(), n.as_str())).collect();
+        let written = copy_tensors(&file, &pairs)?;
         let (architecture, config) = hf_config(m, graph.train.seq_len, &manifest.dtype);
         let cpath = dir.join("config.json");
         let text = serde_json::to_string_pretty(&config).map_err(|e| bad(&cpath, e))?;
         std::fs::write(&cpath, text).map_err(|e| bad(&cpath, e))?;
-        let bytes = std::fs::metadata(&file).map_err(|e| bad(&file, e))?.len();
         done.push(Exported {
             module: m.name.clone(),
             dir,
             architecture,
-            tensors: tensors.len(),
-            bytes,
+            tensors: written.tensors.len(),
+            bytes: written.bytes,
         });
     }
     Ok(done)

@@ -127,6 +127,7 @@ pub struct Trainer {
     lr: LrSchedule,
     config_text: Option<String>,
     io_timeout: std::time::Duration,
+    machine: String,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -164,6 +165,7 @@ impl Trainer {
             lr,
             config_text: None,
             io_timeout: DEFAULT_IO_TIMEOUT,
+            machine: String::new(),
         })
     }
 
@@ -314,6 +316,13 @@ impl Trainer {
         self.io_timeout = timeout;
     }
 
+    /// Names the machine this rank runs on (its boot id, say): a resume checks each
+    /// checkpoint file once per machine, by one of the ranks there that read it, instead of
+    /// on every rank. Unset, every rank checks the files it reads.
+    pub fn set_machine(&mut self, id: String) {
+        self.machine = id;
+    }
+
     /// The executor (stages and optimizer state).
     pub fn executor(&self) -> &Executor {
         &self.exec
@@ -347,9 +356,9 @@ impl Trainer {
         world: &dyn Communicator,
         dir: &std::path::Path,
     ) -> Result<crate::checkpoint::Loaded, RuntimeError> {
-        let (graph, exec) = (&self.graph, &mut self.exec);
+        let (graph, exec, machine) = (&self.graph, &mut self.exec, self.machine.as_str());
         world.with_timeout(self.io_timeout, || {
-            crate::checkpoint::load_checkpoint(world, graph, exec, dir)
+            crate::checkpoint::load_checkpoint(world, graph, exec, dir, machine)
         })
     }
 }

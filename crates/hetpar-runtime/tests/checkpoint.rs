@@ -116,6 +116,15 @@ fn a_resume_under_another_layout_continues_bitwise() {
 /// An edit that breaks a checkpoint directory.
 type Breaks = Box<dyn Fn(&Path)>;
 
+/// A copy of checkpoint `dir` at `to`.
+fn copy_of(dir: &Path, to: &Path) -> PathBuf {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    to.to_path_buf()
+}
+
 /// Rewrites `dir/manifest.json` through `edit` (as JSON values).
 fn edit_manifest(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
     let path = dir.join("manifest.json");
@@ -192,14 +201,40 @@ fn corrupt_checkpoints_are_refused_naming_the_file() {
         ),
     ];
     for (what, break_it, want) in cases {
-        let dir = root.join(format!("broken-{}", what.replace(' ', "-")));
-        std::fs::create_dir_all(&dir).unwrap();
-        for e in std::fs::read_dir(&good).unwrap().flatten() {
-            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
-        }
+        let dir = copy_of(&good, &root.join(format!("broken-{}", what.replace(' ', "-"))));
         break_it(&dir);
         let e = train(&g, Some(&dir), &[], &root.join("none")).unwrap_err();
         assert!(e.contains(want), "{what}: {e}");
+    }
+}
+
+/// Ranks naming one machine check each file once among them (not each rank every file it
+/// reads): a good checkpoint loads, and a corrupt file is refused on every rank with the
+/// file's name, including ranks that did not read it.
+#[test]
+fn ranks_on_one_machine_share_the_check_and_all_refuse_a_corrupt_file() {
+    let root = temp("machine");
+    let g = graph(false);
+    train(&g, None, &[2], &root).unwrap();
+    let good = root.join("step-00000002");
+    let broken = copy_of(&good, &root.join("broken"));
+    let p = broken.join("llm.stage0.safetensors");
+    let mut b = std::fs::read(&p).unwrap();
+    let at = b.len() - 10;
+    b[at] ^= 0x40;
+    std::fs::write(&p, b).unwrap();
+    let sources = Sources::synthetic(&g);
+    let out = launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let mut t = Trainer::new(c, &g, DType::F32, STEPS, &sources).unwrap();
+        t.set_machine("one".into());
+        let step = t.resume(c, &good).map(|l| l.manifest.step).map_err(|e| e.to_string());
+        let refused = t.resume(c, &broken).map(|_| ()).unwrap_err().to_string();
+        (step, refused)
+    })
+    .unwrap();
+    for (step, refused) in out {
+        assert_eq!(step, Ok(2));
+        assert!(refused.contains("llm.stage0.safetensors: SHA-256"), "{refused}");
     }
 }
 

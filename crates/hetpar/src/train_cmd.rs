@@ -879,6 +879,7 @@ fn rank_run(
     if let Some(k) = ckpt {
         trainer.set_config_text(k.config.clone());
         trainer.set_io_timeout(k.io_timeout);
+        trainer.set_machine(machine_id());
         if let Some(dir) = &k.resume {
             start = trainer.resume(c, dir)?.manifest.step;
         }
@@ -1094,6 +1095,14 @@ pub fn fits_memory(graph: &ModelGraph, dtype: DType, ranks: &[usize]) -> anyhow:
     fits_memory_of(graph, dtype, ranks, "in this process", " (--backend mpi)")
 }
 
+/// This machine's boot id (empty where the system does not say): processes reporting the
+/// same one share its memory and its filesystem.
+pub fn machine_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
 /// [`fits_memory`] under MPI, for the processes of `world` on this machine together (those
 /// reporting its boot id; MPI places several ranks on a host, and they share its memory).
 /// Every rank of `world` calls it.
@@ -1102,9 +1111,7 @@ fn fits_memory_mpi(
     graph: &ModelGraph,
     dtype: DType,
 ) -> anyhow::Result<()> {
-    let me = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
+    let me = machine_id();
     let ids = world.all_gather_any(me.as_bytes())?;
     let here: Vec<usize> = if me.is_empty() {
         vec![world.rank()]
