@@ -28,6 +28,7 @@ pub const SUITE: &[(&str, Check)] = &[
     ("reduce_scatter", reduce_scatter),
     ("all_to_all_v", all_to_all_v),
     ("point_to_point", point_to_point),
+    ("message_lengths", message_lengths),
     ("batched_point_to_point", batched_point_to_point),
     ("overlapping_subgroups", overlapping_subgroups),
     ("many_groups_in_flight", many_groups_in_flight),
@@ -322,6 +323,34 @@ fn point_to_point(c: &dyn Communicator) -> Result<(), String> {
         if rc != long(1000, peer) || rd != long(1001, peer) {
             return Err(fail(c, format!("long messages from {peer} differ")));
         }
+    }
+    Ok(())
+}
+
+/// A message longer than its receive is refused there as a mismatch and taken whole: the
+/// next message on the same tag arrives intact (80 bytes, more than one piece where the
+/// pieces are forced to 64 bytes, against a receive of 32).
+fn message_lengths(c: &dyn Communicator) -> Result<(), String> {
+    let (n, me) = (c.size(), c.rank());
+    if n < 2 || me >= n - n % 2 {
+        return Ok(());
+    }
+    let peer = me ^ 1;
+    if me % 2 == 0 {
+        ok(c, c.send(&[7i64; 10], peer, 21), "send")?;
+        return ok(c, c.send(&[8i64, 9, 10], peer, 21), "send");
+    }
+    let mut short = [0i64; 4];
+    match c.recv(&mut short, peer, 21) {
+        Err(crate::CommError::Mismatch { detail, .. }) if detail.contains("sent 80 bytes") => {}
+        other => {
+            return Err(fail(c, format!("80 bytes into a receive of 32 gave {other:?}")));
+        }
+    }
+    let mut next = [0i64; 3];
+    ok(c, c.recv(&mut next, peer, 21), "recv after a refused message")?;
+    if next != [8, 9, 10] {
+        return Err(fail(c, format!("the message after a refused one is {next:?}")));
     }
     Ok(())
 }

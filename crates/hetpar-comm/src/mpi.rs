@@ -14,6 +14,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ::mpi::datatype::{Partition, PartitionMut};
@@ -173,15 +174,28 @@ pub fn abort_on_panic(rank: usize, print: fn(&str)) {
 }
 
 /// The most bytes one all-reduce or one message exchanges at once (MPI counts and
-/// displacements are 32-bit).
-const PIECE: usize = 1 << 30;
+/// displacements are 32-bit): `PIECE`.
+static PIECE: AtomicUsize = AtomicUsize::new(1 << 30);
+
+fn piece_bytes() -> usize {
+    PIECE.load(Ordering::Relaxed)
+}
+
+/// Sets the most bytes one message or one all-reduce exchange carries (1 GiB unless set),
+/// so that tests exercise the pieces with small messages; every rank sets the same, before
+/// any communication.
+#[cfg(feature = "testing")]
+pub fn set_piece_bytes(bytes: usize) {
+    PIECE.store(bytes.max(1), Ordering::Relaxed);
+}
 
 /// The byte ranges a point-to-point message of `len` bytes travels in: whole `PIECE`s, then
 /// one shorter piece (empty where `len` is a multiple of `PIECE`). A message under `PIECE`
 /// goes as one, and a sender of more bytes than the receiver expects sends a longer last
 /// piece than it waits for, so the length check still catches it.
 fn pieces(len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    (0..=len / PIECE).map(move |k| k * PIECE..((k + 1) * PIECE).min(len))
+    let p = piece_bytes();
+    (0..=len / p).map(move |k| k * p..((k + 1) * p).min(len))
 }
 
 /// Posts the send of `data` to member `dst` of group `e` on `tag`, in the messages
@@ -201,7 +215,7 @@ fn post<'a, Sc: Scope<'a> + Copy>(
 enum Missed {
     /// Not there by the deadline.
     Late,
-    /// Of another length: the bytes received up to and with the piece that differed.
+    /// Of another length: the bytes that came (up to the deadline).
     Length(usize),
 }
 
@@ -388,7 +402,7 @@ impl MpiEngine {
         // In pieces of at most `PIECE` bytes, so MPI's 32-bit counts and displacements hold
         // (the sums are per element, so the pieces change nothing in the result). One piece,
         // the usual case, goes through without a copy.
-        let piece = (PIECE / dtype.size()).max(1) * dtype.size();
+        let piece = (piece_bytes() / dtype.size()).max(1) * dtype.size();
         let out = if data.len() <= piece {
             self.reduce_piece(id, &name, data, dtype, op)
         } else {
@@ -598,7 +612,27 @@ impl MpiEngine {
             if got != piece.len() {
                 self.pool.give(receive_all(&self.pool, msg, &status));
                 self.pool.give(data);
-                return Err(Missed::Length(piece.start + got));
+                // A longer message goes on in whole pieces up to a shorter last one: all of
+                // it is taken, so none is left to match a later receive on the tag.
+                let (mut total, mut last) = (piece.start + got, got);
+                while last == piece_bytes() {
+                    let found = loop {
+                        let p = e.comm.process_at_rank(src as Rank);
+                        if let Some(found) = p.immediate_matched_probe_with_tag(tag as i32) {
+                            break Some(found);
+                        }
+                        self.answer();
+                        if Instant::now() >= deadline {
+                            break None;
+                        }
+                        idle();
+                    };
+                    let Some((msg, status)) = found else { break };
+                    last = status.count(u8::equivalent_datatype()) as usize;
+                    total += last;
+                    self.pool.give(receive_all(&self.pool, msg, &status));
+                }
+                return Err(Missed::Length(total));
             }
             msg.matched_receive_into(&mut data[piece]);
         }

@@ -201,8 +201,8 @@ fn stored(dtype: DType) -> Option<Dtype> {
     }
 }
 
-/// Writes `tensors` (full; f32, f64 or bf16) to `path`, one at a time; on failure no file is
-/// left where none was.
+/// Writes `tensors` (full; f32, f64 or bf16) to `path`, one at a time; on failure what was
+/// at `path` stays as it was.
 pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<Written> {
     let mut plan = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
@@ -210,23 +210,37 @@ pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<Written> 
             .ok_or_else(|| bad(path, format!("{name}: saving {:?} is not supported", t.dtype())))?;
         plan.push((name.clone(), dtype, t.dims().to_vec()));
     }
-    let existed = path.exists();
-    let written = Writer::create(path, &plan).and_then(|mut w| {
+    replace(path, |tmp| {
+        let mut w = Writer::create(tmp, &plan)?;
         plan.sort_by(file_order);
         for (name, _, _) in &plan {
             w.write(Host::of(&tensors[name])?.bytes())?;
         }
         w.finish()
-    });
-    if written.is_err() && !existed {
-        let _ = std::fs::remove_file(path);
+    })
+}
+
+/// Writes `path` through `write`, into a temporary file beside it that replaces it once
+/// written and fsynced: a failure leaves what was at `path` as it was, and no temporary
+/// file. The file gets the mode a plain create gives.
+fn replace(path: &Path, write: impl FnOnce(&Path) -> Result<Written>) -> Result<Written> {
+    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    match write(&tmp) {
+        Ok(w) => {
+            std::fs::rename(&tmp, path).map_err(|e| bad(path, e))?;
+            Ok(w)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
     }
-    written
 }
 
 /// Writes tensors of safetensors files into one file `out` by copying their bytes, a
 /// mebibyte at a time: `(file, tensor)` pairs, each file's header checked as
-/// [`read_header`] does. On failure no file is left where none was.
+/// [`read_header`] does. On failure what was at `out` stays as it was.
 pub fn copy_tensors(out: &Path, from: &[(&Path, &str)]) -> Result<Written> {
     let mut headers: BTreeMap<&Path, (u64, BTreeMap<String, Entry>)> = BTreeMap::new();
     let mut plan = Vec::with_capacity(from.len());
@@ -247,8 +261,8 @@ pub fn copy_tensors(out: &Path, from: &[(&Path, &str)]) -> Result<Written> {
         }
         plan.push((name.to_string(), dtype, e.shape.clone()));
     }
-    let existed = out.exists();
-    let written = Writer::create(out, &plan).and_then(|mut w| {
+    replace(out, |tmp| {
+        let mut w = Writer::create(tmp, &plan)?;
         plan.sort_by(file_order);
         let mut buf = vec![0u8; 1 << 20];
         for (name, _, _) in &plan {
@@ -263,11 +277,7 @@ pub fn copy_tensors(out: &Path, from: &[(&Path, &str)]) -> Result<Written> {
             }
         }
         w.finish()
-    });
-    if written.is_err() && !existed {
-        let _ = std::fs::remove_file(out);
-    }
-    written
+    })
 }
 
 /// Parses the header of `path`: the offset where data starts and every entry, checked
@@ -425,6 +435,8 @@ struct Held {
     shape: Vec<usize>,
     /// `[dim, offset, len]` of its split.
     split: Option<[usize; 3]>,
+    /// The dimensions of the tensor it holds.
+    local: Vec<usize>,
 }
 
 /// One full tensor of a sharded save, and the slices that make it.
@@ -457,6 +469,7 @@ fn plan_wholes(comm: Option<&dyn Communicator>, params: &[&Param]) -> Result<Vec
             dtype: format!("{:?}", p.tensor().dtype()),
             shape: p.spec.global_shape.clone(),
             split: p.spec.split.map(|s| [s.dim, s.offset, s.len]),
+            local: p.tensor().dims().to_vec(),
         })
         .collect();
     let all: Vec<Vec<Held>> = match comm {
@@ -472,6 +485,18 @@ fn plan_wholes(comm: Option<&dyn Communicator>, params: &[&Param]) -> Result<Vec
     let mut by_name: BTreeMap<&str, Vec<(usize, &Held)>> = BTreeMap::new();
     for (member, held) in all.iter().enumerate() {
         for h in held {
+            let mut slice = h.shape.clone();
+            if let Some([dim, _, len]) = h.split
+                && let Some(d) = slice.get_mut(dim)
+            {
+                *d = len;
+            }
+            if h.local != slice {
+                return Err(NnError::Input(format!(
+                    "{}: member {member} holds a tensor of shape {:?} for its slice of shape {slice:?}",
+                    h.name, h.local
+                )));
+            }
             by_name.entry(h.name.as_str()).or_default().push((member, h));
         }
     }
@@ -620,8 +645,9 @@ fn stream_wholes(
 /// Saves the full tensors of `params`, whose slices the members of `comm` hold (`None`: this
 /// rank holds them whole), to `path` on member 0, streaming: one tensor in memory at a
 /// time, each slice sent once (by the first member holding it, not by every replica), in
-/// messages of one slice. Every member calls it; member 0 returns what it wrote. An error
-/// is the same on every member, except one writing the file (member 0's own).
+/// messages of one slice. Every member calls it; member 0 returns what it wrote (on failure
+/// what was at `path` stays as it was). An error is the same on every member, except one
+/// writing the file (member 0's own).
 pub fn save_sharded(
     comm: Option<&dyn Communicator>,
     params: &[&Param],
@@ -629,27 +655,25 @@ pub fn save_sharded(
 ) -> Result<Option<Written>> {
     let wholes = plan_wholes(comm, params)?;
     let me = comm.map_or(0, |c| c.rank());
-    let mut writer = if me == 0 {
-        let plan: Vec<Planned> = wholes.iter().map(Whole::planned).collect();
-        Some(Writer::create(path, &plan))
-    } else {
-        None
-    };
-    let streamed = stream_wholes(comm, params, &wholes, |_, bytes| match writer.as_mut() {
-        Some(Ok(w)) => w.write(bytes),
-        // Creating the file failed: its error is returned below.
-        _ => Ok(()),
-    });
-    match writer {
-        None => streamed.map(|()| None),
-        Some(created) => {
-            let written = created.and_then(|w| streamed.and_then(|()| w.finish()));
-            if written.is_err() {
-                let _ = std::fs::remove_file(path);
-            }
-            written.map(Some)
-        }
+    if me != 0 {
+        return stream_wholes(comm, params, &wholes, |_, _| Ok(())).map(|()| None);
     }
+    let plan: Vec<Planned> = wholes.iter().map(Whole::planned).collect();
+    let mut streamed = Ok(());
+    let written = replace(path, |tmp| {
+        let mut writer = Writer::create(tmp, &plan);
+        streamed = stream_wholes(comm, params, &wholes, |_, bytes| match writer.as_mut() {
+            Ok(w) => w.write(bytes),
+            // Creating the file failed: its error is returned below.
+            Err(_) => Ok(()),
+        });
+        let w = writer?;
+        streamed.as_ref().map_err(|e| NnError::Input(e.to_string()))?;
+        w.finish()
+    });
+    // A communication error first: it is what the other members see.
+    streamed?;
+    written.map(Some)
 }
 
 /// Gathers every rank's slices of `params` over `comm` (the module's ranks; the same

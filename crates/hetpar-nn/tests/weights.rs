@@ -275,10 +275,16 @@ fn untiled_slices_and_an_unwritable_file_fail_without_a_hang() {
         let gap = save_sharded(Some(comm), &[&gap], &d.join("gap.safetensors")).unwrap_err();
         let fine = if c.rank() == 0 { held(0, 2) } else { held(2, 2) };
         let lost = save_sharded(Some(comm), &[&fine], &d.join("no-such-dir/w.safetensors"));
-        (gap.to_string(), lost.map(|w| w.is_some()).map_err(|e| e.to_string()))
+        // The failed save took every slice: the next one on the group gets its own.
+        let twos = Param {
+            var: Var::from_tensor(&(fine.tensor() * 2.0).unwrap()).unwrap(),
+            ..fine.clone()
+        };
+        let after = save_sharded(Some(comm), &[&twos], &d.join("after.safetensors")).unwrap();
+        (gap.to_string(), lost.map(|w| w.is_some()).map_err(|e| e.to_string()), after.is_some())
     })
     .unwrap();
-    for (gap, _) in &out {
+    for (gap, _, _) in &out {
         assert!(
             gap.contains("w: the members' slices of dimension 0 (0..2, 3..4) do not tile its 4"),
             "{gap}"
@@ -287,4 +293,43 @@ fn untiled_slices_and_an_unwritable_file_fail_without_a_hang() {
     assert!(matches!(&out[0].1, Err(e) if e.contains("no-such-dir")), "{:?}", out[0].1);
     assert_eq!(out[1].1, Ok(false));
     assert!(!d.join("gap.safetensors").exists());
+    let (start, entries) = read_header(&d.join("after.safetensors")).unwrap();
+    let bytes = std::fs::read(d.join("after.safetensors")).unwrap();
+    let w = &entries["w"];
+    let values: Vec<f32> = bytes[(start + w.begin) as usize..(start + w.end) as usize]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(values, vec![2.0; 12]);
+}
+
+/// A member holding a tensor of another shape than its slice says is refused on every
+/// member, before anything moves.
+#[test]
+fn a_slice_of_the_wrong_size_is_refused_everywhere() {
+    let d = dir().join("wrong-size");
+    std::fs::create_dir_all(&d).unwrap();
+    let out = launch(2, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let rows = if c.rank() == 0 { 2 } else { 3 };
+        let p = Param {
+            name: "w".into(),
+            var: Var::from_tensor(&Tensor::ones((rows, 3), DType::F32, &Device::Cpu).unwrap())
+                .unwrap(),
+            spec: ShardSpec {
+                global_shape: vec![4, 3],
+                split: Some(Split { dim: 0, offset: 2 * c.rank(), len: 2 }),
+                reduce: vec![],
+            },
+            sink: Default::default(),
+        };
+        let comm: &dyn Communicator = c;
+        save_sharded(Some(comm), &[&p], &d.join("w.safetensors")).unwrap_err().to_string()
+    })
+    .unwrap();
+    for e in out {
+        assert!(
+            e.contains("w: member 1 holds a tensor of shape [3, 3] for its slice of shape [2, 3]"),
+            "{e}"
+        );
+    }
 }

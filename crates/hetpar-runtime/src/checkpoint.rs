@@ -19,9 +19,10 @@
 //! last (write, fsync, rename). A checkpoint without a manifest is never visible under its
 //! final name, so a crash at any point leaves the previous one as `latest`.
 //!
-//! Loading reads only JSON and safetensors: each rank checks the SHA-256 of every file it
-//! will read against the manifest, and the saved model against its own, before any tensor
-//! is used, then reads only its own slices.
+//! Loading reads only JSON and safetensors: the SHA-256 of every file some rank will read
+//! is checked against the manifest (once per machine, by one of the ranks there reading
+//! it), and the saved model against the rank's own, before any tensor is used; then each
+//! rank reads only its own slices.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -133,6 +134,8 @@ pub struct Loaded {
     pub manifest: Manifest,
     /// Bytes this rank read.
     pub bytes_read: u64,
+    /// Bytes of checkpoint files this rank hashed for the others on its machine and itself.
+    pub bytes_checked: u64,
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> RuntimeError {
@@ -355,11 +358,17 @@ pub fn save_checkpoint(
         adam[s.module()] = exec.state(i).steps as f64;
     }
     world.all_reduce(&mut adam, ReduceOp::Max)?;
-    if me == 0 {
+    let committed = if me == 0 {
         let adam: Vec<u64> = adam.iter().map(|&x| x as u64).collect();
-        commit(graph, exec, at, &adam, files, &tmp, &done)?;
-    }
-    world.barrier()?;
+        commit(graph, exec, at, &adam, files, &tmp, &done)
+    } else {
+        Ok(())
+    };
+    // Every rank returns once rank 0 has committed, or with why it could not.
+    let why = committed.as_ref().err().map(|e| format!("rank 0 could not commit it: {e}"));
+    let shared = rank0_outcome(world, &done, why);
+    committed?;
+    shared?;
     Ok(done)
 }
 
@@ -556,14 +565,14 @@ pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
 /// manifest's SHA-256, before anything is loaded, reading each file once per machine: the
 /// ranks reporting the same `machine` (a boot id; empty: unknown, a machine of its own) see
 /// one filesystem, so the files their ranks need are shared out among those ranks, each
-/// hashed by one of them. A failure anywhere is the same error, naming the file, on every
-/// rank.
+/// hashed by one of them. A failure anywhere fails every rank, each naming the file (and
+/// the rank that found it). Returns the bytes this rank hashed.
 fn verify(
     world: &dyn Communicator,
     dir: &Path,
     need: &BTreeMap<&str, &FileEntry>,
     machine: &str,
-) -> Result<()> {
+) -> Result<u64> {
     #[derive(Serialize, Deserialize)]
     struct Needs {
         machine: String,
@@ -588,7 +597,7 @@ fn verify(
             here.entry(f.as_str()).or_default().push(r);
         }
     }
-    let mut bad: Option<String> = None;
+    let (mut bad, mut checked): (Option<String>, u64) = (None, 0);
     for (k, (name, ranks)) in here.iter().enumerate() {
         if ranks[k % ranks.len()] != me || bad.is_some() {
             continue;
@@ -596,7 +605,10 @@ fn verify(
         let f = need[name];
         let path = dir.join(name);
         bad = match sha256(&path) {
-            Ok((h, n)) if h == f.sha256 && n == f.bytes => None,
+            Ok((h, n)) if h == f.sha256 && n == f.bytes => {
+                checked += n;
+                None
+            }
             Ok((h, n)) => Some(
                 io(
                     &path,
@@ -613,7 +625,7 @@ fn verify(
     // Every rank agrees before anything is loaded: the first failure, by rank, everywhere.
     let found = world.all_gather_any(bad.unwrap_or_default().as_bytes())?;
     match found.iter().position(|t| !t.is_empty()) {
-        None => Ok(()),
+        None => Ok(checked),
         Some(r) => {
             let why = String::from_utf8_lossy(&found[r]).into_owned();
             Err(RuntimeError::Model(if r == me {
@@ -653,7 +665,7 @@ pub fn load_checkpoint(
             need.insert(f.file.as_str(), f);
         }
     }
-    verify(world, dir, &need, machine)?;
+    let checked = verify(world, dir, &need, machine)?;
     let adam: BTreeMap<&str, u64> =
         manifest.modules.iter().map(|m| (m.module.as_str(), m.adam_steps)).collect();
     let mut read = 0;
@@ -689,5 +701,5 @@ pub fn load_checkpoint(
         }
     }
     exec.set_skipped(manifest.skipped);
-    Ok(Loaded { dir: dir.to_path_buf(), manifest, bytes_read: read })
+    Ok(Loaded { dir: dir.to_path_buf(), manifest, bytes_read: read, bytes_checked: checked })
 }

@@ -316,9 +316,10 @@ impl Trainer {
         self.io_timeout = timeout;
     }
 
-    /// Names the machine this rank runs on (its boot id, say): a resume checks each
-    /// checkpoint file once per machine, by one of the ranks there that read it, instead of
-    /// on every rank. Unset, every rank checks the files it reads.
+    /// Names the machine (and the view of its files: a container's mount namespace) this
+    /// rank runs on: ranks naming the same one must see the same files at a path. A resume
+    /// checks each checkpoint file once per name, by one of the ranks there that read it,
+    /// instead of on every rank. Unset, every rank checks the files it reads.
     pub fn set_machine(&mut self, id: String) {
         self.machine = id;
     }

@@ -209,8 +209,9 @@ fn corrupt_checkpoints_are_refused_naming_the_file() {
 }
 
 /// Ranks naming one machine check each file once among them (not each rank every file it
-/// reads): a good checkpoint loads, and a corrupt file is refused on every rank with the
-/// file's name, including ranks that did not read it.
+/// reads; ranks on different machines, or naming none, each check theirs): a good
+/// checkpoint loads, and a corrupt file is refused on every rank with the file's name,
+/// including ranks that did not hash it.
 #[test]
 fn ranks_on_one_machine_share_the_check_and_all_refuse_a_corrupt_file() {
     let root = temp("machine");
@@ -224,16 +225,35 @@ fn ranks_on_one_machine_share_the_check_and_all_refuse_a_corrupt_file() {
     b[at] ^= 0x40;
     std::fs::write(&p, b).unwrap();
     let sources = Sources::synthetic(&g);
-    let out = launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
-        let mut t = Trainer::new(c, &g, DType::F32, STEPS, &sources).unwrap();
-        t.set_machine("one".into());
-        let step = t.resume(c, &good).map(|l| l.manifest.step).map_err(|e| e.to_string());
-        let refused = t.resume(c, &broken).map(|_| ()).unwrap_err().to_string();
-        (step, refused)
-    })
-    .unwrap();
-    for (step, refused) in out {
-        assert_eq!(step, Ok(2));
+    // Hashed bytes on each rank, with every rank on `machine(rank)`.
+    let resume = |dir: &Path, machine: &(dyn Fn(usize) -> String + Sync)| {
+        launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+            let mut t = Trainer::new(c, &g, DType::F32, STEPS, &sources).unwrap();
+            t.set_machine(machine(c.rank()));
+            t.resume(c, dir).map(|l| (l.manifest.step, l.bytes_checked)).map_err(|e| e.to_string())
+        })
+        .unwrap()
+    };
+    let files: u64 = ["llm.stage0.safetensors", "vision.stage0.safetensors"]
+        .iter()
+        .map(|f| std::fs::metadata(good.join(f)).unwrap().len())
+        .sum();
+    // Both ranks read both files (the LLM at tp 2, the encoder at dp 2): on one machine
+    // each file is hashed once; on two, or unnamed, once per rank.
+    let one: Vec<(usize, u64)> =
+        resume(&good, &|_| "one".into()).into_iter().map(Result::unwrap).collect();
+    assert!(one.iter().all(|l| l.0 == 2));
+    assert_eq!(one.iter().map(|l| l.1).sum::<u64>(), files);
+    assert!(one.iter().all(|l| l.1 > 0), "{one:?}: the hashing is shared out");
+    let per_rank = |r: usize| format!("host {r}");
+    let unnamed = |_: usize| String::new();
+    let machines: [&(dyn Fn(usize) -> String + Sync); 2] = [&per_rank, &unnamed];
+    for machine in machines {
+        let each: Vec<u64> = resume(&good, machine).into_iter().map(|l| l.unwrap().1).collect();
+        assert_eq!(each, vec![files; 2]);
+    }
+    for refused in resume(&broken, &|_| "one".into()) {
+        let refused = refused.unwrap_err();
         assert!(refused.contains("llm.stage0.safetensors: SHA-256"), "{refused}");
     }
 }

@@ -71,7 +71,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         let rank = hetpar_comm::CommExt::global_rank(c);
         let mut t =
             Trainer::new(c, &graph, dt, graph.train.steps, &run_data.sources(&graph, rank))?;
-        t.set_machine(crate::train_cmd::machine_id());
+        t.set_machine(crate::train_cmd::files_view());
         let step = t.resume(c, &ckpt)?.manifest.step;
         Ok::<_, RuntimeError>((step, t.evaluate(c)?))
     })?;

@@ -879,7 +879,7 @@ fn rank_run(
     if let Some(k) = ckpt {
         trainer.set_config_text(k.config.clone());
         trainer.set_io_timeout(k.io_timeout);
-        trainer.set_machine(machine_id());
+        trainer.set_machine(files_view());
         if let Some(dir) = &k.resume {
             start = trainer.resume(c, dir)?.manifest.step;
         }
@@ -1096,11 +1096,22 @@ pub fn fits_memory(graph: &ModelGraph, dtype: DType, ranks: &[usize]) -> anyhow:
 }
 
 /// This machine's boot id (empty where the system does not say): processes reporting the
-/// same one share its memory and its filesystem.
+/// same one share its memory.
 pub fn machine_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default()
+}
+
+/// The machine and mount namespace this process sees files through (empty where the system
+/// does not say): processes reporting the same one see the same files at a path, where
+/// containers on one machine need not. A resume checks each checkpoint file once per view.
+pub fn files_view() -> String {
+    let ns = std::fs::read_link("/proc/self/ns/mnt").map(|l| l.display().to_string());
+    match (machine_id(), ns) {
+        (boot, Ok(ns)) if !boot.is_empty() => format!("{boot} {ns}"),
+        _ => String::new(),
+    }
 }
 
 /// [`fits_memory`] under MPI, for the processes of `world` on this machine together (those

@@ -11,8 +11,17 @@ fn root() -> PathBuf {
 }
 
 /// The cache every command of this test process shares (the synthetic sets it generates).
+/// This process's cache, emptied on first use: a directory left by an earlier process with
+/// the same id (ids repeat, after a reboot especially) must not stand in for a first run.
 fn cache() -> PathBuf {
-    std::env::temp_dir().join(format!("hetpar-cli-cache-{}", std::process::id()))
+    static FRESH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    FRESH
+        .get_or_init(|| {
+            let d = std::env::temp_dir().join(format!("hetpar-cli-cache-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            d
+        })
+        .clone()
 }
 
 /// The small model on in-memory data: quick to train where a test needs many steps.
@@ -424,6 +433,7 @@ fn plan_errors_are_one_line() {
 #[test]
 fn calibrate_writes_a_spec_that_plan_reads_as_local() {
     let dir = std::env::temp_dir().join(format!("hetpar-calibrate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_hetpar"))
@@ -449,6 +459,7 @@ fn calibrate_writes_a_spec_that_plan_reads_as_local() {
 
 fn temp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("hetpar-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("temp dir");
     d
 }
