@@ -764,7 +764,9 @@ fn say(line: &str) {
 fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
     let (first, last) = (&logs[0].report, &logs[logs.len() - 1].report);
     let tokens: usize = logs.iter().map(|l| l.tokens).sum();
-    let secs = wall.as_secs_f64();
+    // The rate is the steps': evaluations, checkpoints and the start are in the wall time.
+    let secs: f64 = logs.iter().map(|l| l.seconds).sum();
+    let wall = wall.as_secs_f64();
     let mut phases: std::collections::BTreeMap<&str, f64> = std::collections::BTreeMap::new();
     for l in logs {
         for (k, v) in &l.report.seconds {
@@ -834,14 +836,15 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
         .collect();
     say(&format!("peak held per rank (all its modules): {}", per_rank.join(", ")));
     say(&format!(
-        "{}: loss {:.4} -> {:.4} over {} steps, {:.0} tokens/s ({} tokens in {:.1} s), {} steps skipped",
+        "{}: loss {:.4} -> {:.4} over {} steps, {:.0} tokens/s ({} tokens in {:.1} s of steps; {:.1} s in all, with setup, evaluations and checkpoints), {} steps skipped",
         graph.name,
         first.loss,
         last.loss,
         logs.len(),
-        tokens as f64 / secs,
+        tokens as f64 / secs.max(1e-9),
         tokens,
         secs,
+        wall,
         logs.iter().filter(|l| !l.report.applied).count()
     ));
 }
