@@ -1,14 +1,19 @@
 //! `hetpar eval CKPT --data DIR`: held-out loss and answer accuracy of a checkpoint, on the
-//! layout it was saved under (its own config), one thread per rank.
+//! layout it was saved under (its own config), one thread per rank, or under mpirun one
+//! process per rank (`--backend mpi`).
 
 use std::path::PathBuf;
 
 use anyhow::Context;
+use hetpar_comm::{CommExt, Communicator};
 use hetpar_runtime::checkpoint::CONFIG_FILE;
 use hetpar_runtime::{EvalReport, RuntimeError, Trainer};
 
+use crate::data_open::RunData;
 use crate::export_cmd::checkpoint;
-use crate::train_cmd::{describe_eval, dtype, timeout};
+use crate::train_cmd::{
+    describe_eval, dtype, dtype_name, fail_job, fits_memory_mpi, open_mpi, run_facts, timeout,
+};
 
 /// Arguments of `hetpar eval`.
 #[derive(clap::Args)]
@@ -30,6 +35,10 @@ pub struct Args {
     /// Seconds a rank waits in a communication call before the run fails naming it.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+    /// `local` (one thread per rank in this process) or `mpi` (one process per rank under
+    /// mpirun, as the checkpoint's layout places them; build with --features mpi).
+    #[arg(long, default_value = "local")]
+    pub backend: String,
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
@@ -61,23 +70,54 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         "data.max_items=1".to_string(),
     ];
     sets.extend(a.set.iter().cloned());
-    let (_, mut graph) = crate::config_load::load_text(text, config.display().to_string(), &sets)?;
+    let (cfg, mut graph) =
+        crate::config_load::load_text(text, config.display().to_string(), &sets)?;
     let dt = dtype(None, &mut graph)?;
-    crate::threads::size_candle_pool(graph.world);
-    let run_data = crate::data_open::open(&graph, &|_| {})?;
-    let opts = hetpar_comm::LocalOptions { timeout: timeout(a.timeout)? };
-    let results = hetpar_comm::launch(graph.world, opts, |c| {
-        hetpar_nn::kernels::share_threads(graph.world);
-        let rank = hetpar_comm::CommExt::global_rank(c);
-        let mut t =
-            Trainer::new(c, &graph, dt, graph.train.steps, &run_data.sources(&graph, rank))?;
+    let timeout = timeout(a.timeout)?;
+    // This rank's part: the checkpoint's slices, then the held-out batches.
+    let evaluate = |c: &dyn Communicator, data: &RunData| {
+        let rank = c.global_rank();
+        let mut t = Trainer::new(c, &graph, dt, graph.train.steps, &data.sources(&graph, rank))?;
         t.set_machine(crate::train_cmd::files_view());
         let step = t.resume(c, &ckpt)?.manifest.step;
         Ok::<_, RuntimeError>((step, t.evaluate(c)?))
-    })?;
-    let (step, report): (usize, EvalReport) = match results.into_iter().next() {
-        Some(r) => r?,
-        None => anyhow::bail!("the checkpoint's layout has no ranks"),
+    };
+    let (step, report): (usize, EvalReport) = match a.backend.as_str() {
+        "local" => {
+            crate::threads::size_candle_pool(graph.world);
+            let run_data = crate::data_open::open(&graph, &|_| {})?;
+            let opts = hetpar_comm::LocalOptions { timeout };
+            let results = hetpar_comm::launch(graph.world, opts, |c| {
+                hetpar_nn::kernels::share_threads(graph.world);
+                evaluate(c, &run_data)
+            })?;
+            match results.into_iter().next() {
+                Some(r) => r?,
+                None => anyhow::bail!("the checkpoint's layout has no ranks"),
+            }
+        }
+        "mpi" => {
+            let world = open_mpi(timeout, &graph)?;
+            let rank = world.rank();
+            // Every process reads its own records and checkpoint: they must agree, as
+            // for training; an error on one ends the job, printed.
+            let done = crate::data_open::open(&graph, &|_| {}).and_then(|data| {
+                let facts =
+                    run_facts(&cfg, dtype_name(dt, &graph), graph.train.steps, &data, Some(&ckpt))?;
+                hetpar_runtime::agree(world.as_ref(), &facts)?;
+                fits_memory_mpi(world.as_ref(), &graph, dt)?;
+                Ok(evaluate(world.as_ref(), &data)?)
+            });
+            match done {
+                Ok(r) if rank == 0 => r,
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
+                    return Ok(());
+                }
+            }
+        }
+        other => anyhow::bail!("--backend {other:?}: use local or mpi"),
     };
     #[allow(clippy::print_stdout)]
     if a.json {

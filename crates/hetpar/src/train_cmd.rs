@@ -1120,7 +1120,7 @@ pub fn files_view() -> String {
 /// [`fits_memory`] under MPI, for the processes of `world` on this machine together (those
 /// reporting its boot id; MPI places several ranks on a host, and they share its memory).
 /// Every rank of `world` calls it.
-fn fits_memory_mpi(
+pub(crate) fn fits_memory_mpi(
     world: &dyn Communicator,
     graph: &ModelGraph,
     dtype: DType,
@@ -1193,7 +1193,10 @@ fn local_ranks(
 }
 
 #[cfg(feature = "mpi")]
-fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>> {
+pub(crate) fn open_mpi(
+    timeout: Duration,
+    graph: &ModelGraph,
+) -> anyhow::Result<Box<dyn Communicator>> {
     use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
     // The ranks mpirun started on this host share its cores.
     crate::threads::share_host();
@@ -1209,7 +1212,7 @@ fn open_mpi(timeout: Duration, graph: &ModelGraph) -> anyhow::Result<Box<dyn Com
 }
 
 #[cfg(not(feature = "mpi"))]
-fn open_mpi(_: Duration, _: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>> {
+pub(crate) fn open_mpi(_: Duration, _: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>> {
     bail!(
         "this hetpar was built without MPI: rebuild with `cargo build --release --features mpi` and run under mpirun"
     )
@@ -1217,13 +1220,13 @@ fn open_mpi(_: Duration, _: &ModelGraph) -> anyhow::Result<Box<dyn Communicator>
 
 /// A rank's error under MPI: printed, and the whole job ends at once.
 #[cfg(feature = "mpi")]
-fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
+pub(crate) fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
     crate::stderr_line(&format!("error: rank {rank}: {e}"));
     hetpar_comm::mpi::abort_job(1)
 }
 
 #[cfg(not(feature = "mpi"))]
-fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
+pub(crate) fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
     Err(anyhow::anyhow!("rank {rank}: {e}"))
 }
 
