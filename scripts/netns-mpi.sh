@@ -61,13 +61,27 @@ printf '%s slots=%d\n%s slots=%d\n' "${ips[0]}" "$first" "${ips[1]}" $((ranks - 
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 "$bin" train "$config" --steps 2 --out "$work/local" >/dev/null 2>&1
-ip netns exec "${ns[0]}" timeout -k 10 300 mpirun -n "$ranks" --hostfile "$work/hosts" \
-  --mca plm_rsh_agent "$work/agent" --mca plm_rsh_no_tree_spawn 1 \
-  --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 \
-  --mca oob_tcp_if_include 10.77.0.0/24 \
-  -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM \
-  "$bin" train "$config" --backend mpi --steps 2 --out "$work/mpi" >"$work/mpi.log" 2>&1 || {
-  echo "error: mpirun across the namespaces failed:"; cat "$work/mpi.log"; exit 1; }
+across() {
+  rm -rf "$work/mpi"
+  ip netns exec "${ns[0]}" timeout -k 10 300 mpirun -n "$ranks" --hostfile "$work/hosts" \
+    --mca plm_rsh_agent "$work/agent" --mca plm_rsh_no_tree_spawn 1 \
+    --mca pml ob1 --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 \
+    --mca oob_tcp_if_include 10.77.0.0/24 \
+    -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM \
+    "$bin" train "$config" --backend mpi --steps 2 --out "$work/mpi" >"$work/mpi.log" 2>&1
+}
+# Open MPI 4.1's TCP transport now and then fails a connection it opens between two
+# processes mid-run ("failed to TCP connect to a peer MPI process", its error code a stale
+# one; seen in one CI run of this test, on a loaded 2-core machine), and the
+# ranks waiting on that peer then time out. That failure, and only it, is retried once,
+# saying so; any other failure, or the same one twice, fails the test.
+if ! across; then
+  grep -q "failed to TCP connect to a peer MPI process" "$work/mpi.log" || {
+    echo "error: mpirun across the namespaces failed:"; cat "$work/mpi.log"; exit 1; }
+  echo "Open MPI failed to open a TCP connection between the namespaces (its wireup, not hetpar): retrying once"
+  grep -A4 "Message:" "$work/mpi.log" | head -5
+  across || { echo "error: mpirun across the namespaces failed twice:"; cat "$work/mpi.log"; exit 1; }
+fi
 bytes=$(ip -n "${ns[1]}" -s link show hetpar-v1 | awk '/RX:/ { getline; print $1; exit }')
 for key in loss grad_norm; do
   paste -d' ' <(grep -o "\"$key\":[^,]*" "$work/local/metrics.jsonl" | cut -d: -f2) \

@@ -83,8 +83,7 @@ fn byte_len(dtype: Dtype, shape: &[usize]) -> u64 {
 }
 
 impl Writer {
-    /// Creates `path` (as a plain create does: an existing file keeps its mode) and writes
-    /// the header of `tensors`.
+    /// Creates `path` (truncating a file there) and writes the header of `tensors`.
     pub fn create(path: &Path, tensors: &[Planned]) -> Result<Writer> {
         let mut order = tensors.to_vec();
         order.sort_by(file_order);
@@ -226,16 +225,24 @@ pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<Written> 
 fn replace(path: &Path, write: impl FnOnce(&Path) -> Result<Written>) -> Result<Written> {
     let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     let tmp = path.with_file_name(format!(".{name}.tmp"));
-    match write(&tmp) {
-        Ok(w) => {
-            std::fs::rename(&tmp, path).map_err(|e| bad(path, e))?;
-            Ok(w)
+    let written = write(&tmp).and_then(|w| {
+        std::fs::rename(&tmp, path).map_err(|e| bad(path, e))?;
+        // The rename itself made durable, as the file's bytes were.
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| bad(dir, e))?;
         }
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            Err(e)
+        Ok(w)
+    });
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        // Errors name the file asked for, not the temporary one.
+        match e {
+            NnError::Input(m) => {
+                NnError::Input(m.replace(&tmp.display().to_string(), &path.display().to_string()))
+            }
+            other => other,
         }
-    }
+    })
 }
 
 /// Writes tensors of safetensors files into one file `out` by copying their bytes, a

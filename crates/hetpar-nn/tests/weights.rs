@@ -333,3 +333,30 @@ fn a_slice_of_the_wrong_size_is_refused_everywhere() {
         );
     }
 }
+
+/// A save that cannot take its place (the target is a directory) fails naming the target,
+/// leaves no temporary file, and a file saved over an old one replaces it whole.
+#[test]
+fn a_save_replaces_its_target_whole_or_not_at_all() {
+    let d = dir().join("replace");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("taken.safetensors")).unwrap();
+    let t = |v: f32| {
+        BTreeMap::from([("w".to_string(), Tensor::full(v, (2, 3), &Device::Cpu).unwrap())])
+    };
+    let e = save(&d.join("taken.safetensors"), &t(1.0)).unwrap_err().to_string();
+    assert!(e.contains("taken.safetensors") && !e.contains(".tmp"), "{e}");
+    let file = d.join("w.safetensors");
+    save(&file, &t(1.0)).unwrap();
+    let second = save(&file, &t(2.0)).unwrap();
+    assert_eq!(second.bytes, std::fs::metadata(&file).unwrap().len());
+    let left: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(left.iter().all(|n| !n.ends_with(".tmp")), "{left:?}");
+    let (start, entries) = read_header(&file).unwrap();
+    let bytes = std::fs::read(&file).unwrap();
+    let at = (start + entries["w"].begin) as usize;
+    assert_eq!(f32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()), 2.0);
+}

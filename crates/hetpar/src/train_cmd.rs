@@ -1007,7 +1007,8 @@ pub fn run_facts(
     }
     let mut facts = RunFacts::new();
     facts.set("hetpar.version", env!("CARGO_PKG_VERSION"));
-    // The commit it was built from (build.rs): a host left on an older build is named.
+    // The commit it was built from and its uncommitted edits (build.rs): a host left on an
+    // older build, or with other local edits, is named.
     facts.set("hetpar.build", env!("HETPAR_BUILD"));
     let config = toml::Value::try_from(cfg).context("cannot write the resolved config")?;
     flatten("", &config, &mut facts);
