@@ -12,7 +12,8 @@ use hetpar_runtime::{EvalReport, RuntimeError, Trainer};
 use crate::data_open::RunData;
 use crate::export_cmd::checkpoint;
 use crate::train_cmd::{
-    describe_eval, dtype, dtype_name, fail_job, fits_memory_mpi, open_mpi, run_facts, timeout,
+    describe_eval, dtype, dtype_name, fail_job, fits_memory, fits_memory_mpi, open_mpi, run_facts,
+    timeout,
 };
 
 /// Arguments of `hetpar eval`.
@@ -85,6 +86,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let (step, report): (usize, EvalReport) = match a.backend.as_str() {
         "local" => {
             crate::threads::size_candle_pool(graph.world);
+            // Every rank's weights in this process: refused, as `train` refuses it, where
+            // they do not fit (under MPI, per machine below).
+            fits_memory(&graph, dt, &(0..graph.world).collect::<Vec<_>>())?;
             let run_data = crate::data_open::open(&graph, &|_| {})?;
             let opts = hetpar_comm::LocalOptions { timeout };
             let results = hetpar_comm::launch(graph.world, opts, |c| {
