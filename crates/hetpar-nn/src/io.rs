@@ -191,11 +191,13 @@ impl Host {
     }
 }
 
-fn stored(dtype: DType) -> Option<Dtype> {
+/// The safetensors type of a header's (or candle's debug) name: the three kinds files here
+/// hold.
+fn named(dtype: &str) -> Option<Dtype> {
     match dtype {
-        DType::F32 => Some(Dtype::F32),
-        DType::F64 => Some(Dtype::F64),
-        DType::BF16 => Some(Dtype::BF16),
+        "F32" => Some(Dtype::F32),
+        "F64" => Some(Dtype::F64),
+        "BF16" => Some(Dtype::BF16),
         _ => None,
     }
 }
@@ -205,7 +207,7 @@ fn stored(dtype: DType) -> Option<Dtype> {
 pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<Written> {
     let mut plan = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        let dtype = stored(t.dtype())
+        let dtype = named(&format!("{:?}", t.dtype()))
             .ok_or_else(|| bad(path, format!("{name}: saving {:?} is not supported", t.dtype())))?;
         plan.push((name.clone(), dtype, t.dims().to_vec()));
     }
@@ -258,11 +260,7 @@ pub fn copy_tensors(out: &Path, from: &[(&Path, &str)]) -> Result<Written> {
         }
         let (start, entries) = &headers[path];
         let e = entries.get(name).ok_or_else(|| bad(path, format!("no tensor named {name}")))?;
-        let dtype = match e.dtype.as_str() {
-            "F32" => Dtype::F32,
-            "F64" => Dtype::F64,
-            _ => Dtype::BF16,
-        };
+        let dtype = named(&e.dtype).expect("read_header admits only named types");
         if source.insert(name, (path, start + e.begin, e.end - e.begin)).is_some() {
             return Err(bad(out, format!("tensor {name} is asked for twice")));
         }
@@ -327,11 +325,9 @@ pub fn read_header(path: &Path) -> Result<(u64, BTreeMap<String, Entry>)> {
             [b, e] if b <= e => (b, e),
             _ => return Err(bad(path, format!("{name}: bad data_offsets {offsets:?}"))),
         };
-        let elem = match dtype.as_str() {
-            "F32" => 4,
-            "F64" => 8,
-            "BF16" => 2,
-            other => return Err(bad(path, format!("{name}: unsupported dtype {other}"))),
+        let elem = match named(&dtype) {
+            Some(d) => elem_bytes(d) as u64,
+            None => return Err(bad(path, format!("{name}: unsupported dtype {dtype}"))),
         };
         let want = shape.iter().product::<usize>() as u64 * elem;
         if end - begin != want || data_start + end > len {
@@ -365,11 +361,8 @@ pub fn load_slice(
             format!("{name} has shape {:?}, the model expects {:?}", e.shape, spec.global_shape),
         ));
     }
-    let elem: u64 = match e.dtype.as_str() {
-        "F32" => 4,
-        "F64" => 8,
-        _ => 2,
-    };
+    let st = named(&e.dtype).expect("read_header admits only named types");
+    let elem = elem_bytes(st) as u64;
     let shape = &e.shape;
     let (dim, offset, len) = match spec.split {
         Some(Split { dim, offset, len }) => (dim, offset, len),
@@ -391,22 +384,22 @@ pub fn load_slice(
     if !local_shape.is_empty() {
         local_shape[dim] = len;
     }
-    let t = from_le(&raw, &e.dtype, local_shape)?;
+    let t = from_le(&raw, st, local_shape)?;
     Ok((t.to_dtype(dtype)?, raw.len() as u64))
 }
 
-/// A tensor from its little-endian bytes, of safetensors type `dtype` (`F32`, `F64`, `BF16`,
-/// as [`read_header`] admits them).
-fn from_le(raw: &[u8], dtype: &str, shape: Vec<usize>) -> Result<Tensor> {
+/// A tensor from its little-endian bytes, of safetensors type `dtype` (`F32`, `F64` or
+/// `BF16`, as [`read_header`] admits them).
+fn from_le(raw: &[u8], dtype: Dtype, shape: Vec<usize>) -> Result<Tensor> {
     Ok(match dtype {
-        "F32" => Tensor::from_vec(
+        Dtype::F32 => Tensor::from_vec(
             raw.chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect::<Vec<_>>(),
             shape,
             &Device::Cpu,
         )?,
-        "F64" => Tensor::from_vec(
+        Dtype::F64 => Tensor::from_vec(
             raw.chunks_exact(8)
                 .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")))
                 .collect::<Vec<_>>(),
@@ -518,14 +511,9 @@ fn plan_wholes(comm: Option<&dyn Communicator>, params: &[&Param]) -> Result<Vec
                 holders[0].0, first.dtype, first.shape, h.dtype, h.shape
             )));
         }
-        let dtype = match first.dtype.as_str() {
-            "F32" => Dtype::F32,
-            "F64" => Dtype::F64,
-            "BF16" => Dtype::BF16,
-            other => {
-                return Err(NnError::Input(format!("{name}: saving {other} is not supported")));
-            }
-        };
+        let dtype = named(&first.dtype).ok_or_else(|| {
+            NnError::Input(format!("{name}: saving {} tensors is not supported", first.dtype))
+        })?;
         let full_len = first.shape.first().copied().unwrap_or(1);
         let (dim, pieces) = match holders.iter().find(|(_, h)| h.split.is_none()) {
             Some(&(m, _)) => (0, vec![(m, 0, full_len)]),
@@ -701,7 +689,7 @@ pub fn gather_full(
     }
     let mut full = BTreeMap::new();
     for w in &wholes {
-        let t = from_le(&bytes[&w.name], &format!("{:?}", w.dtype), w.shape.clone())?;
+        let t = from_le(&bytes[&w.name], w.dtype, w.shape.clone())?;
         full.insert(w.name.clone(), t);
     }
     Ok(Some(full))

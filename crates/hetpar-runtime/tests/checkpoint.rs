@@ -116,6 +116,14 @@ fn a_resume_under_another_layout_continues_bitwise() {
 /// An edit that breaks a checkpoint directory.
 type Breaks = Box<dyn Fn(&Path)>;
 
+/// Flips a bit of a byte near the end of `path` (inside the last tensor's data).
+fn flip_byte(path: &Path) {
+    let mut b = std::fs::read(path).unwrap();
+    let at = b.len() - 10;
+    b[at] ^= 0x40;
+    std::fs::write(path, b).unwrap();
+}
+
 /// A copy of checkpoint `dir` at `to`.
 fn copy_of(dir: &Path, to: &Path) -> PathBuf {
     std::fs::create_dir_all(to).unwrap();
@@ -143,13 +151,7 @@ fn corrupt_checkpoints_are_refused_naming_the_file() {
     let cases: Vec<(&str, Breaks, &str)> = vec![
         (
             "flipped byte",
-            Box::new(|d: &Path| {
-                let p = d.join(SHARD);
-                let mut b = std::fs::read(&p).unwrap();
-                let at = b.len() - 10;
-                b[at] ^= 0x40;
-                std::fs::write(&p, b).unwrap();
-            }),
+            Box::new(|d: &Path| flip_byte(&d.join(SHARD))),
             "llm.stage0.safetensors: SHA-256",
         ),
         (
@@ -219,11 +221,7 @@ fn ranks_on_one_machine_share_the_check_and_all_refuse_a_corrupt_file() {
     train(&g, None, &[2], &root).unwrap();
     let good = root.join("step-00000002");
     let broken = copy_of(&good, &root.join("broken"));
-    let p = broken.join("llm.stage0.safetensors");
-    let mut b = std::fs::read(&p).unwrap();
-    let at = b.len() - 10;
-    b[at] ^= 0x40;
-    std::fs::write(&p, b).unwrap();
+    flip_byte(&broken.join("llm.stage0.safetensors"));
     let sources = Sources::synthetic(&g);
     // Hashed bytes on each rank, with every rank on `machine(rank)`.
     let resume = |dir: &Path, machine: &(dyn Fn(usize) -> String + Sync)| {
