@@ -222,17 +222,23 @@ fn all_gather(c: &dyn Communicator) -> Result<(), String> {
 }
 
 fn all_gather_v(c: &dyn Communicator) -> Result<(), String> {
-    let counts: Vec<usize> = (0..c.size()).map(|j| (j * 3 + 1) % 4).collect();
-    let send: Vec<f32> = (0..counts[c.rank()]).map(|j| (c.rank() * 100 + j) as f32).collect();
-    let mut recv = vec![-1.0f32; counts.iter().sum()];
-    ok(c, c.all_gather_v(&send, &mut recv, &counts), "all-gather-v")?;
-    let want: Vec<f32> =
-        (0..c.size()).flat_map(|r| (0..counts[r]).map(move |j| (r * 100 + j) as f32)).collect();
-    if recv != want {
-        return Err(fail(
-            c,
-            format!("all-gather-v with counts {counts:?}: got {recv:?}, want {want:?}"),
-        ));
+    // Short parts, then long ones with empty parts between (several rounds where a
+    // transport gathers in pieces, with parts crossing their edges).
+    let rules: [fn(usize) -> usize; 2] =
+        [|j| (j * 3 + 1) % 4, |j| if j % 3 == 1 { 0 } else { (j * 37 + 5) % 60 }];
+    for rule in rules {
+        let counts: Vec<usize> = (0..c.size()).map(rule).collect();
+        let send: Vec<f32> = (0..counts[c.rank()]).map(|j| (c.rank() * 100 + j) as f32).collect();
+        let mut recv = vec![-1.0f32; counts.iter().sum()];
+        ok(c, c.all_gather_v(&send, &mut recv, &counts), "all-gather-v")?;
+        let want: Vec<f32> =
+            (0..c.size()).flat_map(|r| (0..counts[r]).map(move |j| (r * 100 + j) as f32)).collect();
+        if recv != want {
+            return Err(fail(
+                c,
+                format!("all-gather-v with counts {counts:?}: got {recv:?}, want {want:?}"),
+            ));
+        }
     }
     Ok(())
 }
@@ -258,17 +264,28 @@ fn reduce_scatter(c: &dyn Communicator) -> Result<(), String> {
 
 fn all_to_all_v(c: &dyn Communicator) -> Result<(), String> {
     let (n, me) = (c.size(), c.rank());
-    // Member r sends (r + 2j) % 3 * 5 elements to member j (zeros included).
-    let count = |from: usize, to: usize| (from + 2 * to) % 3 * 5;
+    // Every member sending parts of 0, 1 and 10 elements, then one pair with a long part
+    // and every other pair one element (where a transport sends long parts apart, only
+    // that pair's two members do).
+    let rules: [fn(usize, usize, usize) -> usize; 2] = [
+        |from, to, _| [0, 1, 10][(from + 2 * to) % 3],
+        |from, to, n| if from == 0 && to == n - 1 { 50 } else { 1 },
+    ];
     let tag = |from: usize, to: usize, k: usize| (from * 1_000_000 + to * 1000 + k) as i64;
-    let sc: Vec<usize> = (0..n).map(|j| count(me, j)).collect();
-    let rc: Vec<usize> = (0..n).map(|j| count(j, me)).collect();
-    let send: Vec<i64> = (0..n).flat_map(|j| (0..sc[j]).map(move |k| tag(me, j, k))).collect();
-    let mut recv = vec![-1i64; rc.iter().sum()];
-    ok(c, c.all_to_all_v(&send, &sc, &mut recv, &rc), "all-to-all-v")?;
-    let want: Vec<i64> = (0..n).flat_map(|j| (0..rc[j]).map(move |k| tag(j, me, k))).collect();
-    if recv != want {
-        return Err(fail(c, format!("all-to-all-v: got {recv:?}, want {want:?}")));
+    for rule in rules {
+        let count = |from: usize, to: usize| rule(from, to, n);
+        let sc: Vec<usize> = (0..n).map(|j| count(me, j)).collect();
+        let rc: Vec<usize> = (0..n).map(|j| count(j, me)).collect();
+        let send: Vec<i64> = (0..n).flat_map(|j| (0..sc[j]).map(move |k| tag(me, j, k))).collect();
+        let mut recv = vec![-1i64; rc.iter().sum()];
+        ok(c, c.all_to_all_v(&send, &sc, &mut recv, &rc), "all-to-all-v")?;
+        let want: Vec<i64> = (0..n).flat_map(|j| (0..rc[j]).map(move |k| tag(j, me, k))).collect();
+        if recv != want {
+            return Err(fail(
+                c,
+                format!("all-to-all-v with counts {sc:?} sent: got {recv:?}, want {want:?}"),
+            ));
+        }
     }
     Ok(())
 }

@@ -56,6 +56,9 @@ impl std::fmt::Debug for MpiOptions {
 /// One communicator on the engine.
 struct Entry {
     comm: SimpleCommunicator,
+    /// A duplicate of `comm` for the messages a collective sends point to point (the parts
+    /// of an all-to-all past its first round), apart from the callers' tags on `comm`.
+    bulk: SimpleCommunicator,
     members: Vec<usize>,
     me: usize,
     seq: Cell<u64>,
@@ -118,6 +121,7 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
             let (rank, size) = (world.rank() as usize, world.size() as usize);
             let entry = Entry {
                 comm: SimpleCommunicator::world(),
+                bulk: world.duplicate(),
                 members: (0..size).collect(),
                 me: rank,
                 seq: Cell::new(0),
@@ -173,20 +177,22 @@ pub fn abort_on_panic(rank: usize, print: fn(&str)) {
     }));
 }
 
-/// The most bytes one all-reduce or one message exchanges at once (MPI counts and
-/// displacements are 32-bit): `PIECE`.
+/// The most bytes one MPI call carries (MPI's counts and displacements are 32-bit):
+/// messages, broadcasts, all-gathers and all-reduces longer than this go in pieces, and an
+/// all-to-all sends each pair at most `PIECE / members` bytes through MPI's collective and
+/// the rest point to point.
 static PIECE: AtomicUsize = AtomicUsize::new(1 << 30);
 
 fn piece_bytes() -> usize {
     PIECE.load(Ordering::Relaxed)
 }
 
-/// Sets the most bytes one message or one all-reduce exchange carries (1 GiB unless set),
-/// so that tests exercise the pieces with small messages; every rank sets the same, before
-/// any communication.
+/// Sets the most bytes one MPI call carries (1 GiB unless set, and never more), so that
+/// tests exercise the pieces with small messages; every rank sets the same, before any
+/// communication.
 #[cfg(feature = "testing")]
 pub fn set_piece_bytes(bytes: usize) {
-    PIECE.store(bytes.max(1), Ordering::Relaxed);
+    PIECE.store(bytes.clamp(1, 1 << 30), Ordering::Relaxed);
 }
 
 /// The byte ranges a point-to-point message of `len` bytes travels in: whole `PIECE`s, then
@@ -198,16 +204,16 @@ fn pieces(len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     (0..=len / p).map(move |k| k * p..((k + 1) * p).min(len))
 }
 
-/// Posts the send of `data` to member `dst` of group `e` on `tag`, in the messages
-/// [`pieces`] cuts it into (MPI keeps a pair's messages on one tag in order).
+/// Posts the send of `data` to member `dst` of `comm` on `tag`, in the messages [`pieces`]
+/// cuts it into (MPI keeps a pair's messages on one tag in order).
 fn post<'a, Sc: Scope<'a> + Copy>(
     s: Sc,
-    e: &Entry,
+    comm: &SimpleCommunicator,
     dst: usize,
     tag: u32,
     data: &'a [u8],
 ) -> Vec<Request<'a, [u8], Sc>> {
-    let p = e.comm.process_at_rank(dst as Rank);
+    let p = comm.process_at_rank(dst as Rank);
     pieces(data.len()).map(|r| p.immediate_send_with_tag(s, &data[r], tag as i32)).collect()
 }
 
@@ -219,33 +225,26 @@ enum Missed {
     Length(usize),
 }
 
-fn counts_i32(counts: &[usize]) -> Vec<Rank> {
-    let fits = |&c: &usize| {
-        Rank::try_from(c).unwrap_or_else(|_| {
-            panic!("an MPI message of {c} bytes: MPI's counts stop at 2 GiB (2147483647 bytes)")
-        })
-    };
-    counts.iter().map(fits).collect()
-}
-
-/// Each part's offset. MPI's offsets are 32-bit: a part starting past 2 GiB stops here (the
-/// all-reduce, which gradients go through, runs in pieces below that) rather than wrapping
-/// into an offset MPI would write through.
-fn displacements(counts: &[Rank]) -> Vec<Rank> {
-    let mut at = 0i64;
+/// Where each part starts in the parts laid end to end.
+fn starts(counts: &[usize]) -> Vec<usize> {
     counts
         .iter()
-        .map(|&c| {
-            let d = Rank::try_from(at).unwrap_or_else(|_| {
-                panic!("a collective part starting at byte {at}: MPI's offsets stop at 2 GiB")
-            });
-            at += i64::from(c);
-            d
+        .scan(0, |at, &c| {
+            *at += c;
+            Some(*at - c)
         })
         .collect()
 }
 
-/// Receives a matched message of any length into a buffer from `pool`.
+/// `values` (counts or offsets within one call) as MPI's 32-bit counts: every call carries
+/// at most `PIECE` bytes, so they fit.
+fn mpi_counts(values: impl IntoIterator<Item = usize>) -> Vec<Rank> {
+    values
+        .into_iter()
+        .map(|v| Rank::try_from(v).expect("one MPI call carries at most PIECE bytes"))
+        .collect()
+}
+
 /// Between polls of a long wait: yield the core at first, sleep once the wait is clearly
 /// long (ranks oversubscribed on few cores must not spin against each other).
 fn pause(start: Instant) {
@@ -256,6 +255,7 @@ fn pause(start: Instant) {
     }
 }
 
+/// Receives a matched message of any length into a buffer from `pool`.
 fn receive_all(pool: &BufferPool, msg: Message, status: &Status) -> Vec<u8> {
     let mut buf = pool.take(status.count(u8::equivalent_datatype()) as usize);
     msg.matched_receive_into(&mut buf[..]);
@@ -473,11 +473,20 @@ impl MpiEngine {
     fn broadcast(&self, id: usize, mut data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
         let name = self.begin(id, "broadcast");
         let e = &self.entries[id];
-        scope(|s| {
-            let req =
-                e.comm.process_at_rank(root as Rank).immediate_broadcast_into(s, &mut data[..]);
-            self.wait(req, id, &name, &[e.members[root]]);
-        });
+        // Every member holds the same length, so all cut it into the same pieces.
+        let p = piece_bytes();
+        let mut rest = &mut data[..];
+        loop {
+            let (piece, later) = rest.split_at_mut(rest.len().min(p));
+            scope(|s| {
+                let req = e.comm.process_at_rank(root as Rank).immediate_broadcast_into(s, piece);
+                self.wait(req, id, &name, &[e.members[root]]);
+            });
+            if later.is_empty() {
+                break;
+            }
+            rest = later;
+        }
         self.end();
         Ok(data)
     }
@@ -489,17 +498,27 @@ impl MpiEngine {
         Ok(recv)
     }
 
-    /// The all-gather of operation `name` (begun by the caller).
+    /// The all-gather of operation `name` (begun by the caller). Every member knows every
+    /// count, so all cut the gathered bytes into the same `PIECE`-long rounds: round `k`
+    /// gathers bytes `[k * PIECE, (k + 1) * PIECE)` of the result from the members whose
+    /// parts overlap them, straight into place. One round, the usual case, is one MPI call.
     fn gather_v(&self, id: usize, name: &str, send: Vec<u8>, counts: &[usize]) -> Vec<u8> {
-        let mut recv = self.pool.take(counts.iter().sum());
-        let c = counts_i32(counts);
-        let d = displacements(&c);
-        let mut part = PartitionMut::new(&mut recv[..], &c[..], &d[..]);
-        scope(|s| {
-            let req =
-                self.entries[id].comm.immediate_all_gather_varcount_into(s, &send[..], &mut part);
-            self.wait(req, id, name, &self.others(id));
-        });
+        let e = &self.entries[id];
+        let (total, at, p) = (counts.iter().sum::<usize>(), starts(counts), piece_bytes());
+        let mut recv = self.pool.take(total);
+        for k in 0..total.div_ceil(p).max(1) {
+            let (lo, hi) = (k * p, ((k + 1) * p).min(total));
+            let overlap = |m: usize| (at[m].clamp(lo, hi), (at[m] + counts[m]).clamp(lo, hi));
+            let c = mpi_counts((0..counts.len()).map(|m| overlap(m).1 - overlap(m).0));
+            let d = mpi_counts((0..counts.len()).map(|m| overlap(m).0 - lo));
+            let (a, b) = overlap(e.me);
+            let mine = if a < b { &send[a - at[e.me]..b - at[e.me]] } else { &[] };
+            let mut part = PartitionMut::new(&mut recv[lo..hi], &c[..], &d[..]);
+            scope(|s| {
+                let req = e.comm.immediate_all_gather_varcount_into(s, mine, &mut part);
+                self.wait(req, id, name, &self.others(id));
+            });
+        }
         self.pool.give(send);
         recv
     }
@@ -534,6 +553,13 @@ impl MpiEngine {
 
     /// The all-to-all of operation `name` (begun by the caller): `sc[m]` bytes of `send`
     /// to member `m`, `rc[m]` from it.
+    ///
+    /// A member knows only its own counts, so the members cannot agree on a number of
+    /// rounds without another collective. Instead each pair's first `PIECE / members` bytes
+    /// go through one MPI all-to-all (at most `PIECE` bytes a member, so its 32-bit counts
+    /// and displacements hold), and a pair with more sends the rest point to point on the
+    /// group's private communicator: both ends of a pair know its count, so they agree on
+    /// that without asking. Without such a pair (the usual case) it is one MPI call.
     fn exchange(
         &self,
         id: usize,
@@ -542,25 +568,101 @@ impl MpiEngine {
         sc: Vec<usize>,
         rc: Vec<usize>,
     ) -> Vec<u8> {
+        let e = &self.entries[id];
+        let share = (piece_bytes() / e.members.len()).max(1);
         let mut recv = self.pool.take(rc.iter().sum());
-        let (sc, rc) = (counts_i32(&sc), counts_i32(&rc));
-        let (sd, rd) = (displacements(&sc), displacements(&rc));
-        let part = Partition::new(&send[..], &sc[..], &sd[..]);
-        let mut rpart = PartitionMut::new(&mut recv[..], &rc[..], &rd[..]);
+        if sc.iter().chain(&rc).all(|&c| c <= share) {
+            self.all_to_all_call(id, name, &send, &sc, &mut recv, &rc);
+            self.pool.give(send);
+            return recv;
+        }
+        let (so, ro) = (starts(&sc), starts(&rc));
+        let first = |c: &[usize]| c.iter().map(|&c| c.min(share)).collect::<Vec<_>>();
+        let (sc1, rc1) = (first(&sc), first(&rc));
+        let mut head = self.pool.take(sc1.iter().sum());
+        for ((m, &c), to) in sc1.iter().enumerate().zip(starts(&sc1)) {
+            head[to..to + c].copy_from_slice(&send[so[m]..so[m] + c]);
+        }
+        let mut got = self.pool.take(rc1.iter().sum());
+        self.all_to_all_call(id, name, &head, &sc1, &mut got, &rc1);
+        for ((m, &c), from) in rc1.iter().enumerate().zip(starts(&rc1)) {
+            recv[ro[m]..ro[m] + c].copy_from_slice(&got[from..from + c]);
+        }
+        self.pool.give(head);
+        self.pool.give(got);
+        let start = Instant::now();
+        let deadline = start + self.timeout.get();
+        scope(|s| {
+            let reqs: Vec<_> = (0..sc.len())
+                .filter(|&m| sc[m] > share)
+                .flat_map(|m| {
+                    let rest = &send[so[m] + share..so[m] + sc[m]];
+                    post(s, &e.bulk, m, 0, rest).into_iter().map(move |r| (m, r))
+                })
+                .collect();
+            for m in (0..rc.len()).filter(|&m| rc[m] > share) {
+                let len = rc[m] - share;
+                match self.take_message(&e.bulk, (m, 0, len), deadline, || pause(start)) {
+                    Ok(rest) => {
+                        recv[ro[m] + share..ro[m] + rc[m]].copy_from_slice(&rest);
+                        self.pool.give(rest);
+                    }
+                    // The collective's members disagree on a count, or one is gone: the job
+                    // cannot go on, as when an MPI collective times out.
+                    Err(missed) => {
+                        let err = match missed {
+                            Missed::Late => self.timeout_error(id, name, &[e.members[m]]),
+                            Missed::Length(got) => CommError::Backend {
+                                backend: "mpi",
+                                message: format!(
+                                    "{name}: rank {} sent {} bytes to rank {} where it expects {}",
+                                    e.members[m],
+                                    share + got,
+                                    e.members[e.me],
+                                    rc[m]
+                                ),
+                            },
+                        };
+                        (self.on_fatal)(&err);
+                        e.comm.abort(3);
+                    }
+                }
+            }
+            for (m, req) in reqs {
+                self.wait(req, id, name, &[e.members[m]]);
+            }
+        });
+        self.pool.give(send);
+        recv
+    }
+
+    /// One MPI all-to-all of `sc[m]` bytes of `send` to member `m` and `rc[m]` from it into
+    /// `recv`, each side at most `PIECE` bytes.
+    fn all_to_all_call(
+        &self,
+        id: usize,
+        name: &str,
+        send: &[u8],
+        sc: &[usize],
+        recv: &mut [u8],
+        rc: &[usize],
+    ) {
+        let (sd, rd) = (mpi_counts(starts(sc)), mpi_counts(starts(rc)));
+        let (sc, rc) = (mpi_counts(sc.iter().copied()), mpi_counts(rc.iter().copied()));
+        let part = Partition::new(send, &sc[..], &sd[..]);
+        let mut rpart = PartitionMut::new(recv, &rc[..], &rd[..]);
         scope(|s| {
             let req =
                 self.entries[id].comm.immediate_all_to_all_varcount_into(s, &part, &mut rpart);
             self.wait(req, id, name, &self.others(id));
         });
-        self.pool.give(send);
-        recv
     }
 
     fn send(&self, id: usize, data: &[u8], dst: usize, tag: u32) -> Result<()> {
         let e = &self.entries[id];
         let name = self.begin_named(id, format!("send to rank {} (tag {tag})", e.members[dst]));
         scope(|s| {
-            for req in post(s, e, dst, tag, data) {
+            for req in post(s, &e.comm, dst, tag, data) {
                 self.wait(req, id, &name, &[e.members[dst]]);
             }
         });
@@ -572,7 +674,7 @@ impl MpiEngine {
         let e = &self.entries[id];
         let name = self.begin_named(id, format!("recv from rank {} (tag {tag})", e.members[src]));
         let start = Instant::now();
-        let got = self.take_message(e, (src, tag, len), start + self.timeout.get(), || {
+        let got = self.take_message(&e.comm, (src, tag, len), start + self.timeout.get(), || {
             std::thread::yield_now();
         });
         let out = got.map_err(|missed| match missed {
@@ -583,12 +685,12 @@ impl MpiEngine {
         out
     }
 
-    /// Receives message `(src, tag, len)` of group `e` in the pieces [`pieces`] cuts it
-    /// into, probing until `deadline` (`idle` between probes). A piece of the wrong length
-    /// is taken anyway, so the tag's later messages still match.
+    /// Receives message `(src, tag, len)` on `comm` in the pieces [`pieces`] cuts it into,
+    /// probing until `deadline` (`idle` between probes). A piece of the wrong length is
+    /// taken anyway, so the tag's later messages still match.
     fn take_message(
         &self,
-        e: &Entry,
+        comm: &SimpleCommunicator,
         (src, tag, len): (usize, u32, usize),
         deadline: Instant,
         idle: impl Fn(),
@@ -597,7 +699,7 @@ impl MpiEngine {
         for piece in pieces(len) {
             let (msg, status) = loop {
                 if let Some(found) =
-                    e.comm.process_at_rank(src as Rank).immediate_matched_probe_with_tag(tag as i32)
+                    comm.process_at_rank(src as Rank).immediate_matched_probe_with_tag(tag as i32)
                 {
                     break found;
                 }
@@ -617,7 +719,7 @@ impl MpiEngine {
                 let (mut total, mut last) = (piece.start + got, got);
                 while last == piece_bytes() {
                     let found = loop {
-                        let p = e.comm.process_at_rank(src as Rank);
+                        let p = comm.process_at_rank(src as Rank);
                         if let Some(found) = p.immediate_matched_probe_with_tag(tag as i32) {
                             break Some(found);
                         }
@@ -656,7 +758,7 @@ impl MpiEngine {
             format!("send-recv with ranks {} and {}", e.members[dst], e.members[src]),
         );
         let got = scope(|s| {
-            let reqs = post(s, e, dst, st, &send);
+            let reqs = post(s, &e.comm, dst, st, &send);
             let got = self.recv(id, len, src, rt);
             for req in reqs {
                 self.wait(req, id, &name, &[e.members[dst]]);
@@ -686,13 +788,13 @@ impl MpiEngine {
             let reqs: Vec<_> = sends
                 .iter()
                 .flat_map(|(dst, tag, data)| {
-                    post(s, e, *dst, *tag, data).into_iter().map(|r| (*dst, r))
+                    post(s, &e.comm, *dst, *tag, data).into_iter().map(|r| (*dst, r))
                 })
                 .collect();
             let mut got = Vec::with_capacity(recvs.len());
             let mut failed = None;
             for &(src, tag, len) in recvs {
-                match self.take_message(e, (src, tag, len), deadline, || pause(start)) {
+                match self.take_message(&e.comm, (src, tag, len), deadline, || pause(start)) {
                     Ok(data) => got.push(data),
                     Err(Missed::Late) => {
                         let what = format!("{name}: recv from rank {} (tag {tag})", e.members[src]);
@@ -758,8 +860,10 @@ impl MpiEngine {
         })?;
         let members: Vec<usize> = list.iter().map(|&i| parent.members[i]).collect();
         let me = list.iter().position(|&i| i == parent.me).expect("caller is a member");
+        let bulk = comm.duplicate();
         self.entries.push(Entry {
             comm,
+            bulk,
             members: members.clone(),
             me,
             seq: Cell::new(0),
