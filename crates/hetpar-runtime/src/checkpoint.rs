@@ -275,14 +275,25 @@ pub struct SaveAt<'a> {
     pub config: Option<&'a str>,
 }
 
+/// A committed checkpoint, as every rank learns of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Saved {
+    /// The committed directory.
+    pub dir: PathBuf,
+    /// Tensor files written (one per module and pipeline stage).
+    pub files: usize,
+    /// Their bytes together.
+    pub bytes: u64,
+}
+
 /// Saves `exec`'s state after `at.step` steps under `at.root`, every rank of the job
-/// calling it; returns the committed directory.
+/// calling it; returns the committed directory and what its writers wrote.
 pub fn save_checkpoint(
     world: &dyn Communicator,
     graph: &ModelGraph,
     exec: &Executor,
     at: SaveAt<'_>,
-) -> Result<PathBuf> {
+) -> Result<Saved> {
     let (step, root) = (at.step, at.root);
     let me = world.global_rank();
     let name = dir_name(step);
@@ -358,6 +369,8 @@ pub fn save_checkpoint(
         adam[s.module()] = exec.state(i).steps as f64;
     }
     world.all_reduce(&mut adam, ReduceOp::Max)?;
+    let written =
+        Saved { dir: done.clone(), files: files.len(), bytes: files.iter().map(|f| f.bytes).sum() };
     let committed = if me == 0 {
         let adam: Vec<u64> = adam.iter().map(|&x| x as u64).collect();
         commit(graph, exec, at, &adam, files, &tmp, &done)
@@ -369,7 +382,7 @@ pub fn save_checkpoint(
     let shared = rank0_outcome(world, &done, why);
     committed?;
     shared?;
-    Ok(done)
+    Ok(written)
 }
 
 /// Rank 0's part: the config, the manifest of the writers' `files`, rename, `latest`,

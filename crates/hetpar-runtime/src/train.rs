@@ -337,7 +337,7 @@ impl Trainer {
         steps_done: usize,
         root: &std::path::Path,
         keep: usize,
-    ) -> Result<std::path::PathBuf, RuntimeError> {
+    ) -> Result<crate::checkpoint::Saved, RuntimeError> {
         let at = crate::checkpoint::SaveAt {
             root,
             step: steps_done,

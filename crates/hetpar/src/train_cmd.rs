@@ -12,6 +12,7 @@ use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
 use hetpar_layout::{Config, Dtype, ModelGraph};
+use hetpar_runtime::checkpoint::Saved;
 use hetpar_runtime::{EvalReport, Resident, RunFacts, RuntimeError, StepLog, Trainer};
 
 use crate::data_open::RunData;
@@ -214,6 +215,41 @@ impl Report {
         events.scalars(done, &scalars).context("cannot write the TensorBoard events")?;
         self.evals.lock().unwrap_or_else(|e| e.into_inner()).push((done, e.clone()));
         let text = format!("held-out after {done} steps: {}", describe_eval(e));
+        match &self.bar {
+            Some(b) => b.println(text),
+            None => say(&text),
+        }
+        Ok(())
+    }
+
+    /// Shows a save beginning on the progress bar; writes and prints a committed one.
+    fn save(&self, save: Save<'_>) -> anyhow::Result<()> {
+        let (done, saved, seconds) = match save {
+            Save::Begins(done) => {
+                if let Some(b) = &self.bar {
+                    b.set_message(format!("saving a checkpoint after step {done}"));
+                }
+                return Ok(());
+            }
+            Save::Committed { done, saved, seconds } => (done, saved, seconds),
+        };
+        let line = serde_json::json!({
+            "step": done,
+            "checkpoint": {
+                "dir": saved.dir.display().to_string(),
+                "files": saved.files,
+                "bytes": saved.bytes,
+                "seconds": seconds,
+            },
+        });
+        let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
+        let text = format!(
+            "checkpoint after step {done} committed: {} ({:.2} MiB in {} files, {seconds:.2} s)",
+            saved.dir.display(),
+            saved.bytes as f64 / (1u64 << 20) as f64,
+            saved.files
+        );
         match &self.bar {
             Some(b) => b.println(text),
             None => say(&text),
@@ -486,6 +522,8 @@ fn run_on(
         None
     };
     let on_step = |log: &StepLog| report.as_ref().map_or(Ok(()), |r| r.step(log));
+    let on_save = |save: Save<'_>| report.as_ref().map_or(Ok(()), |r| r.save(save));
+    let hooks = Hooks { on_step: &on_step, on_save: &on_save };
     let on_eval = |done: usize, e: &EvalReport| report.as_ref().map_or(Ok(()), |r| r.eval(done, e));
     let every = a.eval_every.unwrap_or(steps.div_ceil(4));
     let evals = Some(Evals { every, on_eval: &on_eval });
@@ -506,26 +544,24 @@ fn run_on(
     };
     let (logs, seconds) = match mpi {
         None => {
-            let run = LocalRun { data: &data, on_step: &on_step, evals, ckpt: &ckpt };
+            let run = LocalRun { data: &data, hooks, evals, ckpt: &ckpt };
             let ranks = local_ranks(&graph, (dtype, steps), timeout, &run)?;
             let seconds = per_rank(&ranks);
             (ranks.into_iter().next().expect("rank 0"), seconds)
         }
-        Some(world) => {
-            match rank_run(world, &graph, &data, (dtype, steps), &on_step, evals, &ckpt) {
-                Ok(logs) => {
-                    let mine = per_rank(std::slice::from_ref(&logs));
-                    let mine = serde_json::to_vec(&mine[0])?;
-                    let seconds = world
-                        .all_gather_any(&mine)?
-                        .iter()
-                        .map(|m| serde_json::from_slice(m))
-                        .collect::<Result<_, _>>()?;
-                    (logs, seconds)
-                }
-                Err(e) => (fail_job(world.rank(), e)?, Vec::new()),
+        Some(world) => match rank_run(world, &graph, &data, (dtype, steps), hooks, evals, &ckpt) {
+            Ok(logs) => {
+                let mine = per_rank(std::slice::from_ref(&logs));
+                let mine = serde_json::to_vec(&mine[0])?;
+                let seconds = world
+                    .all_gather_any(&mine)?
+                    .iter()
+                    .map(|m| serde_json::from_slice(m))
+                    .collect::<Result<_, _>>()?;
+                (logs, seconds)
             }
-        }
+            Err(e) => (fail_job(world.rank(), e)?, Vec::new()),
+        },
     };
     let Some(report) = report else { return Ok(()) };
     if let Some(b) = &report.bar {
@@ -713,10 +749,13 @@ impl Report {
                 .unwrap_or_default()
                 .lines()
                 .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .ok()
-                        .and_then(|v| v["step"].as_u64())
-                        .is_some_and(|s| (s as usize) < start)
+                    // Steps and evaluations before `start`, and the checkpoint resumed from
+                    // (committed after `start` steps).
+                    let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else { return false };
+                    v["step"].as_u64().is_some_and(|s| {
+                        (s as usize) < start
+                            || (s as usize == start && v.get("checkpoint").is_some())
+                    })
                 })
                 .map(str::to_string)
                 .collect()
@@ -852,6 +891,36 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
 /// Reports a step (rank 0 calls it).
 pub type OnStep<'a> = &'a (dyn Fn(&StepLog) -> anyhow::Result<()> + Sync);
 
+/// A checkpoint save as rank 0 reports it: when it begins, and once it is committed.
+pub enum Save<'s> {
+    /// Every rank starts writing the checkpoint after this many steps.
+    Begins(usize),
+    /// Committed after `done` steps, `seconds` after it began.
+    Committed { done: usize, saved: &'s Saved, seconds: f64 },
+}
+
+/// Reports a checkpoint save (rank 0 calls it).
+pub type OnSave<'a> = &'a (dyn Fn(Save<'_>) -> anyhow::Result<()> + Sync);
+
+/// What rank 0 reports as a run goes.
+#[derive(Clone, Copy)]
+pub struct Hooks<'a> {
+    /// After each step.
+    pub on_step: OnStep<'a>,
+    /// Around each checkpoint save.
+    pub on_save: OnSave<'a>,
+}
+
+impl<'a> Hooks<'a> {
+    /// Steps only: a run without checkpoints.
+    pub fn steps(on_step: OnStep<'a>) -> Self {
+        fn unheard(_: Save<'_>) -> anyhow::Result<()> {
+            Ok(())
+        }
+        Hooks { on_step, on_save: &unheard }
+    }
+}
+
 /// Reports an evaluation after the given number of steps (rank 0 calls it).
 pub type OnEval<'a> = &'a (dyn Fn(usize, &EvalReport) -> anyhow::Result<()> + Sync);
 
@@ -864,15 +933,15 @@ pub struct Evals<'a> {
     pub on_eval: OnEval<'a>,
 }
 
-/// Trains one rank of `graph` up to step `steps` on `data`, calling `on_step` on rank 0;
-/// with `ckpt`, first loads its checkpoint and commits checkpoints as it asks; with
-/// `evals` and held-out data, evaluates as it asks.
+/// Trains one rank of `graph` up to step `steps` on `data`, reporting through `hooks` on
+/// rank 0; with `ckpt`, first loads its checkpoint and commits checkpoints as it asks;
+/// with `evals` and held-out data, evaluates as it asks.
 fn rank_run(
     c: &dyn Communicator,
     graph: &ModelGraph,
     data: &RunData,
     (dtype, steps): (DType, usize),
-    on_step: OnStep<'_>,
+    hooks: Hooks<'_>,
     evals: Option<Evals<'_>>,
     ckpt: &Option<Checkpoints>,
 ) -> Result<Vec<StepLog>, RuntimeError> {
@@ -904,7 +973,7 @@ fn rank_run(
         }
         let log = trainer.step(c, step)?;
         if c.global_rank() == 0 {
-            on_step(&log).map_err(|e| RuntimeError::Model(format!("{e:#}")))?;
+            (hooks.on_step)(&log).map_err(|e| RuntimeError::Model(format!("{e:#}")))?;
         }
         logs.push(log);
         if let Some(k) = ckpt {
@@ -914,7 +983,18 @@ fn rank_run(
             c.all_reduce(&mut stop, hetpar_comm::ReduceOp::Max)?;
             let stop = stop[0] > 0.0;
             if stop || done == steps || (k.every > 0 && done.is_multiple_of(k.every)) {
-                trainer.save(c, done, &k.root, k.keep)?;
+                let lead = c.global_rank() == 0;
+                let heard =
+                    |r: anyhow::Result<()>| r.map_err(|e| RuntimeError::Model(format!("{e:#}")));
+                if lead {
+                    heard((hooks.on_save)(Save::Begins(done)))?;
+                }
+                let began = Instant::now();
+                let saved = trainer.save(c, done, &k.root, k.keep)?;
+                if lead {
+                    let seconds = began.elapsed().as_secs_f64();
+                    heard((hooks.on_save)(Save::Committed { done, saved: &saved, seconds }))?;
+                }
             }
             if stop {
                 stopped = true;
@@ -939,7 +1019,12 @@ pub fn train_local(
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<StepLog>> {
     let data = crate::data_open::open(graph, &|_| {})?;
-    let run = LocalRun { data: &data, on_step, evals: None, ckpt: &Checkpoints::none() };
+    let run = LocalRun {
+        data: &data,
+        hooks: Hooks::steps(on_step),
+        evals: None,
+        ckpt: &Checkpoints::none(),
+    };
     Ok(local_ranks(graph, (dtype, steps), timeout, &run)?.swap_remove(0))
 }
 
@@ -971,11 +1056,18 @@ pub fn train_mpi(
         fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
         return Ok(None);
     }
-    let logs =
-        match rank_run(world.as_ref(), graph, &data, (dtype, steps), &|_| Ok(()), None, &None) {
-            Ok(logs) => logs,
-            Err(e) => fail_job(rank, e)?,
-        };
+    let logs = match rank_run(
+        world.as_ref(),
+        graph,
+        &data,
+        (dtype, steps),
+        Hooks::steps(&|_| Ok(())),
+        None,
+        &None,
+    ) {
+        Ok(logs) => logs,
+        Err(e) => fail_job(rank, e)?,
+    };
     Ok((rank == 0).then_some(logs))
 }
 
@@ -1079,14 +1171,19 @@ pub fn train_local_ranks(
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
     let data = crate::data_open::open(graph, &|_| {})?;
-    let run = LocalRun { data: &data, on_step, evals: None, ckpt: &Checkpoints::none() };
+    let run = LocalRun {
+        data: &data,
+        hooks: Hooks::steps(on_step),
+        evals: None,
+        ckpt: &Checkpoints::none(),
+    };
     local_ranks(graph, (dtype, steps), timeout, &run)
 }
 
 /// What every rank of a local run shares.
 struct LocalRun<'a> {
     data: &'a RunData,
-    on_step: OnStep<'a>,
+    hooks: Hooks<'a>,
     evals: Option<Evals<'a>>,
     ckpt: &'a Option<Checkpoints>,
 }
@@ -1178,7 +1275,7 @@ fn local_ranks(
     let opts = hetpar_comm::LocalOptions { timeout };
     let results = hetpar_comm::launch(graph.world, opts, |c| {
         hetpar_nn::kernels::share_threads(graph.world);
-        rank_run(c, graph, run.data, (dtype, steps), run.on_step, run.evals, run.ckpt)
+        rank_run(c, graph, run.data, (dtype, steps), run.hooks, run.evals, run.ckpt)
     })?;
     let (mut ok, mut errors) = (Vec::new(), Vec::new());
     for r in results {

@@ -566,10 +566,12 @@ fn train_writes_metrics_and_the_loss_falls() {
     // Without a terminal the progress is one line per step on stderr.
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.lines().any(|l| l.starts_with("step 12/12  loss ")), "{err}");
-    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
-    let steps: Vec<Value> =
-        metrics.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+    // A line per step, then the final checkpoint's.
+    let (saves, steps): (Vec<Value>, Vec<Value>) =
+        metrics(&out_dir).into_iter().partition(|v| v.get("checkpoint").is_some());
     assert_eq!(steps.len(), 12);
+    assert_eq!(saves.len(), 1, "{saves:?}");
+    assert_eq!(saves[0]["step"], 12, "{saves:?}");
     for s in &steps {
         for key in ["step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_s"] {
             assert!(s.get(key).is_some(), "{key} in {s}");
@@ -678,17 +680,17 @@ fn train_offloads_a_colocated_encoder() {
     assert_eq!(demo.matches("tp = 1").count(), 1, "the vision layout is the one tp = 1");
     let path = dir.join("offload.toml");
     std::fs::write(&path, demo.replacen("tp = 1", "tp = 1\noffload = true", 1)).expect("write");
-    let metrics = |config: &str, out: &str| -> Vec<Value> {
+    let steps_of = |config: &str, out: &str| -> Vec<Value> {
         let out_dir = dir.join(out);
         let args = ["train", config, "--steps", "2", "--out", out_dir.to_str().expect("utf-8")];
         let run = hetpar(&args);
         assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
-        let text = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
-        text.lines().map(|l| serde_json::from_str(l).expect("json")).collect()
+        // The steps' lines (not the checkpoint's).
+        metrics(&out_dir).into_iter().filter(|v| v.get("checkpoint").is_none()).collect()
     };
     let demo_path = root().join("examples/in-memory.toml");
-    let plain = metrics(demo_path.to_str().expect("utf-8"), "plain");
-    let off = metrics(path.to_str().expect("utf-8"), "off");
+    let plain = steps_of(demo_path.to_str().expect("utf-8"), "plain");
+    let off = steps_of(path.to_str().expect("utf-8"), "off");
     for (a, b) in plain.iter().zip(&off) {
         assert_eq!(a["loss"], b["loss"]);
         let host = |s: &Value, m: &str| s["resident_bytes"][m]["host"].as_u64().expect("bytes");
@@ -797,15 +799,21 @@ fn set_overrides_config_values_everywhere() {
     assert!(err.contains("with --set modules.llm.parallel.tp=3") && err.contains("tp(3)"), "{err}");
 }
 
-/// Losses per step of a run's metrics.jsonl, in file order.
-fn losses(out: &Path) -> Vec<(u64, f64)> {
+/// A run's metrics.jsonl, a value per line.
+fn metrics(out: &Path) -> Vec<Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .expect("metrics")
         .lines()
-        .map(|l| {
-            let v: Value = serde_json::from_str(l).expect("json");
-            (v["step"].as_u64().expect("step"), v["loss"].as_f64().expect("loss"))
-        })
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .collect()
+}
+
+/// Losses per step of a run's metrics.jsonl, in file order (its checkpoint lines left out).
+fn losses(out: &Path) -> Vec<(u64, f64)> {
+    metrics(out)
+        .iter()
+        .filter(|v| v.get("checkpoint").is_none())
+        .map(|v| (v["step"].as_u64().expect("step"), v["loss"].as_f64().expect("loss")))
         .collect()
 }
 
@@ -868,6 +876,33 @@ fn sigterm_commits_a_checkpoint_and_resume_auto_reproduces_the_run() {
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x.1.to_bits(), y.1.to_bits(), "step {}: {} vs {}", x.0, x.1, y.1);
     }
+    // Each save has its line, the one resumed from kept: after the stop, then at the end,
+    // each with the bytes its manifest lists for the tensor files.
+    let saves: Vec<Value> =
+        metrics(&cut).into_iter().filter(|v| v.get("checkpoint").is_some()).collect();
+    let steps: Vec<u64> = saves.iter().map(|v| v["step"].as_u64().expect("step")).collect();
+    assert_eq!(steps, vec![stopped as u64, 40], "{saves:?}");
+    let last = &saves[1]["checkpoint"];
+    let dir = PathBuf::from(last["dir"].as_str().expect("dir"));
+    assert_eq!(dir, cut.join("checkpoints").join("step-00000040"));
+    let manifest: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("manifest.json")).expect("manifest"),
+    )
+    .expect("json");
+    let tensors: Vec<&Value> = manifest["files"]
+        .as_array()
+        .expect("files")
+        .iter()
+        .filter(|f| f["file"].as_str().is_some_and(|n| n.ends_with(".safetensors")))
+        .collect();
+    assert_eq!(last["files"].as_u64(), Some(tensors.len() as u64), "{last}");
+    let bytes: u64 = tensors.iter().map(|f| f["bytes"].as_u64().expect("bytes")).sum();
+    assert_eq!(last["bytes"].as_u64(), Some(bytes), "{last}");
+    assert!(last["seconds"].as_f64().is_some_and(|s| s > 0.0), "{last}");
+    assert!(
+        text.contains(&format!("checkpoint after step 40 committed: {} (", dir.display())),
+        "{text}"
+    );
 }
 
 /// SIGKILL while training with a checkpoint every step: whatever it interrupted, `latest`
