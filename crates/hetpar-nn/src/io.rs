@@ -345,47 +345,66 @@ pub fn read_header(path: &Path) -> Result<(u64, BTreeMap<String, Entry>)> {
     Ok((data_start, out))
 }
 
-/// Reads the slice `spec` of tensor `name` from `path`, touching only its bytes. Returns the
-/// tensor (in `dtype`) and the bytes read.
-pub fn load_slice(
-    path: &Path,
-    name: &str,
-    spec: &ShardSpec,
-    dtype: DType,
-) -> Result<(Tensor, u64)> {
-    let (data_start, entries) = read_header(path)?;
-    let e = entries.get(name).ok_or_else(|| bad(path, format!("no tensor named {name}")))?;
-    if e.shape != spec.global_shape {
-        return Err(bad(
-            path,
-            format!("{name} has shape {:?}, the model expects {:?}", e.shape, spec.global_shape),
-        ));
+/// A safetensors file open for slices: its header parsed once, every slice read by
+/// position, so a caller loading many tensors from one file reads and parses the header
+/// once rather than per tensor.
+#[derive(Debug)]
+pub struct Reader {
+    path: PathBuf,
+    file: File,
+    data_start: u64,
+    entries: BTreeMap<String, Entry>,
+}
+
+impl Reader {
+    /// Opens `path` and checks its header ([`read_header`]).
+    pub fn open(path: &Path) -> Result<Reader> {
+        let (data_start, entries) = read_header(path)?;
+        let file = File::open(path).map_err(|e| bad(path, e))?;
+        Ok(Reader { path: path.to_path_buf(), file, data_start, entries })
     }
-    let st = named(&e.dtype).expect("read_header admits only named types");
-    let elem = elem_bytes(st) as u64;
-    let shape = &e.shape;
-    let (dim, offset, len) = match spec.split {
-        Some(Split { dim, offset, len }) => (dim, offset, len),
-        None => (0, 0, shape.first().copied().unwrap_or(1)),
-    };
-    let outer: usize = shape[..dim].iter().product();
-    let inner: usize = shape[dim + 1..].iter().product();
-    let full = shape.get(dim).copied().unwrap_or(1);
-    let mut f = File::open(path).map_err(|e| bad(path, e))?;
-    let mut raw = vec![0u8; outer * len * inner * elem as usize];
-    let run = len * inner * elem as usize;
-    for o in 0..outer {
-        let at = data_start + e.begin + ((o * full + offset) * inner) as u64 * elem;
-        f.seek(SeekFrom::Start(at)).map_err(|err| bad(path, err))?;
-        f.read_exact(&mut raw[o * run..(o + 1) * run])
-            .map_err(|err| bad(path, format!("{name}: {err}")))?;
+
+    /// Reads the slice `spec` of tensor `name`, touching only its bytes. Returns the tensor
+    /// (in `dtype`) and the bytes read.
+    pub fn slice(&self, name: &str, spec: &ShardSpec, dtype: DType) -> Result<(Tensor, u64)> {
+        use std::os::unix::fs::FileExt;
+        let path = self.path.as_path();
+        let e =
+            self.entries.get(name).ok_or_else(|| bad(path, format!("no tensor named {name}")))?;
+        if e.shape != spec.global_shape {
+            return Err(bad(
+                path,
+                format!(
+                    "{name} has shape {:?}, the model expects {:?}",
+                    e.shape, spec.global_shape
+                ),
+            ));
+        }
+        let st = named(&e.dtype).expect("read_header admits only named types");
+        let elem = elem_bytes(st) as u64;
+        let shape = &e.shape;
+        let (dim, offset, len) = match spec.split {
+            Some(Split { dim, offset, len }) => (dim, offset, len),
+            None => (0, 0, shape.first().copied().unwrap_or(1)),
+        };
+        let outer: usize = shape[..dim].iter().product();
+        let inner: usize = shape[dim + 1..].iter().product();
+        let full = shape.get(dim).copied().unwrap_or(1);
+        let mut raw = vec![0u8; outer * len * inner * elem as usize];
+        let run = len * inner * elem as usize;
+        for o in 0..outer {
+            let at = self.data_start + e.begin + ((o * full + offset) * inner) as u64 * elem;
+            self.file
+                .read_exact_at(&mut raw[o * run..(o + 1) * run], at)
+                .map_err(|err| bad(path, format!("{name}: {err}")))?;
+        }
+        let mut local_shape = shape.clone();
+        if !local_shape.is_empty() {
+            local_shape[dim] = len;
+        }
+        let t = from_le(&raw, st, local_shape)?;
+        Ok((t.to_dtype(dtype)?, raw.len() as u64))
     }
-    let mut local_shape = shape.clone();
-    if !local_shape.is_empty() {
-        local_shape[dim] = len;
-    }
-    let t = from_le(&raw, st, local_shape)?;
-    Ok((t.to_dtype(dtype)?, raw.len() as u64))
 }
 
 /// A tensor from its little-endian bytes, of safetensors type `dtype` (`F32`, `F64` or
@@ -418,9 +437,10 @@ fn from_le(raw: &[u8], dtype: Dtype, shape: Vec<usize>) -> Result<Tensor> {
 
 /// Loads every parameter's slice from `path` into the parameters; returns the bytes read.
 pub fn load_params(path: &Path, params: &[&Param]) -> Result<u64> {
+    let file = Reader::open(path)?;
     let mut read = 0;
     for p in params {
-        let (t, n) = load_slice(path, &p.name, &p.spec, p.tensor().dtype())?;
+        let (t, n) = file.slice(&p.name, &p.spec, p.tensor().dtype())?;
         p.var.set(&t)?;
         read += n;
     }

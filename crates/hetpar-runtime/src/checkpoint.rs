@@ -33,7 +33,7 @@ use candle_core::{Tensor, Var};
 use hetpar_comm::{CommExt, Communicator, ReduceOp};
 use hetpar_layout::ModelGraph;
 use hetpar_nn::Param;
-use hetpar_nn::io::{load_slice, save_sharded};
+use hetpar_nn::io::{Reader, save_sharded};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -682,6 +682,8 @@ pub fn load_checkpoint(
     let adam: BTreeMap<&str, u64> =
         manifest.modules.iter().map(|m| (m.module.as_str(), m.adam_steps)).collect();
     let mut read = 0;
+    // Each file's header read once, however many tensors come from it.
+    let mut open: BTreeMap<&str, Reader> = BTreeMap::new();
     for i in 0..exec.stages().len() {
         let s = &exec.stages()[i];
         let module = s.ctx().layout.name().to_string();
@@ -693,15 +695,20 @@ pub fn load_checkpoint(
             .ok_or_else(|| io(&dir.join(MANIFEST_FILE), format!("no entry for module {module}")))?;
         let mut state = AdamState { m: Vec::new(), v: Vec::new(), steps };
         for p in &params {
-            let path = dir.join(&where_[p.name.as_str()].file);
+            let file = where_[p.name.as_str()].file.as_str();
+            let path = dir.join(file);
+            let reader = match open.entry(file) {
+                std::collections::btree_map::Entry::Occupied(r) => r.into_mut(),
+                std::collections::btree_map::Entry::Vacant(v) => v.insert(Reader::open(&path)?),
+            };
             let dtype = p.tensor().dtype();
-            let (t, n) = load_slice(&path, &p.name, &p.spec, dtype)?;
+            let (t, n) = reader.slice(&p.name, &p.spec, dtype)?;
             p.var.set(&t)?;
             read += n;
             if trains {
                 for (suffix, into) in [("exp_avg", &mut state.m), ("exp_avg_sq", &mut state.v)] {
                     let key = format!("{}:{suffix}", p.name);
-                    let (t, n) = load_slice(&path, &key, &p.spec, dtype).map_err(|e| {
+                    let (t, n) = reader.slice(&key, &p.spec, dtype).map_err(|e| {
                         io(&path, format!("{e} (the optimizer state of a trainable module)"))
                     })?;
                     into.push(t);
