@@ -12,8 +12,8 @@ use hetpar_runtime::{EvalReport, RuntimeError, Trainer};
 use crate::data_open::RunData;
 use crate::export_cmd::checkpoint;
 use crate::train_cmd::{
-    describe_eval, dtype, dtype_name, fail_job, fits_memory, fits_memory_mpi, open_mpi, run_facts,
-    timeout,
+    Holds, describe_eval, dtype, dtype_name, fail_job, fits_memory, fits_memory_mpi, open_mpi,
+    run_facts, timeout,
 };
 
 /// Arguments of `hetpar eval`.
@@ -88,7 +88,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             crate::threads::size_candle_pool(graph.world);
             // Every rank's weights in this process: refused, as `train` refuses it, where
             // they do not fit (under MPI, per machine below).
-            fits_memory(&graph, dt, &(0..graph.world).collect::<Vec<_>>())?;
+            fits_memory(&graph, dt, &(0..graph.world).collect::<Vec<_>>(), Holds::Evaluation)?;
             let run_data = crate::data_open::open(&graph, &|_| {})?;
             let opts = hetpar_comm::LocalOptions { timeout };
             let results = hetpar_comm::launch(graph.world, opts, |c| {
@@ -109,7 +109,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 let facts =
                     run_facts(&cfg, dtype_name(dt, &graph), graph.train.steps, &data, Some(&ckpt))?;
                 hetpar_runtime::agree(world.as_ref(), &facts)?;
-                fits_memory_mpi(world.as_ref(), &graph, dt)?;
+                fits_memory_mpi(world.as_ref(), &graph, dt, Holds::Evaluation)?;
                 Ok(evaluate(world.as_ref(), &data)?)
             });
             match done {

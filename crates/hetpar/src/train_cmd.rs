@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
-use hetpar_layout::{Config, Dtype, ModelGraph};
+use hetpar_layout::{Config, Dtype, ModelGraph, ModuleSpec};
 use hetpar_runtime::checkpoint::Saved;
 use hetpar_runtime::{EvalReport, Resident, RunFacts, RuntimeError, StepLog, Trainer};
 
@@ -1052,7 +1052,7 @@ pub fn train_mpi(
         fail_job(rank, e)?;
         return Ok(None);
     }
-    if let Err(e) = fits_memory_mpi(world.as_ref(), graph, dtype) {
+    if let Err(e) = fits_memory_mpi(world.as_ref(), graph, dtype, Holds::Training) {
         fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
         return Ok(None);
     }
@@ -1151,7 +1151,7 @@ fn agree_mpi(
             fail_job(rank, e)?;
         }
     }
-    if let Err(e) = fits_memory_mpi(world, graph, dtype) {
+    if let Err(e) = fits_memory_mpi(world, graph, dtype, Holds::Training) {
         fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
     }
     if let Some(k) = ckpt
@@ -1188,12 +1188,72 @@ struct LocalRun<'a> {
     ckpt: &'a Option<Checkpoints>,
 }
 
+/// What a run holds besides its weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holds {
+    /// Training: gradients, AdamW moments, and the activations a backward needs.
+    Training,
+    /// Evaluation: no backward (the weights, gradients and moments of a checkpoint are
+    /// counted as training does, the activations not).
+    Evaluation,
+}
+
 /// Refuses a run whose ranks in this process (`ranks`: all of a local run) would hold more
-/// weights, gradients and AdamW moments than the machine has memory available, before
-/// anything is allocated: the allocation would otherwise end the process without a message.
-/// Activations come on top, so passing says little; failing is certain.
-pub fn fits_memory(graph: &ModelGraph, dtype: DType, ranks: &[usize]) -> anyhow::Result<()> {
-    fits_memory_of(graph, dtype, ranks, "in this process", " (--backend mpi)")
+/// than the machine has memory available, before anything is allocated: the allocation
+/// would otherwise end the process without a message. It counts the weights, gradients and
+/// AdamW moments, and when training a floor of the LLM's activations
+/// ([`llm_activations_floor`]); everything else comes on top, so passing says little and
+/// failing is certain.
+pub fn fits_memory(
+    graph: &ModelGraph,
+    dtype: DType,
+    ranks: &[usize],
+    holds: Holds,
+) -> anyhow::Result<()> {
+    fits_memory_of(graph, (dtype, holds), ranks, "in this process", " (--backend mpi)")
+}
+
+/// A floor of the bytes rank `rank` of the LLM `m` keeps for its backward: one microbatch
+/// in flight (a stage holds at least that at the end of its first forward), and per token
+/// and layer of its stage what every path the runtime has keeps: the attention's q, k, v
+/// and output, a dense SwiGLU MLP's gate, up and product (an MoE layer's routed rows are
+/// not bounded on any one rank), and the layer's input for its norm; on the last stage the
+/// vocabulary-parallel logits. The fused one-rank blocks keep exactly these; composed
+/// operations keep more. Heads, the MLP and the vocabulary are split over `tp`, the
+/// sequence over `cp` (and the layer input over `tp` under SP). Also the tokens and layers
+/// it counted. Zero for encoders, whose items per microbatch depend on the data.
+pub fn llm_activations_floor(
+    graph: &ModelGraph,
+    m: usize,
+    rank: usize,
+    elem: f64,
+) -> (f64, usize, usize) {
+    let module = &graph.modules[m];
+    let ModuleSpec::Llama { vocab, kv_heads, experts, .. } = module.spec else {
+        return (0.0, 0, 0);
+    };
+    let l = &module.layout;
+    let Some(at) = l.coords(rank) else { return (0.0, 0, 0) };
+    let t = &graph.train;
+    let tokens = t.global_batch / t.microbatches.max(1) / l.dp() * t.seq_len / l.cp();
+    let (pp, vpp) = (l.pp(), module.vpp.max(1));
+    let layers: usize = (0..vpp)
+        .map(|c| {
+            hetpar_runtime::stages::llama::stage_layers(
+                module.dims.layers,
+                pp * vpp,
+                c * pp + at.pp_idx,
+            )
+            .len()
+        })
+        .sum();
+    let (h, tp) = (module.dims.hidden as f64, l.tp() as f64);
+    let kv = kv_heads as f64 * h / module.dims.heads.max(1) as f64;
+    let mlp = if experts == 0 { 3.0 * module.dims.ffn as f64 } else { 0.0 };
+    let input = if l.sp() { h / tp } else { h };
+    let per_layer = (2.0 * h + 2.0 * kv + mlp) / tp + input;
+    let logits = if at.pp_idx + 1 == pp { vocab as f64 / tp } else { 0.0 };
+    ((per_layer * layers as f64 + logits) * tokens as f64 * elem, tokens, layers)
 }
 
 /// This machine's boot id (empty where the system does not say): processes reporting the
@@ -1222,6 +1282,7 @@ pub(crate) fn fits_memory_mpi(
     world: &dyn Communicator,
     graph: &ModelGraph,
     dtype: DType,
+    holds: Holds,
 ) -> anyhow::Result<()> {
     let me = machine_id();
     let ids = world.all_gather_any(me.as_bytes())?;
@@ -1231,12 +1292,12 @@ pub(crate) fn fits_memory_mpi(
         (0..ids.len()).filter(|&r| ids[r] == me.as_bytes()).collect()
     };
     let at = format!("on this machine (ranks {})", hetpar_layout::plan::rank_list(&here));
-    fits_memory_of(graph, dtype, &here, &at, "")
+    fits_memory_of(graph, (dtype, holds), &here, &at, "")
 }
 
 fn fits_memory_of(
     graph: &ModelGraph,
-    dtype: DType,
+    (dtype, holds): (DType, Holds),
     ranks: &[usize],
     at: &str,
     how: &str,
@@ -1245,19 +1306,40 @@ fn fits_memory_of(
     // Parameter, gradient and two moments, each of the parameters' type.
     let per_param = 4.0 * dtype.size_in_bytes() as f64;
     let params = crate::flops::StepFlops::new(graph).module_params();
-    let mut need = 0.0;
+    let (mut states, mut acts) = (0.0, 0.0);
+    // The LLM's largest floor on one rank: bytes, tokens and layers.
+    let mut largest = (0.0, 0, 0);
     for (m, module) in graph.modules.iter().enumerate() {
         let l = &module.layout;
-        let here = ranks.iter().filter(|&&r| l.span().contains(r)).count() as f64;
-        need += here * params[m] / (l.tp() * l.pp()) as f64 * per_param;
+        for &r in ranks.iter().filter(|&&r| l.span().contains(r)) {
+            states += params[m] / (l.tp() * l.pp()) as f64 * per_param;
+            if holds == Holds::Training {
+                let floor = llm_activations_floor(graph, m, r, dtype.size_in_bytes() as f64);
+                acts += floor.0;
+                if floor.0 > largest.0 {
+                    largest = floor;
+                }
+            }
+        }
     }
-    if need > available {
-        let gib = |b: f64| b / (1u64 << 30) as f64;
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    if states > available {
         bail!(
             "{}: its weights, gradients and AdamW moments on {} rank(s) {at} need about {:.1} GiB, more than the {:.1} GiB this machine has available; use smaller sizes or more machines{how}",
             graph.name,
             ranks.len(),
-            gib(need),
+            gib(states),
+            gib(available)
+        );
+    }
+    if states + acts > available {
+        let (_, tokens, layers) = largest;
+        bail!(
+            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {:.1} GiB and the LLM's activations at least {:.1} GiB more (one microbatch in flight, up to {tokens} tokens a rank through {layers} layers), more than the {:.1} GiB this machine has available; use a shorter seq_len, more microbatches, smaller sizes or more machines{how}",
+            graph.name,
+            ranks.len(),
+            gib(states),
+            gib(acts),
             gib(available)
         );
     }
@@ -1271,7 +1353,7 @@ fn local_ranks(
     timeout: Duration,
     run: &LocalRun<'_>,
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
-    fits_memory(graph, dtype, &(0..graph.world).collect::<Vec<_>>())?;
+    fits_memory(graph, dtype, &(0..graph.world).collect::<Vec<_>>(), Holds::Training)?;
     let opts = hetpar_comm::LocalOptions { timeout };
     let results = hetpar_comm::launch(graph.world, opts, |c| {
         hetpar_nn::kernels::share_threads(graph.world);
@@ -1333,6 +1415,41 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// The in-memory example's LLM (tp 2 with SP over ranks 0-1, pp 1, 4 samples of 64
+    /// tokens a microbatch; hidden 96, 6 heads, 2 KV heads, SwiGLU 192, vocabulary 256), by
+    /// hand: per token and layer q and the attention's output (96 each), k and v (32 each)
+    /// and the MLP's 3 x 192, split over tp, and the layer input 96 / 2 under SP; the
+    /// logits 256 / 2 on the last stage.
+    #[test]
+    fn the_llm_activation_floor_counts_one_microbatch_by_hand() {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/in-memory.toml");
+        let (_, graph) = load(Some(&path), &[]).unwrap();
+        let llm = graph.modules.iter().position(|m| m.name == "llm").unwrap();
+        let per_token = (2.0 * 96.0 + 2.0 * 32.0 + 3.0 * 192.0) / 2.0 + 48.0;
+        let want = (per_token * 4.0 + 128.0) * 256.0 * 4.0;
+        assert_eq!(llm_activations_floor(&graph, llm, 0, 4.0), (want, 256, 4));
+        assert_eq!(llm_activations_floor(&graph, llm, 1, 4.0), (want, 256, 4));
+        // Not an LLM rank, and not an LLM.
+        assert_eq!(llm_activations_floor(&graph, llm, 3, 4.0), (0.0, 0, 0));
+        let vision = graph.modules.iter().position(|m| m.name == "vision").unwrap();
+        assert_eq!(llm_activations_floor(&graph, vision, 0, 4.0), (0.0, 0, 0));
+        // Two stages of two layers each: the logits on the last only; more microbatches
+        // mean fewer tokens in each.
+        let sets = [
+            "modules.llm.parallel.pp=2",
+            "modules.llm.parallel.ranks=[0,4]",
+            "modules.audio.parallel.ranks=[4,5]",
+            "modules.vision.parallel.ranks=[0,4]",
+            "train.microbatches=4",
+        ];
+        let sets: Vec<String> = sets.iter().map(|s| (*s).to_string()).collect();
+        let (_, graph) = load(Some(&path), &sets).unwrap();
+        let first = (per_token * 2.0) * 128.0 * 4.0;
+        assert_eq!(llm_activations_floor(&graph, llm, 0, 4.0), (first, 128, 2));
+        let last = (per_token * 2.0 + 128.0) * 128.0 * 4.0;
+        assert_eq!(llm_activations_floor(&graph, llm, 2, 4.0), (last, 128, 2));
+    }
 
     #[test]
     fn run_facts_compare_what_the_data_paths_hold_not_the_paths() {

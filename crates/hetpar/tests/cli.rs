@@ -1027,29 +1027,41 @@ fn a_skipped_step_names_where_it_went_non_finite() {
     assert!(at.contains(&"llm") && at.contains(&"boundary vision -> llm"), "{at:?}");
 }
 
-/// A model whose weights and optimizer state alone cannot fit this machine is refused in one
-/// line before anything is allocated (an allocation that fails ends a process without a
-/// message).
-#[test]
-fn a_model_too_large_for_the_machine_is_refused_before_allocating() {
-    let dir = temp("too-large");
-    let out = hetpar(&[
-        "train",
-        "examples/in-memory.toml",
-        "--steps",
-        "1",
-        "--out",
-        dir.join("run").to_str().expect("utf-8"),
-        "--set",
-        "modules.llm.hidden=61440",
-        "--set",
-        "modules.llm.ffn=122880",
-        "--set",
-        "modules.llm.layers=64",
-    ]);
+/// The one-line error of `hetpar train` on the in-memory example with `sets`, which the
+/// memory preflight refuses before anything is allocated (an allocation that fails ends a
+/// process without a message).
+fn refused_for_memory(name: &str, sets: &[&str]) -> String {
+    let dir = temp(name);
+    let out_dir = dir.join("run");
+    let mut args = vec!["train", "examples/in-memory.toml", "--steps", "1", "--out"];
+    args.push(out_dir.to_str().expect("utf-8"));
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    let out = hetpar(&args);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert_eq!(err.lines().count(), 1, "{err}");
+    err
+}
+
+/// A model whose weights and moments fit but whose LLM activations for one microbatch
+/// cannot is refused too, naming the tokens and layers it counted.
+#[test]
+fn activations_too_large_for_the_machine_are_refused_before_allocating() {
+    let err = refused_for_memory("too-long", &["modules.llm.layers=4096", "train.seq_len=8192"]);
+    assert!(err.starts_with("error: in-memory: on 3 rank(s) in this process its weights, gradients and AdamW moments need about "), "{err}");
+    assert!(
+        err.contains("GiB more (one microbatch in flight, up to 32768 tokens a rank through 4096 layers), more than the "),
+        "{err}"
+    );
+}
+
+/// A model whose weights and optimizer state alone cannot fit this machine is refused.
+#[test]
+fn a_model_too_large_for_the_machine_is_refused_before_allocating() {
+    let sets = ["modules.llm.hidden=61440", "modules.llm.ffn=122880", "modules.llm.layers=64"];
+    let err = refused_for_memory("too-large", &sets);
     assert!(err.starts_with("error: in-memory: its weights, gradients and AdamW moments on 3 rank(s) in this process need about "), "{err}");
     assert!(err.contains("GiB this machine has available"), "{err}");
 }
