@@ -81,7 +81,7 @@ fn a_rank_that_never_joins_times_out_naming_it() {
         assert_eq!(
             e.to_string(),
             format!(
-                "barrier #0 over ranks [0-2] timed out after 500ms on rank {r}: ranks [2] never joined"
+                "barrier #0 over ranks [0-2] timed out after 500ms on rank {r}: ranks [2] never joined; rank 2 is computing (not in a communication call)"
             )
         );
     }
@@ -168,7 +168,30 @@ fn a_receive_without_a_send_times_out() {
     let e = out[0].clone().expect_err("timeout");
     assert_eq!(
         e.to_string(),
-        "recv from rank 1 (tag 9) over ranks [0-1] timed out after 300ms on rank 0: ranks [1] never sent it"
+        "recv from rank 1 (tag 9) over ranks [0-1] timed out after 300ms on rank 0: ranks [1] never sent it; rank 1 is computing (not in a communication call)"
+    );
+}
+
+/// Two ranks each receiving from the other, on tags neither sends: the timeout names the
+/// call the other waits in (a peer that computes is named as computing, above).
+#[test]
+fn a_timeout_says_which_call_the_missing_rank_waits_in() {
+    let out = launch(2, opts(0.3), |c| {
+        let mut buf = [0.0f32; 4];
+        let (peer, tag) = if c.rank() == 0 { (1, 9) } else { (0, 5) };
+        // Rank 1 still waits when rank 0's timeout passes.
+        if c.rank() == 1 {
+            c.set_timeout(Duration::from_secs(5));
+        }
+        c.recv(&mut buf, peer, tag)
+    })
+    .expect("no panic");
+    let e = out[0].clone().expect_err("timeout").to_string();
+    assert!(
+        e.ends_with(
+            "ranks [1] never sent it; rank 1 is in recv from rank 0 (tag 5) over ranks [0-1]"
+        ),
+        "{e}"
     );
 }
 
@@ -288,7 +311,7 @@ fn batched_messages_report_mismatches_and_missing_peers() {
     out[1].clone().expect("the batch's send arrived");
     assert_eq!(
         out[0].clone().expect_err("timeout").to_string(),
-        "recv from rank 1 (tag 2) over ranks [0-1] timed out after 300ms on rank 0: ranks [1] never sent it"
+        "recv from rank 1 (tag 2) over ranks [0-1] timed out after 300ms on rank 0: ranks [1] never sent it; rank 1 is computing (not in a communication call)"
     );
     // A peer outside the communicator is refused before anything moves.
     let out =

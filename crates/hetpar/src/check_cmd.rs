@@ -31,7 +31,9 @@ pub struct Args {
     /// One JSON object on stdout instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Seconds a rank waits in a communication call before the run fails naming it.
+    /// Seconds a rank waits in a communication call before the run fails naming it and what
+    /// the ranks it waited for were doing (in which call, or computing: raise it for steps
+    /// whose work takes longer).
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
     /// `local` (one thread per rank) or `mpi` (CONFIG with one process per rank under

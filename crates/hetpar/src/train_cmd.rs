@@ -38,7 +38,9 @@ pub struct Args {
     /// mpirun; build with --features mpi).
     #[arg(long, default_value = "local")]
     pub backend: String,
-    /// Seconds a rank waits in a communication call before the run fails naming it.
+    /// Seconds a rank waits in a communication call before the run fails naming it and what
+    /// the ranks it waited for were doing (in which call, or computing: raise it for steps
+    /// whose work takes longer).
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
     /// Seconds a rank waits for the others while a checkpoint is written or read (writing,
@@ -1367,7 +1369,17 @@ fn local_ranks(
         }
     }
     if !errors.is_empty() {
-        return Err(first_cause(errors).into());
+        let cause = first_cause(errors);
+        // A rank still computing when another's wait ran out may be slow, not stuck.
+        // (Boundary and stage errors wrap the communicator's, so its words are what is left.)
+        let text = cause.to_string();
+        if text.contains(" timed out after ")
+            && text.contains("is computing (not in a communication call)")
+        {
+            let secs = timeout.as_secs_f64();
+            bail!("{text}; if that rank's work takes longer than {secs} s, raise --timeout");
+        }
+        return Err(cause.into());
     }
     Ok(ok)
 }

@@ -1027,6 +1027,30 @@ fn a_skipped_step_names_where_it_went_non_finite() {
     assert!(at.contains(&"llm") && at.contains(&"boundary vision -> llm"), "{at:?}");
 }
 
+/// A `--timeout` shorter than a step's work: the run stops with an error naming what the
+/// missing rank was doing, and where it was computing, that the timeout can be raised.
+#[test]
+fn a_timeout_shorter_than_the_work_says_to_raise_it() {
+    let dir = temp("short-timeout");
+    let out_dir = dir.join("run");
+    let args = ["train", IN_MEMORY, "--steps", "3", "--timeout", "0.01", "--out"];
+    let out = hetpar(&[&args[..], &[out_dir.to_str().expect("utf-8")]].concat());
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    let line = err.lines().find(|l| l.starts_with("error: ")).expect("an error line");
+    assert!(line.contains(" timed out after 10ms on rank "), "{err}");
+    assert!(
+        line.contains(" is computing (not in a communication call)") || line.contains(" is in "),
+        "{err}"
+    );
+    if line.contains(" is computing ") {
+        assert!(
+            line.ends_with("; if that rank's work takes longer than 0.01 s, raise --timeout"),
+            "{err}"
+        );
+    }
+}
+
 /// The one-line error of `hetpar train` on the in-memory example with `sets`, which the
 /// memory preflight refuses before anything is allocated (an allocation that fails ends a
 /// process without a message).

@@ -158,6 +158,9 @@ impl Slot {
 pub(crate) struct State {
     failed: Option<(usize, String)>,
     exited: Vec<bool>,
+    /// By world rank, the call it waits in ("in all-reduce #3 over ranks [0-1]"), or
+    /// `None` while it computes: a timeout says what the ranks it waited for were doing.
+    waiting: Vec<Option<String>>,
     next_group: u64,
     pub groups: HashMap<(u64, Vec<usize>, usize), u64>,
     slots: HashMap<(u64, u64), Slot>,
@@ -219,7 +222,12 @@ impl CallSite<'_> {
 
 impl Shared {
     pub fn new(world: usize, timeout: Duration) -> Self {
-        let state = State { exited: vec![false; world], next_group: 1, ..State::default() };
+        let state = State {
+            exited: vec![false; world],
+            waiting: vec![None; world],
+            next_group: 1,
+            ..State::default()
+        };
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         Shared {
             timeouts: (0..world).map(|_| SharedTimeout::new(timeout)).collect(),
@@ -267,7 +275,8 @@ impl Shared {
     }
 
     /// Waits until `ready` yields, failing fast on a failed or exited peer among `waiting_on`
-    /// and timing out after the configured timeout. `gone` and `never` word the errors.
+    /// and timing out after the configured timeout. `gone` and `never` word the errors. While
+    /// it waits, the rank's entry in `waiting` names the call.
     #[allow(clippy::too_many_arguments)]
     fn wait<T>(
         &self,
@@ -275,35 +284,68 @@ impl Shared {
         members: &[usize],
         me: usize,
         op: &dyn Fn() -> String,
+        ready: impl FnMut(&mut State) -> Result<Option<T>>,
+        waiting_on: impl Fn(&State) -> Vec<usize>,
+        words: (&str, &str),
+    ) -> Result<T> {
+        let rank = members[me];
+        st.waiting[rank] = Some(format!("in {} over ranks {}", op(), ranks(members)));
+        let (mut st, out) = self.wait_in(st, members, me, op, ready, waiting_on, words);
+        st.waiting[rank] = None;
+        out
+    }
+
+    /// [`Self::wait`]'s loop; gives the lock back with the outcome.
+    #[allow(clippy::too_many_arguments)]
+    fn wait_in<'s, T>(
+        &'s self,
+        mut st: MutexGuard<'s, State>,
+        members: &[usize],
+        me: usize,
+        op: &dyn Fn() -> String,
         mut ready: impl FnMut(&mut State) -> Result<Option<T>>,
         waiting_on: impl Fn(&State) -> Vec<usize>,
         (gone, never): (&str, &str),
-    ) -> Result<T> {
+    ) -> (MutexGuard<'s, State>, Result<T>) {
         let timeout = self.timeouts[members[me]].get();
         let deadline = Instant::now() + timeout;
         loop {
             if let Some((failed, message)) = &st.failed {
-                return Err(CommError::PeerFailed { failed: *failed, message: message.clone() });
+                let e = CommError::PeerFailed { failed: *failed, message: message.clone() };
+                return (st, Err(e));
             }
-            if let Some(v) = ready(&mut st)? {
-                return Ok(v);
+            match ready(&mut st) {
+                Ok(Some(v)) => return (st, Ok(v)),
+                Ok(None) => {}
+                Err(e) => return (st, Err(e)),
             }
             let missing = waiting_on(&st);
             if let Some(&exited) = missing.iter().find(|&&g| st.exited[g]) {
-                return Err(CommError::PeerFailed {
-                    failed: exited,
-                    message: format!("exited without {gone} ({} on rank {})", op(), members[me]),
-                });
+                let message = format!("exited without {gone} ({} on rank {})", op(), members[me]);
+                return (st, Err(CommError::PeerFailed { failed: exited, message }));
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::Timeout {
+                // What each rank waited for is doing instead, as the MPI backend says it.
+                let doing: Vec<String> = missing
+                    .iter()
+                    .map(|&g| match &st.waiting[g] {
+                        Some(call) => format!("rank {g} is {call}"),
+                        None => format!("rank {g} is computing (not in a communication call)"),
+                    })
+                    .collect();
+                let e = CommError::Timeout {
                     op: op(),
                     group: members.to_vec(),
                     rank: members[me],
                     after: timeout,
-                    detail: format!("ranks {} never {never}", ranks(&missing)),
-                });
+                    detail: format!(
+                        "ranks {} never {never}; {}",
+                        ranks(&missing),
+                        doing.join("; ")
+                    ),
+                };
+                return (st, Err(e));
             }
             st = self.cond.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
