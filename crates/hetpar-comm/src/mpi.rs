@@ -400,9 +400,11 @@ impl MpiEngine {
             return Ok(data);
         }
         // In pieces of at most `PIECE` bytes, so MPI's 32-bit counts and displacements hold
-        // (the sums are per element, so the pieces change nothing in the result). One piece,
-        // the usual case, goes through without a copy.
-        let piece = (piece_bytes() / dtype.size()).max(1) * dtype.size();
+        // (the sums are per element, so the pieces change nothing in the result); a whole
+        // number of elements per member, so each member's range stays within the all-to-all's
+        // one-call share. One piece, the usual case, goes through without a copy.
+        let step = self.entries[id].members.len() * dtype.size();
+        let piece = (piece_bytes() / step).max(1) * step;
         let out = if data.len() <= piece {
             self.reduce_piece(id, &name, data, dtype, op)
         } else {

@@ -235,6 +235,9 @@ impl Report {
             }
             Save::Committed { done, saved, seconds } => (done, saved, seconds),
         };
+        if let Some(b) = &self.bar {
+            b.set_message(format!("checkpoint after step {done} committed"));
+        }
         let line = serde_json::json!({
             "step": done,
             "checkpoint": {
@@ -1204,8 +1207,8 @@ pub enum Holds {
 /// than the machine has memory available, before anything is allocated: the allocation
 /// would otherwise end the process without a message. It counts the weights, gradients and
 /// AdamW moments, and when training a floor of the LLM's activations
-/// ([`llm_activations_floor`]); everything else comes on top, so passing says little and
-/// failing is certain.
+/// ([`llm_activations_floor`], over the ranks here of the one replica with the most);
+/// everything else comes on top, so passing says little and failing is certain.
 pub fn fits_memory(
     graph: &ModelGraph,
     dtype: DType,
@@ -1308,22 +1311,28 @@ fn fits_memory_of(
     // Parameter, gradient and two moments, each of the parameters' type.
     let per_param = 4.0 * dtype.size_in_bytes() as f64;
     let params = crate::flops::StepFlops::new(graph).module_params();
-    let (mut states, mut acts) = (0.0, 0.0);
-    // The LLM's largest floor on one rank: bytes, tokens and layers.
+    let mut states = 0.0;
+    // The LLM's floors by replica (the ranks of one replica hold their first microbatch at
+    // once, at its first backward; replicas need not), and its largest on one rank: bytes,
+    // tokens and layers.
+    let mut replicas: std::collections::BTreeMap<usize, f64> = Default::default();
     let mut largest = (0.0, 0, 0);
     for (m, module) in graph.modules.iter().enumerate() {
         let l = &module.layout;
         for &r in ranks.iter().filter(|&&r| l.span().contains(r)) {
             states += params[m] / (l.tp() * l.pp()) as f64 * per_param;
-            if holds == Holds::Training {
+            if holds == Holds::Training
+                && let Some(at) = l.coords(r)
+            {
                 let floor = llm_activations_floor(graph, m, r, dtype.size_in_bytes() as f64);
-                acts += floor.0;
+                *replicas.entry(at.dp_idx).or_default() += floor.0;
                 if floor.0 > largest.0 {
                     largest = floor;
                 }
             }
         }
     }
+    let acts = replicas.values().copied().fold(0.0, f64::max);
     let gib = |b: f64| b / (1u64 << 30) as f64;
     if states > available {
         bail!(
@@ -1337,7 +1346,7 @@ fn fits_memory_of(
     if states + acts > available {
         let (_, tokens, layers) = largest;
         bail!(
-            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {:.1} GiB and the LLM's activations at least {:.1} GiB more (one microbatch in flight, up to {tokens} tokens a rank through {layers} layers), more than the {:.1} GiB this machine has available; use a shorter seq_len, more microbatches, smaller sizes or more machines{how}",
+            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {:.1} GiB and the LLM's activations at least {:.1} GiB more (one microbatch in flight on one replica's ranks, up to {tokens} tokens a rank through {layers} layers), more than the {:.1} GiB this machine has available; use a shorter seq_len, more microbatches, smaller sizes or more machines{how}",
             graph.name,
             ranks.len(),
             gib(states),
@@ -1346,6 +1355,20 @@ fn fits_memory_of(
         );
     }
     Ok(())
+}
+
+/// `error`, and when it is a timeout that found a rank computing (which may be slow rather
+/// than stuck), how to give it longer. Boundary and stage errors wrap the communicator's,
+/// so its words are what is left to go by.
+fn with_timeout_hint(error: &str, timeout: Option<Duration>) -> String {
+    if error.contains(" timed out after ")
+        && error.contains("is computing (not in a communication call)")
+    {
+        let limit = timeout.map_or("the timeout".into(), |t| format!("{} s", t.as_secs_f64()));
+        format!("{error}; if that rank's work takes longer than {limit}, raise --timeout")
+    } else {
+        error.to_string()
+    }
 }
 
 /// Every rank's logs of a local run, by rank.
@@ -1369,17 +1392,7 @@ fn local_ranks(
         }
     }
     if !errors.is_empty() {
-        let cause = first_cause(errors);
-        // A rank still computing when another's wait ran out may be slow, not stuck.
-        // (Boundary and stage errors wrap the communicator's, so its words are what is left.)
-        let text = cause.to_string();
-        if text.contains(" timed out after ")
-            && text.contains("is computing (not in a communication call)")
-        {
-            let secs = timeout.as_secs_f64();
-            bail!("{text}; if that rank's work takes longer than {secs} s, raise --timeout");
-        }
-        return Err(cause.into());
+        bail!("{}", with_timeout_hint(&first_cause(errors).to_string(), Some(timeout)));
     }
     Ok(ok)
 }
@@ -1392,8 +1405,11 @@ pub(crate) fn open_mpi(
     use hetpar_comm::mpi::{MpiOptions, abort_on_panic, init};
     // The ranks mpirun started on this host share its cores.
     crate::threads::share_host();
-    let opts =
-        MpiOptions { timeout, on_fatal: Box::new(|e| crate::stderr_line(&format!("error: {e}"))) };
+    let on_fatal = move |e: &hetpar_comm::CommError| {
+        let line = with_timeout_hint(&e.to_string(), Some(timeout));
+        crate::stderr_line(&format!("error: {line}"));
+    };
+    let opts = MpiOptions { timeout, on_fatal: Box::new(on_fatal) };
     let world = init(opts)?;
     #[allow(clippy::print_stderr)]
     abort_on_panic(world.rank(), |l| eprint!("{l}"));
@@ -1413,7 +1429,7 @@ pub(crate) fn open_mpi(_: Duration, _: &ModelGraph) -> anyhow::Result<Box<dyn Co
 /// A rank's error under MPI: printed, and the whole job ends at once.
 #[cfg(feature = "mpi")]
 pub(crate) fn fail_job(rank: usize, e: RuntimeError) -> anyhow::Result<Vec<StepLog>> {
-    crate::stderr_line(&format!("error: rank {rank}: {e}"));
+    crate::stderr_line(&format!("error: rank {rank}: {}", with_timeout_hint(&e.to_string(), None)));
     hetpar_comm::mpi::abort_job(1)
 }
 

@@ -1073,10 +1073,12 @@ fn refused_for_memory(name: &str, sets: &[&str]) -> String {
 /// cannot is refused too, naming the tokens and layers it counted.
 #[test]
 fn activations_too_large_for_the_machine_are_refused_before_allocating() {
-    let err = refused_for_memory("too-long", &["modules.llm.layers=4096", "train.seq_len=8192"]);
+    // About 0.6 GiB of states and 29 TiB of activations: refused on any machine.
+    let sets = ["modules.llm.layers=512", "train.seq_len=1048576"];
+    let err = refused_for_memory("too-long", &sets);
     assert!(err.starts_with("error: in-memory: on 3 rank(s) in this process its weights, gradients and AdamW moments need about "), "{err}");
     assert!(
-        err.contains("GiB more (one microbatch in flight, up to 32768 tokens a rank through 4096 layers), more than the "),
+        err.contains("GiB more (one microbatch in flight on one replica's ranks, up to 4194304 tokens a rank through 512 layers), more than the "),
         "{err}"
     );
 }
