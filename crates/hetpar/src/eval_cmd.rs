@@ -13,7 +13,7 @@ use crate::data_open::RunData;
 use crate::export_cmd::checkpoint;
 use crate::train_cmd::{
     Holds, describe_eval, dtype, dtype_name, fail_job, fits_memory, fits_memory_mpi, open_mpi,
-    run_facts, timeout,
+    run_facts, timeout, with_timeout_hint,
 };
 
 /// Arguments of `hetpar eval`.
@@ -98,7 +98,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 evaluate(c, &run_data)
             })?;
             match results.into_iter().next() {
-                Some(r) => r?,
+                Some(r) => r.map_err(|e| {
+                    anyhow::anyhow!(with_timeout_hint(&e.to_string(), Some(timeout)))
+                })?,
                 None => anyhow::bail!("the checkpoint's layout has no ranks"),
             }
         }

@@ -1360,7 +1360,7 @@ fn fits_memory_of(
 /// `error`, and when it is a timeout that found a rank computing (which may be slow rather
 /// than stuck), how to give it longer. Boundary and stage errors wrap the communicator's,
 /// so its words are what is left to go by.
-fn with_timeout_hint(error: &str, timeout: Option<Duration>) -> String {
+pub(crate) fn with_timeout_hint(error: &str, timeout: Option<Duration>) -> String {
     if error.contains(" timed out after ")
         && error.contains("is computing (not in a communication call)")
     {
