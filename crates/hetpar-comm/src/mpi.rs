@@ -353,6 +353,13 @@ impl MpiEngine {
         }
     }
 
+    /// Reports `err` through the fatal handler and aborts the job: MPI still owns buffers
+    /// of operation on communicator `id` (a collective or send that never completed).
+    fn fatal(&self, id: usize, err: &CommError) -> ! {
+        (self.on_fatal)(err);
+        self.entries[id].comm.abort(3)
+    }
+
     /// Polls `req` until it completes; past the deadline, reports and aborts the job.
     fn wait<'a, D: ?Sized, S: Scope<'a>>(
         &self,
@@ -371,9 +378,7 @@ impl MpiEngine {
             }
             self.answer();
             if Instant::now() >= deadline {
-                let e = self.timeout_error(id, name, waiting_on);
-                (self.on_fatal)(&e);
-                self.entries[id].comm.abort(3);
+                self.fatal(id, &self.timeout_error(id, name, waiting_on));
             }
             // Non-blocking collectives progress only inside MPI calls: keep testing, yield
             // the core to other ranks, and only sleep once the wait is clearly long.
@@ -475,19 +480,13 @@ impl MpiEngine {
     fn broadcast(&self, id: usize, mut data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
         let name = self.begin(id, "broadcast");
         let e = &self.entries[id];
-        // Every member holds the same length, so all cut it into the same pieces.
-        let p = piece_bytes();
-        let mut rest = &mut data[..];
-        loop {
-            let (piece, later) = rest.split_at_mut(rest.len().min(p));
+        // Every member holds the same length, so all cut it into the same pieces (none
+        // where it is empty).
+        for piece in data.chunks_mut(piece_bytes()) {
             scope(|s| {
                 let req = e.comm.process_at_rank(root as Rank).immediate_broadcast_into(s, piece);
                 self.wait(req, id, &name, &[e.members[root]]);
             });
-            if later.is_empty() {
-                break;
-            }
-            rest = later;
         }
         self.end();
         Ok(data)
@@ -625,8 +624,7 @@ impl MpiEngine {
                                 ),
                             },
                         };
-                        (self.on_fatal)(&err);
-                        e.comm.abort(3);
+                        self.fatal(id, &err);
                     }
                 }
             }
@@ -825,8 +823,7 @@ impl MpiEngine {
                     }
                     self.answer();
                     if Instant::now() >= deadline {
-                        (self.on_fatal)(&err);
-                        e.comm.abort(3);
+                        self.fatal(id, &err);
                     }
                     std::thread::yield_now();
                 }

@@ -275,12 +275,13 @@ impl Shared {
     }
 
     /// Waits until `ready` yields, failing fast on a failed or exited peer among `waiting_on`
-    /// and timing out after the configured timeout. `gone` and `never` word the errors. While
-    /// it waits, the rank's entry in `waiting` names the call.
+    /// and timing out after the configured timeout. `gone` and `never` word the errors. Once
+    /// it blocks, the rank's entry in `waiting` names the call (a wait that finds what it
+    /// waits for at once, the usual case, formats nothing).
     #[allow(clippy::too_many_arguments)]
     fn wait<T>(
         &self,
-        mut st: MutexGuard<'_, State>,
+        st: MutexGuard<'_, State>,
         members: &[usize],
         me: usize,
         op: &dyn Fn() -> String,
@@ -288,10 +289,8 @@ impl Shared {
         waiting_on: impl Fn(&State) -> Vec<usize>,
         words: (&str, &str),
     ) -> Result<T> {
-        let rank = members[me];
-        st.waiting[rank] = Some(format!("in {} over ranks {}", op(), ranks(members)));
         let (mut st, out) = self.wait_in(st, members, me, op, ready, waiting_on, words);
-        st.waiting[rank] = None;
+        st.waiting[members[me]] = None;
         out
     }
 
@@ -346,6 +345,10 @@ impl Shared {
                     ),
                 };
                 return (st, Err(e));
+            }
+            let waiting = &mut st.waiting[members[me]];
+            if waiting.is_none() {
+                *waiting = Some(format!("in {} over ranks {}", op(), ranks(members)));
             }
             st = self.cond.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
