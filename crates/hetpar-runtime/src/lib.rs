@@ -29,7 +29,7 @@ pub use boundary::{Groups, run_boundary};
 pub use data::{BatchSource, FileData, HELDOUT};
 pub use error::RuntimeError;
 pub use executor::{Executor, OnNonFinite, StepReport, TrainOptions};
-pub use memory::{HostCopy, Resident};
+pub use memory::{ActivationFloor, HostCopy, Resident, activations_held};
 pub use optim::{AdamState, AdamW, LrSchedule};
 pub use plans::StepPlans;
 pub use stage::{BoundaryIn, Forward, Scored, Stage};

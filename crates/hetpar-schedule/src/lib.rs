@@ -6,12 +6,13 @@
 //! Flow: [`PipelineGraph`] (from a validated model graph) -> [`Schedule::build`] ->
 //! [`validate`] (static checks + [`simulate`] with [`Durations`], or [`WorkDurations`] for
 //! a step's manifest, where encoder replicas without items pass empty) -> [`text_grid`] /
-//! [`svg`].
+//! [`svg`]. [`held`] bounds what ranks sharing memory hold at once in every execution.
 
 pub mod action;
 pub mod build;
 pub mod error;
 pub mod graph;
+pub mod held;
 pub mod order;
 pub mod render;
 #[cfg(feature = "testing")]
@@ -24,6 +25,7 @@ pub use action::{Action, Compute, Labels, MsgId, Pass, Post, Role};
 pub use build::{Options, Schedule};
 pub use error::ScheduleError;
 pub use graph::{PipeModule, PipelineGraph, ScheduleKind};
+pub use held::{Held, held};
 pub use render::{svg, text_grid};
 pub use validate::{Durations, Timeline, UnitDurations, check, simulate, validate};
 pub use work::{Work, WorkDurations};

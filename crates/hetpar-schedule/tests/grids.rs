@@ -4,7 +4,8 @@
 use expect_test::expect_file;
 use hetpar_layout::{Config, ModelGraph};
 use hetpar_schedule::{
-    Action, Options, PipelineGraph, Schedule, ScheduleKind, UnitDurations, text_grid, validate,
+    Action, Options, PipelineGraph, Schedule, ScheduleKind, UnitDurations, held, text_grid,
+    validate,
 };
 
 fn graph(toml: &str) -> PipelineGraph {
@@ -152,4 +153,25 @@ fn swapped_sends_deadlock_with_the_cycle_named() {
         err.to_string(),
         "deadlock: rank 0 at action 1 (send activation of llm stage 0 mb 1 from rank 0 to rank 1 + recv gradient of llm stage 1 mb 0 from rank 1 to rank 0) waits for rank 1; rank 1 at action 0 (recv activation of llm stage 0 mb 0 from rank 0 to rank 1) waits for rank 0"
     );
+}
+
+/// 1F1B with pp 4 and 8 microbatches, each forward holding 1 until its backward: stage `s`
+/// alone holds `pp - s` at its peak (its warm-up forwards and one more). Together, when
+/// stage 0 holds its 4 and has received its first gradient, stage 1 has run its first backward
+/// and holds at least 2, stage 2 at least 1, and the last stage may hold none: 7 in every
+/// execution (steady 1F1B holds 4 + 3 + 2 + 1 when the stages keep pace).
+#[test]
+fn one_f_one_b_holds_its_warmup_per_stage() {
+    let s = Schedule::build(&llm_only(4, 8), Options::default()).expect("builds");
+    let one = |_: usize, _: &hetpar_schedule::Compute| 1.0;
+    for stage in 0..4 {
+        assert_eq!(
+            held(&s, &[stage], &one, &|_, _| Vec::new()).total,
+            (4 - stage) as f64,
+            "stage {stage}"
+        );
+    }
+    let all = held(&s, &[0, 1, 2, 3], &one, &|_, _| Vec::new());
+    assert_eq!((all.total, all.rank, all.after), (7.0, 0, 8));
+    assert_eq!(all.per_rank.values().copied().collect::<Vec<_>>(), [4.0, 2.0, 1.0, 0.0]);
 }

@@ -1,12 +1,16 @@
 //! Property tests: every schedule built for a random graph validates, also with encoder
 //! replicas that own no item in some microbatches; mutated schedules (a dropped receive, two
 //! swapped sends, an empty replica skipping its turn) are rejected with a message naming
-//! rank and action; frozen modules run only what they need.
+//! rank and action; frozen modules run only what they need; the floor of what ranks hold at once
+//! is held in every execution.
 
 use hetpar_layout::Direction;
 use hetpar_schedule::testing::{arb_graph, arb_graph_with_work};
+use std::collections::BTreeMap;
+
 use hetpar_schedule::{
-    Action, MsgId, Options, Pass, Role, Schedule, UnitDurations, WorkDurations, validate,
+    Action, Compute, MsgId, Options, Pass, Post, Role, Schedule, UnitDurations, WorkDurations,
+    held, simulate, validate,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -246,5 +250,141 @@ proptest! {
             .expect_err("skipping an empty replica must be caught");
         let text = err.to_string();
         prop_assert!(ranks.iter().any(|r| text.contains(&format!("rank {r} "))), "{text} (replica ranks {ranks:?})");
+    }
+}
+
+/// Per-action durations of 1 to 8 drawn from a hash of the action and a seed, and message
+/// transfers of 1 to 4: every action takes time, so an action that needs another rank's
+/// post ends after that post.
+struct Hashed(u64);
+
+impl Hashed {
+    fn draw(&self, what: impl std::hash::Hash, range: u64) -> f64 {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let h = BuildHasherDefault::<DefaultHasher>::default().hash_one((self.0, what));
+        1.0 + (h % range) as f64
+    }
+}
+
+impl hetpar_schedule::Durations for Hashed {
+    fn action(&self, rank: usize, action: &Action) -> f64 {
+        match action {
+            Action::Compute(_) | Action::Step(_) | Action::Offload(_) | Action::Reload(_) => {
+                self.draw((rank, format!("{action:?}")), 8)
+            }
+            _ => 0.0,
+        }
+    }
+
+    fn message(&self, msg: &MsgId) -> f64 {
+        self.draw(msg, 4)
+    }
+}
+
+/// What `rank` holds after each prefix of its actions, weights by `weight`: the oracle the
+/// floor is checked against.
+fn prefix_held(s: &Schedule, rank: usize, weight: &dyn Fn(usize, &Compute) -> f64) -> Vec<f64> {
+    let mut now = 0.0;
+    let mut out = vec![now];
+    for a in &s.ranks[&rank] {
+        if let Action::Compute(c) = a
+            && s.backward[c.module]
+        {
+            let w = weight(rank, &Compute { pass: Pass::Forward, ..*c });
+            now += if c.pass == Pass::Forward { w } else { -w };
+        }
+        out.push(now);
+    }
+    out
+}
+
+/// `s` with a barrier before every pass run by a group of ranks in lockstep (`peers`): a
+/// message every rank of the group joins (a reduction of a module id past the graph's, one
+/// per pass), so no rank begins the pass before every rank of the group has reached it.
+fn with_lockstep(s: &Schedule, peers: &dyn Fn(usize, &Compute) -> Vec<usize>) -> Schedule {
+    let mut ids: BTreeMap<(Vec<usize>, Compute), usize> = BTreeMap::new();
+    let mut out = s.clone();
+    for (&r, actions) in &s.ranks {
+        let mut v = Vec::new();
+        for a in actions {
+            if let Action::Compute(c) = a {
+                let mut group = peers(r, c);
+                group.sort_unstable();
+                if group.len() > 1 {
+                    let next = BARRIER + ids.len();
+                    let id = *ids.entry((group.clone(), *c)).or_insert(next);
+                    let msg = MsgId::Reduce { module: id, group: group[0] };
+                    v.push(Action::Reduce(Post { msg, role: Role::Member, participants: group }));
+                }
+            }
+            v.push(a.clone());
+        }
+        out.ranks.insert(r, v);
+    }
+    out
+}
+
+/// Module ids of [`with_lockstep`]'s barriers.
+const BARRIER: usize = 1 << 20;
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// The floor of what a set of ranks holds at once is held in every execution: run on
+    /// random durations, with each stage's tensor-parallel ranks beginning each pass (or
+    /// each forward) together when `lockstep` says so, the set's largest sum at any moment is at least the
+    /// floor. One rank alone holds exactly its largest prefix, and a set never less than its
+    /// largest member alone nor more than its members' largest prefixes together.
+    #[test]
+    fn what_ranks_hold_at_once_is_held_in_every_execution(
+        g in arb_graph(),
+        seed in any::<u64>(),
+        pick in prop::collection::vec(any::<bool>(), 64),
+        scale in prop::collection::vec(1u32..5, 4),
+        lockstep in 0usize..3,
+    ) {
+        let s = Schedule::build(&g, Options::default()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let weight = |r: usize, c: &Compute| {
+            f64::from(scale[c.module % scale.len()]) * (1 + c.vstage + c.mb % 3 + r % 2) as f64
+        };
+        let peers = |r: usize, c: &Compute| -> Vec<usize> {
+            let l = &g.modules()[c.module].layout;
+            // None, every pass, or forwards only.
+            match l.coords(r) {
+                Some(at) if lockstep == 1 || (lockstep == 2 && c.pass == Pass::Forward) => {
+                    l.stage_ranks(at.dp_idx, at.pp_idx)
+                }
+                _ => Vec::new(),
+            }
+        };
+        let run = with_lockstep(&s, &peers);
+        let all: Vec<usize> = s.ranks.keys().copied().collect();
+        let mut set: Vec<usize> = all.iter().copied().filter(|&r| pick[r % pick.len()]).collect();
+        if set.is_empty() {
+            set.push(all[0]);
+        }
+        let floor = held(&s, &set, &weight, &peers);
+        let prefixes: BTreeMap<usize, Vec<f64>> = set.iter().map(|&r| (r, prefix_held(&s, r, &weight))).collect();
+        let peak = |r: usize| prefixes[&r].iter().copied().fold(0.0, f64::max);
+        for &r in &set {
+            prop_assert_eq!(held(&s, &[r], &weight, &peers).total, peak(r));
+        }
+        let most = set.iter().map(|&r| peak(r)).fold(0.0, f64::max);
+        let sum: f64 = set.iter().map(|&r| peak(r)).sum();
+        prop_assert!(floor.total >= most && floor.total <= sum + 1e-9, "floor {} outside [{most}, {sum}]", floor.total);
+        prop_assert!((floor.per_rank.values().sum::<f64>() - floor.total).abs() < 1e-9);
+        let t = simulate(&run, &Hashed(seed)).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let ran: BTreeMap<usize, Vec<f64>> = set.iter().map(|&r| (r, prefix_held(&run, r, &weight))).collect();
+        let mut moments: Vec<f64> = t.spans.values().flatten().map(|x| x.1).collect();
+        moments.push(0.0);
+        let realized = moments
+            .iter()
+            .map(|&at| {
+                set.iter()
+                    .map(|r| ran[r][t.spans[r].iter().filter(|x| x.1 <= at).count()])
+                    .sum::<f64>()
+            })
+            .fold(0.0, f64::max);
+        prop_assert!(realized >= floor.total - 1e-9, "an execution held {realized} at most, below the floor {}", floor.total);
     }
 }

@@ -11,9 +11,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
-use hetpar_layout::{Config, Dtype, ModelGraph, ModuleSpec};
+use hetpar_layout::{BatchManifest, Config, Dtype, ModelGraph};
 use hetpar_runtime::checkpoint::Saved;
-use hetpar_runtime::{EvalReport, Resident, RunFacts, RuntimeError, StepLog, Trainer};
+use hetpar_runtime::{
+    ActivationFloor, EvalReport, Resident, RunFacts, RuntimeError, StepLog, Trainer,
+};
+use hetpar_schedule::{Action, Compute, Options as ScheduleOptions, Pass, PipelineGraph, Schedule};
 
 use crate::data_open::RunData;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -444,6 +447,7 @@ fn run_on(
         every: a.save_every.unwrap_or(0),
         keep: a.keep,
         resume,
+        start,
         stop: stop_on_signals()?,
         config: resolved.clone(),
         io_timeout: seconds("--io-timeout", a.io_timeout)?,
@@ -643,6 +647,8 @@ pub struct Checkpoints {
     pub keep: usize,
     /// The checkpoint to load first.
     pub resume: Option<PathBuf>,
+    /// The first step the run takes (the resumed checkpoint's, else 0).
+    pub start: usize,
     /// Set by SIGTERM, SIGINT, SIGUSR1 or SIGUSR2: every rank finishes its step, the job
     /// commits a checkpoint and stops.
     pub stop: Arc<AtomicBool>,
@@ -1057,7 +1063,8 @@ pub fn train_mpi(
         fail_job(rank, e)?;
         return Ok(None);
     }
-    if let Err(e) = fits_memory_mpi(world.as_ref(), graph, dtype, Holds::Training) {
+    let first = first_manifest(graph, &data, 0);
+    if let Err(e) = fits_memory_mpi(world.as_ref(), graph, dtype, Holds::Training(first.as_ref())) {
         fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
         return Ok(None);
     }
@@ -1156,7 +1163,8 @@ fn agree_mpi(
             fail_job(rank, e)?;
         }
     }
-    if let Err(e) = fits_memory_mpi(world, graph, dtype, Holds::Training) {
+    let first = first_manifest(graph, data, ckpt.as_ref().map_or(0, |k| k.start));
+    if let Err(e) = fits_memory_mpi(world, graph, dtype, Holds::Training(first.as_ref())) {
         fail_job(rank, RuntimeError::Model(format!("{e:#}")))?;
     }
     if let Some(k) = ckpt
@@ -1195,9 +1203,10 @@ struct LocalRun<'a> {
 
 /// What a run holds besides its weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Holds {
-    /// Training: gradients, AdamW moments, and the activations a backward needs.
-    Training,
+pub enum Holds<'a> {
+    /// Training: gradients, AdamW moments, and the activations a backward needs, the
+    /// encoders' counted from the manifest of the first step the run takes (where given).
+    Training(Option<&'a BatchManifest>),
     /// Evaluation: no backward (the weights, gradients and moments of a checkpoint are
     /// counted as training does, the activations not).
     Evaluation,
@@ -1206,59 +1215,23 @@ pub enum Holds {
 /// Refuses a run whose ranks in this process (`ranks`: all of a local run) would hold more
 /// than the machine has memory available, before anything is allocated: the allocation
 /// would otherwise end the process without a message. It counts the weights, gradients and
-/// AdamW moments, and when training a floor of the LLM's activations
-/// ([`llm_activations_floor`], over the ranks here of the one replica with the most);
-/// everything else comes on top, so passing says little and failing is certain.
+/// AdamW moments, and when training a floor of the activations: what the step's schedule
+/// makes these ranks hold at once in any execution
+/// ([`hetpar_runtime::activations_held`] over [`ActivationFloor`]). Everything else comes
+/// on top, so passing says little and failing is certain.
 pub fn fits_memory(
     graph: &ModelGraph,
     dtype: DType,
     ranks: &[usize],
-    holds: Holds,
+    holds: Holds<'_>,
 ) -> anyhow::Result<()> {
     fits_memory_of(graph, (dtype, holds), ranks, "in this process", " (--backend mpi)")
 }
 
-/// A floor of the bytes rank `rank` of the LLM `m` keeps for its backward: one microbatch
-/// in flight (a stage holds at least that at the end of its first forward), and per token
-/// and layer of its stage what every path the runtime has keeps: the attention's q, k, v
-/// and output, a dense SwiGLU MLP's gate, up and product (an MoE layer's routed rows are
-/// not bounded on any one rank), and the layer's input for its norm; on the last stage the
-/// vocabulary-parallel logits. The fused one-rank blocks keep exactly these; composed
-/// operations keep more. Heads, the MLP and the vocabulary are split over `tp`, the
-/// sequence over `cp` (and the layer input over `tp` under SP). Also the tokens and layers
-/// it counted. Zero for encoders, whose items per microbatch depend on the data.
-pub fn llm_activations_floor(
-    graph: &ModelGraph,
-    m: usize,
-    rank: usize,
-    elem: f64,
-) -> (f64, usize, usize) {
-    let module = &graph.modules[m];
-    let ModuleSpec::Llama { vocab, kv_heads, experts, .. } = module.spec else {
-        return (0.0, 0, 0);
-    };
-    let l = &module.layout;
-    let Some(at) = l.coords(rank) else { return (0.0, 0, 0) };
-    let t = &graph.train;
-    let tokens = t.global_batch / t.microbatches.max(1) / l.dp() * t.seq_len / l.cp();
-    let (pp, vpp) = (l.pp(), module.vpp.max(1));
-    let layers: usize = (0..vpp)
-        .map(|c| {
-            hetpar_runtime::stages::llama::stage_layers(
-                module.dims.layers,
-                pp * vpp,
-                c * pp + at.pp_idx,
-            )
-            .len()
-        })
-        .sum();
-    let (h, tp) = (module.dims.hidden as f64, l.tp() as f64);
-    let kv = kv_heads as f64 * h / module.dims.heads.max(1) as f64;
-    let mlp = if experts == 0 { 3.0 * module.dims.ffn as f64 } else { 0.0 };
-    let input = if l.sp() { h / tp } else { h };
-    let per_layer = (2.0 * h + 2.0 * kv + mlp) / tp + input;
-    let logits = if at.pp_idx + 1 == pp { vocab as f64 / tp } else { 0.0 };
-    ((per_layer * layers as f64 + logits) * tokens as f64 * elem, tokens, layers)
+/// The manifest of `step` of `data`, for the preflight's encoder activations; `None` where
+/// it cannot be read now (the run will say why when it reads it).
+pub fn first_manifest(graph: &ModelGraph, data: &RunData, step: usize) -> Option<BatchManifest> {
+    data.sources(graph, 0).batches.manifest(step).ok()
 }
 
 /// This machine's boot id (empty where the system does not say): processes reporting the
@@ -1287,7 +1260,7 @@ pub(crate) fn fits_memory_mpi(
     world: &dyn Communicator,
     graph: &ModelGraph,
     dtype: DType,
-    holds: Holds,
+    holds: Holds<'_>,
 ) -> anyhow::Result<()> {
     let me = machine_id();
     let ids = world.all_gather_any(me.as_bytes())?;
@@ -1302,7 +1275,7 @@ pub(crate) fn fits_memory_mpi(
 
 fn fits_memory_of(
     graph: &ModelGraph,
-    (dtype, holds): (DType, Holds),
+    (dtype, holds): (DType, Holds<'_>),
     ranks: &[usize],
     at: &str,
     how: &str,
@@ -1312,27 +1285,11 @@ fn fits_memory_of(
     let per_param = 4.0 * dtype.size_in_bytes() as f64;
     let params = crate::flops::StepFlops::new(graph).module_params();
     let mut states = 0.0;
-    // The LLM's floors by replica (the ranks of one replica hold their first microbatch at
-    // once, at its first backward; replicas need not), and its largest on one rank: bytes,
-    // tokens and layers.
-    let mut replicas: std::collections::BTreeMap<usize, f64> = Default::default();
-    let mut largest = (0.0, 0, 0);
     for (m, module) in graph.modules.iter().enumerate() {
         let l = &module.layout;
-        for &r in ranks.iter().filter(|&&r| l.span().contains(r)) {
-            states += params[m] / (l.tp() * l.pp()) as f64 * per_param;
-            if holds == Holds::Training
-                && let Some(at) = l.coords(r)
-            {
-                let floor = llm_activations_floor(graph, m, r, dtype.size_in_bytes() as f64);
-                *replicas.entry(at.dp_idx).or_default() += floor.0;
-                if floor.0 > largest.0 {
-                    largest = floor;
-                }
-            }
-        }
+        let here = ranks.iter().filter(|&&r| l.span().contains(r)).count();
+        states += params[m] / (l.tp() * l.pp()) as f64 * per_param * here as f64;
     }
-    let acts = replicas.values().copied().fold(0.0, f64::max);
     let gib = |b: f64| b / (1u64 << 30) as f64;
     if states > available {
         bail!(
@@ -1343,14 +1300,43 @@ fn fits_memory_of(
             gib(available)
         );
     }
-    if states + acts > available {
-        let (_, tokens, layers) = largest;
+    let Holds::Training(manifest) = holds else { return Ok(()) };
+    let schedule = Schedule::build(&PipelineGraph::from_model(graph), ScheduleOptions::default())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", graph.name))?;
+    let floor = ActivationFloor::new(graph, manifest, dtype.size_in_bytes());
+    let held = hetpar_runtime::activations_held(&schedule, &floor, ranks);
+    if states + held.total > available {
+        // The moment: the rank whose passes set it, and what it holds then.
+        let mut pending: Vec<Compute> = Vec::new();
+        for a in &schedule.ranks[&held.rank][..held.after] {
+            match a {
+                Action::Compute(c) if schedule.backward[c.module] && c.pass == Pass::Forward => {
+                    pending.push(*c)
+                }
+                Action::Compute(c) if c.pass == Pass::Backward => {
+                    pending.retain(|p| (p.module, p.vstage, p.mb) != (c.module, c.vstage, c.mb))
+                }
+                _ => {}
+            }
+        }
+        let llm = graph.modules.iter().position(|m| m.rows_per_item().is_none()).unwrap_or(0);
+        let llm_passes: Vec<&Compute> = pending.iter().filter(|c| c.module == llm).collect();
+        let what = match llm_passes.iter().map(|c| floor.layers(llm, c.vstage)).max() {
+            Some(layers) => format!(
+                ", {} of them the LLM's, each {} tokens a rank through up to {layers} layers",
+                llm_passes.len(),
+                floor.rows(llm, held.rank, 0)
+            ),
+            None => String::new(),
+        };
         bail!(
-            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {:.1} GiB and the LLM's activations at least {:.1} GiB more (one microbatch in flight on one replica's ranks, up to {tokens} tokens a rank through {layers} layers), more than the {:.1} GiB this machine has available; use a shorter seq_len, more microbatches, smaller sizes or more machines{how}",
+            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {:.1} GiB and the activations at least {:.1} GiB more (the most the step's schedule makes these ranks hold at once: rank {} then keeps {} forward passes for their backward{what}), more than the {:.1} GiB this machine has available; use a shorter seq_len, more microbatches, fewer pipeline stages, smaller sizes or more machines{how}",
             graph.name,
             ranks.len(),
             gib(states),
-            gib(acts),
+            gib(held.total),
+            held.rank,
+            pending.len(),
             gib(available)
         );
     }
@@ -1378,7 +1364,9 @@ fn local_ranks(
     timeout: Duration,
     run: &LocalRun<'_>,
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
-    fits_memory(graph, dtype, &(0..graph.world).collect::<Vec<_>>(), Holds::Training)?;
+    let first = first_manifest(graph, run.data, run.ckpt.as_ref().map_or(0, |k| k.start));
+    let holds = Holds::Training(first.as_ref());
+    fits_memory(graph, dtype, &(0..graph.world).collect::<Vec<_>>(), holds)?;
     let opts = hetpar_comm::LocalOptions { timeout };
     let results = hetpar_comm::launch(graph.world, opts, |c| {
         hetpar_nn::kernels::share_threads(graph.world);
@@ -1443,41 +1431,6 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-
-    /// The in-memory example's LLM (tp 2 with SP over ranks 0-1, pp 1, 4 samples of 64
-    /// tokens a microbatch; hidden 96, 6 heads, 2 KV heads, SwiGLU 192, vocabulary 256), by
-    /// hand: per token and layer q and the attention's output (96 each), k and v (32 each)
-    /// and the MLP's 3 x 192, split over tp, and the layer input 96 / 2 under SP; the
-    /// logits 256 / 2 on the last stage.
-    #[test]
-    fn the_llm_activation_floor_counts_one_microbatch_by_hand() {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/in-memory.toml");
-        let (_, graph) = load(Some(&path), &[]).unwrap();
-        let llm = graph.modules.iter().position(|m| m.name == "llm").unwrap();
-        let per_token = (2.0 * 96.0 + 2.0 * 32.0 + 3.0 * 192.0) / 2.0 + 48.0;
-        let want = (per_token * 4.0 + 128.0) * 256.0 * 4.0;
-        assert_eq!(llm_activations_floor(&graph, llm, 0, 4.0), (want, 256, 4));
-        assert_eq!(llm_activations_floor(&graph, llm, 1, 4.0), (want, 256, 4));
-        // Not an LLM rank, and not an LLM.
-        assert_eq!(llm_activations_floor(&graph, llm, 3, 4.0), (0.0, 0, 0));
-        let vision = graph.modules.iter().position(|m| m.name == "vision").unwrap();
-        assert_eq!(llm_activations_floor(&graph, vision, 0, 4.0), (0.0, 0, 0));
-        // Two stages of two layers each: the logits on the last only; more microbatches
-        // mean fewer tokens in each.
-        let sets = [
-            "modules.llm.parallel.pp=2",
-            "modules.llm.parallel.ranks=[0,4]",
-            "modules.audio.parallel.ranks=[4,5]",
-            "modules.vision.parallel.ranks=[0,4]",
-            "train.microbatches=4",
-        ];
-        let sets: Vec<String> = sets.iter().map(|s| (*s).to_string()).collect();
-        let (_, graph) = load(Some(&path), &sets).unwrap();
-        let first = (per_token * 2.0) * 128.0 * 4.0;
-        assert_eq!(llm_activations_floor(&graph, llm, 0, 4.0), (first, 128, 2));
-        let last = (per_token * 2.0 + 128.0) * 128.0 * 4.0;
-        assert_eq!(llm_activations_floor(&graph, llm, 2, 4.0), (last, 128, 2));
-    }
 
     #[test]
     fn run_facts_compare_what_the_data_paths_hold_not_the_paths() {

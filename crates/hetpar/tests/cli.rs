@@ -1069,8 +1069,10 @@ fn refused_for_memory(name: &str, sets: &[&str]) -> String {
     err
 }
 
-/// A model whose weights and moments fit but whose LLM activations for one microbatch
-/// cannot is refused too, naming the tokens and layers it counted.
+/// A model whose weights and moments fit but whose activations cannot is refused too,
+/// naming the moment of the schedule it counted: rank 0 keeps both microbatches of its
+/// vision replica's images and one of the LLM's (one pipeline stage, the three-phase
+/// schedule) for their backward.
 #[test]
 fn activations_too_large_for_the_machine_are_refused_before_allocating() {
     // About 0.6 GiB of states and 29 TiB of activations: refused on any machine.
@@ -1078,7 +1080,7 @@ fn activations_too_large_for_the_machine_are_refused_before_allocating() {
     let err = refused_for_memory("too-long", &sets);
     assert!(err.starts_with("error: in-memory: on 3 rank(s) in this process its weights, gradients and AdamW moments need about "), "{err}");
     assert!(
-        err.contains("GiB more (one microbatch in flight on one replica's ranks, up to 4194304 tokens a rank through 512 layers), more than the "),
+        err.contains("GiB more (the most the step's schedule makes these ranks hold at once: rank 0 then keeps 3 forward passes for their backward, 1 of them the LLM's, each 4194304 tokens a rank through up to 512 layers), more than the "),
         "{err}"
     );
 }
