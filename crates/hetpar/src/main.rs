@@ -104,7 +104,18 @@ enum Command {
 /// A `/proc/meminfo` field (`MemTotal`, `MemAvailable`) in bytes; `None` where the file or
 /// the field cannot be read.
 pub(crate) fn meminfo_bytes(field: &str) -> Option<f64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    proc_kib_field("/proc/meminfo", field)
+}
+
+/// The most memory this process has had resident (`VmHWM` of `/proc/self/status`) in
+/// bytes; `None` where the system does not say.
+pub(crate) fn process_peak_bytes() -> Option<f64> {
+    proc_kib_field("/proc/self/status", "VmHWM")
+}
+
+/// A `Field: N kB` line of a `/proc` file, in bytes.
+fn proc_kib_field(path: &str, field: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(path).ok()?;
     let line = text.lines().find(|l| l.split(':').next() == Some(field))?;
     line.split_whitespace().nth(1)?.parse::<f64>().ok().map(|kib| kib * 1024.0)
 }

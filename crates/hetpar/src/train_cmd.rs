@@ -16,7 +16,9 @@ use hetpar_runtime::checkpoint::Saved;
 use hetpar_runtime::{
     ActivationFloor, EvalReport, Resident, RunFacts, RuntimeError, StepLog, Trainer,
 };
-use hetpar_schedule::{Action, Compute, Options as ScheduleOptions, Pass, PipelineGraph, Schedule};
+use hetpar_schedule::{
+    Action, Compute, Held, Options as ScheduleOptions, Pass, PipelineGraph, Schedule,
+};
 
 use crate::data_open::RunData;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -580,7 +582,18 @@ fn run_on(
     if logs.is_empty() {
         bail!("stopped by a signal before the first step finished; nothing new to save");
     }
-    summary(&graph, &logs, report.start.elapsed());
+    // What this process held at its peak, next to what the preflight counted for its ranks.
+    let here: Vec<usize> = if mpi.is_some() { vec![0] } else { (0..graph.world).collect() };
+    let first = first_manifest(&graph, &data, start);
+    let memory = crate::process_peak_bytes().map(|peak| Memory {
+        peak,
+        states: states_bytes(&graph, dtype, &here),
+        activations: activations_floor(&graph, dtype, first.as_ref(), &here)
+            .map(|f| f.2.total)
+            .ok(),
+        ranks: here,
+    });
+    summary(&graph, &logs, report.start.elapsed(), memory.as_ref());
     let evals = report.evals.lock().unwrap_or_else(|e| e.into_inner()).clone();
     if let (Some(first), Some(last)) = (evals.first(), evals.last())
         && evals.len() > 1
@@ -811,7 +824,19 @@ fn say(line: &str) {
     }
 }
 
-fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
+/// A process's memory at the end of a run, with what the preflight counted for its ranks.
+struct Memory {
+    /// Its peak resident bytes.
+    peak: f64,
+    /// Weights, gradients and AdamW moments of its ranks.
+    states: f64,
+    /// The floor of their activations (`None` where the schedule could not be built).
+    activations: Option<f64>,
+    /// Its ranks.
+    ranks: Vec<usize>,
+}
+
+fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration, memory: Option<&Memory>) {
     let (first, last) = (&logs[0].report, &logs[logs.len() - 1].report);
     let tokens: usize = logs.iter().map(|l| l.tokens).sum();
     // The rate is the steps': evaluations, checkpoints and the start are in the wall time.
@@ -849,7 +874,9 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
         say(&format!("boundary bytes per step (all ranks): {}", edges.join("; ")));
     }
     let size = |b: f64| {
-        if b >= 1024.0 * 1024.0 {
+        if b >= (1u64 << 30) as f64 {
+            format!("{:.2} GiB", b / (1u64 << 30) as f64)
+        } else if b >= 1024.0 * 1024.0 {
             format!("{:.2} MiB", b / (1024.0 * 1024.0))
         } else {
             format!("{:.1} KiB", b / 1024.0)
@@ -885,6 +912,18 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration) {
         })
         .collect();
     say(&format!("peak held per rank (all its modules): {}", per_rank.join(", ")));
+    if let Some(m) = memory {
+        let acts = m
+            .activations
+            .map_or(String::new(), |a| format!(" and at least {} of activations", size(a)));
+        say(&format!(
+            "memory of this process (rank{} {}): {} resident at its peak; the preflight counted {} of weights, gradients and moments{acts}",
+            if m.ranks.len() == 1 { "" } else { "s" },
+            hetpar_layout::plan::rank_list(&m.ranks),
+            size(m.peak),
+            size(m.states),
+        ));
+    }
     say(&format!(
         "{}: loss {:.4} -> {:.4} over {} steps, {:.0} tokens/s ({} tokens in {:.1} s of steps; {:.1} s in all, with setup, evaluations and checkpoints), {} steps skipped",
         graph.name,
@@ -1273,15 +1312,9 @@ pub(crate) fn fits_memory_mpi(
     fits_memory_of(graph, (dtype, holds), &here, &at, "")
 }
 
-fn fits_memory_of(
-    graph: &ModelGraph,
-    (dtype, holds): (DType, Holds<'_>),
-    ranks: &[usize],
-    at: &str,
-    how: &str,
-) -> anyhow::Result<()> {
-    let Some(available) = crate::meminfo_bytes("MemAvailable") else { return Ok(()) };
-    // Parameter, gradient and two moments, each of the parameters' type.
+/// Bytes of the weights, gradients and AdamW moments of `ranks` (each of the parameters'
+/// type).
+fn states_bytes(graph: &ModelGraph, dtype: DType, ranks: &[usize]) -> f64 {
     let per_param = 4.0 * dtype.size_in_bytes() as f64;
     let params = crate::flops::StepFlops::new(graph).module_params();
     let mut states = 0.0;
@@ -1290,6 +1323,33 @@ fn fits_memory_of(
         let here = ranks.iter().filter(|&&r| l.span().contains(r)).count();
         states += params[m] / (l.tp() * l.pp()) as f64 * per_param * here as f64;
     }
+    states
+}
+
+/// The floor of the activations `ranks` hold at once in a step, with the schedule and the
+/// per-pass bytes it came from.
+fn activations_floor<'g>(
+    graph: &'g ModelGraph,
+    dtype: DType,
+    manifest: Option<&BatchManifest>,
+    ranks: &[usize],
+) -> anyhow::Result<(Schedule, ActivationFloor<'g>, Held)> {
+    let schedule = Schedule::build(&PipelineGraph::from_model(graph), ScheduleOptions::default())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", graph.name))?;
+    let floor = ActivationFloor::new(graph, manifest, dtype.size_in_bytes());
+    let held = hetpar_runtime::activations_held(&schedule, &floor, ranks);
+    Ok((schedule, floor, held))
+}
+
+fn fits_memory_of(
+    graph: &ModelGraph,
+    (dtype, holds): (DType, Holds<'_>),
+    ranks: &[usize],
+    at: &str,
+    how: &str,
+) -> anyhow::Result<()> {
+    let Some(available) = crate::meminfo_bytes("MemAvailable") else { return Ok(()) };
+    let states = states_bytes(graph, dtype, ranks);
     let gib = |b: f64| b / (1u64 << 30) as f64;
     if states > available {
         bail!(
@@ -1301,10 +1361,7 @@ fn fits_memory_of(
         );
     }
     let Holds::Training(manifest) = holds else { return Ok(()) };
-    let schedule = Schedule::build(&PipelineGraph::from_model(graph), ScheduleOptions::default())
-        .map_err(|e| anyhow::anyhow!("{}: {e}", graph.name))?;
-    let floor = ActivationFloor::new(graph, manifest, dtype.size_in_bytes());
-    let held = hetpar_runtime::activations_held(&schedule, &floor, ranks);
+    let (schedule, floor, held) = activations_floor(graph, dtype, manifest, ranks)?;
     if states + held.total > available {
         // The moment: the rank whose passes set it, and what it holds then.
         let mut pending: Vec<Compute> = Vec::new();
