@@ -420,8 +420,9 @@ pub struct ParallelConfig {
     /// stay: the encoder's phase-1 graph holds them.
     #[serde(default)]
     pub offload: bool,
-    /// Encoders: drop the activations of each forward and recompute them before its
-    /// backward (memory for time; the numbers are the same).
+    /// Drop the activations of each forward pass and compute them again before its
+    /// backward (memory for time; the numbers are the same): an encoder's, or each of the
+    /// LLM's pipeline stages (every layer of the stage).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recompute: bool,
 }

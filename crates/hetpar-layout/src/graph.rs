@@ -70,7 +70,7 @@ pub struct Module {
     pub vpp: usize,
     /// Offloaded to host memory during the LLM pipeline phase.
     pub offload: bool,
-    /// Activations recomputed before the backward (encoders).
+    /// Activations dropped after each forward and recomputed before its backward.
     pub recompute: bool,
     /// `false`: frozen (no gradients, no optimizer state).
     pub trainable: bool,
@@ -394,12 +394,6 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
                 layout.pp()
             ));
         }
-    }
-    if p.recompute && m.kind == ModuleKind::Llama {
-        return perr(
-            "recompute applies to encoders (activations dropped after each forward, recomputed before its backward); the llama module's is not supported yet"
-                .to_string(),
-        );
     }
     if p.offload && m.kind == ModuleKind::Llama {
         return perr(

@@ -140,12 +140,6 @@ fn unknown_keys_anywhere() {
 }
 
 #[test]
-fn recompute_is_for_encoders() {
-    let msg = error_after("tp = 4", "tp = 4\nrecompute = true");
-    assert!(msg.starts_with("modules.llm.parallel: recompute applies to encoders"), "{msg}");
-}
-
-#[test]
 fn optimizer_settings_out_of_range() {
     for (to, want) in [
         ("lr = 0.0", "train.lr: must be a positive number, got 0"),

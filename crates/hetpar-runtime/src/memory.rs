@@ -14,11 +14,10 @@
 
 use candle_core::{DType, Device, Tensor, Var, WithDType};
 use hetpar_layout::{BatchManifest, ModelGraph, ModuleSpec};
-use hetpar_schedule::{Compute, Held, PipelineGraph, Schedule, Work};
-
-use crate::stages::llama::stage_layers;
+use hetpar_schedule::{Compute, Held, Keeps, Pass, PipelineGraph, Schedule, Work};
 
 use crate::error::RuntimeError;
+use crate::stages::llama::stage_layers;
 
 type Result<T> = std::result::Result<T, RuntimeError>;
 
@@ -139,144 +138,20 @@ fn tensor<T: WithDType>(v: Vec<T>, shape: &[usize], var: bool) -> Result<Tensor>
     })
 }
 
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-
-    use candle_core::{DType, Device, Tensor};
-
-    use hetpar_layout::{BatchManifest, Config, ModelGraph};
-    use hetpar_schedule::{Compute, Options, Pass, PipelineGraph, Schedule};
-
-    use super::{ActivationFloor, HostCopy, activations_held, bytes};
-
-    /// The in-memory example with each `(from, to)` of `edits` replaced in its text.
-    fn in_memory(edits: &[(&str, &str)]) -> ModelGraph {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/in-memory.toml");
-        let mut text = std::fs::read_to_string(path).unwrap();
-        for (from, to) in edits {
-            assert!(text.contains(from), "{from}");
-            text = text.replace(from, to);
-        }
-        ModelGraph::from_config(&Config::from_toml(&text).unwrap()).unwrap()
-    }
-
-    fn forward(module: usize, vstage: usize, mb: usize) -> Compute {
-        Compute { pass: Pass::Forward, module, vstage, mb }
-    }
-
-    /// The in-memory example by hand. Its LLM (tp 2 with SP on ranks 0-1, pp 1, 4 samples
-    /// of 64 tokens a microbatch; hidden 96, 6 heads, 2 KV heads, SwiGLU 192, vocabulary
-    /// 256) keeps per token and layer q and the attention's output (96 each), k and v (32
-    /// each) and the MLP's 3 x 192, split over tp, and the layer input 96 / 2 under SP; the
-    /// logits 256 / 2. The vision encoder (tp 1, dp 2 on ranks 0-1: hidden 64, ffn 128, 16
-    /// rows an image, 2 layers) keeps q, k, v, the attention's output and the MLP's inner
-    /// activation and the layer input: `4 * 64 + 128 + 64` a row and layer.
-    #[test]
-    fn the_activation_floor_counts_what_every_path_keeps_by_hand() {
-        let graph = in_memory(&[]);
-        let id = |name: &str| graph.modules.iter().position(|m| m.name == name).unwrap();
-        let (llm, vision, audio) = (id("llm"), id("vision"), id("audio"));
-        let manifest = BatchManifest::synthetic(&graph, 0);
-        let f = ActivationFloor::new(&graph, Some(&manifest), 4);
-        let per_token = (2.0 * 96.0 + 2.0 * 32.0 + 3.0 * 192.0) / 2.0 + 48.0;
-        let want = (per_token * 4.0 + 128.0) * 256.0 * 4.0;
-        assert_eq!(f.rows(llm, 0, 0), 256);
-        assert_eq!(f.bytes(0, &forward(llm, 0, 0)), want);
-        assert_eq!(f.bytes(1, &forward(llm, 0, 1)), want);
-        // Rank 3 holds no LLM stage.
-        assert_eq!(f.bytes(3, &forward(llm, 0, 0)), 0.0);
-        // Each vision replica's images of the manifest's microbatch.
-        let edge = graph.edges.iter().position(|e| e.src == vision).unwrap();
-        let images = |mb: usize, d: usize| manifest.replica_items(edge, 2, d, mb).len();
-        assert!((0..2).any(|mb| images(mb, 0) + images(mb, 1) > 0), "the manifest has images");
-        let per_row = 4.0 * 64.0 + 128.0 + 64.0;
-        let vision_bytes = |mb: usize, d: usize| per_row * 2.0 * (images(mb, d) * 16) as f64 * 4.0;
-        for (rank, d) in [(0, 0), (1, 1)] {
-            for mb in 0..2 {
-                assert_eq!(f.rows(vision, rank, mb), images(mb, d) * 16);
-                assert_eq!(f.bytes(rank, &forward(vision, 0, mb)), vision_bytes(mb, d));
-            }
-        }
-        // Without a manifest the encoders count nothing; recomputed, neither.
-        let none = ActivationFloor::new(&graph, None, 4);
-        assert_eq!(none.bytes(0, &forward(vision, 0, 0)), 0.0);
-        assert_eq!(none.bytes(0, &forward(llm, 0, 0)), want);
-        let mut recomputed = graph.clone();
-        recomputed.modules[vision].recompute = true;
-        let f2 = ActivationFloor::new(&recomputed, Some(&manifest), 4);
-        assert_eq!(f2.bytes(0, &forward(vision, 0, 0)), 0.0);
-
-        // Over the step's schedule (three-phase: the vision forwards of both microbatches
-        // first, kept through the LLM's one-at-a-time 1F1B), rank 0 alone holds both of
-        // its replica's microbatches of images and one of the LLM's.
-        let schedule =
-            Schedule::build(&PipelineGraph::from_model(&graph), Options::default()).unwrap();
-        let held = activations_held(&schedule, &f, &[0]);
-        assert_eq!(held.total, vision_bytes(0, 0) + vision_bytes(1, 0) + want);
-        // With its tp peer (rank 1, vision replica 1), which runs each LLM pass with it: at
-        // rank 0's moment rank 1 has begun the same LLM forward, and holds its own images.
-        let pair = activations_held(&schedule, &f, &[0, 1]);
-        let one = |d: usize| vision_bytes(0, d) + vision_bytes(1, d) + want;
-        assert_eq!(pair.total, one(0) + one(1));
-        // The audio island (rank 2) and rank 0 share only boundary transforms, which fix no
-        // order (who sends rows to whom depends on the manifest): together they hold at
-        // least what the larger alone does.
-        let audio_alone = activations_held(&schedule, &f, &[2]);
-        assert!(audio_alone.total > 0.0 && f.rows(audio, 2, 0) + f.rows(audio, 2, 1) > 0);
-        let both = activations_held(&schedule, &f, &[0, 2]);
-        assert_eq!(both.total, held.total.max(audio_alone.total));
-    }
-
-    /// Two LLM stages of two layers each with four microbatches: stage 0 alone holds two
-    /// microbatches at its peak (1F1B's warm-up forward and one more), without the logits.
-    #[test]
-    fn a_first_pipeline_stage_holds_its_warmup_forwards() {
-        let graph = in_memory(&[
-            ("microbatches = 2", "microbatches = 4"),
-            ("ranks = [0, 2]           # the LLM's", "ranks = [0, 4]           # the LLM's"),
-            ("ranks = [2, 3]", "ranks = [4, 5]"),
-            ("ranks = [0, 2]\ntp = 2", "ranks = [0, 4]\ntp = 2\npp = 2"),
-        ]);
-        let llm = graph.modules.iter().position(|m| m.name == "llm").unwrap();
-        let f = ActivationFloor::new(&graph, None, 4);
-        let per_token = (2.0 * 96.0 + 2.0 * 32.0 + 3.0 * 192.0) / 2.0 + 48.0;
-        assert_eq!(f.bytes(0, &forward(llm, 0, 0)), per_token * 2.0 * 128.0 * 4.0);
-        assert_eq!(f.bytes(2, &forward(llm, 1, 0)), (per_token * 2.0 + 128.0) * 128.0 * 4.0);
-        let schedule =
-            Schedule::build(&PipelineGraph::from_model(&graph), Options::default()).unwrap();
-        assert_eq!(
-            activations_held(&schedule, &f, &[0]).total,
-            2.0 * per_token * 2.0 * 128.0 * 4.0
-        );
-    }
-
-    #[test]
-    fn a_host_copy_gives_back_the_same_bits() {
-        for dtype in [DType::F32, DType::F64] {
-            let a = Tensor::randn(0.0, 1.0, (3, 5), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
-            let b = Tensor::randn(0.0, 1.0, 7, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
-            let c = HostCopy::pack(&[a.clone(), b.clone()], dtype).unwrap();
-            assert_eq!(c.len(), bytes([&a, &b]));
-            let back = c.unpack(1).unwrap();
-            assert!(!back[0].is_variable() && back[1].is_variable());
-            for (x, y) in [a, b].iter().zip(&back) {
-                assert_eq!(x.dims(), y.dims());
-                let d = (x - y).unwrap().abs().unwrap().sum_all().unwrap();
-                assert_eq!(d.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), 0.0);
-            }
-        }
-    }
-}
-
 /// A floor of the bytes each forward pass keeps for its backward, by rank and pass. Per row
 /// and layer it counts what every path of the runtime keeps (the fused one-rank blocks keep
 /// exactly this, composed operations more):
 /// - the LLM: the attention's q, k, v and output, a dense SwiGLU MLP's gate, up and product
 ///   (an MoE layer's routed rows are not bounded on any one rank), the layer's input for
 ///   its norm; on the last virtual stage the vocabulary-parallel logits;
-/// - an encoder: the attention's q, k, v and output, the MLP's inner activation, the layer's
-///   input; nothing where its forwards are recomputed before the backward (`recompute`).
+/// - an encoder: the attention's q, k, v and output, the GELU MLP's input and output, the
+///   layer's input.
+///
+/// A recomputed module's pass (`recompute`) keeps only the hidden states it received and
+/// passed on, and builds the rest again when its backward begins. The per-layer terms are
+/// the tensors of Korthikanti et al., "Reducing Activation Recomputation in Large
+/// Transformer Models" (2022), section 4.1, that a fused attention keeps (no score matrix)
+/// and that no path here drops.
 ///
 /// Heads, MLPs and the vocabulary split over `tp`, rows over `cp` (and a layer's input over
 /// `tp` under SP). The LLM's rows are its samples of a microbatch over `dp` times
@@ -325,21 +200,10 @@ impl<'a> ActivationFloor<'a> {
         stage_layers(module.dims.layers, n, vstage).len()
     }
 
-    /// The ranks pass `c` of `rank` runs collectives with, so that it completes on none
-    /// before all have begun it: its stage's tensor- and context-parallel ranks (each layer
-    /// reduces over tp and rings keys and values over cp). None for a replica without rows
-    /// in the microbatch, or an encoder without a manifest: those may skip their
-    /// collectives.
-    pub fn lockstep(&self, rank: usize, c: &Compute) -> Vec<usize> {
-        let l = &self.graph.modules[c.module].layout;
-        match l.coords(rank) {
-            Some(at) if self.rows(c.module, rank, c.mb) > 0 => l.stage_ranks(at.dp_idx, at.pp_idx),
-            _ => Vec::new(),
-        }
-    }
-
-    /// The bytes forward `c` on `rank` keeps for its backward.
-    pub fn bytes(&self, rank: usize, c: &Compute) -> f64 {
+    /// The bytes forward `c` on `rank` builds for its backward: what it keeps unless the
+    /// module is recomputed, and what its recomputation builds again when the backward
+    /// begins.
+    pub fn graph_bytes(&self, rank: usize, c: &Compute) -> f64 {
         let module = &self.graph.modules[c.module];
         let l = &module.layout;
         let (h, tp) = (module.dims.hidden as f64, l.tp() as f64);
@@ -349,15 +213,69 @@ impl<'a> ActivationFloor<'a> {
             ModuleSpec::Llama { vocab, kv_heads, experts, .. } => {
                 let kv = kv_heads as f64 * h / module.dims.heads.max(1) as f64;
                 let mlp = if experts == 0 { 3.0 * ffn } else { 0.0 };
-                let n = l.pp() * module.vpp.max(1);
-                let logits = if c.vstage + 1 == n { vocab as f64 / tp } else { 0.0 };
+                let logits = if self.last(c) { vocab as f64 / tp } else { 0.0 };
                 ((2.0 * h + 2.0 * kv + mlp) / tp + input, logits)
             }
-            _ if module.recompute => (0.0, 0.0),
-            _ => ((4.0 * h + ffn) / tp + input, 0.0),
+            _ => ((4.0 * h + 2.0 * ffn) / tp + input, 0.0),
         };
         let layers = self.layers(c.module, c.vstage) as f64;
         (per_layer * layers + last) * self.rows(c.module, rank, c.mb) as f64 * self.elem
+    }
+
+    /// The bytes a recomputed forward `c` on `rank` keeps until its backward: the hidden
+    /// states it received from the stage before and the ones it passed on (an encoder's
+    /// last stage passes its rows on at the LLM's width; the LLM's last, a loss).
+    pub fn edge_bytes(&self, rank: usize, c: &Compute) -> f64 {
+        let module = &self.graph.modules[c.module];
+        let h = module.dims.hidden as f64;
+        let input = if c.vstage > 0 { h } else { 0.0 };
+        let output = match (self.last(c), &module.spec) {
+            (false, _) => h,
+            (true, ModuleSpec::Llama { .. }) => 0.0,
+            (true, _) => self
+                .graph
+                .edges
+                .iter()
+                .find(|e| e.src == c.module)
+                .map_or(0.0, |e| self.graph.modules[e.dst].dims.hidden as f64),
+        };
+        (input + output) * self.rows(c.module, rank, c.mb) as f64 * self.elem
+    }
+
+    /// Whether `c` is of its module's last virtual stage.
+    fn last(&self, c: &Compute) -> bool {
+        let module = &self.graph.modules[c.module];
+        c.vstage + 1 == module.layout.pp() * module.vpp.max(1)
+    }
+}
+
+impl Keeps for ActivationFloor<'_> {
+    fn kept(&self, rank: usize, c: &Compute) -> f64 {
+        if self.graph.modules[c.module].recompute {
+            self.edge_bytes(rank, c)
+        } else {
+            self.graph_bytes(rank, c)
+        }
+    }
+
+    fn during(&self, rank: usize, c: &Compute) -> f64 {
+        let recomputed = self.graph.modules[c.module].recompute && c.pass == Pass::Backward;
+        if recomputed {
+            self.graph_bytes(rank, &Compute { pass: Pass::Forward, ..*c })
+        } else {
+            0.0
+        }
+    }
+
+    /// Its stage's tensor- and context-parallel ranks (each layer reduces over tp and rings
+    /// keys and values over cp); none for a replica without rows in the microbatch, or an
+    /// encoder without a manifest: those may skip their collectives.
+    fn lockstep(&self, rank: usize, c: &Compute) -> Vec<usize> {
+        let l = &self.graph.modules[c.module].layout;
+        match l.coords(rank) {
+            Some(at) if self.rows(c.module, rank, c.mb) > 0 => l.stage_ranks(at.dp_idx, at.pp_idx),
+            _ => Vec::new(),
+        }
     }
 }
 
@@ -365,5 +283,151 @@ impl<'a> ActivationFloor<'a> {
 /// (`hetpar_schedule::held` over [`ActivationFloor::bytes`] and
 /// [`ActivationFloor::lockstep`]).
 pub fn activations_held(schedule: &Schedule, floor: &ActivationFloor<'_>, ranks: &[usize]) -> Held {
-    hetpar_schedule::held(schedule, ranks, &|r, c| floor.bytes(r, c), &|r, c| floor.lockstep(r, c))
+    hetpar_schedule::held(schedule, ranks, floor)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use candle_core::{DType, Device, Tensor};
+
+    use hetpar_layout::{BatchManifest, Config, ModelGraph};
+    use hetpar_schedule::{Compute, Keeps, Options, Pass, PipelineGraph, Schedule};
+
+    use super::{ActivationFloor, HostCopy, activations_held, bytes};
+
+    /// The in-memory example with each `(from, to)` of `edits` replaced in its text.
+    fn in_memory(edits: &[(&str, &str)]) -> ModelGraph {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/in-memory.toml");
+        let mut text = std::fs::read_to_string(path).unwrap();
+        for (from, to) in edits {
+            assert!(text.contains(from), "{from}");
+            text = text.replace(from, to);
+        }
+        ModelGraph::from_config(&Config::from_toml(&text).unwrap()).unwrap()
+    }
+
+    fn forward(module: usize, vstage: usize, mb: usize) -> Compute {
+        Compute { pass: Pass::Forward, module, vstage, mb }
+    }
+
+    /// The in-memory example by hand. Its LLM (tp 2 with SP on ranks 0-1, pp 1, 4 samples
+    /// of 64 tokens a microbatch; hidden 96, 6 heads, 2 KV heads, SwiGLU 192, vocabulary
+    /// 256) keeps per token and layer q and the attention's output (96 each), k and v (32
+    /// each) and the MLP's 3 x 192, split over tp, and the layer input 96 / 2 under SP; the
+    /// logits 256 / 2. The vision encoder (tp 1, dp 2 on ranks 0-1: hidden 64, ffn 128, 16
+    /// rows an image, 2 layers) keeps q, k, v, the attention's output, the MLP's input and
+    /// output and the layer input: `4 * 64 + 2 * 128 + 64` a row and layer.
+    #[test]
+    fn the_activation_floor_counts_what_every_path_keeps_by_hand() {
+        let graph = in_memory(&[]);
+        let id = |name: &str| graph.modules.iter().position(|m| m.name == name).unwrap();
+        let (llm, vision, audio) = (id("llm"), id("vision"), id("audio"));
+        let manifest = BatchManifest::synthetic(&graph, 0);
+        let f = ActivationFloor::new(&graph, Some(&manifest), 4);
+        let per_token = (2.0 * 96.0 + 2.0 * 32.0 + 3.0 * 192.0) / 2.0 + 48.0;
+        let want = (per_token * 4.0 + 128.0) * 256.0 * 4.0;
+        assert_eq!(f.rows(llm, 0, 0), 256);
+        assert_eq!(f.kept(0, &forward(llm, 0, 0)), want);
+        assert_eq!(f.kept(1, &forward(llm, 0, 1)), want);
+        // Rank 3 holds no LLM stage.
+        assert_eq!(f.kept(3, &forward(llm, 0, 0)), 0.0);
+        // Each vision replica's images of the manifest's microbatch: per row and layer q, k,
+        // v and the attention's output (64 each), the MLP's input and output (128 each) and
+        // the layer input.
+        let edge = graph.edges.iter().position(|e| e.src == vision).unwrap();
+        let images = |mb: usize, d: usize| manifest.replica_items(edge, 2, d, mb).len();
+        assert!((0..2).any(|mb| images(mb, 0) + images(mb, 1) > 0), "the manifest has images");
+        let per_row = 4.0 * 64.0 + 2.0 * 128.0 + 64.0;
+        let vision_bytes = |mb: usize, d: usize| per_row * 2.0 * (images(mb, d) * 16) as f64 * 4.0;
+        for (rank, d) in [(0, 0), (1, 1)] {
+            for mb in 0..2 {
+                assert_eq!(f.rows(vision, rank, mb), images(mb, d) * 16);
+                assert_eq!(f.kept(rank, &forward(vision, 0, mb)), vision_bytes(mb, d));
+            }
+        }
+        // Without a manifest the encoders count nothing.
+        let none = ActivationFloor::new(&graph, None, 4);
+        assert_eq!(none.kept(0, &forward(vision, 0, 0)), 0.0);
+        assert_eq!(none.kept(0, &forward(llm, 0, 0)), want);
+        // Recomputed, a pass keeps only what it passed on (the encoder's rows at the LLM's
+        // width 96; the one-stage LLM a loss), and builds its graph again when its backward
+        // begins.
+        let mut recomputed = graph.clone();
+        recomputed.modules[vision].recompute = true;
+        recomputed.modules[llm].recompute = true;
+        let f2 = ActivationFloor::new(&recomputed, Some(&manifest), 4);
+        let back = |c: Compute| Compute { pass: Pass::Backward, ..c };
+        for mb in 0..2 {
+            let rows = (images(mb, 0) * 16) as f64;
+            assert_eq!(f2.kept(0, &forward(vision, 0, mb)), rows * 96.0 * 4.0);
+            assert_eq!(f2.during(0, &back(forward(vision, 0, mb))), vision_bytes(mb, 0));
+            assert_eq!(f2.during(0, &forward(vision, 0, mb)), 0.0);
+            assert_eq!(f2.kept(0, &forward(llm, 0, mb)), 0.0);
+            assert_eq!(f2.during(0, &back(forward(llm, 0, mb))), want);
+        }
+        assert_eq!(f.during(0, &back(forward(llm, 0, 0))), 0.0);
+
+        // Over the step's schedule (three-phase: the vision forwards of both microbatches
+        // first, kept through the LLM's one-at-a-time 1F1B), rank 0 alone holds both of
+        // its replica's microbatches of images and one of the LLM's.
+        let schedule =
+            Schedule::build(&PipelineGraph::from_model(&graph), Options::default()).unwrap();
+        let held = activations_held(&schedule, &f, &[0]);
+        assert_eq!(held.total, vision_bytes(0, 0) + vision_bytes(1, 0) + want);
+        // With its tp peer (rank 1, vision replica 1), which runs each LLM pass with it: just
+        // before the first of the two completes the LLM's backward, both are inside it,
+        // holding their images and the LLM's microbatch.
+        let pair = activations_held(&schedule, &f, &[0, 1]);
+        let one = |d: usize| vision_bytes(0, d) + vision_bytes(1, d) + want;
+        assert_eq!(pair.total, one(0) + one(1));
+        // The audio island (rank 2) and rank 0 share only boundary transforms, which fix no
+        // order (who sends rows to whom depends on the manifest): together they hold at
+        // least what the larger alone does.
+        let audio_alone = activations_held(&schedule, &f, &[2]);
+        assert!(audio_alone.total > 0.0 && f.rows(audio, 2, 0) + f.rows(audio, 2, 1) > 0);
+        let both = activations_held(&schedule, &f, &[0, 2]);
+        assert_eq!(both.total, held.total.max(audio_alone.total));
+    }
+
+    /// Two LLM stages of two layers each with four microbatches: stage 0 alone holds two
+    /// microbatches at its peak (1F1B's warm-up forward and one more), without the logits.
+    #[test]
+    fn a_first_pipeline_stage_holds_its_warmup_forwards() {
+        let graph = in_memory(&[
+            ("microbatches = 2", "microbatches = 4"),
+            ("ranks = [0, 2]           # the LLM's", "ranks = [0, 4]           # the LLM's"),
+            ("ranks = [2, 3]", "ranks = [4, 5]"),
+            ("ranks = [0, 2]\ntp = 2", "ranks = [0, 4]\ntp = 2\npp = 2"),
+        ]);
+        let llm = graph.modules.iter().position(|m| m.name == "llm").unwrap();
+        let f = ActivationFloor::new(&graph, None, 4);
+        let per_token = (2.0 * 96.0 + 2.0 * 32.0 + 3.0 * 192.0) / 2.0 + 48.0;
+        assert_eq!(f.kept(0, &forward(llm, 0, 0)), per_token * 2.0 * 128.0 * 4.0);
+        assert_eq!(f.kept(2, &forward(llm, 1, 0)), (per_token * 2.0 + 128.0) * 128.0 * 4.0);
+        let schedule =
+            Schedule::build(&PipelineGraph::from_model(&graph), Options::default()).unwrap();
+        assert_eq!(
+            activations_held(&schedule, &f, &[0]).total,
+            2.0 * per_token * 2.0 * 128.0 * 4.0
+        );
+    }
+
+    #[test]
+    fn a_host_copy_gives_back_the_same_bits() {
+        for dtype in [DType::F32, DType::F64] {
+            let a = Tensor::randn(0.0, 1.0, (3, 5), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let b = Tensor::randn(0.0, 1.0, 7, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let c = HostCopy::pack(&[a.clone(), b.clone()], dtype).unwrap();
+            assert_eq!(c.len(), bytes([&a, &b]));
+            let back = c.unpack(1).unwrap();
+            assert!(!back[0].is_variable() && back[1].is_variable());
+            for (x, y) in [a, b].iter().zip(&back) {
+                assert_eq!(x.dims(), y.dims());
+                let d = (x - y).unwrap().abs().unwrap().sum_all().unwrap();
+                assert_eq!(d.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), 0.0);
+            }
+        }
+    }
 }

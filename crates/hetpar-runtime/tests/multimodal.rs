@@ -104,6 +104,19 @@ impl Run {
     }
 }
 
+/// Asserts that two runs agree bitwise: every step's loss and gradient norm, and every
+/// parameter after the last step.
+fn assert_bitwise(a: &Run, b: &Run, what: &str) {
+    for (x, y) in a.reports.iter().zip(&b.reports) {
+        assert_eq!(
+            (x.loss.to_bits(), x.grad_norm.to_bits()),
+            (y.loss.to_bits(), y.grad_norm.to_bits()),
+            "{what}"
+        );
+    }
+    assert_eq!(assemble(&a.ranks, 0.0).unwrap(), assemble(&b.ranks, 0.0).unwrap(), "{what}");
+}
+
 fn run(graph: &ModelGraph, dtype: DType) -> Run {
     let schedule = Schedule::build(&PipelineGraph::from_model(graph), Options::default()).unwrap();
     let sources = Sources::synthetic(graph);
@@ -210,27 +223,35 @@ fn recomputing_the_encoder_changes_no_number() {
         "{:?}",
         again.reports.iter().map(|r| r.recomputed).collect::<Vec<_>>()
     );
-    for (x, y) in plain.reports.iter().zip(&again.reports) {
-        assert_eq!(
-            (x.loss.to_bits(), x.grad_norm.to_bits()),
-            (y.loss.to_bits(), y.grad_norm.to_bits())
-        );
+    assert_bitwise(&plain, &again, "encoder recomputed");
+}
+
+/// Recomputing the LLM's stages (each forward's activations dropped and computed again
+/// before its backward) under tensor parallelism with SP, and as a two-stage pipeline next
+/// to a recomputed encoder: every loss, norm and parameter is bitwise what it is without.
+#[test]
+fn recomputing_the_llm_changes_no_number() {
+    for (llm, each) in [("tp = 2\nsp = true", 2), ("pp = 2", 2)] {
+        let mut g = config(([0, 4], 1), ([0, 4], llm), "");
+        let plain = run(&g, DType::F32);
+        let (vision, llm_id) = (g.module_id("vision").unwrap(), g.module_id("llm").unwrap());
+        g.modules[llm_id].recompute = true;
+        let again = run(&g, DType::F32);
+        g.modules[vision].recompute = true;
+        let both = run(&g, DType::F32);
+        // Rank 0 runs each of its LLM forwards again (one stage, two microbatches), then its
+        // vision replica's too.
+        assert!(again.reports.iter().all(|r| r.recomputed == each), "{llm}");
+        assert!(both.reports.iter().all(|r| r.recomputed == each + 2), "{llm}");
+        assert_bitwise(&plain, &again, llm);
+        assert_bitwise(&plain, &both, llm);
     }
-    assert_eq!(assemble(&plain.ranks, 0.0).unwrap(), assemble(&again.ranks, 0.0).unwrap());
 }
 
 #[test]
 fn the_same_run_twice_is_bitwise_equal() {
     let g = config(([0, 4], 1), ([0, 4], "tp = 2\nsp = true"), "");
-    let (a, b) = (run(&g, DType::F32), run(&g, DType::F32));
-    for (x, y) in a.reports.iter().zip(&b.reports) {
-        assert_eq!(
-            (x.loss.to_bits(), x.grad_norm.to_bits()),
-            (y.loss.to_bits(), y.grad_norm.to_bits())
-        );
-    }
-    let (pa, pb) = (assemble(&a.ranks, 0.0).unwrap(), assemble(&b.ranks, 0.0).unwrap());
-    assert_eq!(pa, pb);
+    assert_bitwise(&run(&g, DType::F32), &run(&g, DType::F32), "the same run twice");
 }
 
 #[test]
@@ -350,13 +371,7 @@ fn offloading_the_encoder_frees_its_state_during_the_llm_phase_and_changes_no_nu
             schedule.ranks[&0].iter().any(|a| matches!(a, hetpar_schedule::Action::Offload(_)))
         );
         let offloaded = run(&g, dtype);
-        for (x, y) in kept.reports.iter().zip(&offloaded.reports) {
-            assert_eq!(
-                (x.loss.to_bits(), x.grad_norm.to_bits()),
-                (y.loss.to_bits(), y.grad_norm.to_bits())
-            );
-        }
-        assert_eq!(assemble(&kept.ranks, 0.0).unwrap(), assemble(&offloaded.ranks, 0.0).unwrap());
+        assert_bitwise(&kept, &offloaded, "offloaded");
         // Rank 0's copy of the encoder (dp2, whole on each rank).
         let elem = if dtype == DType::F64 { 8 } else { 4 };
         let params: u64 = kept.initial[kept.modules.iter().position(|&m| m == v).unwrap()]
@@ -441,14 +456,7 @@ fn striping_on_and_off_is_bitwise_equal() {
     assert!(names[0] != names[1] && names[1] != names[2], "{names:?}");
     let (_, first) = &runs[0];
     for (name, r) in &runs[1..] {
-        for (x, y) in first.reports.iter().zip(&r.reports) {
-            assert_eq!(
-                (x.loss.to_bits(), x.grad_norm.to_bits()),
-                (y.loss.to_bits(), y.grad_norm.to_bits()),
-                "{name}"
-            );
-        }
-        assert_eq!(assemble(&first.ranks, 0.0).unwrap(), assemble(&r.ranks, 0.0).unwrap());
+        assert_bitwise(first, r, name);
     }
 }
 

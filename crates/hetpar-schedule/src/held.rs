@@ -10,14 +10,15 @@
 //! follows its send; a gradient reduction completes after every member joined) and at most
 //! those that need nothing `r` has not posted yet. So `r'` holds at least its least prefix
 //! in that window, and the sum over the set at `r`'s moment is a floor of what any execution
-//! holds then. Passes that run collectives inside them order their ranks too, where the
-//! caller says so (`lockstep`: a tensor-parallel group's forward completes on no rank
-//! before every rank of the group has begun it). Boundary transforms and completed sends
+//! holds then; the rank whose moment it is may hold more inside its next pass
+//! ([`Keeps::during`]). Passes that run collectives inside them order their ranks too,
+//! where the caller says so ([`Keeps::lockstep`]: a tensor-parallel group's forward
+//! completes on no rank before every rank of the group has begun it). Boundary transforms and completed sends
 //! add no order: which ranks a boundary rank exchanges with depends on the routing plan, and
 //! a send may complete before its receive is posted. Leaving order out widens the windows,
 //! so the floor stays a floor.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::action::{Action, Compute, MsgId, Pass, Role};
 use crate::build::Schedule;
@@ -35,23 +36,38 @@ pub struct Held {
     pub per_rank: BTreeMap<usize, f64>,
 }
 
+/// What each pass of a schedule keeps, and which ranks run a pass together: the input of
+/// [`held`].
+pub trait Keeps {
+    /// What forward `c` on `rank` keeps until the backward of the same module, virtual
+    /// stage and microbatch on that rank.
+    fn kept(&self, rank: usize, c: &Compute) -> f64;
+
+    /// What `rank` holds on top of that, at some moment while it runs pass `c` (a
+    /// recomputed forward's activations, alive when its backward begins). None by default.
+    fn during(&self, _rank: usize, _c: &Compute) -> f64 {
+        0.0
+    }
+
+    /// The ranks pass `c` of `rank` waits for inside it (collectives), so that it completes
+    /// only after each of them has begun the same pass. None by default. Where every rank
+    /// of such a group names all the others, the group's moments count too (just before its
+    /// first rank completes the pass, all are inside it).
+    fn lockstep(&self, _rank: usize, _c: &Compute) -> Vec<usize> {
+        Vec::new()
+    }
+}
+
 /// What `ranks` (of `s`) hold at once at the worst moment every execution passes through,
-/// where a forward `c` on rank `r` holds `weight(r, c)` until the backward of the same
-/// module, virtual stage and microbatch on that rank, and pass `c` on rank `r` completes
-/// only after every rank of `lockstep(r, c)` has begun the same pass. Ranks outside the
-/// schedule hold nothing. See the module docs for what "every execution" allows.
-pub fn held(
-    s: &Schedule,
-    ranks: &[usize],
-    weight: &dyn Fn(usize, &Compute) -> f64,
-    lockstep: &dyn Fn(usize, &Compute) -> Vec<usize>,
-) -> Held {
+/// by what each pass `keeps`. Ranks outside the schedule hold nothing. See the module docs
+/// for what "every execution" allows.
+pub fn held(s: &Schedule, ranks: &[usize], keeps: &dyn Keeps) -> Held {
     let set: Vec<usize> = ranks.iter().copied().filter(|r| s.ranks.contains_key(r)).collect();
     let prefix: BTreeMap<usize, Vec<f64>> =
-        set.iter().map(|&r| (r, prefix_held(s, r, weight))).collect();
+        set.iter().map(|&r| (r, prefix_held(s, r, keeps))).collect();
     let mins: BTreeMap<usize, RangeMin> =
         prefix.iter().map(|(&r, p)| (r, RangeMin::new(p))).collect();
-    let clocks = Clocks::new(s, &set, lockstep);
+    let clocks = Clocks::new(s, &set, keeps);
     let position: HashMap<usize, usize> = set.iter().enumerate().map(|(x, &r)| (r, x)).collect();
     // The floor at a moment where each rank of `fixed` has completed exactly its count of
     // actions (and may be inside the next).
@@ -78,8 +94,11 @@ pub fn held(
         after: 0,
         per_rank: BTreeMap::new(),
     };
-    let mut consider = |fixed: &[(usize, usize)]| {
-        let per_rank = at(fixed);
+    let mut consider = |fixed: &[(usize, usize)], during: f64| {
+        let mut per_rank = at(fixed);
+        if let Some(own) = per_rank.get_mut(&fixed[0].0) {
+            *own += during;
+        }
         let total: f64 = per_rank.values().sum();
         if total > best.total
             && let Some(&(rank, after)) = fixed.iter().find(|f| position.contains_key(&f.0))
@@ -87,26 +106,44 @@ pub fn held(
             best = Held { total, rank, after, per_rank };
         }
     };
-    // One rank after each prefix of its actions.
+    // One rank after each prefix of its actions, at its most inside the next.
     for &r in &set {
         for i in 0..prefix[&r].len() {
-            consider(&[(r, i)]);
+            let during = match s.ranks[&r].get(i) {
+                Some(Action::Compute(c)) => keeps.during(r, c),
+                _ => 0.0,
+            };
+            consider(&[(r, i)], during);
         }
     }
     // Just before the first rank of a lockstep group completes a pass: every rank of the
-    // group has begun it and none has completed it.
-    let mut groups = std::collections::BTreeSet::new();
+    // group has begun it and none has completed it. Only where every rank of the group
+    // waits for all the others (a group as one rank's `lockstep` names it, that each of
+    // the others names too).
+    let group = |r: usize, c: &Compute| -> Vec<usize> {
+        let mut g = keeps.lockstep(r, c);
+        g.push(r);
+        g.sort_unstable();
+        g.dedup();
+        g
+    };
+    let mut groups = BTreeSet::new();
     for &r in &set {
         for a in &s.ranks[&r] {
             let Action::Compute(c) = a else { continue };
-            let mut g = lockstep(r, c);
-            g.push(r);
-            g.sort_unstable();
-            g.dedup();
-            if g.len() > 1 && groups.insert((g.clone(), *c)) {
-                let fixed: Vec<(usize, usize)> =
-                    g.iter().filter_map(|&m| clocks.pass(m, c).map(|i| (m, i))).collect();
-                consider(&fixed);
+            let g = group(r, c);
+            if g.len() < 2 || groups.contains(&(g.clone(), *c)) {
+                continue;
+            }
+            let mutual = g.iter().all(|&m| {
+                let theirs = group(m, c);
+                g.iter().all(|x| theirs.contains(x))
+            });
+            let fixed: Option<Vec<(usize, usize)>> =
+                g.iter().map(|&m| clocks.pass(m, c).map(|i| (m, i))).collect();
+            if let (true, Some(fixed)) = (mutual, fixed) {
+                groups.insert((g.clone(), *c));
+                consider(&fixed, 0.0);
             }
         }
     }
@@ -114,7 +151,7 @@ pub fn held(
 }
 
 /// What `rank` holds after each prefix of its actions (`len + 1` values, the first 0).
-fn prefix_held(s: &Schedule, rank: usize, weight: &dyn Fn(usize, &Compute) -> f64) -> Vec<f64> {
+fn prefix_held(s: &Schedule, rank: usize, keeps: &dyn Keeps) -> Vec<f64> {
     let actions = &s.ranks[&rank];
     let mut out = Vec::with_capacity(actions.len() + 1);
     let mut now = 0.0;
@@ -123,7 +160,7 @@ fn prefix_held(s: &Schedule, rank: usize, weight: &dyn Fn(usize, &Compute) -> f6
         if let Action::Compute(c) = a
             && s.backward.get(c.module).copied().unwrap_or(false)
         {
-            let w = weight(rank, &Compute { pass: Pass::Forward, ..*c });
+            let w = keeps.kept(rank, &Compute { pass: Pass::Forward, ..*c });
             match c.pass {
                 Pass::Forward => now += w,
                 // Subtracting exactly what was added: a floor never goes below zero.
@@ -175,11 +212,7 @@ struct Clocks {
 }
 
 impl Clocks {
-    fn new(
-        s: &Schedule,
-        set: &[usize],
-        lockstep: &dyn Fn(usize, &Compute) -> Vec<usize>,
-    ) -> Clocks {
+    fn new(s: &Schedule, set: &[usize], keeps: &dyn Keeps) -> Clocks {
         let position: HashMap<usize, usize> =
             set.iter().enumerate().map(|(x, &r)| (r, x)).collect();
         // Where each message is posted (rank, action index, role), and each pass.
@@ -191,7 +224,9 @@ impl Clocks {
                     sites.entry(p.msg).or_default().push((r, i, p.role));
                 }
                 if let Action::Compute(c) = a {
-                    passes.insert((r, *c), i);
+                    // A valid schedule runs each pass once on a rank (`check`).
+                    let earlier = passes.insert((r, *c), i);
+                    debug_assert!(earlier.is_none(), "rank {r} runs {c:?} twice");
                 }
             }
         }
@@ -201,7 +236,8 @@ impl Clocks {
             let mut out = Vec::new();
             if let Action::Compute(c) = a {
                 out.extend(
-                    lockstep(r, c)
+                    keeps
+                        .lockstep(r, c)
                         .into_iter()
                         .filter(|&o| o != r)
                         .filter_map(|o| passes.get(&(o, *c)).map(|&j| (o, j))),

@@ -25,7 +25,7 @@ pub use action::{Action, Compute, Labels, MsgId, Pass, Post, Role};
 pub use build::{Options, Schedule};
 pub use error::ScheduleError;
 pub use graph::{PipeModule, PipelineGraph, ScheduleKind};
-pub use held::{Held, held};
+pub use held::{Held, Keeps, held};
 pub use render::{svg, text_grid};
 pub use validate::{Durations, Timeline, UnitDurations, check, simulate, validate};
 pub use work::{Work, WorkDurations};

@@ -163,15 +163,16 @@ fn swapped_sends_deadlock_with_the_cycle_named() {
 #[test]
 fn one_f_one_b_holds_its_warmup_per_stage() {
     let s = Schedule::build(&llm_only(4, 8), Options::default()).expect("builds");
-    let one = |_: usize, _: &hetpar_schedule::Compute| 1.0;
-    for stage in 0..4 {
-        assert_eq!(
-            held(&s, &[stage], &one, &|_, _| Vec::new()).total,
-            (4 - stage) as f64,
-            "stage {stage}"
-        );
+    struct One;
+    impl hetpar_schedule::Keeps for One {
+        fn kept(&self, _: usize, _: &hetpar_schedule::Compute) -> f64 {
+            1.0
+        }
     }
-    let all = held(&s, &[0, 1, 2, 3], &one, &|_, _| Vec::new());
+    for stage in 0..4 {
+        assert_eq!(held(&s, &[stage], &One).total, (4 - stage) as f64, "stage {stage}");
+    }
+    let all = held(&s, &[0, 1, 2, 3], &One);
     assert_eq!((all.total, all.rank, all.after), (7.0, 0, 8));
     assert_eq!(all.per_rank.values().copied().collect::<Vec<_>>(), [4.0, 2.0, 1.0, 0.0]);
 }

@@ -1,16 +1,16 @@
 //! Property tests: every schedule built for a random graph validates, also with encoder
 //! replicas that own no item in some microbatches; mutated schedules (a dropped receive, two
 //! swapped sends, an empty replica skipping its turn) are rejected with a message naming
-//! rank and action; frozen modules run only what they need; the floor of what ranks hold at once
-//! is held in every execution.
+//! rank and action; frozen modules run only what they need; the floor of what ranks hold
+//! at once is held in every execution.
+
+use std::collections::BTreeMap;
 
 use hetpar_layout::Direction;
 use hetpar_schedule::testing::{arb_graph, arb_graph_with_work};
-use std::collections::BTreeMap;
-
 use hetpar_schedule::{
-    Action, Compute, MsgId, Options, Pass, Post, Role, Schedule, UnitDurations, WorkDurations,
-    held, simulate, validate,
+    Action, Compute, Keeps, MsgId, Options, Pass, Role, Schedule, UnitDurations, WorkDurations,
+    held, validate,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -254,15 +254,18 @@ proptest! {
 }
 
 /// Per-action durations of 1 to 8 drawn from a hash of the action and a seed, and message
-/// transfers of 1 to 4: every action takes time, so an action that needs another rank's
-/// post ends after that post.
+/// transfers of 1 to 4, a quarter of each a hundred times longer: every action takes time,
+/// so an action that needs another rank's post ends after that post.
 struct Hashed(u64);
 
 impl Hashed {
     fn draw(&self, what: impl std::hash::Hash, range: u64) -> f64 {
         use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
         let h = BuildHasherDefault::<DefaultHasher>::default().hash_one((self.0, what));
-        1.0 + (h % range) as f64
+        // One in four takes a hundred times longer: ranks drift far apart, as the floor
+        // allows.
+        let slow = if (h >> 32).is_multiple_of(4) { 100.0 } else { 1.0 };
+        slow * (1 + h % range) as f64
     }
 }
 
@@ -281,60 +284,126 @@ impl hetpar_schedule::Durations for Hashed {
     }
 }
 
-/// What `rank` holds after each prefix of its actions, weights by `weight`: the oracle the
-/// floor is checked against.
-fn prefix_held(s: &Schedule, rank: usize, weight: &dyn Fn(usize, &Compute) -> f64) -> Vec<f64> {
+/// What each pass keeps, from closures: the test's [`Keeps`].
+struct Weights<'a> {
+    kept: &'a dyn Fn(usize, &Compute) -> f64,
+    during: &'a dyn Fn(usize, &Compute) -> f64,
+    lockstep: &'a dyn Fn(usize, &Compute) -> Vec<usize>,
+}
+
+impl Keeps for Weights<'_> {
+    fn kept(&self, rank: usize, c: &Compute) -> f64 {
+        (self.kept)(rank, c)
+    }
+
+    fn during(&self, rank: usize, c: &Compute) -> f64 {
+        (self.during)(rank, c)
+    }
+
+    fn lockstep(&self, rank: usize, c: &Compute) -> Vec<usize> {
+        (self.lockstep)(rank, c)
+    }
+}
+
+/// What `rank` holds after each prefix of its actions, and inside each action: the oracle
+/// the floor is checked against.
+fn prefix_held(s: &Schedule, rank: usize, w: &Weights<'_>) -> (Vec<f64>, Vec<f64>) {
     let mut now = 0.0;
-    let mut out = vec![now];
+    let (mut after, mut inside) = (vec![now], Vec::new());
     for a in &s.ranks[&rank] {
+        let mut during = 0.0;
         if let Action::Compute(c) = a
             && s.backward[c.module]
         {
-            let w = weight(rank, &Compute { pass: Pass::Forward, ..*c });
-            now += if c.pass == Pass::Forward { w } else { -w };
+            let kept = w.kept(rank, &Compute { pass: Pass::Forward, ..*c });
+            during = w.during(rank, c);
+            now += if c.pass == Pass::Forward { kept } else { -kept };
         }
-        out.push(now);
+        inside.push(after[after.len() - 1] + during);
+        after.push(now);
     }
-    out
+    (after, inside)
 }
 
-/// `s` with a barrier before every pass run by a group of ranks in lockstep (`peers`): a
-/// message every rank of the group joins (a reduction of a module id past the graph's, one
-/// per pass), so no rank begins the pass before every rank of the group has reached it.
-fn with_lockstep(s: &Schedule, peers: &dyn Fn(usize, &Compute) -> Vec<usize>) -> Schedule {
-    let mut ids: BTreeMap<(Vec<usize>, Compute), usize> = BTreeMap::new();
-    let mut out = s.clone();
-    for (&r, actions) in &s.ranks {
-        let mut v = Vec::new();
-        for a in actions {
-            if let Action::Compute(c) = a {
-                let mut group = peers(r, c);
-                group.sort_unstable();
-                if group.len() > 1 {
-                    let next = BARRIER + ids.len();
-                    let id = *ids.entry((group.clone(), *c)).or_insert(next);
-                    let msg = MsgId::Reduce { module: id, group: group[0] };
-                    v.push(Action::Reduce(Post { msg, role: Role::Member, participants: group }));
+/// Runs `s` on the clock of `d` under the least order [`held`] assumes, every other order
+/// left free: a receive of an activation or gradient ends after its send was posted, a
+/// gradient reduction after every member posted it, a pass after every rank of `peers`
+/// began it (each a while after); sends, boundary transforms and everything else end on
+/// their own time. Each
+/// rank's `(start, end)` of each action.
+fn eager(
+    s: &Schedule,
+    d: &Hashed,
+    peers: &dyn Fn(usize, &Compute) -> Vec<usize>,
+) -> Result<BTreeMap<usize, Vec<(f64, f64)>>, TestCaseError> {
+    use hetpar_schedule::Durations;
+    let mut spans: BTreeMap<usize, Vec<(f64, f64)>> =
+        s.ranks.keys().map(|&r| (r, Vec::new())).collect();
+    let mut posted: BTreeMap<MsgId, Vec<(usize, Role, f64)>> = BTreeMap::new();
+    let mut began: BTreeMap<(usize, Compute), f64> = BTreeMap::new();
+    let mut reached: BTreeMap<usize, usize> = BTreeMap::new();
+    loop {
+        let mut progressed = false;
+        for (&r, actions) in &s.ranks {
+            while let Some(a) = actions.get(spans[&r].len()) {
+                let start = spans[&r].last().map_or(0.0, |x| x.1);
+                if reached.get(&r) != Some(&spans[&r].len()) {
+                    reached.insert(r, spans[&r].len());
+                    for p in a.posts() {
+                        posted.entry(p.msg).or_default().push((r, p.role, start));
+                    }
+                    if let Action::Compute(c) = a {
+                        began.insert((r, *c), start);
+                    }
                 }
+                let mut end = Some(start + d.action(r, a));
+                let mut wait = |t: Option<f64>| end = end.zip(t).map(|(e, t)| e.max(t));
+                if let Action::Compute(c) = a {
+                    for p in peers(r, c).into_iter().filter(|&p| p != r) {
+                        // The pass's collectives need the peer inside it a while.
+                        if s.ranks[&p].contains(a) {
+                            wait(began.get(&(p, *c)).map(|t| t + 1.0));
+                        }
+                    }
+                }
+                for p in a.posts() {
+                    let got = posted.get(&p.msg).map_or(&[][..], |v| &v[..]);
+                    let ready = match (p.msg, p.role) {
+                        (MsgId::Act { .. } | MsgId::Grad { .. }, Role::Recv) => {
+                            got.iter().find(|x| x.1 == Role::Send).map(|x| x.2)
+                        }
+                        (MsgId::Reduce { .. }, _) if got.len() == p.participants.len() => {
+                            Some(got.iter().map(|x| x.2).fold(0.0, f64::max))
+                        }
+                        (MsgId::Reduce { .. }, _) => None,
+                        _ => Some(start),
+                    };
+                    wait(ready.map(|t| t + d.message(&p.msg)));
+                }
+                let Some(end) = end else { break };
+                spans.get_mut(&r).expect("rank").push((start, end));
+                progressed = true;
             }
-            v.push(a.clone());
         }
-        out.ranks.insert(r, v);
+        if s.ranks.iter().all(|(r, a)| spans[r].len() == a.len()) {
+            return Ok(spans);
+        }
+        if !progressed {
+            return Err(TestCaseError::fail("the eager run is stuck"));
+        }
     }
-    out
 }
-
-/// Module ids of [`with_lockstep`]'s barriers.
-const BARRIER: usize = 1 << 20;
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     /// The floor of what a set of ranks holds at once is held in every execution: run on
-    /// random durations, with each stage's tensor-parallel ranks beginning each pass (or
-    /// each forward) together when `lockstep` says so, the set's largest sum at any moment is at least the
-    /// floor. One rank alone holds exactly its largest prefix, and a set never less than its
-    /// largest member alone nor more than its members' largest prefixes together.
+    /// random durations under only the order it assumes ([`eager`]), with each stage's
+    /// tensor-parallel ranks in lockstep for each pass (or each forward) when `lockstep`
+    /// says so, and some backwards holding more while they run, the set's largest sum at
+    /// any moment is at least the floor. One rank
+    /// alone holds exactly its most, and a set never less than its largest member alone
+    /// nor more than its members' most together.
     #[test]
     fn what_ranks_hold_at_once_is_held_in_every_execution(
         g in arb_graph(),
@@ -342,10 +411,17 @@ proptest! {
         pick in prop::collection::vec(any::<bool>(), 64),
         scale in prop::collection::vec(1u32..5, 4),
         lockstep in 0usize..3,
+        transient in any::<bool>(),
     ) {
         let s = Schedule::build(&g, Options::default()).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let weight = |r: usize, c: &Compute| {
+        let kept = |r: usize, c: &Compute| {
             f64::from(scale[c.module % scale.len()]) * (1 + c.vstage + c.mb % 3 + r % 2) as f64
+        };
+        // Backwards of every other module and microbatch hold twice their forward's
+        // weight more while they run (as a recomputed forward's activations do).
+        let during = |r: usize, c: &Compute| {
+            let on = transient && c.pass == Pass::Backward && (c.module + c.mb).is_multiple_of(2);
+            if on { 2.0 * kept(r, c) } else { 0.0 }
         };
         let peers = |r: usize, c: &Compute| -> Vec<usize> {
             let l = &g.modules()[c.module].layout;
@@ -357,31 +433,42 @@ proptest! {
                 _ => Vec::new(),
             }
         };
-        let run = with_lockstep(&s, &peers);
+        let w = Weights { kept: &kept, during: &during, lockstep: &peers };
         let all: Vec<usize> = s.ranks.keys().copied().collect();
         let mut set: Vec<usize> = all.iter().copied().filter(|&r| pick[r % pick.len()]).collect();
         if set.is_empty() {
             set.push(all[0]);
         }
-        let floor = held(&s, &set, &weight, &peers);
-        let prefixes: BTreeMap<usize, Vec<f64>> = set.iter().map(|&r| (r, prefix_held(&s, r, &weight))).collect();
-        let peak = |r: usize| prefixes[&r].iter().copied().fold(0.0, f64::max);
+        let floor = held(&s, &set, &w);
+        let peak = |r: usize| {
+            let (after, inside) = prefix_held(&s, r, &w);
+            after.iter().chain(&inside).copied().fold(0.0, f64::max)
+        };
         for &r in &set {
-            prop_assert_eq!(held(&s, &[r], &weight, &peers).total, peak(r));
+            prop_assert_eq!(held(&s, &[r], &w).total, peak(r));
         }
         let most = set.iter().map(|&r| peak(r)).fold(0.0, f64::max);
         let sum: f64 = set.iter().map(|&r| peak(r)).sum();
         prop_assert!(floor.total >= most && floor.total <= sum + 1e-9, "floor {} outside [{most}, {sum}]", floor.total);
         prop_assert!((floor.per_rank.values().sum::<f64>() - floor.total).abs() < 1e-9);
-        let t = simulate(&run, &Hashed(seed)).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let ran: BTreeMap<usize, Vec<f64>> = set.iter().map(|&r| (r, prefix_held(&run, r, &weight))).collect();
-        let mut moments: Vec<f64> = t.spans.values().flatten().map(|x| x.1).collect();
+        let spans = eager(&s, &Hashed(seed), &peers)?;
+        let ran: BTreeMap<usize, (Vec<f64>, Vec<f64>)> = set.iter().map(|&r| (r, prefix_held(&s, r, &w))).collect();
+        // Every moment an action starts or ends; a rank inside an action holds what it
+        // holds there.
+        let mut moments: Vec<f64> = spans.values().flatten().flat_map(|x| [x.0, x.1]).collect();
         moments.push(0.0);
         let realized = moments
             .iter()
             .map(|&at| {
                 set.iter()
-                    .map(|r| ran[r][t.spans[r].iter().filter(|x| x.1 <= at).count()])
+                    .map(|r| {
+                        let spans = &spans[r];
+                        let k = spans.iter().filter(|x| x.1 <= at).count();
+                        match spans.get(k) {
+                            Some(x) if x.0 <= at => ran[r].1[k],
+                            _ => ran[r].0[k],
+                        }
+                    })
                     .sum::<f64>()
             })
             .fold(0.0, f64::max);

@@ -11,9 +11,9 @@ use hetpar_runtime::{EvalReport, RuntimeError, Trainer};
 
 use crate::data_open::RunData;
 use crate::export_cmd::checkpoint;
+use crate::preflight::{Holds, fits_memory, fits_memory_mpi};
 use crate::train_cmd::{
-    Holds, describe_eval, dtype, dtype_name, fail_job, fits_memory, fits_memory_mpi, open_mpi,
-    run_facts, timeout, with_timeout_hint,
+    describe_eval, dtype, dtype_name, fail_job, open_mpi, run_facts, timeout, with_timeout_hint,
 };
 
 /// Arguments of `hetpar eval`.

@@ -14,6 +14,7 @@ mod flops;
 mod layout_cmd;
 mod plan_cmd;
 mod plots;
+mod preflight;
 mod schedule_cmd;
 mod tensorboard;
 mod threads;

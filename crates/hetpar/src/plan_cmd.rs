@@ -234,23 +234,22 @@ fn emit(wl: &Workload, plan: &Plan, path: &Path) -> anyhow::Result<()> {
         w.prediction.tflops_per_gpu,
         w.prediction.memory.total() / GIB
     );
-    // What the config cannot say: recomputation in the LLM (no setting yet), or of part of
-    // an encoder's layers (`recompute = true` recomputes them all).
+    // What the config cannot say: recomputation of part of a module's layers (`recompute =
+    // true` recomputes them all).
     let unsaid: Vec<String> = wl
         .encoders
         .iter()
         .map(|e| e.shape.name.clone())
         .zip(w.candidate.encoders.iter().map(|c| c.recompute))
+        .chain(std::iter::once((wl.llm_name.clone(), w.candidate.llm.recompute)))
         .filter(|(_, q)| (1..4).contains(q))
-        .chain(
-            std::iter::once((wl.llm_name.clone(), w.candidate.llm.recompute))
-                .filter(|(_, q)| *q > 0),
-        )
         .map(|(n, q)| format!("{n} {q}/4 of its layers"))
         .collect();
     if !unsaid.is_empty() {
         text += &format!(
-            "# The prediction assumes activation recomputation ({}), which this config\n# cannot say: recompute = true on an encoder recomputes all its layers, and the LLM\n# has no recomputation setting yet.\n",
+            "# The prediction assumes activation recomputation ({}); this config says
+# recompute = true there, which recomputes all of a module's layers: more time, less memory.
+",
             unsaid.join(", ")
         );
     }
