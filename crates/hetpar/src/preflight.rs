@@ -146,8 +146,23 @@ fn fits_memory_of(
             ),
             None => String::new(),
         };
+        let rebuilds = match schedule.ranks[&held.rank].get(held.after) {
+            Some(Action::Compute(c)) if floor.during(held.rank, c) > 0.0 => {
+                format!(
+                    ", and rebuilds {}'s activations for a backward",
+                    graph.modules[c.module].name
+                )
+            }
+            _ => String::new(),
+        };
+        // Recomputation is the first thing to try where some module keeps its graphs.
+        let recompute = if graph.modules.iter().any(|m| !m.recompute) {
+            "recompute = true on the modules, "
+        } else {
+            ""
+        };
         bail!(
-            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {:.1} GiB and the activations at least {:.1} GiB more (the most the step's schedule makes these ranks hold at once: rank {} then keeps {} forward passes for their backward{what}), more than the {:.1} GiB this machine has available; use a shorter seq_len, more microbatches, fewer pipeline stages, smaller sizes or more machines{how}",
+            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {:.1} GiB and the activations at least {:.1} GiB more (the most the step's schedule makes these ranks hold at once: rank {} then keeps {} forward passes for their backward{what}{rebuilds}), more than the {:.1} GiB this machine has available; use {recompute}a shorter seq_len, more microbatches, fewer pipeline stages, smaller sizes or more machines{how}",
             graph.name,
             ranks.len(),
             gib(states),

@@ -1083,6 +1083,23 @@ fn activations_too_large_for_the_machine_are_refused_before_allocating() {
         err.contains("GiB more (the most the step's schedule makes these ranks hold at once: rank 0 then keeps 3 forward passes for their backward, 1 of them the LLM's, each 4194304 tokens a rank through up to 512 layers), more than the "),
         "{err}"
     );
+    assert!(
+        err.contains(" available; use recompute = true on the modules, a shorter seq_len, "),
+        "{err}"
+    );
+    // Every module recomputed: rank 0 keeps its two vision passes' rows (the LLM's one
+    // stage passes nothing on) and rebuilds the LLM's activations for a backward.
+    let all = [
+        "modules.llm.parallel.recompute=true",
+        "modules.vision.parallel.recompute=true",
+        "modules.audio.parallel.recompute=true",
+    ];
+    let err = refused_for_memory("too-long-recomputed", &[&sets[..], &all[..]].concat());
+    assert!(
+        err.contains("rank 0 then keeps 2 forward passes for their backward, and rebuilds llm's activations for a backward), more than the "),
+        "{err}"
+    );
+    assert!(err.contains(" available; use a shorter seq_len, "), "{err}");
 }
 
 /// A model whose weights and optimizer state alone cannot fit this machine is refused.
