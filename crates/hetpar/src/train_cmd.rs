@@ -462,8 +462,20 @@ fn run_on(
         ));
         for m in &graph.modules {
             let l = &m.layout;
+            // What the layout does besides its sizes.
+            let mut also = String::new();
+            for (on, what) in [
+                (l.sp(), " sp".to_string()),
+                (m.vpp > 1, format!(" vpp{}", m.vpp)),
+                (m.recompute, " recompute".to_string()),
+                (m.offload, " offload".to_string()),
+            ] {
+                if on {
+                    also += &what;
+                }
+            }
             say(&format!(
-                "  {} ({}): tp{} cp{} dp{} pp{} ep{}{} on ranks {}",
+                "  {} ({}): tp{} cp{} dp{} pp{} ep{}{also} on ranks {}",
                 m.name,
                 m.kind().name(),
                 l.tp(),
@@ -471,7 +483,6 @@ fn run_on(
                 l.dp(),
                 l.pp(),
                 l.ep(),
-                if l.sp() { " sp" } else { "" },
                 l.span()
             ));
         }
