@@ -47,12 +47,7 @@ fn max_items(wl: &Workload) -> usize {
 pub fn config(wl: &Workload, c: &Candidate) -> Result<Config> {
     let mut modules = BTreeMap::new();
     let moe = wl.llm.experts > 0;
-    // A module recomputing any of its layers recomputes them all: what a config can say.
-    let llm_parallel = ParallelConfig {
-        etp: moe.then_some(1),
-        recompute: c.llm.recompute > 0,
-        ..parallel(&c.llm)
-    };
+    let llm_parallel = ParallelConfig { etp: moe.then_some(1), ..parallel(&c.llm) };
     modules.insert(wl.llm_name.clone(), wl.llm_sizes.with_parallel(llm_parallel));
     let mut edges = Vec::new();
     for (e, ch) in wl.encoders.iter().zip(&c.encoders) {

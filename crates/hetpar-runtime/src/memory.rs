@@ -224,13 +224,12 @@ impl<'a> ActivationFloor<'a> {
 
     /// The bytes a recomputed forward `c` on `rank` keeps until its backward: the hidden
     /// states it received from the stage before and the ones it passed on (an encoder's
-    /// last stage passes its rows on at the LLM's width; the LLM's last, a loss).
+    /// last stage passes its rows on at the LLM's width; the LLM's last, a loss), split
+    /// over tp under SP as the pipeline carries them.
     pub fn edge_bytes(&self, rank: usize, c: &Compute) -> f64 {
         let module = &self.graph.modules[c.module];
-        let h = module.dims.hidden as f64;
-        let input = if c.vstage > 0 { h } else { 0.0 };
         let output = match (self.last(c), &module.spec) {
-            (false, _) => h,
+            (false, _) => module.dims.hidden as f64,
             (true, ModuleSpec::Llama { .. }) => 0.0,
             (true, _) => self
                 .graph
@@ -239,7 +238,22 @@ impl<'a> ActivationFloor<'a> {
                 .find(|e| e.src == c.module)
                 .map_or(0.0, |e| self.graph.modules[e.dst].dims.hidden as f64),
         };
-        (input + output) * self.rows(c.module, rank, c.mb) as f64 * self.elem
+        (self.received(c) + self.carried(c, output))
+            * self.rows(c.module, rank, c.mb) as f64
+            * self.elem
+    }
+
+    /// The width of the hidden states pass `c` received from the stage before (0 on the
+    /// first), as the pipeline carries them.
+    fn received(&self, c: &Compute) -> f64 {
+        let h = self.graph.modules[c.module].dims.hidden as f64;
+        if c.vstage > 0 { self.carried(c, h) } else { 0.0 }
+    }
+
+    /// `width` as module `c.module`'s pipeline carries it: split over tp under SP.
+    fn carried(&self, c: &Compute, width: f64) -> f64 {
+        let l = &self.graph.modules[c.module].layout;
+        if l.sp() { width / l.tp() as f64 } else { width }
     }
 
     /// Whether `c` is of its module's last virtual stage.
@@ -258,13 +272,15 @@ impl Keeps for ActivationFloor<'_> {
         }
     }
 
+    /// A recomputed pass's graph when its backward begins, but for the received hidden
+    /// states its first layer keeps, which `kept` holds already.
     fn during(&self, rank: usize, c: &Compute) -> f64 {
-        let recomputed = self.graph.modules[c.module].recompute && c.pass == Pass::Backward;
-        if recomputed {
-            self.graph_bytes(rank, &Compute { pass: Pass::Forward, ..*c })
-        } else {
-            0.0
+        if !(self.graph.modules[c.module].recompute && c.pass == Pass::Backward) {
+            return 0.0;
         }
+        let forward = Compute { pass: Pass::Forward, ..*c };
+        let received = self.received(c) * self.rows(c.module, rank, c.mb) as f64 * self.elem;
+        self.graph_bytes(rank, &forward) - received
     }
 
     /// Its stage's tensor- and context-parallel ranks (each layer reduces over tp and rings
@@ -392,7 +408,8 @@ mod tests {
     }
 
     /// Two LLM stages of two layers each with four microbatches: stage 0 alone holds two
-    /// microbatches at its peak (1F1B's warm-up forward and one more), without the logits.
+    /// microbatches at its peak (1F1B's warm-up forward and one more), without the logits;
+    /// recomputed, their edges and one rebuilt graph.
     #[test]
     fn a_first_pipeline_stage_holds_its_warmup_forwards() {
         let graph = in_memory(&[
@@ -411,6 +428,24 @@ mod tests {
         assert_eq!(
             activations_held(&schedule, &f, &[0]).total,
             2.0 * per_token * 2.0 * 128.0 * 4.0
+        );
+        // Recomputed, a pass keeps the hidden states it received and passed on, 96 wide
+        // and split over tp under SP as the pipeline carries them, and its backward
+        // rebuilds the rest of its graph. Stage 0 then holds, at its peak, two passes'
+        // outputs and one rebuilt graph.
+        let mut recomputed = graph.clone();
+        recomputed.modules[llm].recompute = true;
+        let f = ActivationFloor::new(&recomputed, None, 4);
+        let edge = 48.0 * 128.0 * 4.0;
+        let back = |c: Compute| Compute { pass: Pass::Backward, ..c };
+        assert_eq!(f.kept(0, &forward(llm, 0, 0)), edge);
+        assert_eq!(f.kept(2, &forward(llm, 1, 0)), edge);
+        assert_eq!(f.during(0, &back(forward(llm, 0, 0))), per_token * 2.0 * 128.0 * 4.0);
+        let last = (per_token * 2.0 + 128.0) * 128.0 * 4.0;
+        assert_eq!(f.during(2, &back(forward(llm, 1, 0))), last - edge);
+        assert_eq!(
+            activations_held(&schedule, &f, &[0]).total,
+            2.0 * edge + per_token * 2.0 * 128.0 * 4.0
         );
     }
 

@@ -227,24 +227,36 @@ fn recomputing_the_encoder_changes_no_number() {
 }
 
 /// Recomputing the LLM's stages (each forward's activations dropped and computed again
-/// before its backward) under tensor parallelism with SP, and as a two-stage pipeline next
-/// to a recomputed encoder: every loss, norm and parameter is bitwise what it is without.
+/// before its backward): under tensor parallelism with SP, as a two-stage pipeline next to
+/// a recomputed encoder, interleaved (pp 2, vpp 2), and as an MoE (ep 2 with tp 2 and SP,
+/// its all-to-all and load-balancing loss run again), in f32 and f64: every loss, norm and
+/// parameter is bitwise what it is without. Each forward rank 0 runs is run again.
 #[test]
 fn recomputing_the_llm_changes_no_number() {
-    for (llm, each) in [("tp = 2\nsp = true", 2), ("pp = 2", 2)] {
-        let mut g = config(([0, 4], 1), ([0, 4], llm), "");
-        let plain = run(&g, DType::F32);
+    let moe = "experts = 4\ntop_k = 2";
+    let cases = [
+        ("tp 2 sp", "tp = 2\nsp = true", "", DType::F32, 2),
+        ("pp 2", "pp = 2", "", DType::F64, 2),
+        ("pp 2 vpp 2", "pp = 2\nvpp = 2", "", DType::F32, 4),
+        ("moe ep 2 tp 2 sp", "ep = 2\ntp = 2\nsp = true", moe, DType::F32, 2),
+    ];
+    for (what, llm, model, dtype, each) in cases {
+        let mut g = config(([0, 4], 1), ([0, 4], llm), model);
+        let plain = run(&g, dtype);
         let (vision, llm_id) = (g.module_id("vision").unwrap(), g.module_id("llm").unwrap());
         g.modules[llm_id].recompute = true;
-        let again = run(&g, DType::F32);
-        g.modules[vision].recompute = true;
-        let both = run(&g, DType::F32);
-        // Rank 0 runs each of its LLM forwards again (one stage, two microbatches), then its
-        // vision replica's too.
-        assert!(again.reports.iter().all(|r| r.recomputed == each), "{llm}");
-        assert!(both.reports.iter().all(|r| r.recomputed == each + 2), "{llm}");
-        assert_bitwise(&plain, &again, llm);
-        assert_bitwise(&plain, &both, llm);
+        let again = run(&g, dtype);
+        assert!(plain.reports.iter().all(|r| r.recomputed == 0), "{what}");
+        // Rank 0's LLM forwards (two microbatches, through each of its virtual stages).
+        assert!(again.reports.iter().all(|r| r.recomputed == each), "{what}");
+        assert_bitwise(&plain, &again, what);
+        if what == "pp 2" {
+            // And its vision replica's two forwards too.
+            g.modules[vision].recompute = true;
+            let both = run(&g, dtype);
+            assert!(both.reports.iter().all(|r| r.recomputed == each + 2), "{what}");
+            assert_bitwise(&plain, &both, what);
+        }
     }
 }
 

@@ -32,6 +32,9 @@ pub struct Held {
     pub rank: usize,
     /// Actions of `rank` completed at the moment.
     pub after: usize,
+    /// What `rank` holds then inside its next pass on top of its completed actions
+    /// ([`Keeps::during`]; included in `total`).
+    pub during: f64,
     /// The floor of each rank of the set at that moment.
     pub per_rank: BTreeMap<usize, f64>,
 }
@@ -92,6 +95,7 @@ pub fn held(s: &Schedule, ranks: &[usize], keeps: &dyn Keeps) -> Held {
         total: 0.0,
         rank: set.first().copied().unwrap_or(0),
         after: 0,
+        during: 0.0,
         per_rank: BTreeMap::new(),
     };
     let mut consider = |fixed: &[(usize, usize)], during: f64| {
@@ -103,7 +107,8 @@ pub fn held(s: &Schedule, ranks: &[usize], keeps: &dyn Keeps) -> Held {
         if total > best.total
             && let Some(&(rank, after)) = fixed.iter().find(|f| position.contains_key(&f.0))
         {
-            best = Held { total, rank, after, per_rank };
+            let during = if rank == fixed[0].0 { during } else { 0.0 };
+            best = Held { total, rank, after, during, per_rank };
         }
     };
     // One rank after each prefix of its actions, at its most inside the next.

@@ -234,22 +234,25 @@ fn emit(wl: &Workload, plan: &Plan, path: &Path) -> anyhow::Result<()> {
         w.prediction.tflops_per_gpu,
         w.prediction.memory.total() / GIB
     );
-    // What the config cannot say: recomputation of part of a module's layers (`recompute =
-    // true` recomputes them all).
+    // What the config cannot say: recomputation of part of an encoder's layers (`recompute
+    // = true` recomputes them all), or of the LLM's layer by layer (the LLM's `recompute =
+    // true` keeps each stage's edges and rebuilds the stage's whole graph before its
+    // backward: it frees the microbatches in flight, not the one being differentiated).
     let unsaid: Vec<String> = wl
         .encoders
         .iter()
         .map(|e| e.shape.name.clone())
         .zip(w.candidate.encoders.iter().map(|c| c.recompute))
-        .chain(std::iter::once((wl.llm_name.clone(), w.candidate.llm.recompute)))
         .filter(|(_, q)| (1..4).contains(q))
+        .chain(
+            std::iter::once((wl.llm_name.clone(), w.candidate.llm.recompute))
+                .filter(|(_, q)| *q > 0),
+        )
         .map(|(n, q)| format!("{n} {q}/4 of its layers"))
         .collect();
     if !unsaid.is_empty() {
         text += &format!(
-            "# The prediction assumes activation recomputation ({}); this config says
-# recompute = true there, which recomputes all of a module's layers: more time, less memory.
-",
+            "# The prediction assumes activation recomputation layer by layer ({}), which this\n# config cannot say: recompute = true recomputes all of an encoder's layers, and on\n# the LLM it rebuilds each pipeline stage's whole graph before its backward (it frees\n# the microbatches in flight, not the one being differentiated).\n",
             unsaid.join(", ")
         );
     }

@@ -139,6 +139,10 @@ fn fits_memory_of(
         let llm = graph.modules.iter().position(|m| m.rows_per_item().is_none()).unwrap_or(0);
         let llm_passes: Vec<&Compute> = pending.iter().filter(|c| c.module == llm).collect();
         let what = match llm_passes.iter().map(|c| floor.layers(llm, c.vstage)).max() {
+            Some(_) if graph.modules[llm].recompute => format!(
+                ", {} of them the LLM's (recomputed: the hidden states each received and passed on)",
+                llm_passes.len()
+            ),
             Some(layers) => format!(
                 ", {} of them the LLM's, each {} tokens a rank through up to {layers} layers",
                 llm_passes.len(),
@@ -147,7 +151,7 @@ fn fits_memory_of(
             None => String::new(),
         };
         let rebuilds = match schedule.ranks[&held.rank].get(held.after) {
-            Some(Action::Compute(c)) if floor.during(held.rank, c) > 0.0 => {
+            Some(Action::Compute(c)) if held.during > 0.0 => {
                 format!(
                     ", and rebuilds {}'s activations for a backward",
                     graph.modules[c.module].name

@@ -925,7 +925,7 @@ fn summary(graph: &ModelGraph, logs: &[StepLog], wall: Duration, memory: Option<
             .activations
             .map_or(String::new(), |a| format!(" and at least {} of activations", size(a)));
         say(&format!(
-            "memory of this process (rank{} {}): {} resident at its peak; the preflight counted {} of weights, gradients and moments{acts}",
+            "memory of this process (rank{} {}): {} resident at its peak; for these ranks the preflight counts {} of weights, gradients and moments{acts}",
             if m.ranks.len() == 1 { "" } else { "s" },
             hetpar_layout::plan::rank_list(&m.ranks),
             size(m.peak),
