@@ -296,8 +296,7 @@ impl Keeps for ActivationFloor<'_> {
 }
 
 /// The most activation bytes `ranks` hold at once in every execution of `schedule`
-/// (`hetpar_schedule::held` over [`ActivationFloor::bytes`] and
-/// [`ActivationFloor::lockstep`]).
+/// (`hetpar_schedule::held` over the floor's [`Keeps`]).
 pub fn activations_held(schedule: &Schedule, floor: &ActivationFloor<'_>, ranks: &[usize]) -> Held {
     hetpar_schedule::held(schedule, ranks, floor)
 }

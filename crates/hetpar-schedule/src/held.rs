@@ -13,10 +13,10 @@
 //! holds then; the rank whose moment it is may hold more inside its next pass
 //! ([`Keeps::during`]). Passes that run collectives inside them order their ranks too,
 //! where the caller says so ([`Keeps::lockstep`]: a tensor-parallel group's forward
-//! completes on no rank before every rank of the group has begun it). Boundary transforms and completed sends
-//! add no order: which ranks a boundary rank exchanges with depends on the routing plan, and
-//! a send may complete before its receive is posted. Leaving order out widens the windows,
-//! so the floor stays a floor.
+//! completes on no rank before every rank of the group has begun it). Boundary transforms
+//! and completed sends add no order: which ranks a boundary rank exchanges with depends on
+//! the routing plan, and a send may complete before its receive is posted. Leaving order
+//! out widens the windows, so the floor stays a floor.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
