@@ -182,10 +182,7 @@ impl<'a> ActivationFloor<'a> {
         let l = &module.layout;
         let Some(at) = l.coords(rank) else { return 0 };
         match module.spec.rows_per_item() {
-            None => {
-                let t = &self.graph.train;
-                t.global_batch / t.microbatches.max(1) / l.dp() * t.seq_len / l.cp()
-            }
+            None => self.graph.microbatch_size() / l.dp() * self.graph.train.seq_len / l.cp(),
             Some(per_item) => {
                 let items = self.work.as_ref().and_then(|w| w.items(m, at.dp_idx, mb));
                 items.unwrap_or(0) * per_item / l.cp()
