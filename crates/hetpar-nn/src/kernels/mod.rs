@@ -159,7 +159,12 @@ impl Real for f32 {
     }
     #[inline(always)]
     fn exp_in_place(xs: &mut [f32]) {
-        for x in xs {
+        let mut chunks = xs.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            let lanes: &mut [f32; LANES] = c.try_into().expect("chunks of LANES");
+            *lanes = exp_f32_lanes(*lanes);
+        }
+        for x in chunks.into_remainder() {
             *x = exp_f32(*x);
         }
     }
@@ -178,6 +183,10 @@ impl Real for f32 {
     }
 }
 
+/// Inputs that [`exp_f32_lanes`] and [`normal_cdf_f32_lanes`] take at once in the
+/// kernels' loops: four AVX-512 vectors of f64.
+pub(crate) const LANES: usize = 32;
+
 /// `e^x` in f32 without a branch (so loops over it vectorize), computed in f64 and rounded
 /// once: `x = n ln 2 + r` with `n` rounded to nearest and `|r| <= ln 2 / 2`, `e^r` by its
 /// Taylor series to `r^9` (truncation below 3e-10 relative), `2^n` assembled in the
@@ -188,40 +197,69 @@ impl Real for f32 {
 /// (where f32 turns subnormal; `-inf` included), `+inf` above `88.7`; NaN stays NaN.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
-    let y = exp_f64_core((x as f64).clamp(-88.0, 89.0)) as f32;
-    let y = if x < -87.3 { 0.0 } else { y };
-    let y = if x > 88.7 { f32::INFINITY } else { y };
-    if x.is_nan() { x } else { y }
+    exp_f32_lanes([x])[0]
 }
 
-/// `e^c` for `c` in `[-88, 89]` within 3e-10 relative, without a branch (see [`exp_f32`]).
-/// Every multiply-add is fused (`mul_add`: one rounding, the same on every path), which
-/// halves the instructions of the polynomial; over every f32 input `exp_f32` rounds
-/// differently from the unfused form at 2 (near-ties, 1 ulp apart).
+/// [`exp_f32`] of `N` inputs, each step taken over every lane before the next (see
+/// [`normal_cdf_f32_lanes`]): the same bits, lane by lane, as `N` calls.
 #[inline(always)]
-fn exp_f64_core(c: f64) -> f64 {
+pub fn exp_f32_lanes<const N: usize>(x: [f32; N]) -> [f32; N] {
+    let mut c = [0.0f64; N];
+    for j in 0..N {
+        c[j] = (x[j] as f64).clamp(-88.0, 89.0);
+    }
+    let e = exp_f64_core(c);
+    let mut out = [0.0f32; N];
+    for j in 0..N {
+        let y = e[j] as f32;
+        let y = if x[j] < -87.3 { 0.0 } else { y };
+        let y = if x[j] > 88.7 { f32::INFINITY } else { y };
+        out[j] = if x[j].is_nan() { x[j] } else { y };
+    }
+    out
+}
+
+/// `e^c` for each `c` in `[-88, 89]` within 3e-10 relative, without a branch (see
+/// [`exp_f32`]). Every multiply-add is fused (`mul_add`: one rounding, the same on every
+/// path), which halves the instructions of the polynomial; over every f32 input `exp_f32`
+/// rounds differently from the unfused form at 2 (near-ties, 1 ulp apart).
+#[inline(always)]
+fn exp_f64_core<const N: usize>(c: [f64; N]) -> [f64; N] {
     const LOG2E: f64 = std::f64::consts::LOG2_E;
     const LN2: f64 = std::f64::consts::LN_2;
     // 1.5 * 2^52: adding and subtracting it rounds to the nearest integer.
     const ROUND: f64 = 6_755_399_441_055_744.0;
-    let n = c.mul_add(LOG2E, ROUND) - ROUND;
-    let r = (-n).mul_add(LN2, c);
-    let mut p: f64 = 1.0 / 362_880.0;
-    p = p.mul_add(r, 1.0 / 40_320.0);
-    p = p.mul_add(r, 1.0 / 5_040.0);
-    p = p.mul_add(r, 1.0 / 720.0);
-    p = p.mul_add(r, 1.0 / 120.0);
-    p = p.mul_add(r, 1.0 / 24.0);
-    p = p.mul_add(r, 1.0 / 6.0);
-    p = p.mul_add(r, 0.5);
-    p = p.mul_add(r, 1.0);
-    p = p.mul_add(r, 1.0);
+    const TAYLOR: [f64; 9] = [
+        1.0 / 40_320.0,
+        1.0 / 5_040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ];
+    let (mut n, mut r) = ([0.0f64; N], [0.0f64; N]);
+    for j in 0..N {
+        n[j] = c[j].mul_add(LOG2E, ROUND) - ROUND;
+        r[j] = (-n[j]).mul_add(LN2, c[j]);
+    }
+    let mut p = [1.0f64 / 362_880.0; N];
+    for k in TAYLOR {
+        for j in 0..N {
+            p[j] = p[j].mul_add(r[j], k);
+        }
+    }
     // 2^n from the bits of `n + 1023` held as an integer in the low mantissa bits of
     // `n + 1023 + 2^52` (integer lane operations vectorize where a float-to-int conversion
     // of f64 does not, below AVX-512).
     const SHIFT: f64 = 4_503_599_627_370_496.0;
-    let biased = (n + (1023.0 + SHIFT)).to_bits() - SHIFT.to_bits();
-    p * f64::from_bits(biased << 52)
+    for j in 0..N {
+        let biased = (n[j] + (1023.0 + SHIFT)).to_bits() - SHIFT.to_bits();
+        p[j] *= f64::from_bits(biased << 52);
+    }
+    p
 }
 
 /// The standard normal CDF `Phi(x) = erfc(-x / sqrt 2) / 2` in f32 without a branch:
@@ -234,28 +272,57 @@ fn exp_f64_core(c: f64) -> f64 {
 /// result differs from the unfused form with an f64 division at 2 (1 ulp, near-ties).
 #[inline(always)]
 pub fn normal_cdf_f32(x: f32) -> f32 {
-    let z = -(x as f64) * std::f64::consts::FRAC_1_SQRT_2;
-    let a = z.abs().min(9.5);
-    let d = 0.5f64.mul_add(a, 1.0);
-    // d in [1, 5.75]: d rounded to f32 and the f32 quotient leave t0 within about 2^-23;
-    // each Newton step squares the relative error, so two reach the limit of f64.
-    let t0 = f64::from(1.0f32 / d as f32);
-    let t1 = t0.mul_add((-d).mul_add(t0, 1.0), t0);
-    let t = t1.mul_add((-d).mul_add(t1, 1.0), t1);
-    let mut p: f64 = 0.170_872_77;
-    p = p.mul_add(t, -0.822_152_23);
-    p = p.mul_add(t, 1.488_515_87);
-    p = p.mul_add(t, -1.135_203_98);
-    p = p.mul_add(t, 0.278_868_07);
-    p = p.mul_add(t, -0.186_288_06);
-    p = p.mul_add(t, 0.096_784_18);
-    p = p.mul_add(t, 0.374_091_96);
-    p = p.mul_add(t, 1.000_023_68);
-    p = p.mul_add(t, -1.265_512_23);
-    // Past 9.3 erfc is subnormal in f32: 0.
-    let erfc_a = if a > 9.3 { 0.0 } else { t * exp_f64_core((-a).mul_add(a, p)) };
-    let erfc = if z >= 0.0 { erfc_a } else { 2.0 - erfc_a };
-    (0.5 * erfc) as f32
+    normal_cdf_f32_lanes([x])[0]
+}
+
+/// [`normal_cdf_f32`] of `N` inputs, each step taken over every lane before the next. One
+/// input's evaluation is a chain of some forty dependent operations; a loop over single
+/// inputs leaves out-of-order execution to overlap a few of them, and ran at half the
+/// vector units' rate (GELU on 784 x 1536, one Intel core: BENCHMARKS.md). Over [`LANES`]
+/// lanes each step is four independent vector operations side by side. Each lane takes the
+/// one-input form's operations in its order: the same bits.
+#[inline(always)]
+pub fn normal_cdf_f32_lanes<const N: usize>(x: [f32; N]) -> [f32; N] {
+    const ERFCC: [f64; 9] = [
+        -0.822_152_23,
+        1.488_515_87,
+        -1.135_203_98,
+        0.278_868_07,
+        -0.186_288_06,
+        0.096_784_18,
+        0.374_091_96,
+        1.000_023_68,
+        -1.265_512_23,
+    ];
+    let (mut z, mut a, mut t) = ([0.0f64; N], [0.0f64; N], [0.0f64; N]);
+    for j in 0..N {
+        z[j] = -(x[j] as f64) * std::f64::consts::FRAC_1_SQRT_2;
+        a[j] = z[j].abs().min(9.5);
+        let d = 0.5f64.mul_add(a[j], 1.0);
+        // d in [1, 5.75]: d rounded to f32 and the f32 quotient leave t0 within about
+        // 2^-23; each Newton step squares the relative error, so two reach the limit of f64.
+        let t0 = f64::from(1.0f32 / d as f32);
+        let t1 = t0.mul_add((-d).mul_add(t0, 1.0), t0);
+        t[j] = t1.mul_add((-d).mul_add(t1, 1.0), t1);
+    }
+    let mut p = [0.170_872_77f64; N];
+    for k in ERFCC {
+        for j in 0..N {
+            p[j] = p[j].mul_add(t[j], k);
+        }
+    }
+    for j in 0..N {
+        p[j] = (-a[j]).mul_add(a[j], p[j]);
+    }
+    let e = exp_f64_core(p);
+    let mut out = [0.0f32; N];
+    for j in 0..N {
+        // Past 9.3 erfc is subnormal in f32: 0.
+        let erfc_a = if a[j] > 9.3 { 0.0 } else { t[j] * e[j] };
+        let erfc = if z[j] >= 0.0 { erfc_a } else { 2.0 - erfc_a };
+        out[j] = (0.5 * erfc) as f32;
+    }
+    out
 }
 
 /// `sum a_i b_i` with eight partial sums, so the loop vectorizes (a fixed order all the
@@ -426,8 +493,8 @@ pub(crate) trait Anchored {
 #[cfg(test)]
 mod tests {
     use super::{
-        Real, dot, exp_f32, max, normal_cdf_f32, share_of, share_threads, simd, sum, sum_map,
-        threads,
+        LANES, Real, dot, exp_f32, exp_f32_lanes, max, normal_cdf_f32, normal_cdf_f32_lanes,
+        share_of, share_threads, simd, sum, sum_map, threads,
     };
 
     #[test]
@@ -501,6 +568,48 @@ mod tests {
                 assert!((plain.1 as f64 - exact).abs() <= 1e-6 * scale.max(1.0), "{row:?}");
             }
         }
+    }
+
+    /// Both functions of `xs` in lanes of [`LANES`] (a one-lane call for the tail), as bits.
+    #[inline(always)]
+    fn in_lanes(xs: &[f32]) -> Vec<(u32, u32)> {
+        let mut out = Vec::with_capacity(xs.len());
+        for c in xs.chunks(LANES) {
+            let mut lanes = [0.0f32; LANES];
+            lanes[..c.len()].copy_from_slice(c);
+            let (e, p) = (exp_f32_lanes(lanes), normal_cdf_f32_lanes(lanes));
+            out.extend((0..c.len()).map(|j| (e[j].to_bits(), p[j].to_bits())));
+        }
+        out
+    }
+
+    #[test]
+    fn lanes_give_the_bits_of_one_input_at_a_time() {
+        let mut xs: Vec<f32> = (0..20_000).map(|i| (i as f32 - 10_000.0) * 0.0119).collect();
+        xs.extend([
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -87.3,
+            -87.31,
+            88.7,
+            88.71,
+            -0.0,
+            0.0,
+            9.3 * std::f32::consts::SQRT_2,
+            -13.1,
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            f32::MIN,
+        ]);
+        let one = |x: f32| (exp_f32(x).to_bits(), normal_cdf_f32(x).to_bits());
+        let want: Vec<(u32, u32)> = xs.iter().map(|&x| one(x)).collect();
+        assert_eq!(in_lanes(&xs), want, "the baseline path");
+        assert_eq!(simd::fast!(in_lanes(&xs)), want, "the dispatched (widest) path");
+        let mut ys = xs.clone();
+        f32::exp_in_place(&mut ys);
+        let exps: Vec<u32> = ys.iter().map(|y| y.to_bits()).collect();
+        assert_eq!(exps, want.iter().map(|w| w.0).collect::<Vec<_>>(), "exp_in_place");
     }
 
     #[test]

@@ -8,7 +8,10 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
-use super::{CResult, Real, by_real, by_real_dtype, dot, simd, slice, sum, sum_map, with_data};
+use super::{
+    CResult, LANES, Real, by_real, by_real_dtype, dot, normal_cdf_f32_lanes, simd, slice, sum,
+    sum_map, with_data,
+};
 
 /// The row width `h` of `x` `[.., h]`, checking that each of `params` is `[h]`.
 fn row_width(op: &str, x: &Shape, params: &[&Shape]) -> CResult<usize> {
@@ -259,12 +262,37 @@ pub struct GeluOp;
 /// The standard normal CDF of the element type.
 pub(crate) trait NormalCdf: Real {
     fn cdf(self) -> Self;
+
+    /// `x Phi(x)` of every element of `x` into `out`.
+    #[inline(always)]
+    fn gelu_into(x: &[Self], out: &mut [Self]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = v * v.cdf();
+        }
+    }
 }
 
 impl NormalCdf for f32 {
     #[inline(always)]
     fn cdf(self) -> f32 {
         super::normal_cdf_f32(self)
+    }
+
+    /// [`LANES`] elements at a time through [`normal_cdf_f32_lanes`] (the same bits).
+    #[inline(always)]
+    fn gelu_into(x: &[f32], out: &mut [f32]) {
+        let (mut oc, xc) = (out.chunks_exact_mut(LANES), x.chunks_exact(LANES));
+        let xr = xc.remainder();
+        for (o, xs) in (&mut oc).zip(xc) {
+            let xs: &[f32; LANES] = xs.try_into().expect("chunks of LANES");
+            let cdf = normal_cdf_f32_lanes(*xs);
+            for j in 0..LANES {
+                o[j] = xs[j] * cdf[j];
+            }
+        }
+        for (o, &v) in oc.into_remainder().iter_mut().zip(xr) {
+            *o = v * v.cdf();
+        }
     }
 }
 
@@ -278,9 +306,7 @@ impl GeluOp {
     #[inline(always)]
     pub(crate) fn forward<T: NormalCdf>(x: &[T]) -> Vec<T> {
         let mut out = vec![T::ZERO; x.len()];
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = v * v.cdf();
-        }
+        T::gelu_into(x, &mut out);
         out
     }
 
@@ -291,9 +317,20 @@ impl GeluOp {
             (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
         let tiny = T::from_f64(1e-30);
         let mut dx = vec![T::ZERO; x.len()];
-        for (((o, &v), &u), &g) in dx.iter_mut().zip(x).zip(y).zip(dy) {
-            let cdf = if v.larger(-v) < tiny { half } else { u / v };
-            *o = g * (cdf + v * pdf * (-(v * v) * half).exp());
+        // The exponentials LANES at a time ([`Real::exp_in_place`]), then the rest.
+        let mut e = [T::ZERO; LANES];
+        for (((o, x), y), dy) in
+            dx.chunks_mut(LANES).zip(x.chunks(LANES)).zip(y.chunks(LANES)).zip(dy.chunks(LANES))
+        {
+            let e = &mut e[..x.len()];
+            for (e, &v) in e.iter_mut().zip(x) {
+                *e = -(v * v) * half;
+            }
+            T::exp_in_place(e);
+            for ((((o, &v), &u), &g), &e) in o.iter_mut().zip(x).zip(y).zip(dy).zip(&*e) {
+                let cdf = if v.larger(-v) < tiny { half } else { u / v };
+                *o = g * (cdf + v * pdf * e);
+            }
         }
         dx
     }
@@ -425,17 +462,30 @@ impl CustomOp1 for RopeOp {
 #[derive(Clone, Copy, Debug)]
 pub struct SwiGluOp;
 
+/// `sigmoid(x) = 1 / (1 + e^-x)` of every element of `x` into `out`, the exponentials
+/// [`LANES`] at a time ([`Real::exp_in_place`]: the same bits as one at a time).
 #[inline(always)]
-fn sigmoid<T: Real>(x: T) -> T {
-    T::ONE / (T::ONE + (-x).exp())
+fn sigmoid_into<T: Real>(x: &[T], out: &mut [T]) {
+    for (o, x) in out.iter_mut().zip(x) {
+        *o = -*x;
+    }
+    T::exp_in_place(out);
+    for o in out.iter_mut() {
+        *o = T::ONE / (T::ONE + *o);
+    }
 }
 
 impl SwiGluOp {
     #[inline(always)]
     pub(crate) fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
         let mut h = vec![T::ZERO; g.len()];
-        for ((o, &g), &u) in h.iter_mut().zip(g).zip(u) {
-            *o = g * sigmoid(g) * u;
+        let mut sg = [T::ZERO; LANES];
+        for ((o, g), u) in h.chunks_mut(LANES).zip(g.chunks(LANES)).zip(u.chunks(LANES)) {
+            let sg = &mut sg[..g.len()];
+            sigmoid_into(g, sg);
+            for (((o, &g), &u), &s) in o.iter_mut().zip(g).zip(u).zip(&*sg) {
+                *o = g * s * u;
+            }
         }
         h
     }
@@ -445,10 +495,18 @@ impl SwiGluOp {
     pub(crate) fn backward<T: Real>(g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
         let mut dg = vec![T::ZERO; g.len()];
         let mut du = vec![T::ZERO; g.len()];
-        for i in 0..g.len() {
-            let sg = sigmoid(g[i]);
-            du[i] = dh[i] * g[i] * sg;
-            dg[i] = dh[i] * u[i] * sg * (T::ONE + g[i] * (T::ONE - sg));
+        let mut sg = [T::ZERO; LANES];
+        for (start, (dg, du)) in
+            dg.chunks_mut(LANES).zip(du.chunks_mut(LANES)).enumerate().map(|(c, d)| (c * LANES, d))
+        {
+            let n = dg.len();
+            let (g, u, dh, sg) =
+                (&g[start..start + n], &u[start..start + n], &dh[start..start + n], &mut sg[..n]);
+            sigmoid_into(g, sg);
+            for i in 0..n {
+                du[i] = dh[i] * g[i] * sg[i];
+                dg[i] = dh[i] * u[i] * sg[i] * (T::ONE + g[i] * (T::ONE - sg[i]));
+            }
         }
         (dg, du)
     }
