@@ -11,7 +11,9 @@ use hetpar_nn::Init;
 use hetpar_nn::kernels::adam::{AdamStep, adamw_step};
 use hetpar_nn::kernels::attention::FlashAttention;
 use hetpar_nn::kernels::bf16;
-use hetpar_nn::kernels::block::{BlockWeights, Projection, attention_block, gelu_mlp, swiglu_mlp};
+use hetpar_nn::kernels::block::{
+    BlockWeights, PreNorm, Projection, attention_block, gelu_mlp, swiglu_mlp,
+};
 use hetpar_nn::kernels::experts::{ExpertWeights, experts_swiglu};
 use hetpar_nn::kernels::linear::{
     Matmul, linear, linear_bias, linear_bias_as, linear_bias_gelu_into, linear_bias_into,
@@ -43,9 +45,77 @@ fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
 }
 
 /// A loss that weighs every output element differently, so every gradient path shows.
+/// A pre-norm of `hidden` in `dtype` for the fused blocks' residual form: LayerNorm (weight
+/// and bias, their sinks `sinks[0]`, `sinks[1]`) or RMSNorm (weight, `sinks[0]`), with the
+/// composed norm beside it and the weights' gradients, fused (sinks) or composed (store).
+struct Pre {
+    layer: bool,
+    w: Var,
+    b: Var,
+    sinks: [GradSink; 2],
+}
+
+const PRE_EPS: f64 = 1e-6;
+
+impl Pre {
+    fn new(layer: bool, hidden: usize, dtype: DType) -> Pre {
+        // Scales around 1 of both signs, so the norm's gradients are no multiple of dy's.
+        let w = var("pre_w", &[hidden], dtype).as_tensor().affine(0.5, 1.0).unwrap();
+        let w = Var::from_tensor(&w).unwrap();
+        Pre {
+            layer,
+            w,
+            b: var("pre_b", &[hidden], dtype),
+            sinks: [GradSink::new(), GradSink::new()],
+        }
+    }
+
+    fn fused(&self) -> PreNorm {
+        let (w, b) = (self.w.as_tensor().clone(), self.b.as_tensor().clone());
+        if self.layer {
+            PreNorm::Layer {
+                weight: (w, self.sinks[0].clone()),
+                bias: (b, self.sinks[1].clone()),
+                eps: PRE_EPS,
+            }
+        } else {
+            PreNorm::Rms { weight: (w, self.sinks[0].clone()), eps: PRE_EPS }
+        }
+    }
+
+    fn composed(&self, x: &Tensor) -> Tensor {
+        if self.layer {
+            layer_norm(x, &self.w, &self.b, PRE_EPS).unwrap()
+        } else {
+            rms_norm(x, &self.w, PRE_EPS).unwrap()
+        }
+    }
+
+    /// The norm's weights' gradients: from the store (composed) or the sinks (fused).
+    fn grads(&self, store: &candle_core::backprop::GradStore) -> Vec<Tensor> {
+        let vars: &[&Var] = if self.layer { &[&self.w, &self.b] } else { &[&self.w] };
+        vars.iter()
+            .zip(&self.sinks)
+            .map(|(v, sink)| match store.get(v) {
+                Some(g) => g.clone(),
+                None => sink.take(v.shape()).unwrap().unwrap(),
+            })
+            .collect()
+    }
+}
+
 fn weigh(t: &Tensor, name: &str) -> Tensor {
     let w = var(name, t.dims(), t.dtype());
     (t * w.as_tensor()).unwrap().sum_all().unwrap()
+}
+
+/// Asserts that a fused node's outputs and gradients equal the composed graph's, value by
+/// value (candle's store turns `-0` into `0`, the nodes do not).
+fn assert_same_values(got: &[Tensor], want: &[Tensor], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: how many results");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(flat(g).unwrap() == flat(w).unwrap(), "{what}: output {i}");
+    }
 }
 
 struct Case {
@@ -569,8 +639,6 @@ fn the_linear_with_its_gelu_as_one_node_gives_the_two_nodes_bits() {
 
 #[test]
 fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
-    // Values compared with `==`: candle's store turns `-0` into `0`, the node does not.
-    let same = |a: &Tensor, b: &Tensor| flat(a).unwrap() == flat(b).unwrap();
     let (b, s, hidden) = (2, 37, 32);
     for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
         .into_iter()
@@ -578,8 +646,16 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
     {
         // ViT-like: every projection with a bias, the key's applied but not trained; and
         // Llama-like: no biases, grouped K/V, causal, rotary.
-        for (heads, kv_heads, bias, causal) in [(4, 4, true, false), (4, 2, false, true)] {
+        // Each alone, and as a pre-norm layer's half `x + block(norm(x))`: LayerNorm in front
+        // of the ViT-like block, RMSNorm in front of the Llama-like one.
+        for (heads, kv_heads, bias, causal, residual) in [
+            (4, 4, true, false, false),
+            (4, 4, true, false, true),
+            (4, 2, false, true, false),
+            (4, 2, false, true, true),
+        ] {
             let d = hidden / heads;
+            let pre = Pre::new(bias, hidden, dtype);
             let tables = causal.then(|| {
                 hetpar_nn::layers::rope::Rope::new(d, 10_000.0)
                     .tables(&(3..3 + s).collect::<Vec<_>>())
@@ -631,9 +707,11 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
                         o: p(&wo, &bo, 3, true),
                     };
                     let heads = (heads, kv_heads);
-                    attention_block(how, &x, &wq, weights, heads, tables.clone(), attention())
-                        .unwrap()
+                    let tables = tables.clone();
+                    let pre = residual.then(|| pre.fused());
+                    attention_block(how, &x, &wq, weights, heads, tables, attention(), pre).unwrap()
                 } else {
+                    let input = if residual { pre.composed(&x) } else { x.as_tensor().clone() };
                     let lin =
                         |x: &Tensor, w: &Var, b: &Option<Var>, i: usize, trained: bool| match b {
                             Some(b) => {
@@ -646,15 +724,17 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
                             }
                             None => linear_into(how, x, w, &sinks[i]).unwrap(),
                         };
-                    let mut q = lin(&x, &wq, &bq, 0, true).reshape((b, s, heads, d)).unwrap();
-                    let mut k = lin(&x, &wk, &bk, 1, false).reshape((b, s, kv_heads, d)).unwrap();
+                    let mut q = lin(&input, &wq, &bq, 0, true).reshape((b, s, heads, d)).unwrap();
+                    let mut k =
+                        lin(&input, &wk, &bk, 1, false).reshape((b, s, kv_heads, d)).unwrap();
                     if let Some(t) = &tables {
                         (q, k) = (rope(&q, t).unwrap(), rope(&k, t).unwrap());
                     }
-                    let v = lin(&x, &wv, &bv, 2, true).reshape((b, s, kv_heads, d)).unwrap();
+                    let v = lin(&input, &wv, &bv, 2, true).reshape((b, s, kv_heads, d)).unwrap();
                     let a =
                         attention().apply(&q, &k, &v).unwrap().reshape((b, s, heads * d)).unwrap();
-                    lin(&a, &wo, &bo, 3, true)
+                    let o = lin(&a, &wo, &bo, 3, true);
+                    if residual { (x.as_tensor() + o).unwrap() } else { o }
                 };
                 let store = weigh(&y, "dy").backward().unwrap();
                 let mut out = vec![y, store.get(&x).unwrap().clone()];
@@ -671,58 +751,64 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
                         out.push(g);
                     }
                 }
+                if residual {
+                    out.extend(pre.grads(&store));
+                }
                 out
             };
-            let (got, want) = (run(true), run(false));
-            assert_eq!(got.len(), want.len());
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!(
-                    same(g, w),
-                    "{dtype:?} {how:?} heads {heads}/{kv_heads} bias {bias}: output {i}"
-                );
-            }
+            let what = format!(
+                "{dtype:?} {how:?} heads {heads}/{kv_heads} bias {bias} residual {residual}"
+            );
+            assert_same_values(&run(true), &run(false), &what);
         }
     }
 }
 
 #[test]
 fn the_gelu_mlp_as_one_node_gives_the_composed_mlps_bits() {
-    let same = |a: &Tensor, b: &Tensor| flat(a).unwrap() == flat(b).unwrap();
     for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
         .into_iter()
         .chain([(DType::F32, Matmul::Bf16)])
     {
-        let x =
-            Var::from_tensor(&(var("x", &[3, 7, 24], dtype).as_tensor() * 2.0).unwrap()).unwrap();
-        let (w1, b1) = (var("w1", &[40, 24], dtype), var("b1", &[40], dtype));
-        let (w2, b2) = (var("w2", &[16, 40], dtype), var("b2", &[16], dtype));
-        let sinks: Vec<GradSink> = (0..4).map(|_| GradSink::new()).collect();
-        let run = |fused: bool| {
-            let y = if fused {
-                let p = |w: &Var, b: &Var, i: usize| Projection {
-                    weight: (w.as_tensor().clone(), sinks[i].clone()),
-                    bias: Some((b.as_tensor().clone(), Some(sinks[i + 2].clone()))),
+        // Alone (24 -> 40 -> 16), and as a pre-norm layer's half `x + mlp(layer_norm(x))`.
+        for (out, residual) in [(16, false), (24, true)] {
+            let x = Var::from_tensor(&(var("x", &[3, 7, 24], dtype).as_tensor() * 2.0).unwrap())
+                .unwrap();
+            let (w1, b1) = (var("w1", &[40, 24], dtype), var("b1", &[40], dtype));
+            let (w2, b2) = (var("w2", &[out, 40], dtype), var("b2", &[out], dtype));
+            let pre = Pre::new(true, 24, dtype);
+            let sinks: Vec<GradSink> = (0..4).map(|_| GradSink::new()).collect();
+            let run = |fused: bool| {
+                let y = if fused {
+                    let p = |w: &Var, b: &Var, i: usize| Projection {
+                        weight: (w.as_tensor().clone(), sinks[i].clone()),
+                        bias: Some((b.as_tensor().clone(), Some(sinks[i + 2].clone()))),
+                    };
+                    let pre = residual.then(|| pre.fused());
+                    gelu_mlp(how, &x, &w1, p(&w1, &b1, 0), p(&w2, &b2, 1), pre).unwrap()
+                } else {
+                    let input = if residual { pre.composed(&x) } else { x.as_tensor().clone() };
+                    let h = linear_bias_gelu_into(how, &input, &w1, &b1, &sinks[0]).unwrap();
+                    let y = linear_bias_into(how, &h, &w2, &b2, &sinks[1]).unwrap();
+                    if residual { (x.as_tensor() + y).unwrap() } else { y }
                 };
-                gelu_mlp(how, &x, &w1, p(&w1, &b1, 0), p(&w2, &b2, 1)).unwrap()
-            } else {
-                let h = linear_bias_gelu_into(how, &x, &w1, &b1, &sinks[0]).unwrap();
-                linear_bias_into(how, &h, &w2, &b2, &sinks[1]).unwrap()
+                let store = weigh(&y, "dy").backward().unwrap();
+                let mut out = vec![y, store.get(&x).unwrap().clone()];
+                out.push(sinks[0].take(w1.shape()).unwrap().unwrap());
+                out.push(sinks[1].take(w2.shape()).unwrap().unwrap());
+                for (i, b) in [(2, &b1), (3, &b2)] {
+                    out.push(match store.get(b) {
+                        Some(g) => g.clone(),
+                        None => sinks[i].take(b.shape()).unwrap().unwrap(),
+                    });
+                }
+                if residual {
+                    out.extend(pre.grads(&store));
+                }
+                out
             };
-            let store = weigh(&y, "dy").backward().unwrap();
-            let mut out = vec![y, store.get(&x).unwrap().clone()];
-            out.push(sinks[0].take(w1.shape()).unwrap().unwrap());
-            out.push(sinks[1].take(w2.shape()).unwrap().unwrap());
-            for (i, b) in [(2, &b1), (3, &b2)] {
-                out.push(match store.get(b) {
-                    Some(g) => g.clone(),
-                    None => sinks[i].take(b.shape()).unwrap().unwrap(),
-                });
-            }
-            out
-        };
-        let (got, want) = (run(true), run(false));
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!(same(g, w), "{dtype:?} {how:?}: output {i}");
+            let what = format!("{dtype:?} {how:?} residual {residual}");
+            assert_same_values(&run(true), &run(false), &what);
         }
     }
 }
@@ -741,52 +827,69 @@ fn a_fused_block_with_weights_or_tables_that_do_not_fit_is_an_error() {
     // A key projection one row short of two heads of 4.
     let weights =
         BlockWeights { q: p("q", 16, 16), k: p("k", 7, 16), v: p("v", 8, 16), o: p("o", 16, 16) };
-    let e = attention_block(Matmul::Native, &x, &a, weights, (4, 2), None, attention());
+    let e = attention_block(Matmul::Native, &x, &a, weights, (4, 2), None, attention(), None);
     assert!(e.unwrap_err().to_string().contains("do not fit"));
     // Rotary tables for 5 positions on a sequence of 6.
     let tables = hetpar_nn::layers::rope::Rope::new(4, 10_000.0).tables(&[0, 1, 2, 3, 4]);
     let weights =
         BlockWeights { q: p("q", 16, 16), k: p("k", 8, 16), v: p("v", 8, 16), o: p("o", 16, 16) };
-    let e = attention_block(Matmul::Native, &x, &a, weights, (4, 2), Some(tables), attention());
+    let e =
+        attention_block(Matmul::Native, &x, &a, weights, (4, 2), Some(tables), attention(), None);
     assert!(e.unwrap_err().to_string().contains("rotary tables"));
     // An MLP whose layers do not chain.
-    let e = swiglu_mlp(Matmul::Native, &x, &a, [p("g", 24, 16), p("u", 24, 16), p("d", 16, 20)]);
+    let mlp = [p("g", 24, 16), p("u", 24, 16), p("d", 16, 20)];
+    let e = swiglu_mlp(Matmul::Native, &x, &a, mlp, None);
     assert!(e.unwrap_err().to_string().contains("do not chain"));
+    // A pre-norm one element narrower than the rows.
+    let mlp = [p("g", 24, 16), p("u", 24, 16), p("d", 16, 24)];
+    let weight = (var("n", &[15], dtype).as_tensor().clone(), GradSink::new());
+    let e = swiglu_mlp(Matmul::Native, &x, &a, mlp, Some(PreNorm::Rms { weight, eps: 1e-6 }));
+    assert!(e.unwrap_err().to_string().contains("pre-norm block"));
 }
 
 #[test]
 fn the_swiglu_mlp_as_one_node_gives_the_composed_mlps_bits() {
-    let same = |a: &Tensor, b: &Tensor| flat(a).unwrap() == flat(b).unwrap();
     for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
         .into_iter()
         .chain([(DType::F32, Matmul::Bf16)])
     {
-        let x = var("x", &[2, 9, 24], dtype);
-        let (wg, wu, wd) =
-            (var("wg", &[40, 24], dtype), var("wu", &[40, 24], dtype), var("wd", &[24, 40], dtype));
-        let sinks: Vec<GradSink> = (0..3).map(|_| GradSink::new()).collect();
-        let run = |fused: bool| {
-            let y = if fused {
-                let p = |w: &Var, i: usize| Projection {
-                    weight: (w.as_tensor().clone(), sinks[i].clone()),
-                    bias: None,
+        // Alone, and as a pre-norm layer's half `x + mlp(rms_norm(x))`.
+        for residual in [false, true] {
+            let x = var("x", &[2, 9, 24], dtype);
+            let (wg, wu, wd) = (
+                var("wg", &[40, 24], dtype),
+                var("wu", &[40, 24], dtype),
+                var("wd", &[24, 40], dtype),
+            );
+            let pre = Pre::new(false, 24, dtype);
+            let sinks: Vec<GradSink> = (0..3).map(|_| GradSink::new()).collect();
+            let run = |fused: bool| {
+                let y = if fused {
+                    let p = |w: &Var, i: usize| Projection {
+                        weight: (w.as_tensor().clone(), sinks[i].clone()),
+                        bias: None,
+                    };
+                    let pre = residual.then(|| pre.fused());
+                    swiglu_mlp(how, &x, &wg, [p(&wg, 0), p(&wu, 1), p(&wd, 2)], pre).unwrap()
+                } else {
+                    let input = if residual { pre.composed(&x) } else { x.as_tensor().clone() };
+                    let g = linear_into(how, &input, &wg, &sinks[0]).unwrap();
+                    let u = linear_into(how, &input, &wu, &sinks[1]).unwrap();
+                    let y = linear_into(how, &swiglu(&g, &u).unwrap(), &wd, &sinks[2]).unwrap();
+                    if residual { (x.as_tensor() + y).unwrap() } else { y }
                 };
-                swiglu_mlp(how, &x, &wg, [p(&wg, 0), p(&wu, 1), p(&wd, 2)]).unwrap()
-            } else {
-                let g = linear_into(how, &x, &wg, &sinks[0]).unwrap();
-                let u = linear_into(how, &x, &wu, &sinks[1]).unwrap();
-                linear_into(how, &swiglu(&g, &u).unwrap(), &wd, &sinks[2]).unwrap()
+                let store = weigh(&y, "dy").backward().unwrap();
+                let mut out = vec![y, store.get(&x).unwrap().clone()];
+                for (i, w) in [&wg, &wu, &wd].iter().enumerate() {
+                    out.push(sinks[i].take(w.shape()).unwrap().unwrap());
+                }
+                if residual {
+                    out.extend(pre.grads(&store));
+                }
+                out
             };
-            let store = weigh(&y, "dy").backward().unwrap();
-            let mut out = vec![y, store.get(&x).unwrap().clone()];
-            for (i, w) in [&wg, &wu, &wd].iter().enumerate() {
-                out.push(sinks[i].take(w.shape()).unwrap().unwrap());
-            }
-            out
-        };
-        let (got, want) = (run(true), run(false));
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!(same(g, w), "{dtype:?} {how:?}: output {i}");
+            let what = format!("{dtype:?} {how:?} residual {residual}");
+            assert_same_values(&run(true), &run(false), &what);
         }
     }
 }

@@ -15,6 +15,15 @@
 //! visits them; the weights' and trained biases' gradients go to their sinks. The results
 //! are the composed block's bits (zeros aside: candle's store turns `-0` into `0`).
 //!
+//! Given its pre-norm ([`PreNorm`]), either block is the node `x + block(norm(x))`, the
+//! residual layer's half: composed, the norm, the block and the residual add are three
+//! nodes, and candle's backward gives the norm's output, the block's output and the
+//! layer's input (twice) a zero-filled gradient and adds into it, three fills and four
+//! passes over `[tokens, hidden]` per block that no arithmetic needs. The node keeps the
+//! norm's output for the backward, and sums the input's gradient as candle's backward
+//! does, the residual's part first, then the norm's; the norm's weights' gradients go to
+//! their sinks. The results are again the composed layer's bits (zeros aside).
+//!
 //! The weights are not inputs of the node (a custom op takes at most three); an anchor, a
 //! variable the caller passes ([`anchor`]), makes candle run the backward whenever the
 //! block trains, and gets no gradient from it. It is an empty variable of its own, not one
@@ -27,7 +36,9 @@ use candle_core::{CpuStorage, CustomOp2, Device, Error, Layout, Shape, Tensor};
 
 use super::attention::{Dims, FlashAttention};
 use super::linear::{Matmul, backward, biased};
-use super::pointwise::{BiasAddOp, GeluOp, NormalCdf, RopeOp, RopeTables, SwiGluOp};
+use super::pointwise::{
+    BiasAddOp, GeluOp, LayerNormOp, NormalCdf, RmsNormOp, RopeOp, RopeTables, SwiGluOp,
+};
 use super::sink::GradSink;
 use super::{Anchored, CResult, Real, by_real, kept, saved_state, simd, slice, with_data};
 
@@ -54,6 +65,140 @@ pub struct BlockWeights {
     pub o: Projection,
 }
 
+/// The norm in front of a block, which makes the block's node `x + block(norm(x))`: its
+/// weights, each with the sink its gradient goes to.
+#[derive(Clone, Debug)]
+pub enum PreNorm {
+    /// LayerNorm's weight and bias, and the epsilon added to the variance.
+    Layer {
+        /// The weight and its sink.
+        weight: (Tensor, GradSink),
+        /// The bias and its sink.
+        bias: (Tensor, GradSink),
+        /// Added to the variance.
+        eps: f64,
+    },
+    /// RMSNorm's weight, and the epsilon added to the mean square.
+    Rms {
+        /// The weight and its sink.
+        weight: (Tensor, GradSink),
+        /// Added to the mean square.
+        eps: f64,
+    },
+}
+
+/// A block's pre-norm and residual, and the norm's output from the forward.
+#[derive(Debug)]
+struct Residual {
+    norm: PreNorm,
+    normed: Mutex<Option<Tensor>>,
+}
+
+impl Residual {
+    fn new(norm: Option<PreNorm>) -> Option<Residual> {
+        norm.map(|norm| Residual { norm, normed: Mutex::new(None) })
+    }
+
+    /// The norm's width, after checking that it divides `len` (and that a LayerNorm's
+    /// bias is as wide as its weight).
+    fn width(&self, len: usize) -> CResult<usize> {
+        let (w, bias) = match &self.norm {
+            PreNorm::Layer { weight, bias, .. } => (&weight.0, Some(&bias.0)),
+            PreNorm::Rms { weight, .. } => (&weight.0, None),
+        };
+        let h = w.dims1()?;
+        if h == 0 || !len.is_multiple_of(h) || bias.is_some_and(|b| b.dims() != [h]) {
+            return Err(Error::Msg(format!(
+                "pre-norm block: norm weight {:?} (bias {:?}) for an input of {len} elements",
+                w.shape(),
+                bias.map(|b| b.shape())
+            )));
+        }
+        Ok(h)
+    }
+
+    /// `x + block(norm(x))`, keeping `norm(x)`.
+    fn forward<T: Real>(
+        &self,
+        x: &[T],
+        block: impl FnOnce(&[T]) -> CResult<Vec<T>>,
+    ) -> CResult<Vec<T>> {
+        let op = "pre-norm block";
+        let h = self.width(x.len())?;
+        let n = match &self.norm {
+            PreNorm::Layer { weight, bias, eps } => with_data::<T, _>(&weight.0, op, |w| {
+                with_data::<T, _>(&bias.0, op, |b| {
+                    Ok(simd::fast!(LayerNormOp { eps: *eps }.forward(x, w, b, h)))
+                })
+            })?,
+            PreNorm::Rms { weight, eps } => with_data::<T, _>(&weight.0, op, |w| {
+                Ok(simd::fast!(RmsNormOp { eps: *eps }.forward(x, w, h)))
+            })?,
+        };
+        let mut y = block(&n)?;
+        if y.len() != x.len() {
+            return Err(Error::Msg(format!(
+                "{op}: an output of {} elements for an input of {}",
+                y.len(),
+                x.len()
+            )));
+        }
+        // The residual add `x + block`, as candle's add computes it.
+        simd::fast!(for (a, &v) in y.iter_mut().zip(x) {
+            *a = v + *a;
+        });
+        *saved_state(&self.normed, op)? = Some(kept(n)?);
+        Ok(y)
+    }
+
+    /// `x`'s gradient from the output's `dy`, where `block(normed, dy)` gives the norm
+    /// output's gradient: `dy + norm'(x)^T block'`, summed in the order of candle's
+    /// backward (the residual add reaches `x` first). The norm's weights' gradients go to
+    /// their sinks.
+    fn backward<T: Real>(
+        &self,
+        x: &[T],
+        dy: &[T],
+        block: impl FnOnce(&[T], &[T]) -> CResult<Vec<T>>,
+    ) -> CResult<Vec<T>> {
+        let op = "pre-norm block backward";
+        let h = self.width(x.len())?;
+        let normed = saved_state(&self.normed, op)?
+            .clone()
+            .ok_or_else(|| Error::Msg("pre-norm block: backward without its forward".into()))?;
+        let dn = with_data::<T, _>(&normed, op, |n| block(n, dy))?;
+        if dn.len() != x.len() || dy.len() != x.len() {
+            return Err(Error::Msg(format!(
+                "{op}: gradients of {} and {} elements for an input of {}",
+                dn.len(),
+                dy.len(),
+                x.len()
+            )));
+        }
+        let mut dx = match &self.norm {
+            PreNorm::Layer { weight, bias, eps } => {
+                let [dx, dw, db] = with_data::<T, _>(&weight.0, op, |w| {
+                    Ok(simd::fast!(LayerNormOp { eps: *eps }.backward(x, w, &dn, h)))
+                })?;
+                weight.1.add(dw)?;
+                bias.1.add(db)?;
+                dx
+            }
+            PreNorm::Rms { weight, eps } => {
+                let (dx, dw) = with_data::<T, _>(&weight.0, op, |w| {
+                    Ok(simd::fast!(RmsNormOp { eps: *eps }.backward(x, w, &dn, h)))
+                })?;
+                weight.1.add(dw)?;
+                dx
+            }
+        };
+        simd::fast!(for (d, &g) in dx.iter_mut().zip(dy) {
+            *d = g + *d;
+        });
+        Ok(dx)
+    }
+}
+
 /// What the forward keeps for the backward.
 #[derive(Debug)]
 struct Saved {
@@ -74,6 +219,8 @@ struct AttentionBlockOp {
     rope: Option<Arc<RopeTables>>,
     attention: FlashAttention,
     saved: Mutex<Option<Saved>>,
+    /// The pre-norm and residual, where the node is the layer's half.
+    residual: Option<Residual>,
 }
 
 /// `(rows, in, out)` of `p` on `rows` rows.
@@ -226,7 +373,11 @@ impl Anchored for AttentionBlockOp {
     const NAME: &'static str = "attention block";
 
     fn input_grad<T: NormalCdf>(&self, x: &[T], shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
-        self.backward(x, dy, shape.dims3()?)
+        let dims = shape.dims3()?;
+        match &self.residual {
+            None => self.backward(x, dy, dims),
+            Some(r) => r.backward(x, dy, |n, dy| self.backward(n, dy, dims)),
+        }
     }
 }
 
@@ -245,7 +396,10 @@ impl CustomOp2 for AttentionBlockOp {
         let dims = l1.shape().dims3()?;
         by_real!(s1, "attention block", |T| {
             let x = slice::<T>(s1, l1, "attention block")?;
-            let y = self.forward(x, dims)?;
+            let y = match &self.residual {
+                None => self.forward(x, dims)?,
+                Some(r) => r.forward(x, |n| self.forward(n, dims))?,
+            };
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), l1.shape().clone()))
         })
     }
@@ -265,7 +419,9 @@ impl CustomOp2 for AttentionBlockOp {
 /// query and `kv_heads` key/value heads, q and k rotated by `rope`'s tables (one row per
 /// position of the sequence) where given, the core as `attention` runs it; `anchor` (an
 /// empty variable, [`anchor`]) makes candle run the backward. The weights' gradients go
-/// to their sinks, so they must be the parameters' `Var`s.
+/// to their sinks, so they must be the parameters' `Var`s. Given `pre`, the node is
+/// `x + block(pre(x))` ([`PreNorm`]).
+#[allow(clippy::too_many_arguments)]
 pub fn attention_block(
     how: Matmul,
     x: &Tensor,
@@ -274,6 +430,7 @@ pub fn attention_block(
     (heads, kv_heads): (usize, usize),
     rope: Option<Arc<RopeTables>>,
     attention: FlashAttention,
+    pre: Option<PreNorm>,
 ) -> CResult<Tensor> {
     let op = AttentionBlockOp {
         how,
@@ -282,6 +439,7 @@ pub fn attention_block(
         rope,
         attention,
         saved: Mutex::new(None),
+        residual: Residual::new(pre),
     };
     x.contiguous()?.apply_op2(anchor, op)
 }
@@ -307,6 +465,8 @@ struct MlpOp {
     /// The activations the backward reads, from the forward: the GELU's input and output,
     /// or SwiGLU's gate, up and product.
     saved: Mutex<Vec<Tensor>>,
+    /// The pre-norm and residual, where the node is the layer's half.
+    residual: Option<Residual>,
 }
 
 impl MlpOp {
@@ -394,7 +554,11 @@ impl Anchored for MlpOp {
     const NAME: &'static str = "MLP";
 
     fn input_grad<T: NormalCdf>(&self, x: &[T], _shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
-        self.backward(x, dy, x.len() / self.widths()?.0.max(1))
+        let rows = x.len() / self.widths()?.0.max(1);
+        match &self.residual {
+            None => self.backward(x, dy, rows),
+            Some(r) => r.backward(x, dy, |n, dy| self.backward(n, dy, rows)),
+        }
     }
 }
 
@@ -422,7 +586,10 @@ impl CustomOp2 for MlpOp {
         *shape.last_mut().expect("checked above") = out;
         by_real!(s1, "MLP", |T| {
             let x = slice::<T>(s1, l1, "MLP")?;
-            let y = self.forward(x, rows)?;
+            let y = match &self.residual {
+                None => self.forward(x, rows)?,
+                Some(r) => r.forward(x, |n| self.forward(n, rows))?,
+            };
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), Shape::from(shape)))
         })
     }
@@ -440,26 +607,39 @@ impl CustomOp2 for MlpOp {
 
 /// `fc2(gelu(fc1(x)))` on one rank as one node, `x` `[.., in]`; `anchor` (an empty
 /// variable, [`anchor`]) makes candle run the backward. The weights' and biases' gradients go to their
-/// sinks, so they must be the parameters' `Var`s.
+/// sinks, so they must be the parameters' `Var`s. Given `pre`, the node is
+/// `x + mlp(pre(x))` ([`PreNorm`]).
 pub fn gelu_mlp(
     how: Matmul,
     x: &Tensor,
     anchor: &Tensor,
     fc1: Projection,
     fc2: Projection,
+    pre: Option<PreNorm>,
 ) -> CResult<Tensor> {
-    let op = MlpOp { how, mlp: Mlp::Gelu { fc1, fc2 }, saved: Mutex::new(Vec::new()) };
+    let op = MlpOp {
+        how,
+        mlp: Mlp::Gelu { fc1, fc2 },
+        saved: Mutex::new(Vec::new()),
+        residual: Residual::new(pre),
+    };
     x.contiguous()?.apply_op2(anchor, op)
 }
 
-/// `down(silu(gate(x)) * up(x))` on one rank as one node, as [`gelu_mlp`].
+/// `down(silu(gate(x)) * up(x))` on one rank as one node, as [`gelu_mlp`] (`pre` too).
 pub fn swiglu_mlp(
     how: Matmul,
     x: &Tensor,
     anchor: &Tensor,
     [gate, up, down]: [Projection; 3],
+    pre: Option<PreNorm>,
 ) -> CResult<Tensor> {
-    let op = MlpOp { how, mlp: Mlp::SwiGlu { gate, up, down }, saved: Mutex::new(Vec::new()) };
+    let op = MlpOp {
+        how,
+        mlp: Mlp::SwiGlu { gate, up, down },
+        saved: Mutex::new(Vec::new()),
+        residual: Residual::new(pre),
+    };
     x.contiguous()?.apply_op2(anchor, op)
 }
 

@@ -32,7 +32,7 @@ pub struct RmsNormOp {
 
 impl RmsNormOp {
     #[inline(always)]
-    fn forward<T: Real>(&self, x: &[T], w: &[T], h: usize) -> Vec<T> {
+    pub(crate) fn forward<T: Real>(&self, x: &[T], w: &[T], h: usize) -> Vec<T> {
         let mut out = vec![T::ZERO; x.len()];
         for (xr, yr) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
             let r = self.inv_rms(xr, h);
@@ -50,7 +50,13 @@ impl RmsNormOp {
 
     /// `dx = r (g - xhat mean(g xhat))` with `g = dy w`, `xhat = r x`; `dw = sum dy xhat`.
     #[inline(always)]
-    fn backward<T: Real>(&self, x: &[T], w: &[T], dy: &[T], h: usize) -> (Vec<T>, Vec<T>) {
+    pub(crate) fn backward<T: Real>(
+        &self,
+        x: &[T],
+        w: &[T],
+        dy: &[T],
+        h: usize,
+    ) -> (Vec<T>, Vec<T>) {
         let mut dx = vec![T::ZERO; x.len()];
         let mut dw = vec![T::ZERO; h];
         let mut g = vec![T::ZERO; h];
@@ -146,7 +152,7 @@ impl LayerNormOp {
     }
 
     #[inline(always)]
-    fn forward<T: Real>(&self, x: &[T], w: &[T], b: &[T], h: usize) -> Vec<T> {
+    pub(crate) fn forward<T: Real>(&self, x: &[T], w: &[T], b: &[T], h: usize) -> Vec<T> {
         let hf = T::from_f64(h as f64);
         let mut out = vec![T::ZERO; x.len()];
         for (xr, yr) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
@@ -161,7 +167,7 @@ impl LayerNormOp {
     /// `dx = r (g - mean(g) - xhat mean(g xhat))` with `g = dy w`; `dw = sum dy xhat`,
     /// `db = sum dy`.
     #[inline(always)]
-    fn backward<T: Real>(&self, x: &[T], w: &[T], dy: &[T], h: usize) -> [Vec<T>; 3] {
+    pub(crate) fn backward<T: Real>(&self, x: &[T], w: &[T], dy: &[T], h: usize) -> [Vec<T>; 3] {
         let hf = T::from_f64(h as f64);
         let mut dx = vec![T::ZERO; x.len()];
         let (mut dw, mut db) = (vec![T::ZERO; h], vec![T::ZERO; h]);

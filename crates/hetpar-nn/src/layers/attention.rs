@@ -22,9 +22,10 @@ use hetpar_layout::ownership::SeqSplit;
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::kernels::attention::FlashAttention;
-use crate::kernels::block::{BlockWeights, anchor, attention_block};
+use crate::kernels::block::{BlockWeights, PreNorm, anchor, attention_block};
 use crate::layers::comm::gather_dim;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
+use crate::layers::norm::Norm;
 use crate::layers::rope::Rope;
 use crate::ops::RingShift;
 use crate::params::{HasParams, Param};
@@ -161,8 +162,8 @@ impl Attention {
     /// `x` `[b, s, hidden]` (this rank's tokens; sequence-sharded again under SP) at
     /// `positions` to `[b, s, hidden]`.
     pub fn forward(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
-        if self.ctx.tp.size() == 1 && self.ctx.cp.size() == 1 {
-            return self.fused(x, positions.own());
+        if self.one_rank() {
+            return self.fused(x, positions.own(), None);
         }
         let (hq, hkv) =
             (self.spec.heads / self.ctx.tp.size(), self.spec.kv_heads / self.ctx.tp.size());
@@ -189,9 +190,28 @@ impl Attention {
         self.o.forward(&out.reshape((b, s, h * d))?)
     }
 
-    /// The block on one rank as one node ([`attention_block`]): the composed block's bits
-    /// without candle's zero fills and adds between its nodes.
-    fn fused(&self, x: &Tensor, own: &[usize]) -> Result<Tensor> {
+    /// `x + self(norm(x))`, a pre-norm layer's first half; on one rank one node
+    /// ([`attention_block`] with its [`PreNorm`]: the composed half's bits).
+    pub fn residual(
+        &self,
+        x: &Tensor,
+        norm: &impl Norm,
+        positions: &CpPositions,
+    ) -> Result<Tensor> {
+        if self.one_rank() {
+            return self.fused(x, positions.own(), Some(norm.pre_norm()));
+        }
+        Ok((x + self.forward(&norm.normalize(x)?, positions)?)?)
+    }
+
+    /// Whether the block runs on one rank (`tp` and `cp` 1), as one node.
+    fn one_rank(&self) -> bool {
+        self.ctx.tp.size() == 1 && self.ctx.cp.size() == 1
+    }
+
+    /// The block on one rank as one node ([`attention_block`]), behind `pre` where given:
+    /// the composed block's bits without candle's zero fills and adds between its nodes.
+    fn fused(&self, x: &Tensor, own: &[usize], pre: Option<PreNorm>) -> Result<Tensor> {
         let rope = self.rope.as_ref().map(|r| r.tables(own));
         let (q, how) = self.q.projection();
         let anchor = anchor(x.dtype())?;
@@ -202,7 +222,8 @@ impl Attention {
             o: self.o.projection(),
         };
         let heads = (self.spec.heads, self.spec.kv_heads);
-        Ok(attention_block(how, x, &anchor, weights, heads, rope, self.attend(own, own, false))?)
+        let attention = self.attend(own, own, false);
+        Ok(attention_block(how, x, &anchor, weights, heads, rope, attention, pre)?)
     }
 
     fn all_gather(&self, q: &Tensor, k: &Tensor, v: &Tensor, p: &CpPositions) -> Result<Tensor> {

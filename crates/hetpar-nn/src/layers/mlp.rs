@@ -5,9 +5,10 @@
 use candle_core::Tensor;
 
 use crate::error::Result;
-use crate::kernels::block::{anchor, gelu_mlp, swiglu_mlp};
+use crate::kernels::block::{PreNorm, anchor, gelu_mlp, swiglu_mlp};
 use crate::kernels::pointwise::swiglu;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
+use crate::layers::norm::Norm;
 use crate::params::{HasParams, Param};
 
 /// `down(silu(gate(x)) * up(x))`, HF Llama names `gate_proj`, `up_proj`, `down_proj`.
@@ -39,15 +40,28 @@ impl SwiGlu {
     /// rank as one node ([`swiglu_mlp`], the same bits).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if self.gate.tp_size() == 1 {
-            let (gate, how) = self.gate.projection();
-            let anchor = anchor(x.dtype())?;
-            let parts = [gate, self.up.projection().0, self.down.projection()];
-            return Ok(swiglu_mlp(how, x, &anchor, parts)?);
+            return self.fused(x, None);
         }
         // One gather (or gradient reduction) over `tp` for both projections.
         let x = self.gate.input(x)?;
         let h = swiglu(&self.gate.local(&x)?, &self.up.local(&x)?)?;
         self.down.forward(&h)
+    }
+
+    /// `x + self(norm(x))`, a pre-norm layer's second half; on one rank one node
+    /// ([`swiglu_mlp`] with its [`PreNorm`]: the composed half's bits).
+    pub fn residual(&self, x: &Tensor, norm: &impl Norm) -> Result<Tensor> {
+        if self.gate.tp_size() == 1 {
+            return self.fused(x, Some(norm.pre_norm()));
+        }
+        Ok((x + self.forward(&norm.normalize(x)?)?)?)
+    }
+
+    fn fused(&self, x: &Tensor, pre: Option<PreNorm>) -> Result<Tensor> {
+        let (gate, how) = self.gate.projection();
+        let anchor = anchor(x.dtype())?;
+        let parts = [gate, self.up.projection().0, self.down.projection()];
+        Ok(swiglu_mlp(how, x, &anchor, parts, pre)?)
     }
 }
 
@@ -92,11 +106,24 @@ impl GeluMlp {
     /// bits).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if self.fc1.tp_size() == 1 {
-            let (fc1, how) = self.fc1.projection();
-            let anchor = anchor(x.dtype())?;
-            return Ok(gelu_mlp(how, x, &anchor, fc1, self.fc2.projection())?);
+            return self.fused(x, None);
         }
         self.fc2.forward(&self.fc1.forward_gelu(x)?)
+    }
+
+    /// `x + self(norm(x))`, a pre-norm layer's second half; on one rank one node
+    /// ([`gelu_mlp`] with its [`PreNorm`]: the composed half's bits).
+    pub fn residual(&self, x: &Tensor, norm: &impl Norm) -> Result<Tensor> {
+        if self.fc1.tp_size() == 1 {
+            return self.fused(x, Some(norm.pre_norm()));
+        }
+        Ok((x + self.forward(&norm.normalize(x)?)?)?)
+    }
+
+    fn fused(&self, x: &Tensor, pre: Option<PreNorm>) -> Result<Tensor> {
+        let (fc1, how) = self.fc1.projection();
+        let anchor = anchor(x.dtype())?;
+        Ok(gelu_mlp(how, x, &anchor, fc1, self.fc2.projection(), pre)?)
     }
 }
 

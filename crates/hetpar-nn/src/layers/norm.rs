@@ -5,9 +5,19 @@ use candle_core::Tensor;
 
 use crate::error::Result;
 use crate::init::Init;
+use crate::kernels::block::PreNorm;
 use crate::kernels::pointwise::{layer_norm, rms_norm};
 use crate::layers::linear::Build;
 use crate::params::{HasParams, Param};
+
+/// A norm in front of a block (pre-norm layers): on its own, or inside the block's fused
+/// node as its [`PreNorm`].
+pub trait Norm {
+    /// Normalizes the last dim.
+    fn normalize(&self, x: &Tensor) -> Result<Tensor>;
+    /// The norm as a fused block's pre-norm: its weights and their gradients' sinks.
+    fn pre_norm(&self) -> PreNorm;
+}
 
 /// `x / sqrt(mean(x^2) + eps) * weight`.
 #[derive(Debug)]
@@ -28,6 +38,17 @@ impl RmsNorm {
     /// Normalizes the last dim.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(rms_norm(x, self.weight.tensor(), self.eps)?)
+    }
+}
+
+impl Norm for RmsNorm {
+    fn normalize(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward(x)
+    }
+
+    fn pre_norm(&self) -> PreNorm {
+        let w = &self.weight;
+        PreNorm::Rms { weight: (w.tensor().clone(), w.sink.clone()), eps: self.eps }
     }
 }
 
@@ -62,6 +83,21 @@ impl LayerNorm {
     /// Normalizes the last dim.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(layer_norm(x, self.weight.tensor(), self.bias.tensor(), self.eps)?)
+    }
+}
+
+impl Norm for LayerNorm {
+    fn normalize(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward(x)
+    }
+
+    fn pre_norm(&self) -> PreNorm {
+        let (w, b) = (&self.weight, &self.bias);
+        PreNorm::Layer {
+            weight: (w.tensor().clone(), w.sink.clone()),
+            bias: (b.tensor().clone(), b.sink.clone()),
+            eps: self.eps,
+        }
     }
 }
 

@@ -80,8 +80,8 @@ impl Layer {
 
     /// The layer on `x [items, local_rows, hidden]`.
     pub fn forward(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln1.forward(x)?, positions)?)?;
-        Ok((&x + self.mlp.forward(&self.ln2.forward(&x)?)?)?)
+        let x = self.attn.residual(x, &self.ln1, positions)?;
+        self.mlp.residual(&x, &self.ln2)
     }
 }
 

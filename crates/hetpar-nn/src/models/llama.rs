@@ -263,17 +263,15 @@ impl Llama {
         let mut x = x.clone();
         let mut aux = Tensor::zeros((), x.dtype(), &Device::Cpu)?;
         for l in &self.layers {
-            x = (&x + l.attn.forward(&l.input_norm.forward(&x)?, positions)?)?;
-            let h = l.post_norm.forward(&x)?;
-            let y = match &l.ffn {
-                Ffn::Dense(m) => m.forward(&h)?,
+            x = l.attn.residual(&x, &l.input_norm, positions)?;
+            x = match &l.ffn {
+                Ffn::Dense(m) => m.residual(&x, &l.post_norm)?,
                 Ffn::Moe(m) => {
-                    let (y, a) = m.forward(&h)?;
+                    let (y, a) = m.forward(&l.post_norm.forward(&x)?)?;
                     aux = (aux + a)?;
-                    y
+                    (x + y)?
                 }
             };
-            x = (x + y)?;
         }
         Ok((x, aux))
     }
