@@ -645,8 +645,9 @@ impl Executor {
         let i = self.index(c.module)?;
         grads[i].accumulate(&self.trained(i), &store)?;
         if self.opts.frozen.contains(&c.module) {
-            // A frozen module's linear layers still wrote their weights' gradients (candle
-            // runs every backward its graph reaches); nothing reads them.
+            // A frozen module's fused nodes still wrote their weights' gradients, the linear
+            // layers' and the pre-norms' (candle runs every backward its graph reaches);
+            // nothing reads them.
             for p in self.stages[i].params() {
                 p.sink.clear()?;
             }

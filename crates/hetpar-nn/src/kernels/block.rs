@@ -18,8 +18,9 @@
 //! Given its pre-norm ([`PreNorm`]), either block is the node `x + block(norm(x))`, the
 //! residual layer's half: composed, the norm, the block and the residual add are three
 //! nodes, and candle's backward gives the norm's output, the block's output and the
-//! layer's input (twice) a zero-filled gradient and adds into it, three fills and four
-//! passes over `[tokens, hidden]` per block that no arithmetic needs. The node keeps the
+//! layer's input a zero-filled gradient each and adds into them (the input twice): three
+//! fills and four adds over `[tokens, hidden]` per half, where the one node leaves one
+//! fill and one add (its input's) and a sum of its own, in place. The node keeps the
 //! norm's output for the backward, and sums the input's gradient as candle's backward
 //! does, the residual's part first, then the norm's; the norm's weights' gradients go to
 //! their sinks. The results are again the composed layer's bits (zeros aside).
@@ -66,7 +67,8 @@ pub struct BlockWeights {
 }
 
 /// The norm in front of a block, which makes the block's node `x + block(norm(x))`: its
-/// weights, each with the sink its gradient goes to.
+/// weights, each with the sink its gradient goes to (so they must be the parameters'
+/// `Var`s: a tensor computed from one would get no gradient).
 #[derive(Clone, Debug)]
 pub enum PreNorm {
     /// LayerNorm's weight and bias, and the epsilon added to the variance.
@@ -99,32 +101,35 @@ impl Residual {
         norm.map(|norm| Residual { norm, normed: Mutex::new(None) })
     }
 
-    /// The norm's width, after checking that it divides `len` (and that a LayerNorm's
-    /// bias is as wide as its weight).
-    fn width(&self, len: usize) -> CResult<usize> {
+    /// Checks that the norm (and a LayerNorm's bias) is as wide as the input's rows of
+    /// `hidden`, `len` elements in all.
+    fn check(&self, len: usize, hidden: usize) -> CResult<()> {
         let (w, bias) = match &self.norm {
             PreNorm::Layer { weight, bias, .. } => (&weight.0, Some(&bias.0)),
             PreNorm::Rms { weight, .. } => (&weight.0, None),
         };
         let h = w.dims1()?;
-        if h == 0 || !len.is_multiple_of(h) || bias.is_some_and(|b| b.dims() != [h]) {
+        if h != hidden || h == 0 || !len.is_multiple_of(h) || bias.is_some_and(|b| b.dims() != [h])
+        {
             return Err(Error::Msg(format!(
-                "pre-norm block: norm weight {:?} (bias {:?}) for an input of {len} elements",
+                "pre-norm block: norm weight {:?} (bias {:?}) for rows of {hidden} ({len} \
+                 elements)",
                 w.shape(),
                 bias.map(|b| b.shape())
             )));
         }
-        Ok(h)
+        Ok(())
     }
 
-    /// `x + block(norm(x))`, keeping `norm(x)`.
+    /// `x + block(norm(x))` on rows of `h`, keeping `norm(x)`.
     fn forward<T: Real>(
         &self,
         x: &[T],
+        h: usize,
         block: impl FnOnce(&[T]) -> CResult<Vec<T>>,
     ) -> CResult<Vec<T>> {
         let op = "pre-norm block";
-        let h = self.width(x.len())?;
+        self.check(x.len(), h)?;
         let n = match &self.norm {
             PreNorm::Layer { weight, bias, eps } => with_data::<T, _>(&weight.0, op, |w| {
                 with_data::<T, _>(&bias.0, op, |b| {
@@ -159,21 +164,23 @@ impl Residual {
         &self,
         x: &[T],
         dy: &[T],
+        h: usize,
         block: impl FnOnce(&[T], &[T]) -> CResult<Vec<T>>,
     ) -> CResult<Vec<T>> {
         let op = "pre-norm block backward";
-        let h = self.width(x.len())?;
+        self.check(x.len(), h)?;
+        let wrong = |what: &str, n: usize| {
+            Error::Msg(format!("{op}: {what} of {n} elements for an input of {}", x.len()))
+        };
+        if dy.len() != x.len() {
+            return Err(wrong("an output gradient", dy.len()));
+        }
         let normed = saved_state(&self.normed, op)?
             .clone()
             .ok_or_else(|| Error::Msg("pre-norm block: backward without its forward".into()))?;
         let dn = with_data::<T, _>(&normed, op, |n| block(n, dy))?;
-        if dn.len() != x.len() || dy.len() != x.len() {
-            return Err(Error::Msg(format!(
-                "{op}: gradients of {} and {} elements for an input of {}",
-                dn.len(),
-                dy.len(),
-                x.len()
-            )));
+        if dn.len() != x.len() {
+            return Err(wrong("a norm output gradient", dn.len()));
         }
         let mut dx = match &self.norm {
             PreNorm::Layer { weight, bias, eps } => {
@@ -376,7 +383,7 @@ impl Anchored for AttentionBlockOp {
         let dims = shape.dims3()?;
         match &self.residual {
             None => self.backward(x, dy, dims),
-            Some(r) => r.backward(x, dy, |n, dy| self.backward(n, dy, dims)),
+            Some(r) => r.backward(x, dy, dims.2, |n, dy| self.backward(n, dy, dims)),
         }
     }
 }
@@ -398,7 +405,7 @@ impl CustomOp2 for AttentionBlockOp {
             let x = slice::<T>(s1, l1, "attention block")?;
             let y = match &self.residual {
                 None => self.forward(x, dims)?,
-                Some(r) => r.forward(x, |n| self.forward(n, dims))?,
+                Some(r) => r.forward(x, dims.2, |n| self.forward(n, dims))?,
             };
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), l1.shape().clone()))
         })
@@ -554,10 +561,11 @@ impl Anchored for MlpOp {
     const NAME: &'static str = "MLP";
 
     fn input_grad<T: NormalCdf>(&self, x: &[T], _shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
-        let rows = x.len() / self.widths()?.0.max(1);
+        let inner = self.widths()?.0;
+        let rows = x.len() / inner.max(1);
         match &self.residual {
             None => self.backward(x, dy, rows),
-            Some(r) => r.backward(x, dy, |n, dy| self.backward(n, dy, rows)),
+            Some(r) => r.backward(x, dy, inner, |n, dy| self.backward(n, dy, rows)),
         }
     }
 }
@@ -588,7 +596,7 @@ impl CustomOp2 for MlpOp {
             let x = slice::<T>(s1, l1, "MLP")?;
             let y = match &self.residual {
                 None => self.forward(x, rows)?,
-                Some(r) => r.forward(x, |n| self.forward(n, rows))?,
+                Some(r) => r.forward(x, inner, |n| self.forward(n, rows))?,
             };
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), Shape::from(shape)))
         })

@@ -82,8 +82,8 @@ pub trait Real: WithDType + std::ops::Neg<Output = Self> {
     fn sqrt(self) -> Self;
     /// The larger (either, if equal).
     fn larger(self, other: Self) -> Self;
-    /// `e^x` of every element, in place: in f32 [`exp_f32`], which the compiler vectorizes,
-    /// in f64 the library's.
+    /// `e^x` of every element, in place: in f32 [`exp_f32`], [`LANES`] at a time through
+    /// [`exp_f32_lanes`]; in f64 the library's.
     fn exp_in_place(xs: &mut [Self]);
     /// [`bf16::matmul_on`] (bf16 operands, f32 sums) where `Self` is f32; an error in f64,
     /// which has no bf16 compute.
@@ -185,7 +185,7 @@ impl Real for f32 {
 
 /// Inputs that [`exp_f32_lanes`] and [`normal_cdf_f32_lanes`] take at once in the
 /// kernels' loops: four AVX-512 vectors of f64.
-pub(crate) const LANES: usize = 32;
+pub const LANES: usize = 32;
 
 /// `e^x` in f32 without a branch (so loops over it vectorize), computed in f64 and rounded
 /// once: `x = n ln 2 + r` with `n` rounded to nearest and `|r| <= ln 2 / 2`, `e^r` by its
@@ -606,10 +606,14 @@ mod tests {
         let want: Vec<(u32, u32)> = xs.iter().map(|&x| one(x)).collect();
         assert_eq!(in_lanes(&xs), want, "the baseline path");
         assert_eq!(simd::fast!(in_lanes(&xs)), want, "the dispatched (widest) path");
+        let exps = want.iter().map(|w| w.0).collect::<Vec<_>>();
         let mut ys = xs.clone();
         f32::exp_in_place(&mut ys);
-        let exps: Vec<u32> = ys.iter().map(|y| y.to_bits()).collect();
-        assert_eq!(exps, want.iter().map(|w| w.0).collect::<Vec<_>>(), "exp_in_place");
+        assert_eq!(ys.iter().map(|y| y.to_bits()).collect::<Vec<_>>(), exps, "exp_in_place");
+        let mut ys = xs.clone();
+        simd::fast!(f32::exp_in_place(&mut ys));
+        let wide = ys.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
+        assert_eq!(wide, exps, "exp_in_place on the dispatched path");
     }
 
     #[test]
