@@ -27,6 +27,7 @@ pub mod pointwise;
 pub mod reference;
 pub mod simd;
 pub mod sink;
+pub(crate) mod written;
 
 use std::cell::Cell;
 

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
+use super::written::written;
 use super::{
     CResult, LANES, Real, by_real, by_real_dtype, dot, normal_cdf_f32_lanes, simd, slice, sum,
     sum_map, with_data,
@@ -33,14 +34,16 @@ pub struct RmsNormOp {
 impl RmsNormOp {
     #[inline(always)]
     pub(crate) fn forward<T: Real>(&self, x: &[T], w: &[T], h: usize) -> Vec<T> {
-        let mut out = vec![T::ZERO; x.len()];
-        for (xr, yr) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-            let r = self.inv_rms(xr, h);
-            for ((y, &xv), &wv) in yr.iter_mut().zip(xr).zip(w) {
-                *y = xv * r * wv;
-            }
-        }
-        out
+        written(
+            x.len(),
+            h,
+            #[inline(always)]
+            |start, row| {
+                let xr = &x[start..start + row.len()];
+                let r = self.inv_rms(xr, h);
+                row.map2(xr, w, |xv, wv| xv * r * wv)
+            },
+        )
     }
 
     #[inline(always)]
@@ -57,25 +60,26 @@ impl RmsNormOp {
         dy: &[T],
         h: usize,
     ) -> (Vec<T>, Vec<T>) {
-        let mut dx = vec![T::ZERO; x.len()];
         let mut dw = vec![T::ZERO; h];
         let mut g = vec![T::ZERO; h];
         let mut xhat = vec![T::ZERO; h];
         let hf = T::from_f64(h as f64);
-        for ((xr, dyr), dxr) in
-            x.chunks_exact(h).zip(dy.chunks_exact(h)).zip(dx.chunks_exact_mut(h))
-        {
-            let r = self.inv_rms(xr, h);
-            for j in 0..h {
-                xhat[j] = xr[j] * r;
-                g[j] = dyr[j] * w[j];
-                dw[j] += dyr[j] * xhat[j];
-            }
-            let c = dot(&g, &xhat) / hf;
-            for j in 0..h {
-                dxr[j] = r * (g[j] - xhat[j] * c);
-            }
-        }
+        let dx = written(
+            x.len(),
+            h,
+            #[inline(always)]
+            |start, row| {
+                let (xr, dyr) = (&x[start..start + h], &dy[start..start + h]);
+                let r = self.inv_rms(xr, h);
+                for j in 0..h {
+                    xhat[j] = xr[j] * r;
+                    g[j] = dyr[j] * w[j];
+                    dw[j] += dyr[j] * xhat[j];
+                }
+                let c = dot(&g, &xhat) / hf;
+                row.map2(&g, &xhat, |gj, xj| r * (gj - xj * c))
+            },
+        );
         (dx, dw)
     }
 }
@@ -154,14 +158,16 @@ impl LayerNormOp {
     #[inline(always)]
     pub(crate) fn forward<T: Real>(&self, x: &[T], w: &[T], b: &[T], h: usize) -> Vec<T> {
         let hf = T::from_f64(h as f64);
-        let mut out = vec![T::ZERO; x.len()];
-        for (xr, yr) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-            let (mean, r) = self.stats(xr, hf);
-            for j in 0..h {
-                yr[j] = (xr[j] - mean) * r * w[j] + b[j];
-            }
-        }
-        out
+        written(
+            x.len(),
+            h,
+            #[inline(always)]
+            |start, row| {
+                let xr = &x[start..start + row.len()];
+                let (mean, r) = self.stats(xr, hf);
+                row.map3(xr, w, b, |xv, wv, bv| (xv - mean) * r * wv + bv)
+            },
+        )
     }
 
     /// `dx = r (g - mean(g) - xhat mean(g xhat))` with `g = dy w`; `dw = sum dy xhat`,
@@ -169,24 +175,25 @@ impl LayerNormOp {
     #[inline(always)]
     pub(crate) fn backward<T: Real>(&self, x: &[T], w: &[T], dy: &[T], h: usize) -> [Vec<T>; 3] {
         let hf = T::from_f64(h as f64);
-        let mut dx = vec![T::ZERO; x.len()];
         let (mut dw, mut db) = (vec![T::ZERO; h], vec![T::ZERO; h]);
         let (mut g, mut xhat) = (vec![T::ZERO; h], vec![T::ZERO; h]);
-        for ((xr, dyr), dxr) in
-            x.chunks_exact(h).zip(dy.chunks_exact(h)).zip(dx.chunks_exact_mut(h))
-        {
-            let (mean, r) = self.stats(xr, hf);
-            for j in 0..h {
-                xhat[j] = (xr[j] - mean) * r;
-                g[j] = dyr[j] * w[j];
-                dw[j] += dyr[j] * xhat[j];
-                db[j] += dyr[j];
-            }
-            let (mg, mgx) = (sum(&g) / hf, dot(&g, &xhat) / hf);
-            for j in 0..h {
-                dxr[j] = r * (g[j] - mg - xhat[j] * mgx);
-            }
-        }
+        let dx = written(
+            x.len(),
+            h,
+            #[inline(always)]
+            |start, row| {
+                let (xr, dyr) = (&x[start..start + h], &dy[start..start + h]);
+                let (mean, r) = self.stats(xr, hf);
+                for j in 0..h {
+                    xhat[j] = (xr[j] - mean) * r;
+                    g[j] = dyr[j] * w[j];
+                    dw[j] += dyr[j] * xhat[j];
+                    db[j] += dyr[j];
+                }
+                let (mg, mgx) = (sum(&g) / hf, dot(&g, &xhat) / hf);
+                row.map2(&g, &xhat, |gj, xj| r * (gj - mg - xj * mgx))
+            },
+        );
         [dx, dw, db]
     }
 }
@@ -269,12 +276,10 @@ pub struct GeluOp;
 pub(crate) trait NormalCdf: Real {
     fn cdf(self) -> Self;
 
-    /// `x Phi(x)` of every element of `x` into `out`.
+    /// `x Phi(x)` of every element of `x`.
     #[inline(always)]
-    fn gelu_into(x: &[Self], out: &mut [Self]) {
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = v * v.cdf();
-        }
+    fn gelu(x: &[Self]) -> Vec<Self> {
+        written(x.len(), x.len(), |_, all| all.map(x, |v| v * v.cdf()))
     }
 }
 
@@ -286,19 +291,19 @@ impl NormalCdf for f32 {
 
     /// [`LANES`] elements at a time through [`normal_cdf_f32_lanes`] (the same bits).
     #[inline(always)]
-    fn gelu_into(x: &[f32], out: &mut [f32]) {
-        let (mut oc, xc) = (out.chunks_exact_mut(LANES), x.chunks_exact(LANES));
-        let xr = xc.remainder();
-        for (o, xs) in (&mut oc).zip(xc) {
-            let xs: &[f32; LANES] = xs.try_into().expect("chunks of LANES");
-            let cdf = normal_cdf_f32_lanes(*xs);
-            for j in 0..LANES {
-                o[j] = xs[j] * cdf[j];
-            }
-        }
-        for (o, &v) in oc.into_remainder().iter_mut().zip(xr) {
-            *o = v * v.cdf();
-        }
+    fn gelu(x: &[f32]) -> Vec<f32> {
+        written(
+            x.len(),
+            LANES,
+            #[inline(always)]
+            |start, part| {
+                let xs = &x[start..start + part.len()];
+                match <&[f32; LANES]>::try_from(xs) {
+                    Ok(lanes) => part.map2(xs, &normal_cdf_f32_lanes(*lanes), |v, c| v * c),
+                    Err(_) => part.map(xs, |v| v * v.cdf()),
+                }
+            },
+        )
     }
 }
 
@@ -311,9 +316,7 @@ impl NormalCdf for f64 {
 impl GeluOp {
     #[inline(always)]
     pub(crate) fn forward<T: NormalCdf>(x: &[T]) -> Vec<T> {
-        let mut out = vec![T::ZERO; x.len()];
-        T::gelu_into(x, &mut out);
-        out
+        T::gelu(x)
     }
 
     /// `dy (Phi(x) + x phi(x))`, `Phi(x)` as `y / x` from the forward's output `y`.
@@ -322,23 +325,27 @@ impl GeluOp {
         let (half, pdf) =
             (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
         let tiny = T::from_f64(1e-30);
-        let mut dx = vec![T::ZERO; x.len()];
         // The exponentials LANES at a time ([`Real::exp_in_place`]), then the rest.
         let mut e = [T::ZERO; LANES];
-        for (((o, x), y), dy) in
-            dx.chunks_mut(LANES).zip(x.chunks(LANES)).zip(y.chunks(LANES)).zip(dy.chunks(LANES))
-        {
-            let e = &mut e[..x.len()];
-            for (e, &v) in e.iter_mut().zip(x) {
-                *e = -(v * v) * half;
-            }
-            T::exp_in_place(e);
-            for ((((o, &v), &u), &g), &e) in o.iter_mut().zip(x).zip(y).zip(dy).zip(&*e) {
-                let cdf = if v.larger(-v) < tiny { half } else { u / v };
-                *o = g * (cdf + v * pdf * e);
-            }
-        }
-        dx
+        written(
+            x.len(),
+            LANES,
+            #[inline(always)]
+            |start, part| {
+                let n = part.len();
+                let (x, y, dy) =
+                    (&x[start..start + n], &y[start..start + n], &dy[start..start + n]);
+                let e = &mut e[..n];
+                for (e, &v) in e.iter_mut().zip(x) {
+                    *e = -(v * v) * half;
+                }
+                T::exp_in_place(e);
+                part.map4([x, y, dy, &*e], |v, u, g, e| {
+                    let cdf = if v.larger(-v) < tiny { half } else { u / v };
+                    g * (cdf + v * pdf * e)
+                })
+            },
+        )
     }
 }
 
@@ -484,16 +491,18 @@ fn sigmoid_into<T: Real>(x: &[T], out: &mut [T]) {
 impl SwiGluOp {
     #[inline(always)]
     pub(crate) fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
-        let mut h = vec![T::ZERO; g.len()];
         let mut sg = [T::ZERO; LANES];
-        for ((o, g), u) in h.chunks_mut(LANES).zip(g.chunks(LANES)).zip(u.chunks(LANES)) {
-            let sg = &mut sg[..g.len()];
-            sigmoid_into(g, sg);
-            for (((o, &g), &u), &s) in o.iter_mut().zip(g).zip(u).zip(&*sg) {
-                *o = g * s * u;
-            }
-        }
-        h
+        written(
+            g.len(),
+            LANES,
+            #[inline(always)]
+            |start, part| {
+                let n = part.len();
+                let (g, u, sg) = (&g[start..start + n], &u[start..start + n], &mut sg[..n]);
+                sigmoid_into(g, sg);
+                part.map3(g, u, sg, |g, u, s| g * s * u)
+            },
+        )
     }
 
     /// `dg = dh u sig(g) (1 + g (1 - sig(g)))`, `du = dh silu(g)`.
@@ -592,13 +601,15 @@ impl BiasAddOp {
 
     #[inline(always)]
     fn forward<T: Real>(x: &[T], b: &[T], n: usize) -> Vec<T> {
-        let mut out = vec![T::ZERO; x.len()];
-        for (yr, xr) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-            for ((y, &xv), &bv) in yr.iter_mut().zip(xr).zip(b) {
-                *y = xv + bv;
-            }
-        }
-        out
+        written(
+            x.len(),
+            n,
+            #[inline(always)]
+            |start, row| {
+                let xr = &x[start..start + row.len()];
+                row.map2(xr, b, |xv, bv| xv + bv)
+            },
+        )
     }
 
     /// The column sums of `g` `[.., n]`: the bias gradient.
