@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
-use super::written::written;
+use super::written::{PART, written};
 use super::{
     CResult, LANES, Real, by_real, by_real_dtype, dot, normal_cdf_f32_lanes, simd, slice, sum,
     sum_map, with_data,
@@ -289,19 +289,27 @@ impl NormalCdf for f32 {
         super::normal_cdf_f32(self)
     }
 
-    /// [`LANES`] elements at a time through [`normal_cdf_f32_lanes`] (the same bits).
+    /// The CDF [`LANES`] elements at a time through [`normal_cdf_f32_lanes`] (the same
+    /// bits), into a scratch part of [`PART`], then the products.
     #[inline(always)]
     fn gelu(x: &[f32]) -> Vec<f32> {
+        let mut cdf = [0.0f32; PART];
         written(
             x.len(),
-            LANES,
+            PART,
             #[inline(always)]
             |start, part| {
-                let xs = &x[start..start + part.len()];
-                match <&[f32; LANES]>::try_from(xs) {
-                    Ok(lanes) => part.map2(xs, &normal_cdf_f32_lanes(*lanes), |v, c| v * c),
-                    Err(_) => part.map(xs, |v| v * v.cdf()),
+                let (xs, cdf) = (&x[start..start + part.len()], &mut cdf[..part.len()]);
+                let (mut cc, xc) = (cdf.chunks_exact_mut(LANES), xs.chunks_exact(LANES));
+                let xr = xc.remainder();
+                for (c, xs) in (&mut cc).zip(xc) {
+                    let xs: &[f32; LANES] = xs.try_into().expect("chunks of LANES");
+                    c.copy_from_slice(&normal_cdf_f32_lanes(*xs));
                 }
+                for (c, &v) in cc.into_remainder().iter_mut().zip(xr) {
+                    *c = v.cdf();
+                }
+                part.map2(xs, cdf, |v, c| v * c)
             },
         )
     }
@@ -325,11 +333,12 @@ impl GeluOp {
         let (half, pdf) =
             (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
         let tiny = T::from_f64(1e-30);
-        // The exponentials LANES at a time ([`Real::exp_in_place`]), then the rest.
-        let mut e = [T::ZERO; LANES];
+        // The exponentials into a scratch part ([`Real::exp_in_place`]: LANES at a time in
+        // f32), then the rest.
+        let mut e = [T::ZERO; PART];
         written(
             x.len(),
-            LANES,
+            PART,
             #[inline(always)]
             |start, part| {
                 let n = part.len();
@@ -491,10 +500,10 @@ fn sigmoid_into<T: Real>(x: &[T], out: &mut [T]) {
 impl SwiGluOp {
     #[inline(always)]
     pub(crate) fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
-        let mut sg = [T::ZERO; LANES];
+        let mut sg = [T::ZERO; PART];
         written(
             g.len(),
-            LANES,
+            PART,
             #[inline(always)]
             |start, part| {
                 let n = part.len();

@@ -14,6 +14,12 @@
 
 use std::mem::MaybeUninit;
 
+/// Elements an element-wise kernel makes at a time where no row sets the part (its scratch
+/// inputs, such as exponentials, sit in a stack array of this many: 4 KiB of f32, in the
+/// L1 cache): per part, the kernel's loop runs long enough that slicing and checks cost
+/// nothing worth counting.
+pub(crate) const PART: usize = 1024;
+
 /// A part of a new vector, not written yet: its methods write every element of it.
 pub(crate) struct Part<'a, T>(&'a mut [MaybeUninit<T>]);
 
