@@ -14,7 +14,7 @@ use hetpar_nn::kernels::bf16;
 use hetpar_nn::kernels::block::{
     BlockWeights, PreNorm, Projection, attention_block, gelu_mlp, swiglu_mlp,
 };
-use hetpar_nn::kernels::experts::{ExpertWeights, experts_swiglu};
+use hetpar_nn::kernels::experts::{ExpertWeights, experts_swiglu, routed_experts};
 use hetpar_nn::kernels::linear::{
     Matmul, linear, linear_bias, linear_bias_as, linear_bias_gelu_into, linear_bias_into,
     linear_into,
@@ -903,6 +903,31 @@ fn the_swiglu_mlp_as_one_node_gives_the_composed_mlps_bits() {
     }
 }
 
+/// `w1`, `w3` `[ffn, hidden]` and `w2` `[hidden, ffn]` of `experts` experts.
+fn expert_vars(experts: usize, hidden: usize, ffn: usize, dtype: DType) -> Vec<[Var; 3]> {
+    (0..experts)
+        .map(|e| {
+            [
+                var(&format!("w1.{e}"), &[ffn, hidden], dtype),
+                var(&format!("w3.{e}"), &[ffn, hidden], dtype),
+                var(&format!("w2.{e}"), &[hidden, ffn], dtype),
+            ]
+        })
+        .collect()
+}
+
+/// The experts' weights `w` with their gradients' sinks.
+fn expert_weights(w: &[[Var; 3]], sinks: &[[GradSink; 3]]) -> Vec<ExpertWeights> {
+    w.iter()
+        .zip(sinks)
+        .map(|(w, s)| ExpertWeights {
+            w1: (w[0].as_tensor().clone(), s[0].clone()),
+            w3: (w[1].as_tensor().clone(), s[1].clone()),
+            w2: (w[2].as_tensor().clone(), s[2].clone()),
+        })
+        .collect()
+}
+
 #[test]
 fn the_experts_node_gives_the_per_expert_graphs_bits() {
     let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -913,15 +938,7 @@ fn the_experts_node_gives_the_per_expert_graphs_bits() {
         .chain([(DType::F32, Matmul::Bf16)])
     {
         let x = var("x", &[n, hidden], dtype);
-        let w: Vec<[Var; 3]> = (0..rows.len())
-            .map(|e| {
-                [
-                    var(&format!("w1.{e}"), &[ffn, hidden], dtype),
-                    var(&format!("w3.{e}"), &[ffn, hidden], dtype),
-                    var(&format!("w2.{e}"), &[hidden, ffn], dtype),
-                ]
-            })
-            .collect();
+        let w = expert_vars(rows.len(), hidden, ffn, dtype);
         let sinks = |_| [GradSink::new(), GradSink::new(), GradSink::new()];
         // Per expert: its rows selected, two products, SwiGLU, a product; concatenated.
         let per: Vec<[GradSink; 3]> = (0..rows.len()).map(sinks).collect();
@@ -945,15 +962,7 @@ fn the_experts_node_gives_the_per_expert_graphs_bits() {
         let want_dx = store.get(&x).unwrap().clone();
         // One node.
         let fused: Vec<[GradSink; 3]> = (0..rows.len()).map(sinks).collect();
-        let weights = w
-            .iter()
-            .zip(&fused)
-            .map(|(w, s)| ExpertWeights {
-                w1: (w[0].as_tensor().clone(), s[0].clone()),
-                w3: (w[1].as_tensor().clone(), s[1].clone()),
-                w2: (w[2].as_tensor().clone(), s[2].clone()),
-            })
-            .collect();
+        let weights = expert_weights(&w, &fused);
         let anchor = var("anchor", &[1], dtype);
         let got = experts_swiglu(how, &x, &anchor, weights, rows.clone()).unwrap();
         let store = weigh(&got, "dy").backward().unwrap();
@@ -984,6 +993,74 @@ fn the_experts_node_gives_the_per_expert_graphs_bits() {
     let anchor = var("anchor", &[1], DType::F32);
     let e = experts_swiglu(Matmul::Native, &x, &anchor, weights, vec![3]).unwrap_err();
     assert!(e.to_string().contains("4 rows for 1 experts, grouped as [3]"), "{e}");
+}
+
+#[test]
+fn the_routed_experts_node_gives_the_composed_routing_and_experts_values() {
+    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let (hidden, ffn, n) = (16, 24, 7);
+    // Assignments grouped by expert (expert 1 has none); token 3 has none, token 0 three,
+    // the others one or two.
+    let tokens: Vec<u32> = vec![0, 2, 5, 6, 0, 1, 2, 4, 5, 6, 0];
+    let rows = vec![4usize, 0, 6, 1];
+    let a = tokens.len();
+    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
+        .into_iter()
+        .chain([(DType::F32, Matmul::Bf16)])
+    {
+        let what = format!("routed experts {dtype:?} {how:?}");
+        let x = var("x", &[n, hidden], dtype);
+        let gates = var("gates", &[a], dtype);
+        let w = expert_vars(rows.len(), hidden, ffn, dtype);
+        let sinks = |_| [GradSink::new(), GradSink::new(), GradSink::new()];
+        let weights = |s: &[[GradSink; 3]]| expert_weights(&w, s);
+        // Composed, as the MoE layer across ranks: gather, the experts' node, weigh, sum.
+        let per: Vec<[GradSink; 3]> = (0..rows.len()).map(sinks).collect();
+        let idx = Tensor::from_vec(tokens.clone(), a, &Device::Cpu).unwrap();
+        let routed = x.as_tensor().index_select(&idx, 0).unwrap();
+        let anchor = var("anchor", &[1], dtype);
+        let y = experts_swiglu(how, &routed, &anchor, weights(&per), rows.clone()).unwrap();
+        let weighted = y.broadcast_mul(&gates.as_tensor().unsqueeze(1).unwrap()).unwrap();
+        let want = x.as_tensor().zeros_like().unwrap().index_add(&idx, &weighted, 0).unwrap();
+        let store = weigh(&want, "dy").backward().unwrap();
+        let (want_dx, want_dg) = (store.get(&x).unwrap(), store.get(&gates).unwrap());
+        // One node.
+        let fused: Vec<[GradSink; 3]> = (0..rows.len()).map(sinks).collect();
+        let got =
+            routed_experts(how, &x, &gates, weights(&fused), rows.clone(), tokens.clone()).unwrap();
+        let store = weigh(&got, "dy").backward().unwrap();
+        assert_eq!(bits(&got), bits(&want), "{what}: outputs");
+        assert!(flat(&got.get(3).unwrap()).unwrap().iter().all(|&v| v == 0.0), "{what}: token 3");
+        assert_eq!(bits(store.get(&x).unwrap()), bits(want_dx), "{what}: dx");
+        // A gate's gradient sums in another order than candle's reduction.
+        close(&format!("{what}: gates"), store.get(&gates).unwrap(), want_dg, tolerance(dtype));
+        for e in 0..rows.len() {
+            for j in 0..3 {
+                let shape = w[e][j].shape();
+                match (fused[e][j].take(shape).unwrap(), per[e][j].take(shape).unwrap()) {
+                    (Some(a), Some(b)) => {
+                        assert_eq!(bits(&a), bits(&b), "{what}: expert {e} weight {j}")
+                    }
+                    (None, None) => assert_eq!(rows[e], 0, "{what}: expert {e} got no gradient"),
+                    _ => panic!("{what}: expert {e} weight {j}: a gradient on one side only"),
+                }
+            }
+        }
+    }
+    // Refused: a token out of range, gates and tokens of different counts.
+    let x = var("x", &[4, 16], DType::F32);
+    let one = || {
+        vec![ExpertWeights {
+            w1: (var("w1", &[8, 16], DType::F32).as_tensor().clone(), GradSink::new()),
+            w3: (var("w3", &[8, 16], DType::F32).as_tensor().clone(), GradSink::new()),
+            w2: (var("w2", &[16, 8], DType::F32).as_tensor().clone(), GradSink::new()),
+        }]
+    };
+    let gates = var("gates", &[2], DType::F32);
+    let e = routed_experts(Matmul::Native, &x, &gates, one(), vec![2], vec![1, 4]).unwrap_err();
+    assert!(e.to_string().contains("token 4 of 4"), "{e}");
+    let e = routed_experts(Matmul::Native, &x, &gates, one(), vec![3], vec![0, 1, 2]).unwrap_err();
+    assert!(e.to_string().contains("2 gates, 3 tokens"), "{e}");
 }
 
 /// `t` (f32) rounded to bf16, as an f64 tensor.

@@ -15,6 +15,17 @@
 //! The weights are not inputs of the node (a custom op takes at most three); an anchor, a
 //! variable the caller passes, makes candle run the backward whenever the layer trains, and
 //! gets no gradient from it.
+//!
+//! Where the experts are all local (`ep` 1), [`routed_experts`] takes the routing in as well:
+//! each assignment's row of the tokens, its expert's output and its gate, summed into the
+//! token's output, are one node with the experts. Composed, the gather is an index select
+//! (its backward zero-fills the tokens' gradient and adds the rows in), and the weighting
+//! and the sum are a broadcast multiply and an index add whose backwards make and add half
+//! a dozen tensors of every assignment's row. The gather, the weighting and the sum here
+//! are the composed graph's operations in its order (so the output, the tokens' gradient and
+//! the weights' gradients keep its bits); a gate's gradient, the dot product of its row's
+//! output and output gradient, sums in the eight partial sums of the kernels' `dot` where
+//! candle's reduction has its own order, within an ulp or two of it.
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -23,7 +34,9 @@ use candle_core::{CpuStorage, CustomOp2, Error, Layout, Shape, Tensor};
 use super::linear::{Matmul, backward, product};
 use super::pointwise::{NormalCdf, SwiGluOp};
 use super::sink::GradSink;
-use super::{Anchored, CResult, Real, by_real, saved_state, simd, slice, with_data};
+use super::{
+    Anchored, CResult, Real, by_real, by_real_dtype, dot, saved_state, simd, slice, with_data,
+};
 
 /// One expert's weights, each with the sink its gradient goes to: `w1`, `w3` `[ffn,
 /// hidden]`, `w2` `[hidden, ffn]`.
@@ -58,8 +71,64 @@ impl ExpertsOp {
         (w1[1], w1[0])
     }
 
-    fn forward<T: Real>(&self, x: &[T], hidden: usize) -> CResult<Vec<T>> {
+    /// Expert `e` on its `r` rows `xe` (`[r, hidden]`): their outputs `w2 (silu(w1 x) * w3
+    /// x)`, and `w1 x`, `w3 x` and their SwiGLU for its backward.
+    fn expert_forward<T: Real>(
+        &self,
+        e: usize,
+        xe: &[T],
+        r: usize,
+        hidden: usize,
+    ) -> CResult<(Vec<T>, [Tensor; 3])> {
         let op = "experts";
+        let (h_in, ffn) = self.dims(e);
+        if h_in != hidden {
+            return Err(Error::Msg(format!("experts: rows of {hidden}, expert {e} of {h_in}")));
+        }
+        let w = &self.experts[e];
+        let h1 = with_data::<T, _>(&w.w1.0, op, |w| product(self.how, xe, w, (r, hidden, ffn)))?;
+        let h3 = with_data::<T, _>(&w.w3.0, op, |w| product(self.how, xe, w, (r, hidden, ffn)))?;
+        let h = simd::fast!({ SwiGluOp::forward(&h1, &h3) });
+        let ye = with_data::<T, _>(&w.w2.0, op, |w| product(self.how, &h, w, (r, ffn, hidden)))?;
+        let keep = |v: Vec<T>| Tensor::from_vec(v, (r, ffn), &candle_core::Device::Cpu);
+        Ok((ye, [keep(h1)?, keep(h3)?, keep(h)?]))
+    }
+
+    /// The gradient of expert `e`'s rows `xe` given their outputs' `dye`, as the per-expert
+    /// graph sums it (`dx3 + dx1`); its weights' gradients go to their sinks.
+    fn expert_backward<T: Real>(
+        &self,
+        e: usize,
+        (xe, dye): (&[T], &[T]),
+        r: usize,
+        hidden: usize,
+        [h1, h3, h]: &[Tensor; 3],
+    ) -> CResult<Vec<T>> {
+        let op = "experts backward";
+        let (_, ffn) = self.dims(e);
+        let w = &self.experts[e];
+        let (dh, dw2) = with_data::<T, _>(h, op, |h| {
+            with_data::<T, _>(&w.w2.0, op, |w| backward(self.how, h, w, dye, (r, ffn, hidden)))
+        })?;
+        let (dg, du) = with_data::<T, _>(h1, op, |g| {
+            with_data::<T, _>(h3, op, |u| Ok(simd::fast!(SwiGluOp::backward(g, u, &dh))))
+        })?;
+        let (dx1, dw1) =
+            with_data::<T, _>(&w.w1.0, op, |w| backward(self.how, xe, w, &dg, (r, hidden, ffn)))?;
+        let (dx3, dw3) =
+            with_data::<T, _>(&w.w3.0, op, |w| backward(self.how, xe, w, &du, (r, hidden, ffn)))?;
+        w.w1.1.add(dw1)?;
+        w.w3.1.add(dw3)?;
+        w.w2.1.add(dw2)?;
+        Ok(dx3.iter().zip(&dx1).map(|(&a, &b)| a + b).collect())
+    }
+
+    /// The saved state of the `k`-th expert with rows.
+    fn kept(saved: &[[Tensor; 3]], k: usize) -> CResult<&[Tensor; 3]> {
+        saved.get(k).ok_or_else(|| Error::Msg("experts: backward without its forward".into()))
+    }
+
+    fn forward<T: Real>(&self, x: &[T], hidden: usize) -> CResult<Vec<T>> {
         let mut y = Vec::with_capacity(x.len());
         let mut saved = Vec::new();
         let mut start = 0;
@@ -67,22 +136,10 @@ impl ExpertsOp {
             if r == 0 {
                 continue;
             }
-            let (h_in, ffn) = self.dims(e);
-            if h_in != hidden {
-                return Err(Error::Msg(format!("experts: rows of {hidden}, expert {e} of {h_in}")));
-            }
-            let w = &self.experts[e];
             let xe = &x[start * hidden..(start + r) * hidden];
-            let h1 =
-                with_data::<T, _>(&w.w1.0, op, |w| product(self.how, xe, w, (r, hidden, ffn)))?;
-            let h3 =
-                with_data::<T, _>(&w.w3.0, op, |w| product(self.how, xe, w, (r, hidden, ffn)))?;
-            let h = simd::fast!({ SwiGluOp::forward(&h1, &h3) });
-            let ye =
-                with_data::<T, _>(&w.w2.0, op, |w| product(self.how, &h, w, (r, ffn, hidden)))?;
+            let (ye, keep) = self.expert_forward(e, xe, r, hidden)?;
             y.extend_from_slice(&ye);
-            let keep = |v: Vec<T>| Tensor::from_vec(v, (r, ffn), &candle_core::Device::Cpu);
-            saved.push([keep(h1)?, keep(h3)?, keep(h)?]);
+            saved.push(keep);
             start += r;
         }
         *self.saved()? = saved;
@@ -90,40 +147,17 @@ impl ExpertsOp {
     }
 
     fn backward<T: Real>(&self, x: &[T], dy: &[T], hidden: usize) -> CResult<Vec<T>> {
-        let op = "experts backward";
         let saved = self.saved()?;
-        let mut dx = vec![T::ZERO; x.len()];
+        let mut dx = Vec::with_capacity(x.len());
         let (mut start, mut k) = (0, 0);
         for (e, &r) in self.rows.iter().enumerate() {
             if r == 0 {
                 continue;
             }
-            let (_, ffn) = self.dims(e);
-            let w = &self.experts[e];
-            let [h1, h3, h] = saved
-                .get(k)
-                .ok_or_else(|| Error::Msg("experts: backward without its forward".into()))?;
-            k += 1;
             let rows = start * hidden..(start + r) * hidden;
-            let (xe, dye) = (&x[rows.clone()], &dy[rows.clone()]);
-            let (dh, dw2) = with_data::<T, _>(h, op, |h| {
-                with_data::<T, _>(&w.w2.0, op, |w| backward(self.how, h, w, dye, (r, ffn, hidden)))
-            })?;
-            let (dg, du) = with_data::<T, _>(h1, op, |g| {
-                with_data::<T, _>(h3, op, |u| Ok(simd::fast!(SwiGluOp::backward(g, u, &dh))))
-            })?;
-            let (dx1, dw1) = with_data::<T, _>(&w.w1.0, op, |w| {
-                backward(self.how, xe, w, &dg, (r, hidden, ffn))
-            })?;
-            let (dx3, dw3) = with_data::<T, _>(&w.w3.0, op, |w| {
-                backward(self.how, xe, w, &du, (r, hidden, ffn))
-            })?;
-            for ((d, a), b) in dx[rows].iter_mut().zip(&dx3).zip(&dx1) {
-                *d = *a + *b;
-            }
-            w.w1.1.add(dw1)?;
-            w.w3.1.add(dw3)?;
-            w.w2.1.add(dw2)?;
+            let io = (&x[rows.clone()], &dy[rows]);
+            dx.extend(self.expert_backward(e, io, r, hidden, Self::kept(&saved, k)?)?);
+            k += 1;
             start += r;
         }
         Ok(dx)
@@ -192,4 +226,186 @@ pub fn experts_swiglu(
 ) -> CResult<Tensor> {
     let op = ExpertsOp { how, experts, rows, saved: Mutex::new(Vec::new()) };
     x.contiguous()?.apply_op2(anchor, op)
+}
+
+/// The experts with their routing (see the module's documentation): for tokens `x` `[n,
+/// hidden]` and `a` assignments, assignment `i` sends row `tokens[i]` to its expert (the
+/// assignments grouped by expert, `rows[e]` of them for expert `e`, in order) and adds the
+/// output times `gates[i]` to that token's output row, in assignment order.
+#[derive(Debug)]
+struct RoutedOp {
+    experts: ExpertsOp,
+    tokens: Vec<u32>,
+    /// The assignments' rows of `x` and their experts' outputs (`[a, hidden]` each), from
+    /// the forward.
+    routed: Mutex<Option<[Tensor; 2]>>,
+}
+
+impl RoutedOp {
+    fn check(&self, n: usize, a: usize) -> CResult<()> {
+        let op = "routed experts";
+        if self.tokens.len() != a || self.experts.rows.iter().sum::<usize>() != a {
+            return Err(Error::Msg(format!(
+                "{op}: {a} gates, {} tokens, assignments grouped as {:?}",
+                self.tokens.len(),
+                self.experts.rows
+            )));
+        }
+        if self.experts.rows.len() != self.experts.experts.len() {
+            return Err(Error::Msg(format!(
+                "{op}: {} experts, assignments grouped as {:?}",
+                self.experts.experts.len(),
+                self.experts.rows
+            )));
+        }
+        if let Some(&t) = self.tokens.iter().find(|&&t| t as usize >= n) {
+            return Err(Error::Msg(format!("{op}: token {t} of {n}")));
+        }
+        Ok(())
+    }
+
+    fn forward<T: Real>(&self, x: &[T], gates: &[T], hidden: usize) -> CResult<Vec<T>> {
+        let a = self.tokens.len();
+        let mut routed = Vec::with_capacity(a * hidden);
+        for &t in &self.tokens {
+            let t = t as usize;
+            routed.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        }
+        let mut out = vec![T::ZERO; x.len()];
+        let mut outputs = Vec::with_capacity(a * hidden);
+        let mut saved = Vec::new();
+        let mut start = 0;
+        for (e, &r) in self.experts.rows.iter().enumerate() {
+            if r == 0 {
+                continue;
+            }
+            let xe = &routed[start * hidden..(start + r) * hidden];
+            let (ye, keep) = self.experts.expert_forward(e, xe, r, hidden)?;
+            for (i, y) in ye.chunks_exact(hidden).enumerate() {
+                let (t, g) = (self.tokens[start + i] as usize, gates[start + i]);
+                for (o, &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(y) {
+                    *o += v * g;
+                }
+            }
+            outputs.extend_from_slice(&ye);
+            saved.push(keep);
+            start += r;
+        }
+        *self.experts.saved()? = saved;
+        let keep = |v: Vec<T>| Tensor::from_vec(v, (a, hidden), &candle_core::Device::Cpu);
+        *saved_state(&self.routed, "routed experts")? = Some([keep(routed)?, keep(outputs)?]);
+        Ok(out)
+    }
+
+    /// The tokens' gradient and the gates'.
+    fn backward<T: Real>(&self, gates: &[T], dy: &[T], hidden: usize) -> CResult<(Vec<T>, Vec<T>)> {
+        let op = "routed experts backward";
+        let saved = self.experts.saved()?;
+        let routed = saved_state(&self.routed, op)?;
+        let [xs, ys] = routed
+            .as_ref()
+            .ok_or_else(|| Error::Msg(format!("{op}: backward without its forward")))?;
+        let mut dx = vec![T::ZERO; dy.len()];
+        let mut dgates = Vec::with_capacity(gates.len());
+        with_data::<T, _>(xs, op, |xs| {
+            with_data::<T, _>(ys, op, |ys| {
+                let (mut start, mut k) = (0, 0);
+                for (e, &r) in self.experts.rows.iter().enumerate() {
+                    if r == 0 {
+                        continue;
+                    }
+                    let rows = start * hidden..(start + r) * hidden;
+                    let mut dye = Vec::with_capacity(r * hidden);
+                    for (i, y) in ys[rows.clone()].chunks_exact(hidden).enumerate() {
+                        let (t, g) = (self.tokens[start + i] as usize, gates[start + i]);
+                        let d = &dy[t * hidden..(t + 1) * hidden];
+                        dye.extend(d.iter().map(|&v| v * g));
+                        dgates.push(dot(d, y));
+                    }
+                    let kept = ExpertsOp::kept(&saved, k)?;
+                    let dxe =
+                        self.experts.expert_backward(e, (&xs[rows], &dye), r, hidden, kept)?;
+                    for (i, d) in dxe.chunks_exact(hidden).enumerate() {
+                        let t = self.tokens[start + i] as usize;
+                        for (o, &v) in dx[t * hidden..(t + 1) * hidden].iter_mut().zip(d) {
+                            *o += v;
+                        }
+                    }
+                    k += 1;
+                    start += r;
+                }
+                Ok(())
+            })
+        })?;
+        Ok((dx, dgates))
+    }
+}
+
+impl CustomOp2 for RoutedOp {
+    fn name(&self) -> &'static str {
+        "routed-experts"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let &[n, hidden] = l1.shape().dims() else {
+            return Err(Error::Msg(format!(
+                "routed experts: tokens {:?} are not a matrix",
+                l1.shape()
+            )));
+        };
+        self.check(n, l2.shape().elem_count())?;
+        by_real!(s1, "routed experts", |T| {
+            let x = slice::<T>(s1, l1, "routed experts")?;
+            let gates = slice::<T>(s2, l2, "routed experts")?;
+            let y = self.forward(x, gates, hidden)?;
+            Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gates: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let op = "routed experts";
+        let grad = grad.contiguous()?;
+        let hidden = x.dims2()?.1;
+        by_real_dtype!(x.dtype(), op, |T| {
+            let (dx, dg) = with_data::<T, _>(gates, op, |g| {
+                with_data::<T, _>(&grad, op, |d| self.backward(g, d, hidden))
+            })?;
+            Ok((
+                Some(Tensor::from_vec(dx, x.shape(), x.device())?),
+                Some(Tensor::from_vec(dg, gates.shape(), gates.device())?),
+            ))
+        })
+    }
+}
+
+/// The MoE layer's experts with the routing around them, as one node (see the module's
+/// documentation): for tokens `x` `[n, hidden]`, `tokens[i]` is the token of assignment `i`
+/// and `gates[i]` (`gates` of `a` elements) its weight, the assignments grouped by expert
+/// (`rows[e]` of them for `experts[e]`, in order). Token `t`'s output is the sum, in
+/// assignment order, of `gates[i] w2 (silu(w1 x_t) * w3 x_t)` over its assignments `i`
+/// (zero for a token with none); gradients go to `x` and `gates`, and the weights' to their
+/// sinks.
+pub fn routed_experts(
+    how: Matmul,
+    x: &Tensor,
+    gates: &Tensor,
+    experts: Vec<ExpertWeights>,
+    rows: Vec<usize>,
+    tokens: Vec<u32>,
+) -> CResult<Tensor> {
+    let experts = ExpertsOp { how, experts, rows, saved: Mutex::new(Vec::new()) };
+    let op = RoutedOp { experts, tokens, routed: Mutex::new(None) };
+    x.contiguous()?.apply_op2(&gates.contiguous()?, op)
 }

@@ -23,7 +23,7 @@ use hetpar_layout::Axis;
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
-use crate::kernels::experts::{ExpertWeights, experts_swiglu};
+use crate::kernels::experts::{ExpertWeights, experts_swiglu, routed_experts};
 use crate::kernels::linear::Matmul;
 use crate::layers::attention::softmax;
 use crate::layers::comm::{gather_rows, split_rows};
@@ -152,61 +152,71 @@ impl Moe {
         let tokens: Vec<u32> = assign.iter().map(|&(_, t, _)| t as u32).collect();
         let slots: Vec<u32> = assign.iter().map(|&(_, t, j)| (t * k + j) as u32).collect();
         let a = assign.len();
-        let tok_idx = Tensor::from_vec(tokens, a, &Device::Cpu)?;
-        let disp = xs.index_select(&tok_idx, 0)?;
+        let slot_idx = Tensor::from_vec(slots, a, &Device::Cpu)?;
+        let g = gates.flatten_all()?.index_select(&slot_idx, 0)?;
         let mut per_expert = vec![0i64; e_count];
         for &(e, _, _) in &assign {
             per_expert[e] += 1;
         }
-
-        let (recv, recv_counts) = self.exchange(&disp, &per_expert, per)?;
-        // Each local expert computes its rows; rows from each source arrive grouped by expert.
-        let mut offset = 0;
-        let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); per];
-        for src in &recv_counts {
-            for (le, &c) in src.iter().enumerate() {
-                rows_of[le].extend((offset..offset + c as usize).map(|r| r as u32));
-                offset += c as usize;
-            }
-        }
-        // Grouped by expert (already so from one source), the experts run as one node over
-        // their row blocks ([`experts_swiglu`]) and their outputs go back in receive order:
-        // one copy each way.
-        let order: Vec<u32> = rows_of.concat();
-        let grouped = order.iter().enumerate().all(|(i, &r)| i as u32 == r);
-        let by_expert = if grouped {
-            recv.clone()
-        } else {
-            recv.index_select(&Tensor::from_vec(order.clone(), order.len(), &Device::Cpu)?, 0)?
-        };
-        let y = if order.is_empty() {
-            recv.zeros_like()?
-        } else {
-            let weights = self
-                .experts
+        let weights = || {
+            self.experts
                 .iter()
                 .map(|(_, x)| {
                     let w = |p: &Param| (p.tensor().clone(), p.sink.clone());
                     ExpertWeights { w1: w(&x.w1), w3: w(&x.w3), w2: w(&x.w2) }
                 })
-                .collect();
-            let rows = rows_of.iter().map(Vec::len).collect();
-            // The router's weight anchors the node in the graph (it gets no gradient there).
-            experts_swiglu(self.matmul, &by_expert, self.gate.tensor(), weights, rows)?
+                .collect()
         };
-        let out_recv = if grouped {
-            y
+        let combined = if self.ctx.ep.comm().is_none() && a > 0 {
+            // Every expert is here: the gather, the experts and the weighted sum are one
+            // node ([`routed_experts`]).
+            let rows = per_expert.iter().map(|&c| c as usize).collect();
+            routed_experts(self.matmul, &xs, &g, weights(), rows, tokens)?
         } else {
-            let mut inverse = vec![0u32; order.len()];
-            for (i, &r) in order.iter().enumerate() {
-                inverse[r as usize] = i as u32;
+            let tok_idx = Tensor::from_vec(tokens, a, &Device::Cpu)?;
+            let disp = xs.index_select(&tok_idx, 0)?;
+            let (recv, recv_counts) = self.exchange(&disp, &per_expert, per)?;
+            // Each local expert computes its rows; rows from each source arrive grouped by
+            // expert.
+            let mut offset = 0;
+            let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); per];
+            for src in &recv_counts {
+                for (le, &c) in src.iter().enumerate() {
+                    rows_of[le].extend((offset..offset + c as usize).map(|r| r as u32));
+                    offset += c as usize;
+                }
             }
-            y.index_select(&Tensor::from_vec(inverse, order.len(), &Device::Cpu)?, 0)?
+            // Grouped by expert (already so from one source), the experts run as one node
+            // over their row blocks ([`experts_swiglu`]) and their outputs go back in receive
+            // order: one copy each way.
+            let order: Vec<u32> = rows_of.concat();
+            let grouped = order.iter().enumerate().all(|(i, &r)| i as u32 == r);
+            let by_expert = if grouped {
+                recv.clone()
+            } else {
+                let idx = Tensor::from_vec(order.clone(), order.len(), &Device::Cpu)?;
+                recv.index_select(&idx, 0)?
+            };
+            let y = if order.is_empty() {
+                recv.zeros_like()?
+            } else {
+                let rows = rows_of.iter().map(Vec::len).collect();
+                // The router's weight anchors the node in the graph (it gets no gradient
+                // there).
+                experts_swiglu(self.matmul, &by_expert, self.gate.tensor(), weights(), rows)?
+            };
+            let out_recv = if grouped {
+                y
+            } else {
+                let mut inverse = vec![0u32; order.len()];
+                for (i, &r) in order.iter().enumerate() {
+                    inverse[r as usize] = i as u32;
+                }
+                y.index_select(&Tensor::from_vec(inverse, order.len(), &Device::Cpu)?, 0)?
+            };
+            let back = self.exchange_back(&out_recv, &per_expert, &recv_counts, per)?;
+            xs.zeros_like()?.index_add(&tok_idx, &back.broadcast_mul(&g.unsqueeze(1)?)?, 0)?
         };
-        let back = self.exchange_back(&out_recv, &per_expert, &recv_counts, per)?;
-        let slot_idx = Tensor::from_vec(slots, a, &Device::Cpu)?;
-        let g = gates.flatten_all()?.index_select(&slot_idx, 0)?.unsqueeze(1)?;
-        let combined = xs.zeros_like()?.index_add(&tok_idx, &back.broadcast_mul(&g)?, 0)?;
         let out = if split { gather_rows(&self.ctx.tp, &combined, n)? } else { combined };
         let aux = self.aux_loss(&probs, &per_expert, n_sub)?;
         Ok((out.reshape((b, s, h))?, aux))
