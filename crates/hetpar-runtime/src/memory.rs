@@ -14,6 +14,7 @@
 
 use candle_core::{DType, Device, Tensor, Var, WithDType};
 use hetpar_layout::{BatchManifest, ModelGraph, ModuleSpec};
+use hetpar_nn::kernels::attention::WHOLE;
 use hetpar_schedule::{Compute, Held, Keeps, Pass, PipelineGraph, Schedule, Work};
 
 use crate::error::RuntimeError;
@@ -145,13 +146,14 @@ fn tensor<T: WithDType>(v: Vec<T>, shape: &[usize], var: bool) -> Result<Tensor>
 ///   (an MoE layer's routed rows are not bounded on any one rank), the layer's input for
 ///   its norm; on the last virtual stage the vocabulary-parallel logits;
 /// - an encoder: the attention's q, k, v and output, the GELU MLP's input and output, the
-///   layer's input.
+///   layer's input, and where an item's rows are at most [`WHOLE`] and `cp` is 1, the
+///   attention's probabilities (`heads` times the item's rows, per row).
 ///
 /// A recomputed module's pass (`recompute`) keeps only the hidden states it received and
 /// passed on, and builds the rest again when its backward begins. The per-layer terms are
 /// the tensors of Korthikanti et al., "Reducing Activation Recomputation in Large
-/// Transformer Models" (2022), section 4.1, that a fused attention keeps (no score matrix)
-/// and that no path here drops.
+/// Transformer Models" (2022), section 4.1, that a fused attention keeps (no score matrix
+/// but a short encoder's) and that no path here drops.
 ///
 /// Heads, MLPs and the vocabulary split over `tp`, rows over `cp` (and a layer's input over
 /// `tp` under SP). The LLM's rows are its samples of a microbatch over `dp` times
@@ -213,7 +215,15 @@ impl<'a> ActivationFloor<'a> {
                 let logits = if self.last(c) { vocab as f64 / tp } else { 0.0 };
                 ((2.0 * h + 2.0 * kv + mlp) / tp + input, logits)
             }
-            _ => ((4.0 * h + 2.0 * ffn) / tp + input, 0.0),
+            _ => {
+                // Each item's attention probabilities where its rows are one block and not
+                // split over cp (the attention kernel keeps them for its backward).
+                let probs = match module.spec.rows_per_item() {
+                    Some(s) if l.cp() == 1 && s <= WHOLE => (module.dims.heads * s) as f64,
+                    _ => 0.0,
+                };
+                ((4.0 * h + 2.0 * ffn + probs) / tp + input, 0.0)
+            }
         };
         let layers = self.layers(c.module, c.vstage) as f64;
         (per_layer * layers + last) * self.rows(c.module, rank, c.mb) as f64 * self.elem
@@ -328,9 +338,10 @@ mod tests {
     /// of 64 tokens a microbatch; hidden 96, 6 heads, 2 KV heads, SwiGLU 192, vocabulary
     /// 256) keeps per token and layer q and the attention's output (96 each), k and v (32
     /// each) and the MLP's 3 x 192, split over tp, and the layer input 96 / 2 under SP; the
-    /// logits 256 / 2. The vision encoder (tp 1, dp 2 on ranks 0-1: hidden 64, ffn 128, 16
-    /// rows an image, 2 layers) keeps q, k, v, the attention's output, the MLP's input and
-    /// output and the layer input: `4 * 64 + 2 * 128 + 64` a row and layer.
+    /// logits 256 / 2. The vision encoder (tp 1, dp 2 on ranks 0-1: hidden 64, 4 heads, ffn
+    /// 128, 16 rows an image, 2 layers) keeps q, k, v, the attention's output, its
+    /// probabilities (4 heads x 16 keys), the MLP's input and output and the layer input:
+    /// `4 * 64 + 4 * 16 + 2 * 128 + 64` a row and layer.
     #[test]
     fn the_activation_floor_counts_what_every_path_keeps_by_hand() {
         let graph = in_memory(&[]);
@@ -346,12 +357,12 @@ mod tests {
         // Rank 3 holds no LLM stage.
         assert_eq!(f.kept(3, &forward(llm, 0, 0)), 0.0);
         // Each vision replica's images of the manifest's microbatch: per row and layer q, k,
-        // v and the attention's output (64 each), the MLP's input and output (128 each) and
-        // the layer input.
+        // v and the attention's output (64 each), the probabilities (4 heads x 16 keys), the
+        // MLP's input and output (128 each) and the layer input.
         let edge = graph.edges.iter().position(|e| e.src == vision).unwrap();
         let images = |mb: usize, d: usize| manifest.replica_items(edge, 2, d, mb).len();
         assert!((0..2).any(|mb| images(mb, 0) + images(mb, 1) > 0), "the manifest has images");
-        let per_row = 4.0 * 64.0 + 2.0 * 128.0 + 64.0;
+        let per_row = 4.0 * 64.0 + 4.0 * 16.0 + 2.0 * 128.0 + 64.0;
         let vision_bytes = |mb: usize, d: usize| per_row * 2.0 * (images(mb, d) * 16) as f64 * 4.0;
         for (rank, d) in [(0, 0), (1, 1)] {
             for mb in 0..2 {

@@ -7,15 +7,19 @@
 //! so no transpose or copy sits around the kernel. Masks come from global positions
 //! (`k_pos <= q_pos` under the causal mask), so context-parallel ranks pass their zigzag
 //! positions; a block of keys all after its queries is skipped, one all before them runs
-//! unmasked, and only blocks on the diagonal test elements. The score matrix is never
-//! stored whole: each block pair (`64 x 64` under the causal mask; without it, a sequence of
-//! up to 256 rows is one block) is a gemm into a buffer, exponentiated, and multiplied into
-//! the output; the backward recomputes it from the log-sum-exp kept per row.
+//! unmasked, and only blocks on the diagonal test elements. Each block pair (`64 x 64`
+//! under the causal mask; without it, a sequence of up to 256 rows is one block) is a gemm
+//! into a buffer, exponentiated, and multiplied into the output; the backward recomputes it
+//! from the log-sum-exp kept per row. The one exception is a sequence that is a single block
+//! each way (no mask, 256 rows or fewer, no log-sum-exp output: a short encoder's): the
+//! forward keeps its probabilities, at most `256 x 256` a head, and the backward reads them,
+//! which spares it one of its five products and an exponential per score.
 //!
 //! With `with_lse` the output gains a last column, the row's log-sum-exp (`-inf` for a row
 //! that sees no key), whose gradient the backward takes too: ring attention merges the
 //! blocks of several calls through it.
 
+use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Error, Layout, Shape, Tensor};
@@ -27,8 +31,9 @@ use super::{CResult, Real, by_real, by_real_dtype, dot, max, simd, slice, sum, w
 const BLOCK: usize = 64;
 /// Without a causal mask, a sequence of up to this many rows is one block: nothing is
 /// skipped there, and one product over the whole sequence runs faster than many small
-/// ones with the online softmax's rescaling between them.
-const WHOLE: usize = 256;
+/// ones with the online softmax's rescaling between them. Such a block's probabilities are
+/// kept for the backward (see [`FlashAttention`]'s `keeps_probs`).
+pub const WHOLE: usize = 256;
 
 /// Rows per block for `n` rows.
 fn block_len(n: usize, causal: bool) -> usize {
@@ -45,6 +50,10 @@ pub struct FlashAttention {
     with_lse: bool,
     /// Log-sum-exp per `[b, heads, s_q]` row, from the forward.
     lse: Mutex<Vec<f64>>,
+    /// The probabilities of every `[b, heads]` block, `[s_q, s_k]` each (a `Vec` of the
+    /// element type), from the forward where [`Self::keeps_probs`] holds: the backward
+    /// reads them instead of computing them again.
+    probs: Mutex<Option<Box<dyn Any + Send + Sync>>>,
 }
 
 impl FlashAttention {
@@ -56,7 +65,15 @@ impl FlashAttention {
         scale: f64,
         with_lse: bool,
     ) -> Self {
-        FlashAttention { q_pos, k_pos, causal, scale, with_lse, lse: Mutex::new(Vec::new()) }
+        FlashAttention {
+            q_pos,
+            k_pos,
+            causal,
+            scale,
+            with_lse,
+            lse: Mutex::new(Vec::new()),
+            probs: Mutex::new(None),
+        }
     }
 
     /// Applies the op: `q` `[b, s_q, heads, d]`, `k`, `v` `[b, s_k, kv_heads, d]`.
@@ -80,6 +97,24 @@ impl FlashAttention {
             )));
         }
         Ok(Dims { b, sq, sk, hq, hkv, d, od: d + usize::from(self.with_lse) })
+    }
+
+    /// Whether the forward keeps the probabilities for the backward: without a mask or a
+    /// log-sum-exp output, where queries and keys are one block each ([`WHOLE`] rows or
+    /// fewer). There the backward's recomputation is one of its five products per head and
+    /// an exponential per score, while the probabilities, `s_q x s_k` per head, hold at
+    /// most `s / (15 d)` of what a transformer layer keeps besides (some fifteen hidden
+    /// widths per position): a quarter at 256 positions and `d` 64. Longer sequences,
+    /// causal ones and ring attention's calls recompute, as FlashAttention does.
+    fn keeps_probs(&self, dm: &Dims) -> bool {
+        !self.causal && !self.with_lse && dm.sq <= WHOLE && dm.sk <= WHOLE
+    }
+
+    /// The probabilities the forward kept, leaving none (so their memory goes with the
+    /// backward's first use).
+    fn kept_probs<T: Real>(&self) -> Option<Vec<T>> {
+        let kept = self.probs.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        kept.downcast::<Vec<T>>().ok().map(|b| *b)
     }
 
     fn stored_lse(&self) -> Vec<f64> {
@@ -151,6 +186,14 @@ fn mask<T: Real>(s: &mut [T], bk: usize, q_pos: &[usize], k_pos: &[usize]) {
     }
 }
 
+/// The views of a block pair's scores (rows `bk` apart, from 0), queries and keys.
+fn views(bk: usize, x: &Bases, d: usize, qb: &Block, kb: &Block) -> (View, View, View) {
+    let sv = View::rows(0, qb.len, kb.len, bk);
+    let qv = View::rows(x.q + qb.start * x.qrs, qb.len, d, x.qrs);
+    let kv = View::rows(x.k + kb.start * x.krs, kb.len, d, x.krs);
+    (sv, qv, kv)
+}
+
 /// Where head `h` of batch row `bi` starts in each tensor, and the row strides.
 #[derive(Clone, Copy)]
 struct Bases {
@@ -193,9 +236,7 @@ impl FlashAttention {
         kb: &Block,
         vis: Visible,
     ) -> (View, View, View) {
-        let sv = View::rows(0, qb.len, kb.len, bk);
-        let qv = View::rows(x.q + qb.start * x.qrs, qb.len, d, x.qrs);
-        let kv = View::rows(x.k + kb.start * x.krs, kb.len, d, x.krs);
+        let (sv, qv, kv) = views(bk, x, d, qb, kb);
         matmul(s, sv, q, qv, k, kv.t(), false, T::from_f64(self.scale));
         if vis == Visible::Some {
             mask(
@@ -224,6 +265,9 @@ impl FlashAttention {
         let (qbl, kbl) = (blocks(&self.q_pos, bq), blocks(&self.k_pos, bk));
         let mut s = vec![T::ZERO; bq * bk];
         let (mut m, mut l) = (vec![T::NEG_INF; bq], vec![T::ZERO; bq]);
+        // One block each way: each row's scores are all in `s` after its only pass.
+        let keep = self.keeps_probs(&dm);
+        let mut probs = Vec::with_capacity(if keep { dm.b * dm.hq * dm.sq * dm.sk } else { 0 });
         for bi in 0..dm.b {
             for h in 0..dm.hq {
                 let x = dm.bases(bi, h);
@@ -265,8 +309,14 @@ impl FlashAttention {
                         let row_lse = if l[i] > T::ZERO {
                             let inv = T::ONE / l[i];
                             out[o..o + d].iter_mut().for_each(|e| *e *= inv);
+                            if keep {
+                                probs.extend(s[i * bk..i * bk + dm.sk].iter().map(|&e| e * inv));
+                            }
                             m[i].to_f64() + l[i].to_f64().ln()
                         } else {
+                            if keep {
+                                probs.extend(std::iter::repeat_n(T::ZERO, dm.sk));
+                            }
                             f64::NEG_INFINITY
                         };
                         lse[(bi * dm.hq + h) * dm.sq + qb.start + i] = row_lse;
@@ -277,6 +327,9 @@ impl FlashAttention {
                 }
             }
         }
+        let kept: Option<Box<dyn Any + Send + Sync>> =
+            if keep { Some(Box::new(probs)) } else { None };
+        *self.probs.lock().unwrap_or_else(|e| e.into_inner()) = kept;
         (out, lse)
     }
 
@@ -300,6 +353,9 @@ impl FlashAttention {
         let (bq, bk) = (block_len(dm.sq, self.causal), block_len(dm.sk, self.causal));
         let (qbl, kbl) = (blocks(&self.q_pos, bq), blocks(&self.k_pos, bk));
         let (mut s, mut dp) = (vec![T::ZERO; bq * bk], vec![T::ZERO; bq * bk]);
+        // The forward's probabilities, where it kept them (one block each way).
+        let kept = if self.keeps_probs(&dm) { self.kept_probs::<T>() } else { None };
+        let kept = kept.filter(|p| p.len() == dm.b * dm.hq * dm.sq * dm.sk);
         let (mut delta, mut row_lse) = (vec![T::ZERO; bq], vec![T::ZERO; bq]);
         let scale = T::from_f64(self.scale);
         for bi in 0..dm.b {
@@ -320,21 +376,34 @@ impl FlashAttention {
                         if vis == Visible::None {
                             continue;
                         }
-                        let (sv, qv, kv) = self.scores(&mut s, bk, q, k, &x, d, qb, kb, vis);
-                        for i in 0..rows {
-                            let row = &mut s[i * bk..i * bk + kb.len];
-                            if row_lse[i] == T::NEG_INF {
-                                row.fill(T::ZERO);
-                            } else {
-                                row.iter_mut().for_each(|e| *e -= row_lse[i]);
-                                T::exp_in_place(row);
+                        let (sv, qv, kv, p, pv) = match &kept {
+                            Some(p) => {
+                                // The only block pair: the kept `[s_q, s_k]` of this head.
+                                let (sv, qv, kv) = views(bk, &x, d, qb, kb);
+                                let at = (bi * dm.hq + h) * dm.sq * dm.sk;
+                                (sv, qv, kv, p.as_slice(), View { offset: at, ..sv })
                             }
-                        }
-                        // s now holds the probabilities P.
-                        matmul(&mut dv, kv, &s, sv.t(), go, gv, true, T::ONE);
+                            None => {
+                                let (sv, qv, kv) =
+                                    self.scores(&mut s, bk, q, k, &x, d, qb, kb, vis);
+                                for i in 0..rows {
+                                    let row = &mut s[i * bk..i * bk + kb.len];
+                                    if row_lse[i] == T::NEG_INF {
+                                        row.fill(T::ZERO);
+                                    } else {
+                                        row.iter_mut().for_each(|e| *e -= row_lse[i]);
+                                        T::exp_in_place(row);
+                                    }
+                                }
+                                (sv, qv, kv, s.as_slice(), sv)
+                            }
+                        };
+                        // p (through pv) holds the probabilities P.
+                        matmul(&mut dv, kv, p, pv.t(), go, gv, true, T::ONE);
                         matmul(&mut dp, sv, go, gv, v, kv.t(), false, T::ONE);
+                        let p = &p[pv.offset..pv.offset + rows * bk];
                         for ((dr, pr), &di) in
-                            dp.chunks_exact_mut(bk).zip(s.chunks_exact(bk)).zip(&delta[..rows])
+                            dp.chunks_exact_mut(bk).zip(p.chunks_exact(bk)).zip(&delta[..rows])
                         {
                             for (g, &p) in dr[..kb.len].iter_mut().zip(&pr[..kb.len]) {
                                 *g = p * (*g - di);
