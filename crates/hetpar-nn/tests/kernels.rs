@@ -14,7 +14,7 @@ use hetpar_nn::kernels::bf16;
 use hetpar_nn::kernels::block::{
     BlockWeights, PreNorm, Projection, attention_block, gelu_mlp, swiglu_mlp,
 };
-use hetpar_nn::kernels::experts::{ExpertWeights, experts_swiglu, routed_experts};
+use hetpar_nn::kernels::experts::{ExpertWeights, combine_experts, experts_swiglu, routed_experts};
 use hetpar_nn::kernels::linear::{
     Matmul, linear, linear_bias, linear_bias_as, linear_bias_gelu_into, linear_bias_into,
     linear_into,
@@ -1061,6 +1061,37 @@ fn the_routed_experts_node_gives_the_composed_routing_and_experts_values() {
     assert!(e.to_string().contains("token 4 of 4"), "{e}");
     let e = routed_experts(Matmul::Native, &x, &gates, one(), vec![3], vec![0, 1, 2]).unwrap_err();
     assert!(e.to_string().contains("2 gates, 3 tokens"), "{e}");
+}
+
+#[test]
+fn the_combine_node_gives_the_composed_weighted_sum() {
+    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    // 9 rows back from the experts for 5 tokens: token 3 none, token 0 three.
+    let tokens: Vec<u32> = vec![0, 2, 4, 0, 1, 2, 4, 0, 1];
+    let (a, n, hidden) = (tokens.len(), 5, 12);
+    for dtype in [DType::F32, DType::F64] {
+        let what = format!("combine {dtype:?}");
+        let rows = var("rows", &[a, hidden], dtype);
+        let gates = var("gates", &[a], dtype);
+        let idx = Tensor::from_vec(tokens.clone(), a, &Device::Cpu).unwrap();
+        let weighted = rows.as_tensor().broadcast_mul(&gates.unsqueeze(1).unwrap()).unwrap();
+        let zeros = Tensor::zeros((n, hidden), dtype, &Device::Cpu).unwrap();
+        let want = zeros.index_add(&idx, &weighted, 0).unwrap();
+        let want_grads = weigh(&want, "dy").backward().unwrap();
+        let got = combine_experts(&rows, &gates, tokens.clone(), n).unwrap();
+        let grads = weigh(&got, "dy").backward().unwrap();
+        assert_eq!(bits(&got), bits(&want), "{what}: outputs");
+        assert!(flat(&got.get(3).unwrap()).unwrap().iter().all(|&v| v == 0.0), "{what}: token 3");
+        let (d, want_d) = (grads.get(&rows).unwrap(), want_grads.get(&rows).unwrap());
+        assert_eq!(bits(d), bits(want_d), "{what}: the rows' gradient");
+        let (dg, want_dg) = (grads.get(&gates).unwrap(), want_grads.get(&gates).unwrap());
+        close(&format!("{what}: gates"), dg, want_dg, tolerance(dtype));
+    }
+    let rows = var("rows", &[3, 4], DType::F32);
+    let e = combine_experts(&rows, &var("gates", &[3], DType::F32), vec![0, 5, 1], 5).unwrap_err();
+    assert!(e.to_string().contains("token 5 of 5"), "{e}");
+    let e = combine_experts(&rows, &var("gates", &[2], DType::F32), vec![0, 1, 1], 5).unwrap_err();
+    assert!(e.to_string().contains("3 rows, [2] gates"), "{e}");
 }
 
 /// `t` (f32) rounded to bf16, as an f64 tensor.

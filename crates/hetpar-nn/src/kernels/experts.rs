@@ -228,6 +228,46 @@ pub fn experts_swiglu(
     x.contiguous()?.apply_op2(anchor, op)
 }
 
+/// Adds each of `rows` (`[len, hidden]`, assignments in order) times its gate to its
+/// token's row of `out`, in order: the composed graph's broadcast multiply and index add.
+fn weigh_into<T: Real>(out: &mut [T], rows: &[T], gates: &[T], tokens: &[u32], hidden: usize) {
+    for ((y, &t), &g) in rows.chunks_exact(hidden).zip(tokens).zip(gates) {
+        let t = t as usize;
+        for (o, &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(y) {
+            *o += v * g;
+        }
+    }
+}
+
+/// The backward of [`weigh_into`] for `rows` given the output's gradient `dy`: each row's
+/// gradient (its token's times its gate), appended to `drows`, and each gate's (the dot
+/// product of the row and its token's gradient, in `dot`'s order), appended to `dgates`.
+fn weigh_back<T: Real>(
+    dy: &[T],
+    rows: &[T],
+    gates: &[T],
+    tokens: &[u32],
+    hidden: usize,
+    (drows, dgates): (&mut Vec<T>, &mut Vec<T>),
+) {
+    for ((y, &t), &g) in rows.chunks_exact(hidden).zip(tokens).zip(gates) {
+        let d = &dy[t as usize * hidden..(t as usize + 1) * hidden];
+        drows.extend(d.iter().map(|&v| v * g));
+        dgates.push(dot(d, y));
+    }
+}
+
+/// Checks `tokens` against `n` token rows and `a` assignments.
+fn check_tokens(op: &str, tokens: &[u32], n: usize, a: usize) -> CResult<()> {
+    if tokens.len() != a {
+        return Err(Error::Msg(format!("{op}: {a} gates, {} tokens", tokens.len())));
+    }
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n) {
+        return Err(Error::Msg(format!("{op}: token {t} of {n}")));
+    }
+    Ok(())
+}
+
 /// The experts with their routing (see the module's documentation): for tokens `x` `[n,
 /// hidden]` and `a` assignments, assignment `i` sends row `tokens[i]` to its expert (the
 /// assignments grouped by expert, `rows[e]` of them for expert `e`, in order) and adds the
@@ -244,22 +284,13 @@ struct RoutedOp {
 impl RoutedOp {
     fn check(&self, n: usize, a: usize) -> CResult<()> {
         let op = "routed experts";
-        if self.tokens.len() != a || self.experts.rows.iter().sum::<usize>() != a {
+        check_tokens(op, &self.tokens, n, a)?;
+        let rows = &self.experts.rows;
+        if rows.iter().sum::<usize>() != a || rows.len() != self.experts.experts.len() {
             return Err(Error::Msg(format!(
-                "{op}: {a} gates, {} tokens, assignments grouped as {:?}",
-                self.tokens.len(),
-                self.experts.rows
-            )));
-        }
-        if self.experts.rows.len() != self.experts.experts.len() {
-            return Err(Error::Msg(format!(
-                "{op}: {} experts, assignments grouped as {:?}",
+                "{op}: {a} assignments for {} experts, grouped as {rows:?}",
                 self.experts.experts.len(),
-                self.experts.rows
             )));
-        }
-        if let Some(&t) = self.tokens.iter().find(|&&t| t as usize >= n) {
-            return Err(Error::Msg(format!("{op}: token {t} of {n}")));
         }
         Ok(())
     }
@@ -281,12 +312,8 @@ impl RoutedOp {
             }
             let xe = &routed[start * hidden..(start + r) * hidden];
             let (ye, keep) = self.experts.expert_forward(e, xe, r, hidden)?;
-            for (i, y) in ye.chunks_exact(hidden).enumerate() {
-                let (t, g) = (self.tokens[start + i] as usize, gates[start + i]);
-                for (o, &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(y) {
-                    *o += v * g;
-                }
-            }
+            let block = start..start + r;
+            weigh_into(&mut out, &ye, &gates[block.clone()], &self.tokens[block], hidden);
             outputs.extend_from_slice(&ye);
             saved.push(keep);
             start += r;
@@ -315,13 +342,9 @@ impl RoutedOp {
                         continue;
                     }
                     let rows = start * hidden..(start + r) * hidden;
-                    let mut dye = Vec::with_capacity(r * hidden);
-                    for (i, y) in ys[rows.clone()].chunks_exact(hidden).enumerate() {
-                        let (t, g) = (self.tokens[start + i] as usize, gates[start + i]);
-                        let d = &dy[t * hidden..(t + 1) * hidden];
-                        dye.extend(d.iter().map(|&v| v * g));
-                        dgates.push(dot(d, y));
-                    }
+                    let (block, mut dye) = (start..start + r, Vec::with_capacity(r * hidden));
+                    let (g, tokens) = (&gates[block.clone()], &self.tokens[block]);
+                    weigh_back(dy, &ys[rows.clone()], g, tokens, hidden, (&mut dye, &mut dgates));
                     let kept = ExpertsOp::kept(&saved, k)?;
                     let dxe =
                         self.experts.expert_backward(e, (&xs[rows], &dye), r, hidden, kept)?;
@@ -408,4 +431,85 @@ pub fn routed_experts(
     let experts = ExpertsOp { how, experts, rows, saved: Mutex::new(Vec::new()) };
     let op = RoutedOp { experts, tokens, routed: Mutex::new(None) };
     x.contiguous()?.apply_op2(&gates.contiguous()?, op)
+}
+
+/// The weighted sum of an MoE layer's expert outputs back at their tokens, where they came
+/// back from other ranks: `rows` `[a, hidden]` in assignment order, `gates` `[a]`, into
+/// `n` token rows, each row times its gate added to its token's in order (zero for a token
+/// with none). The composed broadcast multiply and index add, whose backwards make and add
+/// several `[a, hidden]` tensors; here the rows' gradient is written once, and the gates'
+/// as [`routed_experts`] sums them.
+#[derive(Debug)]
+struct CombineOp {
+    tokens: Vec<u32>,
+    n: usize,
+}
+
+impl CustomOp2 for CombineOp {
+    fn name(&self) -> &'static str {
+        "combine-experts"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let op = "combine experts";
+        let &[a, hidden] = l1.shape().dims() else {
+            return Err(Error::Msg(format!("{op}: rows {:?} are not a matrix", l1.shape())));
+        };
+        check_tokens(op, &self.tokens, self.n, a)?;
+        if l2.shape().elem_count() != a {
+            return Err(Error::Msg(format!("{op}: {a} rows, {:?} gates", l2.shape())));
+        }
+        by_real!(s1, op, |T| {
+            let (rows, gates) = (slice::<T>(s1, l1, op)?, slice::<T>(s2, l2, op)?);
+            let mut out = vec![T::ZERO; self.n * hidden];
+            weigh_into(&mut out, rows, gates, &self.tokens, hidden);
+            Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(out), (self.n, hidden).into()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        rows: &Tensor,
+        gates: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let op = "combine experts";
+        let grad = grad.contiguous()?;
+        let (a, hidden) = rows.dims2()?;
+        by_real_dtype!(rows.dtype(), op, |T| {
+            let (mut drows, mut dgates) = (Vec::with_capacity(a * hidden), Vec::with_capacity(a));
+            with_data::<T, _>(rows, op, |r| {
+                with_data::<T, _>(gates, op, |g| {
+                    with_data::<T, _>(&grad, op, |d| {
+                        weigh_back(d, r, g, &self.tokens, hidden, (&mut drows, &mut dgates));
+                        Ok(())
+                    })
+                })
+            })?;
+            Ok((
+                Some(Tensor::from_vec(drows, rows.shape(), rows.device())?),
+                Some(Tensor::from_vec(dgates, gates.shape(), gates.device())?),
+            ))
+        })
+    }
+}
+
+/// Each of `rows` (`[a, hidden]`, the experts' outputs in assignment order) times its gate
+/// (`gates`, `a` elements) summed at its token (`tokens[i]` of `n`), in assignment order, as
+/// one node: `[n, hidden]`. Gradients go to `rows` and `gates`, the gates' summed as
+/// [`routed_experts`] sums them.
+pub fn combine_experts(
+    rows: &Tensor,
+    gates: &Tensor,
+    tokens: Vec<u32>,
+    n: usize,
+) -> CResult<Tensor> {
+    rows.contiguous()?.apply_op2(&gates.contiguous()?, CombineOp { tokens, n })
 }

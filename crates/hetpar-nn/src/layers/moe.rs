@@ -23,7 +23,7 @@ use hetpar_layout::Axis;
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
-use crate::kernels::experts::{ExpertWeights, experts_swiglu, routed_experts};
+use crate::kernels::experts::{ExpertWeights, combine_experts, experts_swiglu, routed_experts};
 use crate::kernels::linear::Matmul;
 use crate::layers::attention::softmax;
 use crate::layers::comm::{gather_rows, split_rows};
@@ -173,7 +173,7 @@ impl Moe {
             let rows = per_expert.iter().map(|&c| c as usize).collect();
             routed_experts(self.matmul, &xs, &g, weights(), rows, tokens)?
         } else {
-            let tok_idx = Tensor::from_vec(tokens, a, &Device::Cpu)?;
+            let tok_idx = Tensor::from_vec(tokens.clone(), a, &Device::Cpu)?;
             let disp = xs.index_select(&tok_idx, 0)?;
             let (recv, recv_counts) = self.exchange(&disp, &per_expert, per)?;
             // Each local expert computes its rows; rows from each source arrive grouped by
@@ -215,7 +215,8 @@ impl Moe {
                 y.index_select(&Tensor::from_vec(inverse, order.len(), &Device::Cpu)?, 0)?
             };
             let back = self.exchange_back(&out_recv, &per_expert, &recv_counts, per)?;
-            xs.zeros_like()?.index_add(&tok_idx, &back.broadcast_mul(&g.unsqueeze(1)?)?, 0)?
+            // Back in assignment order: weighted and summed per token as one node.
+            combine_experts(&back, &g, tokens, n_sub)?
         };
         let out = if split { gather_rows(&self.ctx.tp, &combined, n)? } else { combined };
         let aux = self.aux_loss(&probs, &per_expert, n_sub)?;
