@@ -14,7 +14,7 @@
 
 use candle_core::{DType, Device, Tensor, Var, WithDType};
 use hetpar_layout::{BatchManifest, ModelGraph, ModuleSpec};
-use hetpar_nn::kernels::attention::WHOLE;
+use hetpar_nn::kernels::attention::FlashAttention;
 use hetpar_schedule::{Compute, Held, Keeps, Pass, PipelineGraph, Schedule, Work};
 
 use crate::error::RuntimeError;
@@ -146,8 +146,9 @@ fn tensor<T: WithDType>(v: Vec<T>, shape: &[usize], var: bool) -> Result<Tensor>
 ///   (an MoE layer's routed rows are not bounded on any one rank), the layer's input for
 ///   its norm; on the last virtual stage the vocabulary-parallel logits;
 /// - an encoder: the attention's q, k, v and output, the GELU MLP's input and output, the
-///   layer's input, and where an item's rows are at most [`WHOLE`] and `cp` is 1, the
-///   attention's probabilities (`heads` times the item's rows, per row).
+///   layer's input, and where an item's rows are few enough for the attention kernel to
+///   keep its probabilities ([`FlashAttention::keeps_probabilities`]: at most 256), those
+///   (`heads` times the item's rows, per row).
 ///
 /// A recomputed module's pass (`recompute`) keeps only the hidden states it received and
 /// passed on, and builds the rest again when its backward begins. The per-layer terms are
@@ -216,10 +217,21 @@ impl<'a> ActivationFloor<'a> {
                 ((2.0 * h + 2.0 * kv + mlp) / tp + input, logits)
             }
             _ => {
-                // Each item's attention probabilities where its rows are one block and not
-                // split over cp (the attention kernel keeps them for its backward).
+                // The attention probabilities the kernel keeps for its backward: an
+                // encoder's queries (an item's rows over cp) attend, unmasked and without a
+                // log-sum-exp (all-gather CP, as the runtime builds encoders), to all of
+                // their item's rows.
                 let probs = match module.spec.rows_per_item() {
-                    Some(s) if l.cp() == 1 && s <= WHOLE => (module.dims.heads * s) as f64,
+                    Some(s)
+                        if FlashAttention::keeps_probabilities(
+                            false,
+                            false,
+                            s.div_ceil(l.cp()),
+                            s,
+                        ) =>
+                    {
+                        (module.dims.heads * s) as f64
+                    }
                     _ => 0.0,
                 };
                 ((4.0 * h + 2.0 * ffn + probs) / tp + input, 0.0)
@@ -317,7 +329,7 @@ mod tests {
     use hetpar_layout::{BatchManifest, Config, ModelGraph};
     use hetpar_schedule::{Compute, Keeps, Options, Pass, PipelineGraph, Schedule};
 
-    use super::{ActivationFloor, HostCopy, activations_held, bytes};
+    use super::{ActivationFloor, FlashAttention, HostCopy, activations_held, bytes};
 
     /// The in-memory example with each `(from, to)` of `edits` replaced in its text.
     fn in_memory(edits: &[(&str, &str)]) -> ModelGraph {
@@ -412,6 +424,34 @@ mod tests {
         assert!(audio_alone.total > 0.0 && f.rows(audio, 2, 0) + f.rows(audio, 2, 1) > 0);
         let both = activations_held(&schedule, &f, &[0, 2]);
         assert_eq!(both.total, held.total.max(audio_alone.total));
+    }
+
+    /// Under cp each rank's queries are half an image's rows, and its attention still keeps
+    /// their probabilities over all 16 keys: `4 * 16` a row and layer, as at cp 1.
+    #[test]
+    fn an_encoder_under_cp_keeps_its_probabilities_over_every_key() {
+        let graph = in_memory(&[(
+            "ranks = [0, 2]           # the LLM's ranks: colocated, tp 1 and dp 2\ntp = 1",
+            "ranks = [0, 2]\ntp = 1\ncp = 2",
+        )]);
+        let vision = graph.modules.iter().position(|m| m.name == "vision").unwrap();
+        let manifest = BatchManifest::synthetic(&graph, 0);
+        let f = ActivationFloor::new(&graph, Some(&manifest), 4);
+        let edge = graph.edges.iter().position(|e| e.src == vision).unwrap();
+        let per_row = 4.0 * 64.0 + 4.0 * 16.0 + 2.0 * 128.0 + 64.0;
+        for mb in 0..2 {
+            let images = manifest.replica_items(edge, 1, 0, mb).len();
+            for rank in [0, 1] {
+                assert_eq!(f.rows(vision, rank, mb), images * 8, "half of each image's rows");
+                let want = per_row * 2.0 * (images * 8) as f64 * 4.0;
+                assert_eq!(f.kept(rank, &forward(vision, 0, mb)), want);
+            }
+        }
+        // Past 256 keys, or causal, or with a log-sum-exp output, nothing is kept.
+        assert!(FlashAttention::keeps_probabilities(false, false, 128, 256));
+        assert!(!FlashAttention::keeps_probabilities(false, false, 129, 257));
+        assert!(!FlashAttention::keeps_probabilities(true, false, 16, 16));
+        assert!(!FlashAttention::keeps_probabilities(false, true, 16, 16));
     }
 
     /// Two LLM stages of two layers each with four microbatches: stage 0 alone holds two

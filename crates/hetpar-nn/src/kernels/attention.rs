@@ -19,7 +19,6 @@
 //! that sees no key), whose gradient the backward takes too: ring attention merges the
 //! blocks of several calls through it.
 
-use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Error, Layout, Shape, Tensor};
@@ -32,7 +31,7 @@ const BLOCK: usize = 64;
 /// Without a causal mask, a sequence of up to this many rows is one block: nothing is
 /// skipped there, and one product over the whole sequence runs faster than many small
 /// ones with the online softmax's rescaling between them. Such a block's probabilities are
-/// kept for the backward (see [`FlashAttention`]'s `keeps_probs`).
+/// kept for the backward ([`FlashAttention::keeps_probabilities`]).
 pub const WHOLE: usize = 256;
 
 /// Rows per block for `n` rows.
@@ -50,10 +49,10 @@ pub struct FlashAttention {
     with_lse: bool,
     /// Log-sum-exp per `[b, heads, s_q]` row, from the forward.
     lse: Mutex<Vec<f64>>,
-    /// The probabilities of every `[b, heads]` block, `[s_q, s_k]` each (a `Vec` of the
-    /// element type), from the forward where [`Self::keeps_probs`] holds: the backward
-    /// reads them instead of computing them again.
-    probs: Mutex<Option<Box<dyn Any + Send + Sync>>>,
+    /// The probabilities of every `[b, heads]` block, `[s_q, s_k]` each, from the forward
+    /// where [`Self::keeps_probabilities`] holds: the backward reads them instead of
+    /// computing them again. Kept, like the log-sum-exps, as long as the op.
+    probs: Mutex<Option<Tensor>>,
 }
 
 impl FlashAttention {
@@ -100,21 +99,24 @@ impl FlashAttention {
     }
 
     /// Whether the forward keeps the probabilities for the backward: without a mask or a
-    /// log-sum-exp output, where queries and keys are one block each ([`WHOLE`] rows or
-    /// fewer). There the backward's recomputation is one of its five products per head and
-    /// an exponential per score, while the probabilities, `s_q x s_k` per head, hold at
-    /// most `s / (15 d)` of what a transformer layer keeps besides (some fifteen hidden
-    /// widths per position): a quarter at 256 positions and `d` 64. Longer sequences,
-    /// causal ones and ring attention's calls recompute, as FlashAttention does.
-    fn keeps_probs(&self, dm: &Dims) -> bool {
-        !self.causal && !self.with_lse && dm.sq <= WHOLE && dm.sk <= WHOLE
+    /// log-sum-exp output, where `s_q` queries and `s_k` keys are one block each ([`WHOLE`]
+    /// rows or fewer). There the backward's recomputation is one of its five products per
+    /// head and an exponential per score, while the probabilities, `s_q x s_k` per head,
+    /// hold at most `s / (15 d)` of what a transformer layer keeps besides (some fifteen
+    /// hidden widths per position): a quarter at 256 positions and `d` 64. Longer
+    /// sequences, causal ones and ring attention's calls recompute, as FlashAttention does.
+    pub fn keeps_probabilities(causal: bool, with_lse: bool, s_q: usize, s_k: usize) -> bool {
+        !causal && !with_lse && s_q <= WHOLE && s_k <= WHOLE
     }
 
-    /// The probabilities the forward kept, leaving none (so their memory goes with the
-    /// backward's first use).
-    fn kept_probs<T: Real>(&self) -> Option<Vec<T>> {
-        let kept = self.probs.lock().unwrap_or_else(|e| e.into_inner()).take()?;
-        kept.downcast::<Vec<T>>().ok().map(|b| *b)
+    fn keeps_probs(&self, dm: &Dims) -> bool {
+        Self::keeps_probabilities(self.causal, self.with_lse, dm.sq, dm.sk)
+    }
+
+    /// How many probabilities the last forward kept (0 where it kept none).
+    pub fn kept_probabilities(&self) -> usize {
+        let kept = self.probs.lock().unwrap_or_else(|e| e.into_inner());
+        kept.as_ref().map_or(0, Tensor::elem_count)
     }
 
     fn stored_lse(&self) -> Vec<f64> {
@@ -327,13 +329,16 @@ impl FlashAttention {
                 }
             }
         }
-        let kept: Option<Box<dyn Any + Send + Sync>> =
-            if keep { Some(Box::new(probs)) } else { None };
+        let kept = keep.then(|| {
+            let n = probs.len();
+            Tensor::from_vec(probs, n, &candle_core::Device::Cpu).expect("a vector of its length")
+        });
         *self.probs.lock().unwrap_or_else(|e| e.into_inner()) = kept;
         (out, lse)
     }
 
-    /// `dq`, `dk`, `dv` from the forward's output `o`, its gradient `go` and `lse`.
+    /// `dq`, `dk`, `dv` from the forward's output `o`, its gradient `go` and `lse`, and
+    /// the probabilities the forward kept where it kept them.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     pub(crate) fn backward<T: Real>(
@@ -345,6 +350,37 @@ impl FlashAttention {
         go: &[T],
         lse: &[f64],
         dm: Dims,
+    ) -> CResult<(Vec<T>, Vec<T>, Vec<T>)> {
+        let kept = self.probs.lock().unwrap_or_else(|e| e.into_inner());
+        match kept.as_ref().filter(|_| self.keeps_probs(&dm)) {
+            None => Ok(self.backward_with(q, k, v, o, go, lse, dm, None)),
+            Some(p) => with_data::<T, _>(p, "attention backward", |p| {
+                let want = dm.b * dm.hq * dm.sq * dm.sk;
+                if p.len() != want {
+                    return Err(Error::Msg(format!(
+                        "attention backward: {} kept probabilities for {want}",
+                        p.len()
+                    )));
+                }
+                Ok(self.backward_with(q, k, v, o, go, lse, dm, Some(p)))
+            }),
+        }
+    }
+
+    /// [`Self::backward`] given the kept probabilities (`[b, heads, s_q, s_k]`), or none to
+    /// recompute them.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn backward_with<T: Real>(
+        &self,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        o: &[T],
+        go: &[T],
+        lse: &[f64],
+        dm: Dims,
+        kept: Option<&[T]>,
     ) -> (Vec<T>, Vec<T>, Vec<T>) {
         let d = dm.d;
         let mut dq = vec![T::ZERO; q.len()];
@@ -353,9 +389,6 @@ impl FlashAttention {
         let (bq, bk) = (block_len(dm.sq, self.causal), block_len(dm.sk, self.causal));
         let (qbl, kbl) = (blocks(&self.q_pos, bq), blocks(&self.k_pos, bk));
         let (mut s, mut dp) = (vec![T::ZERO; bq * bk], vec![T::ZERO; bq * bk]);
-        // The forward's probabilities, where it kept them (one block each way).
-        let kept = if self.keeps_probs(&dm) { self.kept_probs::<T>() } else { None };
-        let kept = kept.filter(|p| p.len() == dm.b * dm.hq * dm.sq * dm.sk);
         let (mut delta, mut row_lse) = (vec![T::ZERO; bq], vec![T::ZERO; bq]);
         let scale = T::from_f64(self.scale);
         for bi in 0..dm.b {
@@ -376,12 +409,12 @@ impl FlashAttention {
                         if vis == Visible::None {
                             continue;
                         }
-                        let (sv, qv, kv, p, pv) = match &kept {
+                        let (sv, qv, kv, p, pv) = match kept {
                             Some(p) => {
                                 // The only block pair: the kept `[s_q, s_k]` of this head.
                                 let (sv, qv, kv) = views(bk, &x, d, qb, kb);
                                 let at = (bi * dm.hq + h) * dm.sq * dm.sk;
-                                (sv, qv, kv, p.as_slice(), View { offset: at, ..sv })
+                                (sv, qv, kv, p, View { offset: at, ..sv })
                             }
                             None => {
                                 let (sv, qv, kv) =
@@ -484,7 +517,7 @@ impl FlashAttention {
                 with_data::<T, _>(v, op, |vd| {
                     with_data::<T, _>(res, op, |od| {
                         with_data::<T, _>(grad, op, |gd| {
-                            Ok(simd::fast!(self.backward(qd, kd, vd, od, gd, lse, dm)))
+                            simd::fast!(self.backward(qd, kd, vd, od, gd, lse, dm))
                         })
                     })
                 })
@@ -496,5 +529,67 @@ impl FlashAttention {
             Tensor::from_vec(dk, k.shape(), dev)?,
             Tensor::from_vec(dv, v.shape(), dev)?,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Rows of pseudo-random values in `[-1, 1)`.
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        (0..n as u64)
+            .map(|i| ((i * 2_654_435_761 + seed * 97) % 1000) as f64 / 500.0 - 1.0)
+            .collect()
+    }
+
+    /// One block each way without a mask: the forward keeps every head's probabilities and
+    /// the backward that reads them gives what recomputing them gives, to rounding; a causal
+    /// or longer sequence keeps none.
+    #[test]
+    fn a_single_block_keeps_its_probabilities_and_the_backward_reads_them() {
+        let (b, sq, sk, hq, hkv, d) = (2, 30, 45, 4, 2, 8);
+        let (q, k, v) =
+            (values(b * sq * hq * d, 1), values(b * sk * hkv * d, 2), values(b * sk * hkv * d, 3));
+        let go = values(b * sq * hq * d, 4);
+        let fa = FlashAttention::new(
+            Arc::new((0..sq).collect()),
+            Arc::new((0..sk).collect()),
+            false,
+            0.3,
+            false,
+        );
+        let dm = Dims { b, sq, sk, hq, hkv, d, od: d };
+        let (o, lse) = fa.forward(&q, &k, &v, dm);
+        assert_eq!(fa.kept_probabilities(), b * hq * sq * sk);
+        let kept = fa.backward(&q, &k, &v, &o, &go, &lse, dm).unwrap();
+        let again = fa.backward_with(&q, &k, &v, &o, &go, &lse, dm, None);
+        for (x, y) in [(&kept.0, &again.0), (&kept.1, &again.1), (&kept.2, &again.2)] {
+            let top = y.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let err = x.iter().zip(y).fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err <= 1e-12 * top, "kept against recomputed: {err:e} of {top:e}");
+        }
+        let causal = FlashAttention::new(
+            Arc::new((0..sq).collect()),
+            Arc::new((0..sk).collect()),
+            true,
+            0.3,
+            false,
+        );
+        causal.forward(&q, &k, &v, dm);
+        assert_eq!(causal.kept_probabilities(), 0);
+        let long = 300;
+        let (q2, k2) = (values(long * d, 5), values(long * d, 6));
+        let fa2 = FlashAttention::new(
+            Arc::new((0..long).collect()),
+            Arc::new((0..long).collect()),
+            false,
+            0.3,
+            false,
+        );
+        let dm2 = Dims { b: 1, sq: long, sk: long, hq: 1, hkv: 1, d, od: d };
+        fa2.forward(&q2, &k2, &k2, dm2);
+        assert_eq!(fa2.kept_probabilities(), 0);
     }
 }

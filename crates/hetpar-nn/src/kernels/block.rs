@@ -9,10 +9,12 @@
 //! it: about eight fills and ten full passes over `[tokens, hidden]`-sized tensors per block
 //! and step that no arithmetic needs (the input's gradient alone is a fill and three adds,
 //! one per projection). Here the forward keeps q, k, v, the attention's output and its
-//! log-sum-exps, and the backward runs the same kernels in the same order as the composed
-//! nodes' backwards: the output projection's ([`backward`]), the attention core's, then
-//! each projection's, summing the input's three gradients in the order candle's backward
-//! visits them; the weights' and trained biases' gradients go to their sinks. The results
+//! log-sum-exps (and, for a short bidirectional sequence, the attention core keeps its
+//! probabilities: [`FlashAttention::keeps_probabilities`]), and the backward runs the same
+//! kernels in the same order as the composed nodes' backwards: the output projection's
+//! ([`backward`]), the attention core's, then each projection's, summing the input's three
+//! gradients in the order candle's backward visits them; the weights' and trained biases'
+//! gradients go to their sinks. The results
 //! are the composed block's bits (zeros aside: candle's store turns `-0` into `0`).
 //!
 //! Given its pre-norm ([`PreNorm`]), either block is the node `x + block(norm(x))`, the
@@ -354,7 +356,7 @@ impl AttentionBlockOp {
                     with_data::<T, _>(&sv.att, op, |att| {
                         let datt = project_back(self.how, &w.o, att, dy, rows)?;
                         let (mut dq, mut dk, dv) =
-                            simd::fast!(self.attention.backward(q, k, v, att, &datt, &sv.lse, dm));
+                            simd::fast!(self.attention.backward(q, k, v, att, &datt, &sv.lse, dm))?;
                         if let Some(tables) = &self.rope {
                             let (hq, hkv) = self.heads;
                             let back = RopeOp { tables: tables.clone(), inverse: true };

@@ -124,7 +124,7 @@ impl ExpertsOp {
     }
 
     /// The saved state of the `k`-th expert with rows.
-    fn kept(saved: &[[Tensor; 3]], k: usize) -> CResult<&[Tensor; 3]> {
+    fn saved_of(saved: &[[Tensor; 3]], k: usize) -> CResult<&[Tensor; 3]> {
         saved.get(k).ok_or_else(|| Error::Msg("experts: backward without its forward".into()))
     }
 
@@ -156,7 +156,7 @@ impl ExpertsOp {
             }
             let rows = start * hidden..(start + r) * hidden;
             let io = (&x[rows.clone()], &dy[rows]);
-            dx.extend(self.expert_backward(e, io, r, hidden, Self::kept(&saved, k)?)?);
+            dx.extend(self.expert_backward(e, io, r, hidden, Self::saved_of(&saved, k)?)?);
             k += 1;
             start += r;
         }
@@ -239,6 +239,17 @@ fn weigh_into<T: Real>(out: &mut [T], rows: &[T], gates: &[T], tokens: &[u32], h
     }
 }
 
+/// Adds each of `rows` (`[len, hidden]`) to its token's row of `out`, in order: an index
+/// select's backward (its rows added into zeros in index order).
+fn add_rows<T: Real>(out: &mut [T], rows: &[T], tokens: &[u32], hidden: usize) {
+    for (y, &t) in rows.chunks_exact(hidden).zip(tokens) {
+        let t = t as usize;
+        for (o, &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(y) {
+            *o += v;
+        }
+    }
+}
+
 /// The backward of [`weigh_into`] for `rows` given the output's gradient `dy`: each row's
 /// gradient (its token's times its gate), appended to `drows`, and each gate's (the dot
 /// product of the row and its token's gradient, in `dot`'s order), appended to `dgates`.
@@ -260,7 +271,7 @@ fn weigh_back<T: Real>(
 /// Checks `tokens` against `n` token rows and `a` assignments.
 fn check_tokens(op: &str, tokens: &[u32], n: usize, a: usize) -> CResult<()> {
     if tokens.len() != a {
-        return Err(Error::Msg(format!("{op}: {a} gates, {} tokens", tokens.len())));
+        return Err(Error::Msg(format!("{op}: {a} assignments, {} tokens", tokens.len())));
     }
     if let Some(&t) = tokens.iter().find(|&&t| t as usize >= n) {
         return Err(Error::Msg(format!("{op}: token {t} of {n}")));
@@ -345,15 +356,10 @@ impl RoutedOp {
                     let (block, mut dye) = (start..start + r, Vec::with_capacity(r * hidden));
                     let (g, tokens) = (&gates[block.clone()], &self.tokens[block]);
                     weigh_back(dy, &ys[rows.clone()], g, tokens, hidden, (&mut dye, &mut dgates));
-                    let kept = ExpertsOp::kept(&saved, k)?;
+                    let held = ExpertsOp::saved_of(&saved, k)?;
                     let dxe =
-                        self.experts.expert_backward(e, (&xs[rows], &dye), r, hidden, kept)?;
-                    for (i, d) in dxe.chunks_exact(hidden).enumerate() {
-                        let t = self.tokens[start + i] as usize;
-                        for (o, &v) in dx[t * hidden..(t + 1) * hidden].iter_mut().zip(d) {
-                            *o += v;
-                        }
-                    }
+                        self.experts.expert_backward(e, (&xs[rows], &dye), r, hidden, held)?;
+                    add_rows(&mut dx, &dxe, tokens, hidden);
                     k += 1;
                     start += r;
                 }

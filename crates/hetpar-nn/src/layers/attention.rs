@@ -8,8 +8,9 @@
 //! combining them with an online softmax (`CpMode::Ring`, Liu et al. 2023; Milakov and
 //! Gimelshein 2018). Masks come from global positions, so the zigzag order never has to be
 //! undone. Attention itself is the fused kernel [`FlashAttention`] on `[b, s, heads, d]`: no
-//! score matrix is stored, blocks of keys after every query are skipped, and grouped K/V
-//! heads are read in place. The ring merges its blocks' outputs by their log-sum-exp; with
+//! score matrix is stored but a short bidirectional sequence's probabilities (at most 256
+//! rows a side, kept for the backward), blocks of keys after every query are skipped, and
+//! grouped K/V heads are read in place. The ring merges its blocks' outputs by their log-sum-exp; with
 //! autograd keeping every block it moves the same bytes point to point instead of
 //! all-gathering them but does not yet lower activation memory.
 

@@ -144,7 +144,6 @@ impl Moe {
         let gates = picked.broadcast_div(&picked.sum_keepdim(D::Minus1)?)?;
 
         // Dispatch order: by destination ep rank, then expert, then token, then slot.
-        let per = e_count / self.ctx.ep.size();
         let mut assign: Vec<(usize, usize, usize)> = (0..n_sub)
             .flat_map(|t| picks[t].iter().enumerate().map(move |(j, &e)| (e, t, j)))
             .collect();
@@ -158,69 +157,85 @@ impl Moe {
         for &(e, _, _) in &assign {
             per_expert[e] += 1;
         }
-        let weights = || {
-            self.experts
-                .iter()
-                .map(|(_, x)| {
-                    let w = |p: &Param| (p.tensor().clone(), p.sink.clone());
-                    ExpertWeights { w1: w(&x.w1), w3: w(&x.w3), w2: w(&x.w2) }
-                })
-                .collect()
-        };
         let combined = if self.ctx.ep.comm().is_none() && a > 0 {
             // Every expert is here: the gather, the experts and the weighted sum are one
             // node ([`routed_experts`]).
             let rows = per_expert.iter().map(|&c| c as usize).collect();
-            routed_experts(self.matmul, &xs, &g, weights(), rows, tokens)?
+            routed_experts(self.matmul, &xs, &g, self.expert_weights(), rows, tokens)?
         } else {
-            let tok_idx = Tensor::from_vec(tokens.clone(), a, &Device::Cpu)?;
-            let disp = xs.index_select(&tok_idx, 0)?;
-            let (recv, recv_counts) = self.exchange(&disp, &per_expert, per)?;
-            // Each local expert computes its rows; rows from each source arrive grouped by
-            // expert.
-            let mut offset = 0;
-            let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); per];
-            for src in &recv_counts {
-                for (le, &c) in src.iter().enumerate() {
-                    rows_of[le].extend((offset..offset + c as usize).map(|r| r as u32));
-                    offset += c as usize;
-                }
-            }
-            // Grouped by expert (already so from one source), the experts run as one node
-            // over their row blocks ([`experts_swiglu`]) and their outputs go back in receive
-            // order: one copy each way.
-            let order: Vec<u32> = rows_of.concat();
-            let grouped = order.iter().enumerate().all(|(i, &r)| i as u32 == r);
-            let by_expert = if grouped {
-                recv.clone()
-            } else {
-                let idx = Tensor::from_vec(order.clone(), order.len(), &Device::Cpu)?;
-                recv.index_select(&idx, 0)?
-            };
-            let y = if order.is_empty() {
-                recv.zeros_like()?
-            } else {
-                let rows = rows_of.iter().map(Vec::len).collect();
-                // The router's weight anchors the node in the graph (it gets no gradient
-                // there).
-                experts_swiglu(self.matmul, &by_expert, self.gate.tensor(), weights(), rows)?
-            };
-            let out_recv = if grouped {
-                y
-            } else {
-                let mut inverse = vec![0u32; order.len()];
-                for (i, &r) in order.iter().enumerate() {
-                    inverse[r as usize] = i as u32;
-                }
-                y.index_select(&Tensor::from_vec(inverse, order.len(), &Device::Cpu)?, 0)?
-            };
-            let back = self.exchange_back(&out_recv, &per_expert, &recv_counts, per)?;
-            // Back in assignment order: weighted and summed per token as one node.
-            combine_experts(&back, &g, tokens, n_sub)?
+            self.exchanged(&xs, &g, tokens, &per_expert)?
         };
         let out = if split { gather_rows(&self.ctx.tp, &combined, n)? } else { combined };
         let aux = self.aux_loss(&probs, &per_expert, n_sub)?;
         Ok((out.reshape((b, s, h))?, aux))
+    }
+
+    /// This rank's experts' weights with their gradients' sinks.
+    fn expert_weights(&self) -> Vec<ExpertWeights> {
+        self.experts
+            .iter()
+            .map(|(_, x)| {
+                let w = |p: &Param| (p.tensor().clone(), p.sink.clone());
+                ExpertWeights { w1: w(&x.w1), w3: w(&x.w3), w2: w(&x.w2) }
+            })
+            .collect()
+    }
+
+    /// The experts over `ep` ranks: the rows of `xs` (`tokens[i]` for assignment `i`, in
+    /// dispatch order, `per_expert` of them for each expert) go to their experts' ranks,
+    /// through the local experts there and back, and are summed at their tokens times
+    /// their gates `g` ([`combine_experts`]).
+    fn exchanged(
+        &self,
+        xs: &Tensor,
+        g: &Tensor,
+        tokens: Vec<u32>,
+        per_expert: &[i64],
+    ) -> Result<Tensor> {
+        let per = self.spec.experts / self.ctx.ep.size();
+        let tok_idx = Tensor::from_vec(tokens.clone(), tokens.len(), &Device::Cpu)?;
+        let disp = xs.index_select(&tok_idx, 0)?;
+        let (recv, recv_counts) = self.exchange(&disp, per_expert, per)?;
+        // Each local expert computes its rows; rows from each source arrive grouped by
+        // expert.
+        let mut offset = 0;
+        let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); per];
+        for src in &recv_counts {
+            for (le, &c) in src.iter().enumerate() {
+                rows_of[le].extend((offset..offset + c as usize).map(|r| r as u32));
+                offset += c as usize;
+            }
+        }
+        // Grouped by expert (already so from one source), the experts run as one node over
+        // their row blocks ([`experts_swiglu`]) and their outputs go back in receive order:
+        // one copy each way.
+        let order: Vec<u32> = rows_of.concat();
+        let grouped = order.iter().enumerate().all(|(i, &r)| i as u32 == r);
+        let by_expert = if grouped {
+            recv.clone()
+        } else {
+            recv.index_select(&Tensor::from_vec(order.clone(), order.len(), &Device::Cpu)?, 0)?
+        };
+        let y = if order.is_empty() {
+            recv.zeros_like()?
+        } else {
+            let rows = rows_of.iter().map(Vec::len).collect();
+            // The router's weight anchors the node in the graph (it gets no gradient there).
+            let anchor = self.gate.tensor();
+            experts_swiglu(self.matmul, &by_expert, anchor, self.expert_weights(), rows)?
+        };
+        let out_recv = if grouped {
+            y
+        } else {
+            let mut inverse = vec![0u32; order.len()];
+            for (i, &r) in order.iter().enumerate() {
+                inverse[r as usize] = i as u32;
+            }
+            y.index_select(&Tensor::from_vec(inverse, order.len(), &Device::Cpu)?, 0)?
+        };
+        let back = self.exchange_back(&out_recv, per_expert, &recv_counts, per)?;
+        // Back in assignment order: weighted and summed per token as one node.
+        Ok(combine_experts(&back, g, tokens, xs.dims()[0])?)
     }
 
     /// Sends each assignment row to the ep rank owning its expert. Returns the received
