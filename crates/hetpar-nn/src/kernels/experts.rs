@@ -287,9 +287,9 @@ fn check_tokens(op: &str, tokens: &[u32], n: usize, a: usize) -> CResult<()> {
 struct RoutedOp {
     experts: ExpertsOp,
     tokens: Vec<u32>,
-    /// The assignments' rows of `x` and their experts' outputs (`[a, hidden]` each), from
-    /// the forward.
-    routed: Mutex<Option<[Tensor; 2]>>,
+    /// The assignments' rows of `x` (`[a, hidden]`) and each expert's outputs (one tensor
+    /// per expert with rows, in order), from the forward.
+    routed: Mutex<Option<(Tensor, Vec<Tensor>)>>,
 }
 
 impl RoutedOp {
@@ -314,8 +314,7 @@ impl RoutedOp {
             routed.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
         }
         let mut out = vec![T::ZERO; x.len()];
-        let mut outputs = Vec::with_capacity(a * hidden);
-        let mut saved = Vec::new();
+        let (mut outputs, mut saved) = (Vec::new(), Vec::new());
         let mut start = 0;
         for (e, &r) in self.experts.rows.iter().enumerate() {
             if r == 0 {
@@ -325,13 +324,13 @@ impl RoutedOp {
             let (ye, keep) = self.experts.expert_forward(e, xe, r, hidden)?;
             let block = start..start + r;
             weigh_into(&mut out, &ye, &gates[block.clone()], &self.tokens[block], hidden);
-            outputs.extend_from_slice(&ye);
+            outputs.push(Tensor::from_vec(ye, (r, hidden), &candle_core::Device::Cpu)?);
             saved.push(keep);
             start += r;
         }
         *self.experts.saved()? = saved;
-        let keep = |v: Vec<T>| Tensor::from_vec(v, (a, hidden), &candle_core::Device::Cpu);
-        *saved_state(&self.routed, "routed experts")? = Some([keep(routed)?, keep(outputs)?]);
+        let routed = Tensor::from_vec(routed, (a, hidden), &candle_core::Device::Cpu)?;
+        *saved_state(&self.routed, "routed experts")? = Some((routed, outputs));
         Ok(out)
     }
 
@@ -340,31 +339,34 @@ impl RoutedOp {
         let op = "routed experts backward";
         let saved = self.experts.saved()?;
         let routed = saved_state(&self.routed, op)?;
-        let [xs, ys] = routed
+        let (xs, ys) = routed
             .as_ref()
             .ok_or_else(|| Error::Msg(format!("{op}: backward without its forward")))?;
         let mut dx = vec![T::ZERO; dy.len()];
         let mut dgates = Vec::with_capacity(gates.len());
         with_data::<T, _>(xs, op, |xs| {
-            with_data::<T, _>(ys, op, |ys| {
-                let (mut start, mut k) = (0, 0);
-                for (e, &r) in self.experts.rows.iter().enumerate() {
-                    if r == 0 {
-                        continue;
-                    }
-                    let rows = start * hidden..(start + r) * hidden;
-                    let (block, mut dye) = (start..start + r, Vec::with_capacity(r * hidden));
-                    let (g, tokens) = (&gates[block.clone()], &self.tokens[block]);
-                    weigh_back(dy, &ys[rows.clone()], g, tokens, hidden, (&mut dye, &mut dgates));
-                    let held = ExpertsOp::saved_of(&saved, k)?;
-                    let dxe =
-                        self.experts.expert_backward(e, (&xs[rows], &dye), r, hidden, held)?;
-                    add_rows(&mut dx, &dxe, tokens, hidden);
-                    k += 1;
-                    start += r;
+            let (mut start, mut k) = (0, 0);
+            for (e, &r) in self.experts.rows.iter().enumerate() {
+                if r == 0 {
+                    continue;
                 }
-                Ok(())
-            })
+                let ye = ys
+                    .get(k)
+                    .ok_or_else(|| Error::Msg(format!("{op}: no outputs kept for expert {e}")))?;
+                let (block, mut dye) = (start..start + r, Vec::with_capacity(r * hidden));
+                let (g, tokens) = (&gates[block.clone()], &self.tokens[block]);
+                with_data::<T, _>(ye, op, |ye| {
+                    weigh_back(dy, ye, g, tokens, hidden, (&mut dye, &mut dgates));
+                    Ok(())
+                })?;
+                let (held, xe) =
+                    (ExpertsOp::saved_of(&saved, k)?, &xs[start * hidden..(start + r) * hidden]);
+                let dxe = self.experts.expert_backward(e, (xe, &dye), r, hidden, held)?;
+                add_rows(&mut dx, &dxe, tokens, hidden);
+                k += 1;
+                start += r;
+            }
+            Ok(())
         })?;
         Ok((dx, dgates))
     }

@@ -10,9 +10,9 @@
 //! undone. Attention itself is the fused kernel [`FlashAttention`] on `[b, s, heads, d]`: no
 //! score matrix is stored but a short bidirectional sequence's probabilities (at most 256
 //! rows a side, kept for the backward), blocks of keys after every query are skipped, and
-//! grouped K/V heads are read in place. The ring merges its blocks' outputs by their log-sum-exp; with
-//! autograd keeping every block it moves the same bytes point to point instead of
-//! all-gathering them but does not yet lower activation memory.
+//! grouped K/V heads are read in place. The ring merges its blocks' outputs by their
+//! log-sum-exp; with autograd keeping every block it moves the same bytes point to point
+//! instead of all-gathering them but does not yet lower activation memory.
 
 use std::sync::Arc;
 
