@@ -607,6 +607,45 @@ fn linear_with_bias_takes_strided_inputs_detached_biases_and_empty_outputs() {
 }
 
 #[test]
+fn an_input_that_tracks_no_gradient_gets_none_and_the_weights_keep_their_bits() {
+    // Data (an image's patches, cut from the pixels) under a linear layer: no `dx` is
+    // computed for it, and `dw`, `db` are the bits of the same input as a variable.
+    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
+        .into_iter()
+        .chain([(DType::F32, Matmul::Bf16)])
+    {
+        let (x, w, b) =
+            (var("x", &[3, 7, 40], dtype), var("w", &[23, 40], dtype), var("b", &[23], dtype));
+        let data = x.as_tensor().detach();
+        assert!(!data.track_op());
+        for gelu in [false, true] {
+            let sink = GradSink::new();
+            let run = |input: &Tensor| {
+                let y = if gelu {
+                    linear_bias_gelu_into(how, input, &w, &b, &sink).unwrap()
+                } else {
+                    (linear_bias_as(how, input, &w, &b).unwrap()
+                        + hetpar_nn::kernels::linear::linear_as(how, input, &w).unwrap())
+                    .unwrap()
+                };
+                let store = weigh(&y, "dy").backward().unwrap();
+                let dw = match sink.take(w.shape()).unwrap() {
+                    Some(dw) => dw,
+                    None => store.get(&w).unwrap().clone(),
+                };
+                (store.get(input).cloned(), dw, store.get(&b).unwrap().clone())
+            };
+            let (tracked, untracked) = (run(x.as_tensor()), run(&data));
+            assert!(tracked.0.is_some(), "{dtype:?} {how:?} gelu {gelu}: a variable's dx");
+            assert!(untracked.0.is_none(), "{dtype:?} {how:?} gelu {gelu}: dx for data");
+            assert_eq!(bits(&untracked.1), bits(&tracked.1), "{dtype:?} {how:?} gelu {gelu}: dw");
+            assert_eq!(bits(&untracked.2), bits(&tracked.2), "{dtype:?} {how:?} gelu {gelu}: db");
+        }
+    }
+}
+
+#[test]
 fn linear_into_a_sink_gives_the_stores_bits_and_leaves_the_weight_out_of_the_store() {
     let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]

@@ -151,20 +151,28 @@ pub(crate) fn product<T: Real>(
 }
 
 /// `dx = dy w`, a tensor shaped like `x`, and `dw = dy^T x`, `w`'s elements in its order.
+/// No `dx` where `x` tracks no gradient (neither a `Var` nor computed from one: the patches
+/// of an image, cut from the pixels, under an encoder's patch embedding): candle would
+/// zero-fill a gradient for it, add `dx` into that and never read it, after a product as
+/// large as the layer's forward (PyTorch's autograd leaves it out alike).
 fn input_grads<T: Real>(
     how: Matmul,
     x: &Tensor,
     w: &Tensor,
     grad: &Tensor,
-    (rows, inner, out): (usize, usize, usize),
-) -> CResult<(Tensor, Vec<T>)> {
+    dims: (usize, usize, usize),
+) -> CResult<(Option<Tensor>, Vec<T>)> {
     let op = "linear backward";
-    let (dx, dw) = with_data::<T, _>(x, op, |xd| {
-        with_data::<T, _>(w, op, |wd| {
-            with_data::<T, _>(grad, op, |gd| backward(how, xd, wd, gd, (rows, inner, out)))
-        })
-    })?;
-    Ok((Tensor::from_vec(dx, x.shape(), x.device())?, dw))
+    with_data::<T, _>(grad, op, |gd| {
+        let dx = if x.track_op() {
+            let dx = with_data::<T, _>(w, op, |wd| input_grad(how, wd, gd, dims))?;
+            Some(Tensor::from_vec(dx, x.shape(), x.device())?)
+        } else {
+            None
+        };
+        let dw = with_data::<T, _>(x, op, |xd| weight_grad_of(how, xd, gd, dims))?;
+        Ok((dx, dw))
+    })
 }
 
 /// `dx = dy w` (`[rows, in]`) and `dw = dy^T x` (`[out, in]`) on row-major slices: the
@@ -174,14 +182,33 @@ pub(crate) fn backward<T: Real>(
     x: &[T],
     w: &[T],
     dy: &[T],
-    (rows, inner, out): (usize, usize, usize),
+    dims: (usize, usize, usize),
 ) -> CResult<(Vec<T>, Vec<T>)> {
+    Ok((input_grad(how, w, dy, dims)?, weight_grad_of(how, x, dy, dims)?))
+}
+
+/// `dx = dy w` (`[rows, in]`) on row-major slices.
+fn input_grad<T: Real>(
+    how: Matmul,
+    w: &[T],
+    dy: &[T],
+    (rows, inner, out): (usize, usize, usize),
+) -> CResult<Vec<T>> {
     let gv = View::rows(0, rows, out, out);
     let xv = View::rows(0, rows, inner, inner);
-    let wv = View::rows(0, out, inner, inner);
-    let dx = mul(how, rows * inner, xv, dy, gv, w, wv)?;
-    let dw = mul(how, out * inner, wv, dy, gv.t(), x, xv)?;
-    Ok((dx, dw))
+    mul(how, rows * inner, xv, dy, gv, w, View::rows(0, out, inner, inner))
+}
+
+/// `dw = dy^T x` (`[out, in]`) on row-major slices.
+fn weight_grad_of<T: Real>(
+    how: Matmul,
+    x: &[T],
+    dy: &[T],
+    (rows, inner, out): (usize, usize, usize),
+) -> CResult<Vec<T>> {
+    let gv = View::rows(0, rows, out, out);
+    let xv = View::rows(0, rows, inner, inner);
+    mul(how, out * inner, View::rows(0, out, inner, inner), dy, gv.t(), x, xv)
 }
 
 impl CustomOp2 for LinearOp {
@@ -217,7 +244,7 @@ impl CustomOp2 for LinearOp {
         let grad = grad.contiguous()?;
         by_real_dtype!(x.dtype(), "linear", |T| {
             let (dx, dw) = input_grads::<T>(self.how, x, w, &grad, dims)?;
-            Ok((Some(dx), weight_grad(self.sink.as_ref(), dw, w)?))
+            Ok((dx, weight_grad(self.sink.as_ref(), dw, w)?))
         })
     }
 }
@@ -305,7 +332,7 @@ impl CustomOp3 for LinearBiasOp {
                 Ok(simd::fast!(BiasAddOp::bias_grad(g, dims.2)))
             })?;
             let db = Tensor::from_vec(db, dims.2, grad.device())?;
-            Ok((Some(dx), weight_grad(op.sink.as_ref(), dw, w)?, Some(db)))
+            Ok((dx, weight_grad(op.sink.as_ref(), dw, w)?, Some(db)))
         }
         by_real_dtype!(x.dtype(), "linear", |T| run::<T>(self, x, w, &grad, dims))
     }
