@@ -115,12 +115,11 @@ fn packed(i: usize, p: usize, kp: usize) -> usize {
 /// See [`super::bf16::matmul_on`].
 ///
 /// # Safety
-/// [`available`]; every view lies inside its slice, the shapes chain, none is empty, and
-/// `dv` is injective.
+/// [`available`]; as [`super::bf16::blocked`] asks of its views and `dst`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
 pub unsafe fn run(
-    dst: &mut [f32],
+    dst: *mut f32,
     dv: View,
     lhs: &[f32],
     lv: View,

@@ -99,11 +99,7 @@ fn mul<T: Real>(
 ) -> CResult<Vec<T>> {
     match how {
         Matmul::Native => Ok(matmul_new(len, dv, lhs, lv, rhs, rv)),
-        Matmul::Bf16 => {
-            let mut dst = vec![T::ZERO; len];
-            T::bf16_product(&mut dst, dv, lhs, lv, rhs, rv, false, super::threads())?;
-            Ok(dst)
-        }
+        Matmul::Bf16 => T::bf16_product(len, dv, lhs, lv, rhs, rv, super::threads()),
     }
 }
 

@@ -86,19 +86,17 @@ pub trait Real: WithDType + std::ops::Neg<Output = Self> {
     /// `e^x` of every element, in place: in f32 [`exp_f32`], [`LANES`] at a time through
     /// [`exp_f32_lanes`]; in f64 the library's.
     fn exp_in_place(xs: &mut [Self]);
-    /// [`bf16::matmul_on`] (bf16 operands, f32 sums) where `Self` is f32; an error in f64,
-    /// which has no bf16 compute.
-    #[allow(clippy::too_many_arguments)]
+    /// [`bf16::matmul_new`] (bf16 operands, f32 sums, into a new matrix of `len` elements)
+    /// where `Self` is f32; an error in f64, which has no bf16 compute.
     fn bf16_product(
-        dst: &mut [Self],
+        len: usize,
         dv: gemm::View,
         lhs: &[Self],
         lv: gemm::View,
         rhs: &[Self],
         rv: gemm::View,
-        accumulate: bool,
         threads: usize,
-    ) -> CResult<()>;
+    ) -> CResult<Vec<Self>>;
 }
 
 impl Real for f64 {
@@ -126,15 +124,14 @@ impl Real for f64 {
         }
     }
     fn bf16_product(
-        _: &mut [f64],
-        _: gemm::View,
-        _: &[f64],
-        _: gemm::View,
-        _: &[f64],
-        _: gemm::View,
-        _: bool,
         _: usize,
-    ) -> CResult<()> {
+        _: gemm::View,
+        _: &[f64],
+        _: gemm::View,
+        _: &[f64],
+        _: gemm::View,
+        _: usize,
+    ) -> CResult<Vec<f64>> {
         Err(Error::Msg("bf16 products take f32 tensors (bf16 compute keeps f32 weights)".into()))
     }
 }
@@ -170,17 +167,15 @@ impl Real for f32 {
         }
     }
     fn bf16_product(
-        dst: &mut [f32],
+        len: usize,
         dv: gemm::View,
         lhs: &[f32],
         lv: gemm::View,
         rhs: &[f32],
         rv: gemm::View,
-        accumulate: bool,
         threads: usize,
-    ) -> CResult<()> {
-        bf16::matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, 1.0, threads);
-        Ok(())
+    ) -> CResult<Vec<f32>> {
+        Ok(bf16::matmul_new(len, dv, lhs, lv, rhs, rv, threads))
     }
 }
 
