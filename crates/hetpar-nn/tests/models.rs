@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use common::*;
 use hetpar_comm::{LocalOptions, launch};
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
+use hetpar_nn::kernels::linear::Matmul;
 use hetpar_nn::layers::attention::CpMode;
 use hetpar_nn::models::audio::{AudioConfig, AudioEncoder};
 use hetpar_nn::models::llama::{Boundary, Llama, LlamaBatch, LlamaConfig};
@@ -361,4 +362,32 @@ fn audio_encoder_refuses_features_of_another_shape() {
     })
     .unwrap();
     assert!(e[0].contains("8 mels x 16 frames, the encoder takes 8 x 15"), "{}", e[0]);
+}
+
+#[test]
+fn the_encoders_embeddings_multiply_as_their_build_says() {
+    // Embedding-only first stages (no layers, no head): built for bf16 products, the ViT's
+    // patch embedding and the audio encoder's convolutions give the f32 output within bf16
+    // rounding (operands rounded to 2^-9, each product summed in f32), and not its bits.
+    let l = layout(1, 1, 1, 1, false);
+    launch(1, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
+        let ctx = ParallelCtx::new(c, &l).unwrap();
+        let out = |how: Matmul| {
+            let b = Build::new(ctx.clone(), 3, DType::F32).with_matmul(how);
+            let vit = Vit::stage(&b, VIT, 0..0, true, false).unwrap();
+            let audio = AudioEncoder::stage(&b, AUDIO, 0..0, true, false).unwrap();
+            let pixels = global("pixels", &[2, 3, 16, 16], DType::F32);
+            let features = global("features", &[2, AUDIO.mels, AUDIO.frames], DType::F32);
+            [
+                flat(&vit.forward(&pixels).unwrap()).unwrap(),
+                flat(&audio.forward(&features).unwrap()).unwrap(),
+            ]
+        };
+        let (native, bf16) = (out(Matmul::Native), out(Matmul::Bf16));
+        for ((what, n), b) in ["vit", "audio"].iter().zip(&native).zip(&bf16) {
+            let d = rel_err(b, n);
+            assert!(d > 0.0 && d < 2f64.powi(-6), "{what}: bf16 against f32 {d:e}");
+        }
+    })
+    .unwrap();
 }

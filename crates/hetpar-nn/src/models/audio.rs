@@ -26,7 +26,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
-use crate::kernels::linear::linear_bias;
+use crate::kernels::linear::{Matmul, linear_bias_as};
 use crate::kernels::pointwise::gelu;
 use crate::layers::attention::{CpMode, CpPositions};
 use crate::layers::linear::Build;
@@ -90,6 +90,8 @@ struct Conv {
     weight: Param,
     bias: Param,
     stride: usize,
+    /// How its product multiplies (the model's linear layers' way).
+    matmul: Matmul,
 }
 
 impl Conv {
@@ -102,17 +104,19 @@ impl Conv {
             )?,
             bias: b.replicated(format!("{name}.bias"), &[output], Init::Const(0.0))?,
             stride,
+            matmul: b.matmul,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        conv3(x, self.weight.tensor(), self.bias.tensor(), self.stride)
+        conv3(self.matmul, x, self.weight.tensor(), self.bias.tensor(), self.stride)
     }
 }
 
 /// A width-3 convolution with padding 1 on time-major `x [n, frames, in]` with weight
-/// `[out, in, 3]` and bias `[out]`: `[n, ceil(frames / stride), out]`.
-fn conv3(x: &Tensor, w: &Tensor, bias: &Tensor, stride: usize) -> Result<Tensor> {
+/// `[out, in, 3]` and bias `[out]`: `[n, ceil(frames / stride), out]`, multiplying as `how`
+/// says.
+fn conv3(how: Matmul, x: &Tensor, w: &Tensor, bias: &Tensor, stride: usize) -> Result<Tensor> {
     let (n, frames, input) = x.dims3()?;
     let out_frames = frames.div_ceil(stride);
     let padded = x.pad_with_zeros(1, 1, 1)?.contiguous()?;
@@ -124,7 +128,7 @@ fn conv3(x: &Tensor, w: &Tensor, bias: &Tensor, stride: usize) -> Result<Tensor>
     // Weight [out, in, 3] -> [out, 3, in] to match the columns' (k, channel) order.
     let out = w.dims()[0];
     let w = w.permute((0, 2, 1))?.contiguous()?.reshape((out, 3 * input))?;
-    Ok(linear_bias(&cols, &w, bias)?)
+    Ok(linear_bias_as(how, &cols, &w, bias)?)
 }
 
 /// The convolution stem and fixed positions (the first pipeline stage's).
@@ -291,7 +295,7 @@ mod tests {
                     .unwrap()
                     .broadcast_add(&b.reshape((1, out, 1)).unwrap())
                     .unwrap();
-                let got = conv3(&x.transpose(1, 2).unwrap(), &w, &b, stride)
+                let got = conv3(Matmul::Native, &x.transpose(1, 2).unwrap(), &w, &b, stride)
                     .unwrap()
                     .transpose(1, 2)
                     .unwrap();

@@ -21,7 +21,7 @@ use candle_core::{Device, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
-use crate::kernels::linear::linear_bias;
+use crate::kernels::linear::{Matmul, linear_bias_as};
 use crate::layers::attention::{CpMode, CpPositions};
 use crate::layers::linear::Build;
 use crate::models::encoder::{self, HeadNames, LayerNames, LayerShape, Trunk};
@@ -63,6 +63,8 @@ struct Embed {
     patch_w: Param,
     patch_b: Param,
     pos: Param,
+    /// How the patch embedding multiplies (the model's linear layers' way).
+    matmul: Matmul,
 }
 
 /// The encoder and projector (or one pipeline stage of them) on one rank.
@@ -134,6 +136,7 @@ impl Vit {
                     &[cfg.patches(), cfg.hidden],
                     Init::Normal(std),
                 )?,
+                matmul: b.matmul,
             })
         } else {
             None
@@ -192,7 +195,7 @@ impl Vit {
         )?;
         let patches = patches.index_select(&idx, 1)?.to_dtype(e.patch_w.tensor().dtype())?;
         let w = e.patch_w.tensor().reshape((self.cfg.hidden, 3 * p * p))?;
-        let x = linear_bias(&patches, &w, e.patch_b.tensor())?;
+        let x = linear_bias_as(e.matmul, &patches, &w, e.patch_b.tensor())?;
         Ok(x.broadcast_add(&e.pos.tensor().index_select(&idx, 0)?.unsqueeze(0)?)?)
     }
 }
