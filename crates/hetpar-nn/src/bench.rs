@@ -226,12 +226,14 @@ pub fn llama_flops(cfg: &LlamaConfig, s: usize) -> f64 {
     cfg.layers as f64 * llama_layer_flops(cfg, s) + 6.0 * cfg.hidden as f64 * cfg.vocab as f64
 }
 
-/// Training FLOPs per patch of the ViT with its projector.
+/// Training FLOPs per patch of the ViT with its projector. The patch embedding counts its
+/// forward and its weight's gradient: the pixels take no gradient (neither here nor in
+/// PyTorch).
 pub fn vit_flops(cfg: &VitConfig) -> f64 {
     let (h, s, p) = (cfg.hidden as f64, cfg.patches() as f64, cfg.patch_size as f64);
     let layer = 6.0 * 4.0 * h * h + 12.0 * h * s + 12.0 * h * cfg.ffn as f64;
     let out = cfg.out_hidden as f64;
-    cfg.layers as f64 * layer + 6.0 * 3.0 * p * p * h + 6.0 * (h * out + out * out)
+    cfg.layers as f64 * layer + 4.0 * 3.0 * p * p * h + 6.0 * (h * out + out * out)
 }
 
 fn one_rank(comm: &dyn Communicator) -> Result<Arc<ParallelCtx>> {

@@ -2,7 +2,7 @@
 //! later): `tdpbf16ps` multiplies a 16 x 32 tile of bf16 values by a 32 x 16 one and adds
 //! the 16 x 16 results into a tile of f32 sums, 16,384 floating-point operations in one
 //! instruction. Where the CPU has AMX-BF16 and Linux lets this process use the tile
-//! registers, [`super::bf16::matmul_on`] runs here. The operands are rounded to bf16 while
+//! registers, [`super::bf16::matmul_on`] and [`super::bf16::matmul_new`] run here. The operands are rounded to bf16 while
 //! they are packed, as on the AVX512-BF16 path, so both multiply the same bf16 values and
 //! sum in f32; they differ only in the order of those sums.
 //!
@@ -397,7 +397,8 @@ unsafe fn products(a: &[u32], b: &[u32], kp: usize) {
 /// # Safety
 /// Tiles configured as [`CONFIG`] on this thread; `a` and `b` as [`products`] takes them;
 /// `out` addresses elements `(r, c)`, `r < tile.rows`, `c < tile.cols`, of `dst` through
-/// its strides, which no other thread writes.
+/// its strides, which no other thread writes. Without `acc` every path below stores each
+/// of those elements and reads none (the [`Blocking::kernel`] promise).
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
 unsafe fn kernel(a: &[u32], b: &[u32], kp: usize, out: Out, tile: Tile, acc: bool, beta: f32) {
     assert!(kp > 0 && kp.is_multiple_of(TILE) && a.len() >= MR * kp && b.len() >= NR * kp);
@@ -483,7 +484,8 @@ unsafe fn kernel(a: &[u32], b: &[u32], kp: usize, out: Out, tile: Tile, acc: boo
     }
 }
 
-/// `at[i] = (at[i] if acc) + beta * sums[i]` for `i < n` (at most 32), `sums` the bits of
+/// `at[i] = (at[i] if acc) + beta * sums[i]` for `i < n` (at most 32; without `acc`, `at`
+/// is stored and not read), `sums` the bits of
 /// f32 sums.
 ///
 /// # Safety

@@ -214,9 +214,7 @@ pub fn matmul_new_with(
 /// The product on this machine's own bf16 instructions (AMX tiles or AVX512-BF16).
 ///
 /// # Safety
-/// `dst` is valid for writes (and, accumulating, reads) of every element `dv` names; the
-/// other views lie inside their slices, the shapes chain, none is empty, and `dv` is
-/// injective and overlaps neither operand.
+/// As [`blocked`] asks of `dst` and the views.
 ///
 /// # Panics
 /// If `kernel` is the fallback, or this machine cannot run it.
@@ -393,7 +391,9 @@ pub(super) trait Blocking {
     unsafe fn end() {}
 
     /// One micro-tile: panel `a` times panel `b` (a block of `kc` pairs), added into the
-    /// destination's `tile` as `out = (out if acc) + beta * sum`.
+    /// destination's `tile` as `out = (out if acc) + beta * sum`. Without `acc` it stores
+    /// every element of the tile and reads none of them ([`matmul_new`] hands the kernels
+    /// uninitialized memory on that promise).
     ///
     /// # Safety
     /// Between [`Self::begin`] and [`Self::end`] on this thread; `a` and `b` the panels
@@ -406,13 +406,15 @@ pub(super) trait Blocking {
 /// `dst = (dst if accumulate else 0) + beta * bf16(lhs) @ bf16(rhs)` by `B`'s blocking:
 /// for each block of `NC` columns and `KC` pairs, the right operand packed once and
 /// shared, and `MC`-row blocks of the left operand packed and multiplied on `threads`
-/// threads (block `i` on thread `i % threads`; a sum does not depend on the count).
+/// threads (block `i` on thread `i % threads`; a sum does not depend on the count). Not
+/// accumulating, the first block of pairs runs over every micro-tile, its threads joined
+/// before the next block, with `acc` false (the only block that has it so), so every
+/// element `dv` names is stored before any is read.
 ///
 /// # Safety
-/// The CPU has `B`'s features; `dst` is valid for writes (and, accumulating, reads) of
-/// every element `dv` names; the other views lie inside their slices, the shapes chain,
-/// none is empty, and `dv` is injective and overlaps neither operand. Not accumulating,
-/// every element `dv` names is stored before it is read (see [`matmul_new`]).
+/// The CPU has `B`'s features; `dst` is valid for reads and writes of every element `dv`
+/// names, initialized where accumulating; the other views lie inside their slices, the
+/// shapes chain, none is empty, and `dv` is injective and overlaps neither operand.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn blocked<B: Blocking>(
@@ -997,7 +999,8 @@ mod tests {
         // Whole and partial micro-tiles, one and several blocks of the inner dimension, one
         // and two threads, row- and column-major destinations, each kernel here; the
         // memory handed back first holds NaNs, so an element the kernels skipped shows.
-        for (m, n, k) in [(70, 64, 530), (13, 33, 37), (129, 17, 45), (1, 70, 300), (32, 32, 32)] {
+        let shapes = [(70, 64, 530), (13, 33, 37), (129, 17, 45), (129, 17, 530), (1, 70, 300)];
+        for (m, n, k) in shapes.into_iter().chain([(32, 32, 32)]) {
             let (a, av) = matrix(m, k, 0, 3);
             let (b, bv) = matrix(k, n, 1, 4);
             for kernel in kernels_here() {

@@ -4,7 +4,9 @@
 //! each node a gradient tensor it zero-fills and adds into: for a linear layer that is
 //! several full passes over activations and weights per step, and one more for a separate
 //! bias add. Here the backward computes `dx = dy w`, `dw = dy^T x` and the bias gradient
-//! (the column sums of `dy`) straight into their own layouts. With a bias the output is
+//! (the column sums of `dy`) straight into their own layouts; `dx` only where `x` tracks a
+//! gradient (a `Var` or computed from one: not an image's patches cut from its pixels),
+//! so candle's store holds none for such an input. With a bias the output is
 //! the product plus the bias, element by element, as the unfused bias add computes it, so
 //! the fused and unfused forms give the same bits.
 //!
@@ -389,7 +391,8 @@ impl CustomOp3 for LinearBiasGeluOp {
     }
 }
 
-/// `x @ w^T` through the fused op (`x` `[.., in]`, `w` `[out, in]`).
+/// `x @ w^T` through the fused op (`x` `[.., in]`, `w` `[out, in]`). Its backward gives
+/// `x` no gradient where `x` tracks none (see the module doc).
 pub fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
     linear_as(Matmul::Native, x, w)
 }
@@ -412,7 +415,8 @@ pub fn linear_into(how: Matmul, x: &Tensor, w: &Tensor, sink: &GradSink) -> CRes
     x.contiguous()?.apply_op2(&w.contiguous()?, LinearOp { how, sink })
 }
 
-/// `x @ w^T + b` through the fused op (`b` `[out]`, added to every row).
+/// `x @ w^T + b` through the fused op (`b` `[out]`, added to every row), `x`'s gradient as
+/// [`linear`]'s.
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> CResult<Tensor> {
     linear_bias_as(Matmul::Native, x, w, b)
 }
