@@ -435,14 +435,15 @@ pub(super) unsafe fn blocked<B: Blocking>(
     let out = Out { ptr: unsafe { dst.add(dv.offset) }, rs: dv.rs, cs: dv.cs };
     let blocks = m.div_ceil(B::MC);
     let threads = threads.clamp(1, blocks);
-    // Buffers sized to the product (a small one would otherwise zero-fill more than it
-    // multiplies).
+    // The right operand's buffer, then one for the left operand per thread, for every
+    // block: this thread's from its earlier products.
     let widest = B::KC.min(pairs);
-    let mut bstore = lines(B::NC.min(n.next_multiple_of(B::NR)) * B::rhs_depth(widest));
-    let bpack = as_lanes(&mut bstore);
+    let bpack_len = B::NC.min(n.next_multiple_of(B::NR)) * B::rhs_depth(widest);
     let apack_len = B::MC.min(m.next_multiple_of(B::MR)) * B::lhs_depth(widest);
-    // One packing buffer per thread, for every block.
-    let mut astores: Vec<Vec<Line>> = (0..threads).map(|_| lines(apack_len)).collect();
+    let mut stores = Packs::take(bpack_len, apack_len, threads);
+    let (bstore, astores) = stores.0.split_first_mut().expect("Packs::take gives 1 + threads");
+    let bpack = as_lanes(bstore);
+    let astores = &mut astores[..threads];
     for j0 in (0..n).step_by(B::NC) {
         let nc = B::NC.min(n - j0);
         for p0 in (0..pairs).step_by(B::KC) {
@@ -494,6 +495,47 @@ pub(super) unsafe fn blocked<B: Blocking>(
             }
         }
     }
+    stores.keep();
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The packing buffers of this thread's last product, for its next one.
+    static PACKS: std::cell::RefCell<Vec<Vec<Line>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Packing buffers for one product: [`blocked`] packs into the right operand's buffer and
+/// one of the left operand's per thread. They are taken from this thread's previous product
+/// and handed back after, grown where a product needs more (and then zeroed there) and never
+/// shrunk: a fresh zeroed allocation per product cost a memset of up to a megabyte each
+/// time, some 2% of the ViT's bf16 step. Every lane a kernel reads is written by the
+/// packing first (its panels' padding included), so what a buffer held before never
+/// reaches a sum. A nested product on this thread (a rayon task stolen while this one
+/// waits) finds none here and allocates its own.
+#[cfg(target_arch = "x86_64")]
+struct Packs(Vec<Vec<Line>>);
+
+#[cfg(target_arch = "x86_64")]
+impl Packs {
+    /// `1 + threads` buffers: the first of `bpack` lanes or more, the others of `apack`.
+    fn take(bpack: usize, apack: usize, threads: usize) -> Packs {
+        let mut stores = PACKS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+        if stores.len() < 1 + threads {
+            stores.resize_with(1 + threads, Vec::new);
+        }
+        for (i, store) in stores.iter_mut().take(1 + threads).enumerate() {
+            let want = if i == 0 { bpack } else { apack }.div_ceil(16);
+            if store.len() < want {
+                store.resize(want, Line([0; 16]));
+            }
+        }
+        Packs(stores)
+    }
+
+    /// Hands the buffers back to this thread for its next product.
+    fn keep(self) {
+        PACKS.with(|p| *p.borrow_mut() = self.0);
+    }
 }
 
 /// One cache line of packed lanes: packed operands live in these, so every packed row
@@ -502,12 +544,6 @@ pub(super) unsafe fn blocked<B: Blocking>(
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 pub(super) struct Line([u32; 16]);
-
-/// Room for `n` packed lanes, zeroed, 64-byte aligned.
-#[cfg(target_arch = "x86_64")]
-fn lines(n: usize) -> Vec<Line> {
-    vec![Line([0; 16]); n.div_ceil(16)]
-}
 
 /// The lanes of `store` as one slice.
 #[cfg(target_arch = "x86_64")]
@@ -1027,6 +1063,44 @@ mod tests {
         let (a, av) = matrix(3, 0, 0, 1);
         let (b, bv) = matrix(0, 4, 0, 2);
         assert_eq!(matmul_new(12, View::rows(0, 3, 4, 4), &a, av, &b, bv, 1), vec![0.0; 12]);
+    }
+
+    #[test]
+    fn the_packing_buffers_kept_between_products_leak_nothing() {
+        // A product of NaNs leaves NaN lanes all over this thread's packing buffers; a
+        // smaller product after it (partial tiles, an odd inner length, each operand
+        // layout) must read none of them: every lane a kernel reads is packed anew, its
+        // panels' padding included, or a NaN would reach a sum.
+        let (m, n, k) = (129, 70, 530);
+        let (nan_a, nan_b) = (vec![f32::NAN; m * k], vec![f32::NAN; k * n]);
+        for kernel in kernels_here() {
+            for layout in 0..9 {
+                let mut d = vec![0.0; m * n];
+                let (av, bv) = (View::rows(0, m, k, k), View::rows(0, k, n, n));
+                matmul_with(
+                    kernel,
+                    &mut d,
+                    View::rows(0, m, n, n),
+                    &nan_a,
+                    av,
+                    &nan_b,
+                    bv,
+                    false,
+                    1.0,
+                    1,
+                );
+                let (a, av) = matrix(13, 37, layout % 3, 1);
+                let (b, bv) = matrix(37, 33, layout / 3, 2);
+                for dv in [View::rows(0, 13, 33, 33), View::rows(0, 33, 13, 13).t()] {
+                    let got = matmul_new_with(kernel, 13 * 33, dv, &a, av, &b, bv, 1);
+                    let mut want = vec![0.0; 13 * 33];
+                    matmul_with(Kernel::Fallback, &mut want, dv, &a, av, &b, bv, false, 1.0, 1);
+                    let far = |g: f32, w: f32| (g - w).abs() > 1e-4 || g.is_nan();
+                    let bad = got.iter().zip(&want).position(|(&g, &w)| far(g, w));
+                    assert!(bad.is_none(), "{kernel:?} layout {layout} {dv:?}: element {bad:?}");
+                }
+            }
+        }
     }
 
     #[test]
