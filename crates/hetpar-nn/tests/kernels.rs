@@ -27,6 +27,17 @@ use hetpar_nn::kernels::sink::GradSink;
 use hetpar_nn::ops::VocabCrossEntropy;
 use hetpar_nn::testing::{flat, rel_err};
 
+/// The element types and products the fused ops run: f32 and f64 natively, f32 tensors
+/// with bf16 products.
+fn products() -> [(DType, Matmul); 3] {
+    [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native), (DType::F32, Matmul::Bf16)]
+}
+
+/// A tensor's values as bits (of their f64 widening: equal bits, equal values).
+fn bits(t: &Tensor) -> Vec<u64> {
+    flat(t).unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
 fn tolerance(dtype: DType) -> f64 {
     if dtype == DType::F64 { 1e-10 } else { 1e-5 }
 }
@@ -568,7 +579,6 @@ fn linear_with_bias_matches_the_unfused_reference_and_the_two_fused_ops_bitwise(
         };
         let (got, pair, want) = (run(0), run(1), run(2));
         let tol = tolerance(dtype);
-        let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for (i, what) in ["y", "dx", "dw", "db"].iter().enumerate() {
             close(&format!("linear-bias {dtype:?} {shape:?} {what}"), &got[i], &want[i], tol);
             assert_eq!(
@@ -610,11 +620,7 @@ fn linear_with_bias_takes_strided_inputs_detached_biases_and_empty_outputs() {
 fn an_input_that_tracks_no_gradient_gets_none_and_the_weights_keep_their_bits() {
     // Data (an image's patches, cut from the pixels) under a linear layer: no `dx` is
     // computed for it, and `dw`, `db` are the bits of the same input as a variable.
-    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
-        .into_iter()
-        .chain([(DType::F32, Matmul::Bf16)])
-    {
+    for (dtype, how) in products() {
         let (x, w, b) =
             (var("x", &[3, 7, 40], dtype), var("w", &[23, 40], dtype), var("b", &[23], dtype));
         let data = x.as_tensor().detach();
@@ -647,11 +653,7 @@ fn an_input_that_tracks_no_gradient_gets_none_and_the_weights_keep_their_bits() 
 
 #[test]
 fn linear_into_a_sink_gives_the_stores_bits_and_leaves_the_weight_out_of_the_store() {
-    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
-        .into_iter()
-        .chain([(DType::F32, Matmul::Bf16)])
-    {
+    for (dtype, how) in products() {
         let (x, w, b) =
             (var("x", &[3, 7, 40], dtype), var("w", &[23, 40], dtype), var("b", &[23], dtype));
         // Through the store: the weight used twice, as its gradient sums there.
@@ -690,11 +692,7 @@ fn linear_into_a_sink_gives_the_stores_bits_and_leaves_the_weight_out_of_the_sto
 
 #[test]
 fn the_linear_with_its_gelu_as_one_node_gives_the_two_nodes_bits() {
-    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
-        .into_iter()
-        .chain([(DType::F32, Matmul::Bf16)])
-    {
+    for (dtype, how) in products() {
         let (x, w, b) =
             (var("x", &[3, 7, 40], dtype), var("w", &[56, 40], dtype), var("b", &[56], dtype));
         // Pre-activations of both signs and several sizes, the tails included.
@@ -720,10 +718,7 @@ fn the_linear_with_its_gelu_as_one_node_gives_the_two_nodes_bits() {
 #[test]
 fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
     let (b, s, hidden) = (2, 37, 32);
-    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
-        .into_iter()
-        .chain([(DType::F32, Matmul::Bf16)])
-    {
+    for (dtype, how) in products() {
         // ViT-like: every projection with a bias, the key's applied but not trained; and
         // Llama-like: no biases, grouped K/V, causal, rotary.
         // Each alone, and as a pre-norm layer's half `x + block(norm(x))`: LayerNorm in front
@@ -846,10 +841,7 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
 
 #[test]
 fn the_gelu_mlp_as_one_node_gives_the_composed_mlps_bits() {
-    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
-        .into_iter()
-        .chain([(DType::F32, Matmul::Bf16)])
-    {
+    for (dtype, how) in products() {
         // Alone (24 -> 40 -> 16), and as a pre-norm layer's half `x + mlp(layer_norm(x))`.
         for (out, residual) in [(16, false), (24, true)] {
             let x = Var::from_tensor(&(var("x", &[3, 7, 24], dtype).as_tensor() * 2.0).unwrap())
@@ -929,10 +921,7 @@ fn a_fused_block_with_weights_or_tables_that_do_not_fit_is_an_error() {
 
 #[test]
 fn the_swiglu_mlp_as_one_node_gives_the_composed_mlps_bits() {
-    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
-        .into_iter()
-        .chain([(DType::F32, Matmul::Bf16)])
-    {
+    for (dtype, how) in products() {
         // Alone, and as a pre-norm layer's half `x + mlp(rms_norm(x))`.
         for residual in [false, true] {
             let x = var("x", &[2, 9, 24], dtype);
@@ -1001,13 +990,9 @@ fn expert_weights(w: &[[Var; 3]], sinks: &[[GradSink; 3]]) -> Vec<ExpertWeights>
 
 #[test]
 fn the_experts_node_gives_the_per_expert_graphs_bits() {
-    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     let (hidden, ffn, rows) = (16, 24, vec![5usize, 0, 7]);
     let n: usize = rows.iter().sum();
-    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
-        .into_iter()
-        .chain([(DType::F32, Matmul::Bf16)])
-    {
+    for (dtype, how) in products() {
         let x = var("x", &[n, hidden], dtype);
         let w = expert_vars(rows.len(), hidden, ffn, dtype);
         let sinks = |_| [GradSink::new(), GradSink::new(), GradSink::new()];
@@ -1068,17 +1053,13 @@ fn the_experts_node_gives_the_per_expert_graphs_bits() {
 
 #[test]
 fn the_routed_experts_node_gives_the_composed_routing_and_experts_values() {
-    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     let (hidden, ffn, n) = (16, 24, 7);
     // Assignments grouped by expert (expert 1 has none); token 3 has none, token 0 three,
     // the others one or two.
     let tokens: Vec<u32> = vec![0, 2, 5, 6, 0, 1, 2, 4, 5, 6, 0];
     let rows = vec![4usize, 0, 6, 1];
     let a = tokens.len();
-    for (dtype, how) in [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native)]
-        .into_iter()
-        .chain([(DType::F32, Matmul::Bf16)])
-    {
+    for (dtype, how) in products() {
         let what = format!("routed experts {dtype:?} {how:?}");
         let x = var("x", &[n, hidden], dtype);
         let gates = var("gates", &[a], dtype);
@@ -1136,7 +1117,6 @@ fn the_routed_experts_node_gives_the_composed_routing_and_experts_values() {
 
 #[test]
 fn the_combine_node_gives_the_composed_weighted_sum() {
-    let bits = |t: &Tensor| flat(t).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     // 9 rows back from the experts for 5 tokens: token 3 none, token 0 three.
     let tokens: Vec<u32> = vec![0, 2, 4, 0, 1, 2, 4, 0, 1];
     let (a, n, hidden) = (tokens.len(), 5, 12);
