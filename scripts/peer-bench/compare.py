@@ -29,9 +29,10 @@ sum) on the ViT's, the layer's and the model's shapes, hetpar's fused kernel aga
 
 In bf16 (`--dtype bf16`, or `--bf16` for a second table after the first) both keep f32
 weights and activations and multiply in bf16: hetpar's `bench nn --dtype bf16` (bf16
-products in the linear layers), PyTorch's f32 models under `torch.autocast("cpu",
-dtype=torch.bfloat16)`, its mixed-precision mode; the matmul row is each one's bf16 product
-and the AdamW row stays f32.
+products in the linear layers and the attention core), PyTorch's f32 models under
+`torch.autocast("cpu", dtype=torch.bfloat16)`, its mixed-precision mode (which runs SDPA in
+bf16 too); the matmul row is each one's bf16 product, the attention rows hetpar's core with
+bf16 products against SDPA under autocast, and the AdamW row stays f32.
 """
 
 import contextlib
@@ -297,10 +298,10 @@ def hetpar_run(binary, iters, dtype, only):
     return peak, rows, adam, lin, attn
 
 
-def torch_attention(shape, iters, dtype):
+def torch_attention(shape, iters, dtype, autocast=False):
     """Seconds of `F.scaled_dot_product_attention` forward + backward of the output's sum
     for a shape of hetpar's `attention` line: `BxS:HQ/HKV:D`, `c` at the end if causal
-    (PyTorch's layout `[b, heads, s, d]`)."""
+    (PyTorch's layout `[b, heads, s, d]`); under autocast on f32 tensors (SDPA in bf16)."""
     m = re.fullmatch(r"(\d+)x(\d+):(\d+)/(\d+):(\d+)(c?)", shape)
     b, s, hq, hkv, d = (int(g) for g in m.groups()[:5])
     causal = m.group(6) == "c"
@@ -308,9 +309,13 @@ def torch_attention(shape, iters, dtype):
     k = torch.randn(b, hkv, s, d, dtype=dtype, requires_grad=True)
     v = torch.randn(b, hkv, s, d, dtype=dtype, requires_grad=True)
 
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
     def step():
         q.grad = k.grad = v.grad = None
-        F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv).sum().backward()
+        with ctx:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+        out.sum().backward()
 
     return best(10 * iters, step)
 
@@ -383,7 +388,7 @@ def table(a, dtype):
         for n in het_lin:
             pt_lin[n] = max(pt_lin.get(n, 0.0), torch_linear(lin_shape, n, a.iters, tdtype, bf16))
         for shape in het_attn:
-            t = torch_attention(shape, a.iters, tdtype)
+            t = torch_attention(shape, a.iters, tdtype, bf16)
             pt_attn[shape] = min(pt_attn.get(shape, t), t)
         # Each model row as a pair measured back to back (seconds apart, where whole rounds
         # are minutes apart: this machine's speed drifts over minutes), the side that goes
@@ -427,7 +432,7 @@ def table(a, dtype):
               f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | | {h:.1f} | {100 * h / het_mm:.0f}% |")
     for shape in het_attn:
         h, p = het_attn[shape], pt_attn[shape]
-        note = ", f32 on both sides" if bf16 else ""
+        note = ", bf16 products on both sides" if bf16 else ""
         print(f"| attention core alone, {shape} (batch x seq : heads / kv heads : head dim, c causal{note}) | "
               f"{h * 1e3:.2f} ms | {p * 1e3:.2f} ms | {h / p:.2f} | | | |")
 

@@ -190,8 +190,14 @@ pub const ATTENTION_SHAPES: [AttentionShape; 3] = [
 ];
 
 /// Seconds of the fused attention kernel's forward and backward (of the output's sum, the
-/// gradients of `q`, `k` and `v`) on `shape` in `dtype`, best of `iters`.
-pub fn attention_seconds(shape: AttentionShape, iters: usize, dtype: DType) -> Result<f64> {
+/// gradients of `q`, `k` and `v`) on `shape` in `dtype`, its products multiplying as
+/// `matmul` says, best of `iters`.
+pub fn attention_seconds(
+    shape: AttentionShape,
+    iters: usize,
+    dtype: DType,
+    matmul: Matmul,
+) -> Result<f64> {
     let AttentionShape { batch, seq, heads, kv_heads, dim, causal } = shape;
     let make = |h: usize, name: &str| -> Result<Var> {
         Ok(Var::from_tensor(&random(&[batch, seq, h, dim], dtype, name)?)?)
@@ -201,6 +207,7 @@ pub fn attention_seconds(shape: AttentionShape, iters: usize, dtype: DType) -> R
     let scale = 1.0 / (dim as f64).sqrt();
     let step = || -> Result<()> {
         let out = FlashAttention::new(pos.clone(), pos.clone(), causal, scale, false)
+            .with_matmul(matmul)
             .apply(&q, &k, &v)?;
         std::hint::black_box(out.sum_all()?.backward()?);
         Ok(())

@@ -262,6 +262,50 @@ fn attention_matches_the_unfused_reference() {
     }
 }
 
+/// Under bf16 products the attention core's products multiply bf16-rounded operands (each
+/// 2^-9 relative) and sum in f32, on every path (bidirectional kept probabilities, causal
+/// blocks, grouped-query heads): the output lies within a few such roundings of the f32
+/// core's (2^-6 of its largest value; 3e-3 to 6e-3 measured), the gradients within twice
+/// that (two rounded products in a row, with the softmax's `dP - delta` cancelling between
+/// them, summed over many queries for `dk`, `dv`: 3e-3 to 1.5e-2 measured), and none keeps
+/// the f32 bits. f64 tensors have no bf16 products.
+#[test]
+fn attention_with_bf16_products_rounds_within_bf16_of_f32() {
+    for c in cases() {
+        let scale = 1.0 / (c.d as f64).sqrt();
+        let run = |how: Matmul| {
+            let (q, k, v) = inputs(&c, DType::F32);
+            let out = FlashAttention::new(
+                Arc::new(c.q_pos.clone()),
+                Arc::new(c.k_pos.clone()),
+                c.causal,
+                scale,
+                false,
+            )
+            .with_matmul(how)
+            .apply(&q, &k, &v)
+            .unwrap();
+            let grads = weigh(&out, "w").backward().unwrap();
+            let g = |x: &Var| flat(grads.get(x).unwrap()).unwrap();
+            [flat(&out).unwrap(), g(&q), g(&k), g(&v)]
+        };
+        let (native, bf16) = (run(Matmul::Native), run(Matmul::Bf16));
+        let what = ["output", "dq", "dk", "dv"];
+        for (i, (n, b)) in native.iter().zip(&bf16).enumerate() {
+            let (e, bound) = (rel_err(b, n), if i == 0 { 2f64.powi(-6) } else { 2f64.powi(-5) });
+            assert!(e > 0.0 && e < bound, "{} {}: bf16 against f32 {e:e}", c.name, what[i]);
+        }
+    }
+    let c = &cases()[0];
+    let (q, k, v) = inputs(c, DType::F64);
+    let e =
+        FlashAttention::new(Arc::new(c.q_pos.clone()), Arc::new(c.k_pos.clone()), true, 1.0, false)
+            .with_matmul(Matmul::Bf16)
+            .apply(&q, &k, &v)
+            .unwrap_err();
+    assert!(e.to_string().contains("bf16 products take f32"), "{e}");
+}
+
 /// A second backward through the same graph reads the probabilities the forward kept
 /// again: the same bits as the first.
 #[test]

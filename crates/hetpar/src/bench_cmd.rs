@@ -38,7 +38,8 @@ enum What {
 
 #[derive(clap::Args)]
 struct NnArgs {
-    /// Element type: f32, f64, or bf16 (bf16 products in the linear layers, f32 weights).
+    /// Element type: f32, f64, or bf16 (bf16 products in the linear layers and the attention
+    /// core, f32 weights).
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// Timed iterations per measurement (the best is reported, after one warm-up).
@@ -201,7 +202,7 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     let (dtype, matmul) = match a.dtype.as_str() {
         "f32" => (DType::F32, Matmul::Native),
         "f64" => (DType::F64, Matmul::Native),
-        // f32 parameters and activations, bf16 products in the linear layers.
+        // f32 parameters and activations, bf16 products in the linear layers and attention.
         "bf16" => (DType::F32, Matmul::Bf16),
         other => bail!("--dtype {other:?}: use f32, f64 or bf16"),
     };
@@ -312,18 +313,18 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         ));
     }
     if wanted("attention") {
-        // The rows' attention cores alone, forward and backward; always f32 or f64 (under
-        // bf16 only the linear products round to bf16).
+        // The rows' attention cores alone, forward and backward (under bf16 the products
+        // round to bf16, as in the rows' layers; the softmax stays f32).
         let times = ATTENTION_SHAPES
             .iter()
             .map(|&shape| {
-                let t = attention_seconds(shape, 10 * iters.max(1), dtype)?;
+                let t = attention_seconds(shape, 10 * iters.max(1), dtype, matmul)?;
                 Ok(format!("{shape} {:.2}", t * 1e3))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         say(&format!(
             "attention core forward+backward {}, ms by shape: {}",
-            format!("{dtype:?}").to_lowercase(),
+            a.dtype,
             times.join(", ")
         ));
     }

@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long)]
     pub steps: Option<usize>,
     /// Element type: f32, f64, or bf16 (f32 weights and activations, bf16 products in the
-    /// linear layers; default: the config's).
+    /// linear layers and the attention core; default: the config's).
     #[arg(long)]
     pub dtype: Option<String>,
     /// Where metrics.jsonl and the resolved config go (default: runs/<name>).
@@ -80,7 +80,7 @@ pub fn load(config: Option<&PathBuf>, sets: &[String]) -> anyhow::Result<(Config
 }
 
 /// The parameters' element type: `--dtype`, else the config's. bf16 trains f32 parameters
-/// with bf16 products in the linear layers; `graph.train.dtype` is set to what the flag
+/// with bf16 products in the linear layers and the attention core; `graph.train.dtype` is set to what the flag
 /// chose, which is what the runtime reads for the products.
 pub fn dtype(flag: Option<&str>, graph: &mut ModelGraph) -> anyhow::Result<DType> {
     let (params, compute) = match flag.unwrap_or(graph.train.dtype.name()) {

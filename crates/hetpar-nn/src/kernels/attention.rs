@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, Error, Layout, Shape, Tensor};
 
 use super::gemm::{View, matmul};
+use super::linear::Matmul;
 use super::{CResult, Real, by_real, by_real_dtype, dot, max, simd, slice, sum, with_data};
 
 /// Rows (queries or keys) per block under a causal mask, and beyond [`WHOLE`] rows.
@@ -53,6 +54,10 @@ pub struct FlashAttention {
     /// where [`Self::keeps_probabilities`] holds: the backward reads them instead of
     /// computing them again. Kept, like the log-sum-exps, as long as the op.
     probs: Mutex<Option<Tensor>>,
+    /// How the five products multiply: under [`Matmul::Bf16`] (`dtype = "bf16"`, f32
+    /// tensors only) their operands round to bf16 and the sums stay f32, as in the linear
+    /// layers; the scores, the softmax and the gradients between the products stay f32.
+    how: Matmul,
 }
 
 impl FlashAttention {
@@ -72,6 +77,36 @@ impl FlashAttention {
             with_lse,
             lse: Mutex::new(Vec::new()),
             probs: Mutex::new(None),
+            how: Matmul::Native,
+        }
+    }
+
+    /// The same op with its products multiplying as `how` says (the layer's own
+    /// [`Matmul`], so that its attention core rounds as its projections do).
+    pub fn with_matmul(self, how: Matmul) -> Self {
+        FlashAttention { how, ..self }
+    }
+
+    /// One block product, `dst = (dst if acc else 0) + beta * lhs @ rhs`, on one thread:
+    /// gemm's kernels in `T`, or bf16 operands summed in f32 ([`super::bf16`]; AMX tiles
+    /// where the CPU has them). An error under bf16 with f64 tensors.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn product<T: Real>(
+        &self,
+        dst: &mut [T],
+        dv: View,
+        (lhs, lv): (&[T], View),
+        (rhs, rv): (&[T], View),
+        acc: bool,
+        beta: T,
+    ) -> CResult<()> {
+        match self.how {
+            Matmul::Native => {
+                matmul(dst, dv, lhs, lv, rhs, rv, acc, beta);
+                Ok(())
+            }
+            Matmul::Bf16 => T::bf16_product_into(dst, dv, lhs, lv, rhs, rv, acc, beta),
         }
     }
 
@@ -237,9 +272,9 @@ impl FlashAttention {
         qb: &Block,
         kb: &Block,
         vis: Visible,
-    ) -> (View, View, View) {
+    ) -> CResult<(View, View, View)> {
         let (sv, qv, kv) = views(bk, x, d, qb, kb);
-        matmul(s, sv, q, qv, k, kv.t(), false, T::from_f64(self.scale));
+        self.product(s, sv, (q, qv), (k, kv.t()), false, T::from_f64(self.scale))?;
         if vis == Visible::Some {
             mask(
                 s,
@@ -248,7 +283,7 @@ impl FlashAttention {
                 &self.k_pos[kb.start..kb.start + kb.len],
             );
         }
-        (sv, qv, kv)
+        Ok((sv, qv, kv))
     }
 
     /// The output `[b, s_q, heads, od]` and each row's log-sum-exp, on contiguous slices.
@@ -259,7 +294,7 @@ impl FlashAttention {
         k: &[T],
         v: &[T],
         dm: Dims,
-    ) -> (Vec<T>, Vec<f64>) {
+    ) -> CResult<(Vec<T>, Vec<f64>)> {
         let d = dm.d;
         let mut out = vec![T::ZERO; dm.b * dm.sq * dm.hq * dm.od];
         let mut lse = vec![f64::NEG_INFINITY; dm.b * dm.hq * dm.sq];
@@ -283,7 +318,7 @@ impl FlashAttention {
                         if vis == Visible::None {
                             continue;
                         }
-                        let (sv, _, kv) = self.scores(&mut s, bk, q, k, &x, d, qb, kb, vis);
+                        let (sv, _, kv) = self.scores(&mut s, bk, q, k, &x, d, qb, kb, vis)?;
                         for i in 0..rows {
                             let row = &mut s[i * bk..i * bk + kb.len];
                             let top = max(row);
@@ -304,7 +339,7 @@ impl FlashAttention {
                             }
                             l[i] += row_sum;
                         }
-                        matmul(&mut out, ov, &s, sv, v, kv, true, T::ONE);
+                        self.product(&mut out, ov, (&s, sv), (v, kv), true, T::ONE)?;
                     }
                     for i in 0..rows {
                         let o = ov.offset + i * x.ors;
@@ -334,7 +369,7 @@ impl FlashAttention {
             Tensor::from_vec(probs, n, &candle_core::Device::Cpu).expect("a vector of its length")
         });
         *self.probs.lock().unwrap_or_else(|e| e.into_inner()) = kept;
-        (out, lse)
+        Ok((out, lse))
     }
 
     /// `dq`, `dk`, `dv` from the forward's output `o`, its gradient `go` and `lse`, and
@@ -353,7 +388,7 @@ impl FlashAttention {
     ) -> CResult<(Vec<T>, Vec<T>, Vec<T>)> {
         let kept = self.probs.lock().unwrap_or_else(|e| e.into_inner());
         match kept.as_ref().filter(|_| self.keeps_probs(&dm)) {
-            None => Ok(self.backward_with(q, k, v, o, go, lse, dm, None)),
+            None => self.backward_with(q, k, v, o, go, lse, dm, None),
             Some(p) => with_data::<T, _>(p, "attention backward", |p| {
                 let want = dm.b * dm.hq * dm.sq * dm.sk;
                 if p.len() != want {
@@ -362,7 +397,7 @@ impl FlashAttention {
                         p.len()
                     )));
                 }
-                Ok(self.backward_with(q, k, v, o, go, lse, dm, Some(p)))
+                self.backward_with(q, k, v, o, go, lse, dm, Some(p))
             }),
         }
     }
@@ -381,7 +416,7 @@ impl FlashAttention {
         lse: &[f64],
         dm: Dims,
         kept: Option<&[T]>,
-    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+    ) -> CResult<(Vec<T>, Vec<T>, Vec<T>)> {
         let d = dm.d;
         let mut dq = vec![T::ZERO; q.len()];
         let mut dk = vec![T::ZERO; k.len()];
@@ -418,7 +453,7 @@ impl FlashAttention {
                             }
                             None => {
                                 let (sv, qv, kv) =
-                                    self.scores(&mut s, bk, q, k, &x, d, qb, kb, vis);
+                                    self.scores(&mut s, bk, q, k, &x, d, qb, kb, vis)?;
                                 for i in 0..rows {
                                     let row = &mut s[i * bk..i * bk + kb.len];
                                     if row_lse[i] == T::NEG_INF {
@@ -432,8 +467,8 @@ impl FlashAttention {
                             }
                         };
                         // p (through pv) holds the probabilities P.
-                        matmul(&mut dv, kv, p, pv.t(), go, gv, true, T::ONE);
-                        matmul(&mut dp, sv, go, gv, v, kv.t(), false, T::ONE);
+                        self.product(&mut dv, kv, (p, pv.t()), (go, gv), true, T::ONE)?;
+                        self.product(&mut dp, sv, (go, gv), (v, kv.t()), false, T::ONE)?;
                         let p = &p[pv.offset..pv.offset + rows * bk];
                         for ((dr, pr), &di) in
                             dp.chunks_exact_mut(bk).zip(p.chunks_exact(bk)).zip(&delta[..rows])
@@ -442,13 +477,13 @@ impl FlashAttention {
                                 *g = p * (*g - di);
                             }
                         }
-                        matmul(&mut dq, qv, &dp, sv, k, kv, true, scale);
-                        matmul(&mut dk, kv, &dp, sv.t(), q, qv, true, scale);
+                        self.product(&mut dq, qv, (&dp, sv), (k, kv), true, scale)?;
+                        self.product(&mut dk, kv, (&dp, sv.t()), (q, qv), true, scale)?;
                     }
                 }
             }
         }
-        (dq, dk, dv)
+        Ok((dq, dk, dv))
     }
 }
 
@@ -473,7 +508,7 @@ impl CustomOp3 for FlashAttention {
                 slice::<T>(s2, l2, "attention")?,
                 slice::<T>(s3, l3, "attention")?,
             );
-            let (out, lse) = simd::fast!(self.forward(q, k, v, dm));
+            let (out, lse) = simd::fast!(self.forward(q, k, v, dm))?;
             *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = lse;
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(out),
@@ -561,10 +596,10 @@ mod tests {
             false,
         );
         let dm = Dims { b, sq, sk, hq, hkv, d, od: d };
-        let (o, lse) = fa.forward(&q, &k, &v, dm);
+        let (o, lse) = fa.forward(&q, &k, &v, dm).unwrap();
         assert_eq!(fa.kept_probabilities(), b * hq * sq * sk);
         let kept = fa.backward(&q, &k, &v, &o, &go, &lse, dm).unwrap();
-        let again = fa.backward_with(&q, &k, &v, &o, &go, &lse, dm, None);
+        let again = fa.backward_with(&q, &k, &v, &o, &go, &lse, dm, None).unwrap();
         for (x, y) in [(&kept.0, &again.0), (&kept.1, &again.1), (&kept.2, &again.2)] {
             let top = y.iter().fold(0.0f64, |m, v| m.max(v.abs()));
             let err = x.iter().zip(y).fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
@@ -577,7 +612,7 @@ mod tests {
             0.3,
             false,
         );
-        causal.forward(&q, &k, &v, dm);
+        causal.forward(&q, &k, &v, dm).unwrap();
         assert_eq!(causal.kept_probabilities(), 0);
         let long = 300;
         let (q2, k2) = (values(long * d, 5), values(long * d, 6));
@@ -589,7 +624,7 @@ mod tests {
             false,
         );
         let dm2 = Dims { b: 1, sq: long, sk: long, hq: 1, hkv: 1, d, od: d };
-        fa2.forward(&q2, &k2, &k2, dm2);
+        fa2.forward(&q2, &k2, &k2, dm2).unwrap();
         assert_eq!(fa2.kept_probabilities(), 0);
     }
 }

@@ -329,7 +329,7 @@ impl AttentionBlockOp {
             q = simd::fast!({ rot.rotate(&q, s, hq) });
             k = simd::fast!({ rot.rotate(&k, s, hkv) });
         }
-        let (att, lse) = simd::fast!(self.attention.forward(&q, &k, &v, dm));
+        let (att, lse) = simd::fast!(self.attention.forward(&q, &k, &v, dm))?;
         let o = project(self.how, &w.o, &att, rows)?;
         *self.saved()? =
             Some(Saved { q: kept(q)?, k: kept(k)?, v: kept(v)?, att: kept(att)?, lse });

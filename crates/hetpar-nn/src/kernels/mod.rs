@@ -97,6 +97,24 @@ pub trait Real: WithDType + std::ops::Neg<Output = Self> {
         rv: gemm::View,
         threads: usize,
     ) -> CResult<Vec<Self>>;
+    /// [`bf16::matmul_on`] on one thread (bf16 operands, f32 sums, into `dst`) where `Self`
+    /// is f32; an error in f64.
+    #[allow(clippy::too_many_arguments)]
+    fn bf16_product_into(
+        dst: &mut [Self],
+        dv: gemm::View,
+        lhs: &[Self],
+        lv: gemm::View,
+        rhs: &[Self],
+        rv: gemm::View,
+        accumulate: bool,
+        beta: Self,
+    ) -> CResult<()>;
+}
+
+/// The error of a bf16 product asked of f64 tensors.
+fn no_bf16<T>() -> CResult<T> {
+    Err(Error::Msg("bf16 products take f32 tensors (bf16 compute keeps f32 weights)".into()))
 }
 
 impl Real for f64 {
@@ -132,7 +150,19 @@ impl Real for f64 {
         _: gemm::View,
         _: usize,
     ) -> CResult<Vec<f64>> {
-        Err(Error::Msg("bf16 products take f32 tensors (bf16 compute keeps f32 weights)".into()))
+        no_bf16()
+    }
+    fn bf16_product_into(
+        _: &mut [f64],
+        _: gemm::View,
+        _: &[f64],
+        _: gemm::View,
+        _: &[f64],
+        _: gemm::View,
+        _: bool,
+        _: f64,
+    ) -> CResult<()> {
+        no_bf16()
     }
 }
 
@@ -176,6 +206,19 @@ impl Real for f32 {
         threads: usize,
     ) -> CResult<Vec<f32>> {
         Ok(bf16::matmul_new(len, dv, lhs, lv, rhs, rv, threads))
+    }
+    fn bf16_product_into(
+        dst: &mut [f32],
+        dv: gemm::View,
+        lhs: &[f32],
+        lv: gemm::View,
+        rhs: &[f32],
+        rv: gemm::View,
+        accumulate: bool,
+        beta: f32,
+    ) -> CResult<()> {
+        bf16::matmul_on(dst, dv, lhs, lv, rhs, rv, accumulate, beta, 1);
+        Ok(())
     }
 }
 

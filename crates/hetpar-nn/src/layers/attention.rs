@@ -148,7 +148,9 @@ impl Attention {
         Ok(x.reshape((b, s, n, d))?)
     }
 
-    /// The fused attention of queries at `q_pos` over keys at `k_pos`.
+    /// The fused attention of queries at `q_pos` over keys at `k_pos`, its products
+    /// multiplying as the layer's projections do (bf16 under `dtype = "bf16"`) on every path:
+    /// one rank, `tp` and both CP modes round alike.
     fn attend(&self, q_pos: &[usize], k_pos: &[usize], lse: bool) -> FlashAttention {
         let d = (self.spec.hidden / self.spec.heads) as f64;
         FlashAttention::new(
@@ -158,6 +160,7 @@ impl Attention {
             1.0 / d.sqrt(),
             lse,
         )
+        .with_matmul(self.q.matmul())
     }
 
     /// `x` `[b, s, hidden]` (this rank's tokens; sequence-sharded again under SP) at

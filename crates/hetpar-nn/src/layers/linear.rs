@@ -150,6 +150,11 @@ impl ColumnParallel {
         self.ctx.tp.size()
     }
 
+    /// How the layer multiplies.
+    pub(crate) fn matmul(&self) -> Matmul {
+        self.matmul
+    }
+
     /// The weight and bias as a fused node takes them, with their sinks (a detached bias
     /// without one: it is applied, never trained), and how the layer multiplies.
     pub(crate) fn projection(&self) -> (Projection, Matmul) {
