@@ -18,6 +18,10 @@
 //! With `with_lse` the output gains a last column, the row's log-sum-exp (`-inf` for a row
 //! that sees no key), whose gradient the backward takes too: ring attention merges the
 //! blocks of several calls through it.
+//!
+//! Under `dtype = "bf16"` ([`FlashAttention::with_matmul`]) the block products multiply
+//! bf16-rounded operands and sum in f32 on the bf16 kernels ([`super::bf16`], AMX tiles
+//! where the CPU has them), as the linear layers do; everything between them stays f32.
 
 use std::sync::{Arc, Mutex};
 
@@ -54,9 +58,10 @@ pub struct FlashAttention {
     /// where [`Self::keeps_probabilities`] holds: the backward reads them instead of
     /// computing them again. Kept, like the log-sum-exps, as long as the op.
     probs: Mutex<Option<Tensor>>,
-    /// How the five products multiply: under [`Matmul::Bf16`] (`dtype = "bf16"`, f32
-    /// tensors only) their operands round to bf16 and the sums stay f32, as in the linear
-    /// layers; the scores, the softmax and the gradients between the products stay f32.
+    /// How the block products multiply (the forward's two, the backward's four and its
+    /// recomputed scores): under [`Matmul::Bf16`] (`dtype = "bf16"`, f32 tensors only)
+    /// their operands round to bf16 and the sums stay f32, as in the linear layers; the
+    /// scores, the softmax and the gradients between the products stay f32.
     how: Matmul,
 }
 
