@@ -95,7 +95,6 @@ impl FlashAttention {
     /// One block product, `dst = (dst if acc else 0) + beta * lhs @ rhs`, on one thread:
     /// gemm's kernels in `T`, or bf16 operands summed in f32 ([`super::bf16`]; AMX tiles
     /// where the CPU has them). An error under bf16 with f64 tensors.
-    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn product<T: Real>(
         &self,
