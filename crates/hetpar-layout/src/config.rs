@@ -133,8 +133,9 @@ pub enum Dtype {
 
 impl Dtype {
     /// Bytes of an activation element as the runtime moves it across a boundary: 4 under
-    /// both dtypes, because `bf16` rounds only the linear layers' operands (weights,
-    /// activations and gradients stay f32; a bf16 row would be 2).
+    /// both dtypes, because `bf16` rounds only the operands of the linear layers' and the
+    /// attention core's products (weights, activations and gradients stay f32; a bf16 row
+    /// would be 2).
     pub fn activation_bytes(self) -> usize {
         match self {
             Dtype::F32 | Dtype::Bf16 => 4,

@@ -368,7 +368,7 @@ fn audio_encoder_refuses_features_of_another_shape() {
 fn the_encoders_embeddings_multiply_as_their_build_says() {
     // Embedding-only first stages (no layers, no head): built for bf16 products, the ViT's
     // patch embedding and the audio encoder's convolutions give the f32 output within bf16
-    // rounding (operands rounded to 2^-9, each product summed in f32), and not its bits.
+    // rounding (operands rounded within 2^-8, each product summed in f32), and not its bits.
     let l = layout(1, 1, 1, 1, false);
     launch(1, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let ctx = ParallelCtx::new(c, &l).unwrap();

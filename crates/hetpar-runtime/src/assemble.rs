@@ -61,7 +61,7 @@ pub const MOE_AUX_COEF: f64 = 0.01;
 
 /// The stages of this rank (`world.global_rank()`) in `graph`, parameters in `dtype`. Under
 /// `train.dtype = "bf16"` the parameters are f32 (`dtype` must say so) and the linear
-/// layers multiply in bf16 with f32 sums ([`Matmul::Bf16`]).
+/// layers and the attention core multiply in bf16 with f32 sums ([`Matmul::Bf16`]).
 pub fn build_stages(
     world: &dyn Communicator,
     graph: &ModelGraph,

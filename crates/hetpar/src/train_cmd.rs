@@ -80,8 +80,8 @@ pub fn load(config: Option<&PathBuf>, sets: &[String]) -> anyhow::Result<(Config
 }
 
 /// The parameters' element type: `--dtype`, else the config's. bf16 trains f32 parameters
-/// with bf16 products in the linear layers and the attention core; `graph.train.dtype` is set to what the flag
-/// chose, which is what the runtime reads for the products.
+/// with bf16 products in the linear layers and the attention core; `graph.train.dtype` is
+/// set to what the flag chose, which is what the runtime reads for the products.
 pub fn dtype(flag: Option<&str>, graph: &mut ModelGraph) -> anyhow::Result<DType> {
     let (params, compute) = match flag.unwrap_or(graph.train.dtype.name()) {
         "f32" => (DType::F32, Dtype::F32),

@@ -1,6 +1,7 @@
 //! Matrix products of f32 matrices with their operands rounded to bf16 and the products
-//! summed in f32: what `dtype = "bf16"` runs in the linear layers (f32 master weights and
-//! activations, bf16 multiplies, as mixed-precision training on accelerators does).
+//! summed in f32: what `dtype = "bf16"` runs in the linear layers and the attention core
+//! (f32 master weights and activations, bf16 multiplies, as mixed-precision training on
+//! accelerators does).
 //!
 //! Where the CPU has AVX512-BF16 the product runs on `vdpbf16ps`, which multiplies pairs of
 //! bf16 values and adds both products into an f32 lane: twice the multiply-adds of an f32
