@@ -191,10 +191,11 @@ impl Blocking for Amx {
             }
         } else if lv.rs == 1 {
             // Rows are neighbours in memory (a transposed operand): read 16 rows of two
-            // columns at a time, which gives a column of pairs, and transpose 16 of them.
-            for i in (0..rows).step_by(TILE) {
-                let n = TILE.min(mc.saturating_sub(i));
-                for q in (0..kp).step_by(TILE) {
+            // columns at a time, which gives a column of pairs, and transpose 16 of them;
+            // each column read along its length.
+            for q in (0..kp).step_by(TILE) {
+                for i in (0..rows).step_by(TILE) {
+                    let n = TILE.min(mc.saturating_sub(i));
                     let mut t = [0u32; BLOCK];
                     for l in 0..TILE {
                         let (ke, ko) = (k0 + 2 * (q + l), k0 + 2 * (q + l) + 1);
@@ -247,19 +248,20 @@ impl Blocking for Amx {
         let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
         let cols = nc.next_multiple_of(NR);
         if rv.cs == 1 {
-            // Rows of the inner dimension are contiguous: interleave two at a time.
-            for c in (0..cols).step_by(TILE) {
-                let n = TILE.min(nc.saturating_sub(c));
-                let row = |kk: usize| {
-                    if kk < k1 && n > 0 {
-                        let s = rv.offset + kk * rv.rs + j0 + c;
-                        &rhs[s..s + n]
-                    } else {
-                        &[][..]
-                    }
-                };
-                for p in 0..kp {
-                    let (ke, ko) = (k0 + 2 * p, k0 + 2 * p + 1);
+            // Rows of the inner dimension are contiguous: interleave two at a time, each
+            // pair of rows read along its length.
+            for p in 0..kp {
+                let (ke, ko) = (k0 + 2 * p, k0 + 2 * p + 1);
+                for c in (0..cols).step_by(TILE) {
+                    let n = TILE.min(nc.saturating_sub(c));
+                    let row = |kk: usize| {
+                        if kk < k1 && n > 0 {
+                            let s = rv.offset + kk * rv.rs + j0 + c;
+                            &rhs[s..s + n]
+                        } else {
+                            &[][..]
+                        }
+                    };
                     let at = rhs_at(c, p, kp);
                     avx::interleave(row(ke), row(ko), &mut out[at..at + TILE]);
                 }
