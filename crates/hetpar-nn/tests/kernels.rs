@@ -798,6 +798,8 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
                 bias_of("bo", hidden),
             );
             let pos: Arc<Vec<usize>> = Arc::new((0..s).collect());
+            // The core multiplies as the projections do (bf16 products under bf16), as the
+            // attention layer builds it.
             let attention = || {
                 FlashAttention::new(
                     pos.clone(),
@@ -806,6 +808,7 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
                     1.0 / (d as f64).sqrt(),
                     false,
                 )
+                .with_matmul(how)
             };
             // Weights' sinks 0..4, the biases' 4..8.
             let sinks: Vec<GradSink> = (0..8).map(|_| GradSink::new()).collect();
