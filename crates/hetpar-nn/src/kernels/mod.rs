@@ -114,7 +114,9 @@ pub trait Real: WithDType + std::ops::Neg<Output = Self> {
 
 /// The error of a bf16 product asked of f64 tensors.
 fn no_bf16<T>() -> CResult<T> {
-    Err(Error::Msg("bf16 products take f32 tensors (bf16 compute keeps f32 weights)".into()))
+    Err(Error::Msg(
+        "bf16 products take f32 tensors, not f64 (bf16 compute keeps f32 weights)".into(),
+    ))
 }
 
 impl Real for f64 {
