@@ -20,7 +20,7 @@ use hetpar_nn::kernels::linear::{
     linear_into,
 };
 use hetpar_nn::kernels::pointwise::{
-    RopeTables, bias_add, gelu, layer_norm, rms_norm, rope, swiglu,
+    RopeTables, bias_add, gelu, gelu_as, layer_norm, rms_norm, rope, swiglu, swiglu_as,
 };
 use hetpar_nn::kernels::reference;
 use hetpar_nn::kernels::sink::GradSink;
@@ -533,6 +533,44 @@ fn gelu_matches_the_unfused_reference() {
     }
 }
 
+/// Under bf16 products the GELU's CDF and exponential and SwiGLU's sigmoid are evaluated
+/// in f32 (`exp_f32_fast`, `normal_cdf_f32_fast`): other bits than the f64-evaluated forms,
+/// within a few f32 ulp of them, forward and backward. With a bf16 unit roundoff of 2^-8,
+/// f32's last bits are noise there; the f32 and f64 steps keep the rounded forms.
+#[test]
+fn under_bf16_products_gelu_and_swiglu_evaluate_in_f32_within_a_few_ulp() {
+    let dtype = DType::F32;
+    // Arguments over [-12, 12], the tails included.
+    let x = Var::from_tensor(&(var("x", &[5, 61], dtype).as_tensor() * 4.0).unwrap()).unwrap();
+    let gelu_run = |how: Matmul| {
+        let y = gelu_as(how, &x).unwrap();
+        let grads = weigh(&y, "dy").backward().unwrap();
+        [y, grads.get(&x).unwrap().clone()]
+    };
+    let (g, u) = (var("g", &[4, 9, 33], dtype), var("u", &[4, 9, 33], dtype));
+    let g = Var::from_tensor(&(g.as_tensor() * 4.0).unwrap()).unwrap();
+    let swiglu_run = |how: Matmul| {
+        let h = swiglu_as(how, &g, &u).unwrap();
+        let grads = weigh(&h, "dh").backward().unwrap();
+        [h, grads.get(&g).unwrap().clone(), grads.get(&u).unwrap().clone()]
+    };
+    let cases = [
+        ("gelu", gelu_run(Matmul::Bf16).to_vec(), gelu_run(Matmul::Native).to_vec()),
+        ("swiglu", swiglu_run(Matmul::Bf16).to_vec(), swiglu_run(Matmul::Native).to_vec()),
+    ];
+    for (op, fast, rounded) in cases {
+        for (i, (f, r)) in fast.iter().zip(&rounded).enumerate() {
+            // Relative to the largest value, within about two ulp of it (measured 3e-9 to
+            // 4e-8: the differences sit at the smaller values).
+            let err = rel_err(&flat(f).unwrap(), &flat(r).unwrap());
+            assert!(err <= 2e-7, "{op} result {i}: {err:e}");
+            if i == 0 {
+                assert_ne!(bits(f), bits(r), "{op}: the bf16 step kept the f64-evaluated form");
+            }
+        }
+    }
+}
+
 #[test]
 fn bias_add_matches_the_unfused_reference() {
     for dtype in [DType::F32, DType::F64] {
@@ -749,7 +787,7 @@ fn the_linear_with_its_gelu_as_one_node_gives_the_two_nodes_bits() {
             let y = if fused {
                 linear_bias_gelu_into(how, &x, &w, &b, &sink).unwrap()
             } else {
-                gelu(&linear_bias_into(how, &x, &w, &b, &sink).unwrap()).unwrap()
+                gelu_as(how, &linear_bias_into(how, &x, &w, &b, &sink).unwrap()).unwrap()
             };
             let store = weigh(&y, "dy").backward().unwrap();
             let dw = sink.take(w.shape()).unwrap().unwrap();
@@ -994,7 +1032,8 @@ fn the_swiglu_mlp_as_one_node_gives_the_composed_mlps_bits() {
                     let input = if residual { pre.composed(&x) } else { x.as_tensor().clone() };
                     let g = linear_into(how, &input, &wg, &sinks[0]).unwrap();
                     let u = linear_into(how, &input, &wu, &sinks[1]).unwrap();
-                    let y = linear_into(how, &swiglu(&g, &u).unwrap(), &wd, &sinks[2]).unwrap();
+                    let y =
+                        linear_into(how, &swiglu_as(how, &g, &u).unwrap(), &wd, &sinks[2]).unwrap();
                     if residual { (x.as_tensor() + y).unwrap() } else { y }
                 };
                 let store = weigh(&y, "dy").backward().unwrap();
@@ -1059,7 +1098,7 @@ fn the_experts_node_gives_the_per_expert_graphs_bits() {
             let xe = x.as_tensor().index_select(&idx, 0).unwrap();
             let g = linear_into(how, &xe, &w[e][0], &per[e][0]).unwrap();
             let u = linear_into(how, &xe, &w[e][1], &per[e][1]).unwrap();
-            let h = swiglu(&g, &u).unwrap();
+            let h = swiglu_as(how, &g, &u).unwrap();
             outs.push(linear_into(how, &h, &w[e][2], &per[e][2]).unwrap());
             start += r as u32;
         }

@@ -21,7 +21,9 @@
 //!
 //! Under `dtype = "bf16"` ([`FlashAttention::with_matmul`]) the block products multiply
 //! bf16-rounded operands and sum in f32 on the bf16 kernels ([`super::bf16`], AMX tiles
-//! where the CPU has them), as the linear layers do; everything between them stays f32.
+//! where the CPU has them), as the linear layers do; everything between them stays f32,
+//! the softmax's exponentials evaluated in f32 ([`super::exp_f32_fast`]) rather than
+//! rounded from f64.
 
 use std::sync::{Arc, Mutex};
 
@@ -61,7 +63,8 @@ pub struct FlashAttention {
     /// How the block products multiply (the forward's two, the backward's four and its
     /// recomputed scores): under [`Matmul::Bf16`] (`dtype = "bf16"`, f32 tensors only)
     /// their operands round to bf16 and the sums stay f32, as in the linear layers; the
-    /// scores, the softmax and the gradients between the products stay f32.
+    /// scores, the softmax and the gradients between the products stay f32, the softmax's
+    /// exponentials evaluated in f32 ([`Real::exp_in_place_as`]).
     how: Matmul,
 }
 
@@ -332,7 +335,7 @@ impl FlashAttention {
                                 continue;
                             }
                             row.iter_mut().for_each(|e| *e -= m_new);
-                            T::exp_in_place(row);
+                            T::exp_in_place_as(row, self.how);
                             let row_sum = sum(row);
                             if m[i] != m_new {
                                 let alpha = (m[i] - m_new).exp();
@@ -464,7 +467,7 @@ impl FlashAttention {
                                         row.fill(T::ZERO);
                                     } else {
                                         row.iter_mut().for_each(|e| *e -= row_lse[i]);
-                                        T::exp_in_place(row);
+                                        T::exp_in_place_as(row, self.how);
                                     }
                                 }
                                 (sv, qv, kv, s.as_slice(), sv)

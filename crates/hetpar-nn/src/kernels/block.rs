@@ -513,13 +513,13 @@ impl MlpOp {
         let (y, saved) = match &self.mlp {
             Mlp::Gelu { fc1, fc2 } => {
                 let pre = project(how, fc1, x, rows)?;
-                let h = simd::fast!({ GeluOp::forward(&pre) });
+                let h = simd::fast!({ GeluOp::forward(&pre, how) });
                 let y = project(how, fc2, &h, rows)?;
                 (y, vec![kept(pre)?, kept(h)?])
             }
             Mlp::SwiGlu { gate, up, down } => {
                 let (g, u) = (project(how, gate, x, rows)?, project(how, up, x, rows)?);
-                let h = simd::fast!({ SwiGluOp::forward(&g, &u) });
+                let h = simd::fast!({ SwiGluOp::forward(&g, &u, how) });
                 let y = project(how, down, &h, rows)?;
                 (y, vec![kept(g)?, kept(u)?, kept(h)?])
             }
@@ -536,7 +536,7 @@ impl MlpOp {
             (Mlp::Gelu { fc1, fc2 }, [pre, h]) => with_data::<T, _>(pre, op, |pre| {
                 with_data::<T, _>(h, op, |h| {
                     let dh = project_back(how, fc2, h, dy, rows)?;
-                    let dpre = simd::fast!({ GeluOp::backward(pre, h, &dh) });
+                    let dpre = simd::fast!({ GeluOp::backward(pre, h, &dh, how) });
                     project_back(how, fc1, x, &dpre, rows)
                 })
             }),
@@ -544,7 +544,7 @@ impl MlpOp {
                 with_data::<T, _>(u, op, |u| {
                     with_data::<T, _>(h, op, |h| {
                         let dh = project_back(how, down, h, dy, rows)?;
-                        let (dg, du) = simd::fast!({ SwiGluOp::backward(g, u, &dh) });
+                        let (dg, du) = simd::fast!({ SwiGluOp::backward(g, u, &dh, how) });
                         let mut dx = project_back(how, gate, x, &dg, rows)?;
                         let dxu = project_back(how, up, x, &du, rows)?;
                         for (d, &a) in dx.iter_mut().zip(&dxu) {

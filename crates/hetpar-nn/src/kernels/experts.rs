@@ -88,7 +88,7 @@ impl ExpertsOp {
         let w = &self.experts[e];
         let h1 = with_data::<T, _>(&w.w1.0, op, |w| product(self.how, xe, w, (r, hidden, ffn)))?;
         let h3 = with_data::<T, _>(&w.w3.0, op, |w| product(self.how, xe, w, (r, hidden, ffn)))?;
-        let h = simd::fast!({ SwiGluOp::forward(&h1, &h3) });
+        let h = simd::fast!({ SwiGluOp::forward(&h1, &h3, self.how) });
         let ye = with_data::<T, _>(&w.w2.0, op, |w| product(self.how, &h, w, (r, ffn, hidden)))?;
         let keep = |v: Vec<T>| Tensor::from_vec(v, (r, ffn), &candle_core::Device::Cpu);
         Ok((ye, [keep(h1)?, keep(h3)?, keep(h)?]))
@@ -111,7 +111,7 @@ impl ExpertsOp {
             with_data::<T, _>(&w.w2.0, op, |w| backward(self.how, h, w, dye, (r, ffn, hidden)))
         })?;
         let (dg, du) = with_data::<T, _>(h1, op, |g| {
-            with_data::<T, _>(h3, op, |u| Ok(simd::fast!(SwiGluOp::backward(g, u, &dh))))
+            with_data::<T, _>(h3, op, |u| Ok(simd::fast!(SwiGluOp::backward(g, u, &dh, self.how))))
         })?;
         let (dx1, dw1) =
             with_data::<T, _>(&w.w1.0, op, |w| backward(self.how, xe, w, &dg, (r, hidden, ffn)))?;

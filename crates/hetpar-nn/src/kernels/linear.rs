@@ -367,7 +367,7 @@ impl CustomOp3 for LinearBiasGeluOp {
         let shape = out_shape(l1.shape(), dims.2);
         by_real!(s1, "linear", |T| {
             let pre = biased_storage::<T>(self.linear.how, (s1, l1), (s2, l2), (s3, l3), dims)?;
-            let y = simd::fast!({ GeluOp::forward(&pre) });
+            let y = simd::fast!({ GeluOp::forward(&pre, self.linear.how) });
             let pre = Tensor::from_vec(pre, shape.clone(), &candle_core::Device::Cpu)?;
             *saved_state(&self.pre, "linear-bias-gelu")? = Some(pre);
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), shape))
@@ -385,8 +385,9 @@ impl CustomOp3 for LinearBiasGeluOp {
         let pre = saved_state(&self.pre, "linear-bias-gelu")?.clone();
         let pre =
             pre.ok_or_else(|| Error::Msg("linear-bias-gelu: backward without its forward".into()))?;
+        let gelu = GeluOp { how: self.linear.how };
         let dpre =
-            GeluOp.bwd(&pre, res, grad)?.expect("the GELU's backward gives its input's gradient");
+            gelu.bwd(&pre, res, grad)?.expect("the GELU's backward gives its input's gradient");
         self.linear.bwd(x, w, b, &pre, &dpre)
     }
 }

@@ -8,10 +8,11 @@ use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
+use super::linear::Matmul;
 use super::written::{PART, written};
 use super::{
-    CResult, LANES, Real, by_real, by_real_dtype, dot, normal_cdf_f32_lanes, simd, slice, sum,
-    sum_map, with_data,
+    CResult, LANES, Real, by_real, by_real_dtype, dot, normal_cdf_f32_fast_lanes,
+    normal_cdf_f32_lanes, simd, slice, sum, sum_map, with_data,
 };
 
 /// The row width `h` of `x` `[.., h]`, checking that each of `params` is `[h]`.
@@ -268,17 +269,24 @@ impl CustomOp3 for LayerNormOp {
 /// ulp and vectorizable; in f64 it is through candle's `erf`. The backward does not
 /// evaluate `Phi` again: it reads it off the forward's output as `y / x` (within an ulp or
 /// two of `Phi`; `1/2` where `|x| < 1e-30`, where `Phi` rounds to it), which leaves one
-/// `exp` per element, for `phi`: the CDF costs four times that.
-#[derive(Clone, Copy, Debug)]
-pub struct GeluOp;
+/// `exp` per element, for `phi`: the CDF costs four times that. Under bf16 products
+/// (`how`), `Phi` and `exp` are evaluated in f32 ([`super::normal_cdf_f32_fast`],
+/// [`super::exp_f32_fast`]: within 8 ulp and one).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GeluOp {
+    /// How the step's products multiply: [`Matmul::Bf16`] takes the f32-evaluated forms.
+    pub how: Matmul,
+}
 
 /// The standard normal CDF of the element type.
 pub(crate) trait NormalCdf: Real {
     fn cdf(self) -> Self;
 
-    /// `x Phi(x)` of every element of `x`.
+    /// `x Phi(x)` of every element of `x`, `Phi` as a step whose products multiply `how`
+    /// takes it (the f32-evaluated form under bf16 products, in f32).
     #[inline(always)]
-    fn gelu(x: &[Self]) -> Vec<Self> {
+    fn gelu(x: &[Self], how: Matmul) -> Vec<Self> {
+        let _ = how;
         written(x.len(), x.len(), |_, all| all.map(x, |v| v * v.cdf()))
     }
 }
@@ -290,9 +298,10 @@ impl NormalCdf for f32 {
     }
 
     /// The CDF [`LANES`] elements at a time through [`normal_cdf_f32_lanes`] (the same
-    /// bits), into a scratch part of [`PART`], then the products.
+    /// bits), or [`normal_cdf_f32_fast_lanes`] under bf16 products, into a scratch part of
+    /// [`PART`], then the products.
     #[inline(always)]
-    fn gelu(x: &[f32]) -> Vec<f32> {
+    fn gelu(x: &[f32], how: Matmul) -> Vec<f32> {
         let mut cdf = [0.0f32; PART];
         written(
             x.len(),
@@ -304,10 +313,16 @@ impl NormalCdf for f32 {
                 let xr = xc.remainder();
                 for (c, xs) in (&mut cc).zip(xc) {
                     let xs: &[f32; LANES] = xs.try_into().expect("chunks of LANES");
-                    c.copy_from_slice(&normal_cdf_f32_lanes(*xs));
+                    c.copy_from_slice(&match how {
+                        Matmul::Native => normal_cdf_f32_lanes(*xs),
+                        Matmul::Bf16 => normal_cdf_f32_fast_lanes(*xs),
+                    });
                 }
                 for (c, &v) in cc.into_remainder().iter_mut().zip(xr) {
-                    *c = v.cdf();
+                    *c = match how {
+                        Matmul::Native => v.cdf(),
+                        Matmul::Bf16 => super::normal_cdf_f32_fast(v),
+                    };
                 }
                 part.map2(xs, cdf, |v, c| v * c)
             },
@@ -323,13 +338,13 @@ impl NormalCdf for f64 {
 
 impl GeluOp {
     #[inline(always)]
-    pub(crate) fn forward<T: NormalCdf>(x: &[T]) -> Vec<T> {
-        T::gelu(x)
+    pub(crate) fn forward<T: NormalCdf>(x: &[T], how: Matmul) -> Vec<T> {
+        T::gelu(x, how)
     }
 
     /// `dy (Phi(x) + x phi(x))`, `Phi(x)` as `y / x` from the forward's output `y`.
     #[inline(always)]
-    pub(crate) fn backward<T: NormalCdf>(x: &[T], y: &[T], dy: &[T]) -> Vec<T> {
+    pub(crate) fn backward<T: NormalCdf>(x: &[T], y: &[T], dy: &[T], how: Matmul) -> Vec<T> {
         let (half, pdf) =
             (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
         let tiny = T::from_f64(1e-30);
@@ -348,7 +363,7 @@ impl GeluOp {
                 for (e, &v) in e.iter_mut().zip(x) {
                     *e = -(v * v) * half;
                 }
-                T::exp_in_place(e);
+                T::exp_in_place_as(e, how);
                 part.map4([x, y, dy, &*e], |v, u, g, e| {
                     let cdf = if v.larger(-v) < tiny { half } else { u / v };
                     g * (cdf + v * pdf * e)
@@ -368,7 +383,7 @@ impl CustomOp1 for GeluOp {
             let x = slice::<T>(s1, l1, "gelu")?;
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast!({
-                    Self::forward(x)
+                    Self::forward(x, self.how)
                 })),
                 l1.shape().clone(),
             ))
@@ -377,16 +392,23 @@ impl CustomOp1 for GeluOp {
 
     fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let grad = grad.contiguous()?;
-        fn run<T: NormalCdf>(x: &Tensor, y: &Tensor, grad: &Tensor) -> CResult<Tensor> {
+        fn run<T: NormalCdf>(
+            x: &Tensor,
+            y: &Tensor,
+            grad: &Tensor,
+            how: Matmul,
+        ) -> CResult<Tensor> {
             let op = "gelu";
             let dx = with_data::<T, _>(x, op, |xd| {
                 with_data::<T, _>(y, op, |yd| {
-                    with_data::<T, _>(grad, op, |gd| Ok(simd::fast!(GeluOp::backward(xd, yd, gd))))
+                    with_data::<T, _>(grad, op, |gd| {
+                        Ok(simd::fast!(GeluOp::backward(xd, yd, gd, how)))
+                    })
                 })
             })?;
             Tensor::from_vec(dx, x.shape(), x.device())
         }
-        Ok(Some(by_real_dtype!(x.dtype(), "gelu", |T| run::<T>(x, res, &grad))?))
+        Ok(Some(by_real_dtype!(x.dtype(), "gelu", |T| run::<T>(x, res, &grad, self.how))?))
     }
 }
 
@@ -397,7 +419,13 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> CResu
 
 /// The exact GELU through the fused op.
 pub fn gelu(x: &Tensor) -> CResult<Tensor> {
-    x.contiguous()?.apply_op1(GeluOp)
+    gelu_as(Matmul::Native, x)
+}
+
+/// [`gelu`] in a step whose products multiply `how` (under [`Matmul::Bf16`], `Phi` and
+/// `exp` evaluated in f32: [`GeluOp`]).
+pub fn gelu_as(how: Matmul, x: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op1(GeluOp { how })
 }
 
 /// Rotation tables of a list of positions: `cos` and `sin` of `position * inv_freq[j]`,
@@ -480,18 +508,22 @@ impl CustomOp1 for RopeOp {
     }
 }
 
-/// `silu(gate) * up`, element-wise over equal shapes.
-#[derive(Clone, Copy, Debug)]
-pub struct SwiGluOp;
+/// `silu(gate) * up`, element-wise over equal shapes. Under bf16 products (`how`) the
+/// sigmoid's exponentials are evaluated in f32 ([`super::exp_f32_fast`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SwiGluOp {
+    /// How the step's products multiply: [`Matmul::Bf16`] takes the f32-evaluated `exp`.
+    pub how: Matmul,
+}
 
 /// `sigmoid(x) = 1 / (1 + e^-x)` of every element of `x` into `out`, the exponentials
-/// [`LANES`] at a time ([`Real::exp_in_place`]: the same bits as one at a time).
+/// [`LANES`] at a time ([`Real::exp_in_place_as`]: the same bits as one at a time).
 #[inline(always)]
-fn sigmoid_into<T: Real>(x: &[T], out: &mut [T]) {
+fn sigmoid_into<T: Real>(x: &[T], out: &mut [T], how: Matmul) {
     for (o, x) in out.iter_mut().zip(x) {
         *o = -*x;
     }
-    T::exp_in_place(out);
+    T::exp_in_place_as(out, how);
     for o in out.iter_mut() {
         *o = T::ONE / (T::ONE + *o);
     }
@@ -499,7 +531,7 @@ fn sigmoid_into<T: Real>(x: &[T], out: &mut [T]) {
 
 impl SwiGluOp {
     #[inline(always)]
-    pub(crate) fn forward<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
+    pub(crate) fn forward<T: Real>(g: &[T], u: &[T], how: Matmul) -> Vec<T> {
         let mut sg = [T::ZERO; PART];
         written(
             g.len(),
@@ -508,7 +540,7 @@ impl SwiGluOp {
             |start, part| {
                 let n = part.len();
                 let (g, u, sg) = (&g[start..start + n], &u[start..start + n], &mut sg[..n]);
-                sigmoid_into(g, sg);
+                sigmoid_into(g, sg, how);
                 part.map3(g, u, sg, |g, u, s| g * s * u)
             },
         )
@@ -516,7 +548,7 @@ impl SwiGluOp {
 
     /// `dg = dh u sig(g) (1 + g (1 - sig(g)))`, `du = dh silu(g)`.
     #[inline(always)]
-    pub(crate) fn backward<T: Real>(g: &[T], u: &[T], dh: &[T]) -> (Vec<T>, Vec<T>) {
+    pub(crate) fn backward<T: Real>(g: &[T], u: &[T], dh: &[T], how: Matmul) -> (Vec<T>, Vec<T>) {
         let mut dg = vec![T::ZERO; g.len()];
         let mut du = vec![T::ZERO; g.len()];
         let mut sg = [T::ZERO; LANES];
@@ -526,7 +558,7 @@ impl SwiGluOp {
             let n = dg.len();
             let (g, u, dh, sg) =
                 (&g[start..start + n], &u[start..start + n], &dh[start..start + n], &mut sg[..n]);
-            sigmoid_into(g, sg);
+            sigmoid_into(g, sg, how);
             for i in 0..n {
                 du[i] = dh[i] * g[i] * sg[i];
                 dg[i] = dh[i] * u[i] * sg[i] * (T::ONE + g[i] * (T::ONE - sg[i]));
@@ -555,7 +587,7 @@ impl CustomOp2 for SwiGluOp {
             let (g, u) = (slice::<T>(s1, l1, "swiglu")?, slice::<T>(s2, l2, "swiglu")?);
             Ok((
                 <T as candle_core::WithDType>::to_cpu_storage_owned(simd::fast!({
-                    Self::forward(g, u)
+                    Self::forward(g, u, self.how)
                 })),
                 l1.shape().clone(),
             ))
@@ -570,11 +602,16 @@ impl CustomOp2 for SwiGluOp {
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
-        fn run<T: Real>(g: &Tensor, u: &Tensor, grad: &Tensor) -> CResult<(Tensor, Tensor)> {
+        fn run<T: Real>(
+            g: &Tensor,
+            u: &Tensor,
+            grad: &Tensor,
+            how: Matmul,
+        ) -> CResult<(Tensor, Tensor)> {
             let (dg, du) = with_data::<T, _>(g, "swiglu", |gd| {
                 with_data::<T, _>(u, "swiglu", |ud| {
                     with_data::<T, _>(grad, "swiglu", |hd| {
-                        Ok(simd::fast!(SwiGluOp::backward(gd, ud, hd)))
+                        Ok(simd::fast!(SwiGluOp::backward(gd, ud, hd, how)))
                     })
                 })
             })?;
@@ -583,7 +620,7 @@ impl CustomOp2 for SwiGluOp {
                 Tensor::from_vec(du, u.shape(), u.device())?,
             ))
         }
-        let (dg, du) = by_real_dtype!(g.dtype(), "swiglu", |T| run::<T>(g, u, &grad))?;
+        let (dg, du) = by_real_dtype!(g.dtype(), "swiglu", |T| run::<T>(g, u, &grad, self.how))?;
         Ok((Some(dg), Some(du)))
     }
 }
@@ -693,7 +730,13 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> CResult<Tensor> {
 
 /// `silu(gate) * up` through the fused op.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
-    gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGluOp)
+    swiglu_as(Matmul::Native, gate, up)
+}
+
+/// [`swiglu`] in a step whose products multiply `how` (under [`Matmul::Bf16`], the
+/// sigmoid's `exp` evaluated in f32: [`SwiGluOp`]).
+pub fn swiglu_as(how: Matmul, gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
+    gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGluOp { how })
 }
 
 /// Rotates `x` `[b, s, heads, d]` by `tables` (one row per position of dim 1).

@@ -99,15 +99,18 @@ pub(crate) use fast;
 
 #[cfg(test)]
 mod tests {
-    use crate::kernels::{exp_f32, normal_cdf_f32};
+    use crate::kernels::{exp_f32, exp_f32_fast, normal_cdf_f32, normal_cdf_f32_fast};
 
-    /// `exp_f32` and `normal_cdf_f32` of every input, as bits (a plain loop: a `collect`
-    /// would run out of line, on the baseline path whatever the caller's).
+    /// `exp_f32` and `normal_cdf_f32` of every input, and their f32-evaluated forms, as
+    /// bits (a plain loop: a `collect` would run out of line, on the baseline path whatever
+    /// the caller's).
     #[inline(always)]
-    fn run(xs: &[f32]) -> Vec<(u32, u32)> {
-        let mut out = vec![(0, 0); xs.len()];
+    fn run(xs: &[f32]) -> Vec<[u32; 4]> {
+        let mut out = vec![[0; 4]; xs.len()];
         for (o, &x) in out.iter_mut().zip(xs) {
-            *o = (exp_f32(x.min(80.0)).to_bits(), normal_cdf_f32(x).to_bits());
+            let e = x.min(80.0);
+            *o = [exp_f32(e), normal_cdf_f32(x), exp_f32_fast(e), normal_cdf_f32_fast(x)]
+                .map(f32::to_bits);
         }
         out
     }

@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::init::Init;
 use crate::kernels::block::Projection;
 use crate::kernels::linear::{Matmul, linear_bias_gelu_into, linear_bias_into, linear_into};
-use crate::kernels::pointwise::{bias_add, gelu};
+use crate::kernels::pointwise::{bias_add, gelu_as};
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
 use crate::params::{HasParams, Param, even_split, replicated_reduce, sharded_reduce};
 
@@ -138,7 +138,7 @@ impl ColumnParallel {
     pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
         let (w, how, sink) = (self.weight.tensor(), self.matmul, &self.weight.sink);
         let Some(b) = &self.bias else {
-            return Ok(gelu(&self.forward(x)?)?);
+            return Ok(gelu_as(how, &self.forward(x)?)?);
         };
         let x = self.input(x)?;
         let b = if self.bias_detached { b.tensor().detach() } else { b.tensor().clone() };

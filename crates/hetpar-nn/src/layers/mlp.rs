@@ -6,7 +6,7 @@ use candle_core::Tensor;
 
 use crate::error::Result;
 use crate::kernels::block::{PreNorm, anchor, gelu_mlp, swiglu_mlp};
-use crate::kernels::pointwise::swiglu;
+use crate::kernels::pointwise::swiglu_as;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::layers::norm::Norm;
 use crate::params::{HasParams, Param};
@@ -44,7 +44,7 @@ impl SwiGlu {
         }
         // One gather (or gradient reduction) over `tp` for both projections.
         let x = self.gate.input(x)?;
-        let h = swiglu(&self.gate.local(&x)?, &self.up.local(&x)?)?;
+        let h = swiglu_as(self.gate.matmul(), &self.gate.local(&x)?, &self.up.local(&x)?)?;
         self.down.forward(&h)
     }
 

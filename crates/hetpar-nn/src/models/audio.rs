@@ -27,7 +27,7 @@ use crate::ctx::ParallelCtx;
 use crate::error::{NnError, Result};
 use crate::init::Init;
 use crate::kernels::linear::{Matmul, linear_bias_as};
-use crate::kernels::pointwise::gelu;
+use crate::kernels::pointwise::gelu_as;
 use crate::layers::attention::{CpMode, CpPositions};
 use crate::layers::linear::Build;
 use crate::models::encoder::{self, HeadNames, LayerNames, LayerShape, Trunk};
@@ -236,8 +236,8 @@ impl AudioEncoder {
         }
         let dtype = stem.conv1.weight.tensor().dtype();
         let x = features.to_dtype(dtype)?.transpose(1, 2)?.contiguous()?;
-        let x = gelu(&stem.conv1.forward(&x)?)?;
-        let x = gelu(&stem.conv2.forward(&x)?)?;
+        let x = gelu_as(stem.conv1.matmul, &stem.conv1.forward(&x)?)?;
+        let x = gelu_as(stem.conv2.matmul, &stem.conv2.forward(&x)?)?;
         let local = self.local_positions()?;
         let idx = Tensor::from_vec(
             local.iter().map(|&i| i as u32).collect::<Vec<_>>(),
