@@ -62,9 +62,12 @@ impl Blocking for Avx512 {
             // pairs transpose into 16 packed rows (rows past `mc` zero, as the masked
             // loads leave them).
             let rows = mc.next_multiple_of(MR);
-            for i in (0..mc).step_by(16) {
-                let n = 16.min(mc - i);
-                for q in (0..kc).step_by(16) {
+            // The pairs outside, the rows inside: each column is read along its length
+            // (rows inside pairs walked the block down its columns a cache line at a time,
+            // a strided pass over memory the step had evicted).
+            for q in (0..kc).step_by(16) {
+                for i in (0..mc).step_by(16) {
+                    let n = 16.min(mc - i);
                     let mut t = [0u32; 256];
                     for l in 0..16.min(kc - q) {
                         let (ke, ko) = (k0 + 2 * (q + l), k0 + 2 * (q + l) + 1);
@@ -119,40 +122,47 @@ impl Blocking for Avx512 {
         kc: usize,
     ) {
         let k = rv.rows;
-        for jp in 0..nc.div_ceil(NR) {
+        let panels = nc.div_ceil(NR);
+        if rv.cs == 1 {
+            // Rows of the inner dimension are contiguous: interleave two at a time, each pair
+            // of rows read along its length, panel by panel (panels outside walked the
+            // block down its rows `NR` columns at a time).
+            for p in 0..kc {
+                let ke = 2 * (p0 + p);
+                for jp in 0..panels {
+                    let (c0, cols) = (j0 + jp * NR, NR.min(nc - jp * NR));
+                    let row = |kk: usize| {
+                        let start = rv.offset + kk * rv.rs + c0;
+                        &rhs[start..start + cols]
+                    };
+                    let odd = if ke + 1 < k { row(ke + 1) } else { &[][..] };
+                    let at = jp * kc * NR + p * NR;
+                    interleave(row(ke), odd, &mut out[at..at + NR]);
+                }
+            }
+            return;
+        }
+        let mut col = [0u32; KC];
+        for jp in 0..panels {
             let panel = &mut out[jp * kc * NR..(jp + 1) * kc * NR];
             let (c0, cols) = (j0 + jp * NR, NR.min(nc - jp * NR));
-            if rv.cs == 1 {
-                // Rows of the inner dimension are contiguous: interleave two at a time.
-                let row = |kk: usize| {
-                    let start = rv.offset + kk * rv.rs + c0;
-                    &rhs[start..start + cols]
-                };
-                for p in 0..kc {
-                    let ke = 2 * (p0 + p);
-                    let odd = if ke + 1 < k { row(ke + 1) } else { &[][..] };
-                    interleave(row(ke), odd, &mut panel[p * NR..(p + 1) * NR]);
+            for c in 0..NR {
+                if c >= cols {
+                    (0..kc).for_each(|p| panel[p * NR + c] = 0);
+                    continue;
                 }
-            } else {
-                let mut col = [0u32; KC];
-                for c in 0..NR {
-                    if c >= cols {
-                        (0..kc).for_each(|p| panel[p * NR + c] = 0);
-                        continue;
+                let base = rv.offset + (c0 + c) * rv.cs;
+                if rv.rs == 1 {
+                    let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
+                    convert(&rhs[base + k0..base + k1], &mut col[..kc]);
+                } else {
+                    for (p, lane) in col[..kc].iter_mut().enumerate() {
+                        let (ke, ko) = (2 * (p0 + p), 2 * (p0 + p) + 1);
+                        let odd = if ko < k { rhs[base + ko * rv.rs] } else { 0.0 };
+                        *lane = pair(rhs[base + ke * rv.rs], odd);
                     }
-                    let base = rv.offset + (c0 + c) * rv.cs;
-                    if rv.rs == 1 {
-                        let (k0, k1) = (2 * p0, k.min(2 * (p0 + kc)));
-                        convert(&rhs[base + k0..base + k1], &mut col[..kc]);
-                    } else {
-                        for (p, lane) in col[..kc].iter_mut().enumerate() {
-                            let (ke, ko) = (2 * (p0 + p), 2 * (p0 + p) + 1);
-                            let odd = if ko < k { rhs[base + ko * rv.rs] } else { 0.0 };
-                            *lane = pair(rhs[base + ke * rv.rs], odd);
-                        }
-                    }
-                    (0..kc).for_each(|p| panel[p * NR + c] = col[p]);
                 }
+                (0..kc).for_each(|p| panel[p * NR + c] = col[p]);
             }
         }
     }
