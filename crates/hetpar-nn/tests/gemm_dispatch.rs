@@ -14,7 +14,7 @@
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
 
 use candle_core::{DType, Device, Tensor};
-use hetpar_nn::kernels::{exp_f32, gemm, normal_cdf_f32, simd};
+use hetpar_nn::kernels::{exp_f32, exp_f32_fast, gemm, normal_cdf_f32, normal_cdf_f32_fast, simd};
 
 /// `a [m, k] x b [k, n]` by the definition, in f64.
 fn reference(a: &[f64], b: &[f64], (m, k, n): (usize, usize, usize)) -> Vec<f64> {
@@ -57,13 +57,15 @@ fn products_match_the_definition_on_the_kernels_this_cpu_gets() {
     }
 }
 
-/// `exp_f32` and `normal_cdf_f32` of every input, as bits (inlined into its caller, so it
-/// is compiled for the caller's path; a plain loop, since a `collect` would run out of line).
+/// `exp_f32` and `normal_cdf_f32` of every input, and their f32-evaluated forms (bf16
+/// steps'), as bits (inlined into its caller, so it is compiled for the caller's path; a
+/// plain loop, since a `collect` would run out of line).
 #[inline(always)]
-fn elementwise(xs: &[f32]) -> Vec<(u32, u32)> {
-    let mut out = vec![(0, 0); xs.len()];
+fn elementwise(xs: &[f32]) -> Vec<[u32; 4]> {
+    let mut out = vec![[0; 4]; xs.len()];
     for (o, &x) in out.iter_mut().zip(xs) {
-        *o = (exp_f32(x).to_bits(), normal_cdf_f32(x).to_bits());
+        *o = [exp_f32(x), normal_cdf_f32(x), exp_f32_fast(x), normal_cdf_f32_fast(x)]
+            .map(f32::to_bits);
     }
     out
 }

@@ -451,8 +451,8 @@ pub fn exp_f32_fast_lanes<const N: usize>(x: [f32; N]) -> [f32; N] {
 fn exp_f32_core<const N: usize>(big: [f32; N], small: [f32; N]) -> [f32; N] {
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
-    // ln 2 = LN2_HI + LN2_LO, LN2_HI with its low 12 bits zero (FreeBSD's `expf`), so `n`
-    // times it is exact.
+    // ln 2 = LN2_HI + LN2_LO, LN2_HI with 15 significant bits (FreeBSD's `expf`), so `n`
+    // times it is exact for |n| < 512.
     const LN2_HI: f32 = 6.931_457_5e-1;
     const LN2_LO: f32 = 1.428_606_8e-6;
     const TAYLOR: [f32; 7] = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
@@ -487,8 +487,8 @@ fn exp_f32_core<const N: usize>(big: [f32; N], small: [f32; N]) -> [f32; N] {
 /// f32: within 8 ulp (6.5 the worst over every 97th f32 in `[-13, 6]`, against the
 /// f64-evaluated form's 2.2). The
 /// exponent `-a^2 = -x^2 / 2` is taken as the exact `x^2` of a fused multiply-add split
-/// in two, so the lower tail keeps its relative accuracy; 0 where `Phi` falls below
-/// f32's normal range (about `x = -13.1`).
+/// in two, so the lower tail keeps its relative accuracy; 0 from where `Phi` falls a
+/// little below f32's normal range (about `x = -13.1`; subnormal a short way above).
 #[inline(always)]
 pub fn normal_cdf_f32_fast(x: f32) -> f32 {
     normal_cdf_f32_fast_lanes([x])[0]
@@ -500,7 +500,7 @@ pub fn normal_cdf_f32_fast(x: f32) -> f32 {
 pub fn normal_cdf_f32_fast_lanes<const N: usize>(x: [f32; N]) -> [f32; N] {
     let (mut t, mut big, mut lo) = ([0.0f32; N], [0.0f32; N], [0.0f32; N]);
     for j in 0..N {
-        // |x| up to 9.5 sqrt(2) (past it Phi is 0 or 1 in f32).
+        // |x| up to 13.5, about 9.5 sqrt(2) (past it Phi is 0 or 1 in f32).
         let v = x[j].abs().min(13.5);
         let a = v * std::f32::consts::FRAC_1_SQRT_2;
         t[j] = 1.0 / 0.5f32.mul_add(a, 1.0);
@@ -517,7 +517,7 @@ pub fn normal_cdf_f32_fast_lanes<const N: usize>(x: [f32; N]) -> [f32; N] {
     let mut small = [0.0f32; N];
     for j in 0..N {
         small[j] = p[j] + lo[j];
-        // Below -87.5 the result is 0 (below).
+        // The exponent at least -87.5 (the result is 0 below -87.3, below).
         big[j] = big[j].max(-87.5 - small[j]);
     }
     let e = exp_f32_core(big, small);
@@ -699,7 +699,7 @@ pub(crate) trait Anchored {
 #[cfg(test)]
 mod tests {
     use super::{
-        LANES, Real, dot, exp_f32, exp_f32_fast, exp_f32_fast_lanes, exp_f32_lanes, max,
+        LANES, Matmul, Real, dot, exp_f32, exp_f32_fast, exp_f32_fast_lanes, exp_f32_lanes, max,
         normal_cdf_f32, normal_cdf_f32_fast, normal_cdf_f32_fast_lanes, normal_cdf_f32_lanes,
         share_of, share_threads, simd, sum, sum_map, threads,
     };
@@ -826,6 +826,12 @@ mod tests {
         simd::fast!(f32::exp_in_place(&mut ys));
         let wide = ys.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
         assert_eq!(wide, exps, "exp_in_place on the dispatched path");
+        // Under bf16 products, the f32-evaluated form, chunks and tail alike.
+        let fast = want.iter().map(|w| w[2]).collect::<Vec<_>>();
+        let mut ys = xs.clone();
+        simd::fast!(f32::exp_in_place_as(&mut ys, Matmul::Bf16));
+        let got = ys.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
+        assert_eq!(got, fast, "exp_in_place_as under bf16 products");
     }
 
     #[test]
@@ -848,7 +854,7 @@ mod tests {
     }
 
     #[test]
-    fn fast_exp_rounds_correctly_and_is_exact_at_the_edges() {
+    fn the_exp_rounds_correctly_and_is_exact_at_the_edges() {
         let (mut x, mut n, mut off) = (-87.3f32, 0, 0);
         while x <= 88.7 {
             let want = (x as f64).exp();
@@ -884,7 +890,8 @@ mod tests {
             x += 0.000_913;
         }
         // Not correctly rounded everywhere (that is `exp_f32`'s part): some input is more
-        // than half an ulp off (0.85 here, 0.91 over every 97th f32 of the range).
+        // than half an ulp off (0.85 here, 0.91 over every 97th f32 of the range). A check
+        // that this is the f32-evaluated form, which fails if it ever rounds correctly.
         assert!(worst > 0.5, "worst {worst} ulp");
         for x in [f32::NEG_INFINITY, -100.0, -87.31, 0.0, 88.71, 100.0, f32::INFINITY] {
             assert_eq!(exp_f32_fast(x), exp_f32(x), "exp({x})");
@@ -908,7 +915,8 @@ mod tests {
             x += 0.000_77;
         }
         // 5.2 ulp here, 6.5 over every 97th f32 of the range (just below 0, where Phi is
-        // just below 1/2 and its spacing half that above); the f64-evaluated form's 2.2.
+        // just below 1/2 and its spacing half that above); the f64-evaluated form's 2.2. As
+        // for the exponential, a check that this is the f32-evaluated form.
         assert!(worst > 2.0, "worst {worst} ulp");
         for x in [-20.0f32, 20.0, 0.0, f32::NEG_INFINITY, f32::INFINITY] {
             assert_eq!(normal_cdf_f32_fast(x), normal_cdf_f32(x), "Phi({x})");

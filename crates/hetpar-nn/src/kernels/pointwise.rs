@@ -348,7 +348,7 @@ impl GeluOp {
         let (half, pdf) =
             (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
         let tiny = T::from_f64(1e-30);
-        // The exponentials into a scratch part ([`Real::exp_in_place`]: LANES at a time in
+        // The exponentials into a scratch part ([`Real::exp_in_place_as`]: LANES at a time in
         // f32), then the rest.
         let mut e = [T::ZERO; PART];
         written(

@@ -63,8 +63,8 @@ impl Blocking for Avx512 {
             // loads leave them).
             let rows = mc.next_multiple_of(MR);
             // The pairs outside, the rows inside: each column is read along its length
-            // (rows inside pairs walked the block down its columns a cache line at a time,
-            // a strided pass over memory the step had evicted).
+            // (the rows outside and the pairs inside walked the block down its columns a
+            // cache line at a time, a strided pass over memory the step had evicted).
             for q in (0..kc).step_by(16) {
                 for i in (0..mc).step_by(16) {
                     let n = 16.min(mc - i);
