@@ -441,7 +441,7 @@ pub fn linear_bias_into(
 }
 
 /// `gelu(x @ w^T + b)` as one node, with `dw` added to `sink` (when `w` is a `Var`), as
-/// [`linear_bias_into`]: the same bits as `gelu(linear_bias_into(..))`.
+/// [`linear_bias_into`]: the same bits as `gelu_as(how, &linear_bias_into(how, ..))`.
 pub fn linear_bias_gelu_into(
     how: Matmul,
     x: &Tensor,
