@@ -287,20 +287,26 @@ fn transposed_keys<T: Real>(dm: &Dims, query_blocks: usize, fa: &FlashAttention)
     (worth && (dm.hq / dm.hkv) * query_blocks > 1).then(|| vec![T::ZERO; dm.d * dm.sk])
 }
 
-/// A block of keys (or values) as the right operand `k^T` of a product: from the head's
-/// transpose `[d, s_k]` where one was made ([`transpose_head`]: the `d` columns of the
-/// block are then rows), else as a transposed view of `k` itself.
+/// A block of keys (or values) as the right operand `k^T` of a product with `rows` rows of
+/// queries: from the head's transpose `[d, s_k]` where one was made ([`transpose_head`]:
+/// the `d` columns of the block are then rows), else as a transposed view of `k` itself.
+/// Always the view for a product of at most 256 outputs (or an inner dimension of 2 or
+/// less): gemm runs those, with both operands contiguous along the inner dimension as the
+/// view leaves them, on kernels of their own (a horizontal sum, a matrix-vector product)
+/// that sum in another order, so the transpose would change their bits.
 #[inline(always)]
 fn keys_t<'a, T>(
     k: &'a [T],
     kv: View,
     kt: Option<&'a [T]>,
-    kb: &Block,
+    (rows, kb): (usize, &Block),
     sk: usize,
 ) -> (&'a [T], View) {
     match kt {
-        Some(kt) => (kt, View::rows(kb.start, kv.cols, kb.len, sk)),
-        None => (k, kv.t()),
+        Some(kt) if rows * kb.len > 256 && kv.cols > 2 => {
+            (kt, View::rows(kb.start, kv.cols, kb.len, sk))
+        }
+        _ => (k, kv.t()),
     }
 }
 
@@ -348,7 +354,7 @@ impl FlashAttention {
     ) -> CResult<(View, View, View)> {
         let (sv, qv, kv) = views(bk, x, d, qb, kb);
         let scale = T::from_f64(self.scale);
-        self.product(s, sv, (q, qv), keys_t(k, kv, kt, kb, sk), false, scale)?;
+        self.product(s, sv, (q, qv), keys_t(k, kv, kt, (qb.len, kb), sk), false, scale)?;
         if vis == Visible::Some {
             mask(
                 s,
@@ -559,7 +565,7 @@ impl FlashAttention {
                         };
                         // p (through pv) holds the probabilities P.
                         self.product(&mut dv, kv, (p, pv.t()), (go, gv), true, T::ONE)?;
-                        let values = keys_t(v, kv, vt.as_deref(), kb, dm.sk);
+                        let values = keys_t(v, kv, vt.as_deref(), (rows, kb), dm.sk);
                         self.product(&mut dp, sv, (go, gv), values, false, T::ONE)?;
                         let p = &p[pv.offset..pv.offset + rows * bk];
                         for ((dr, pr), &di) in
@@ -722,11 +728,13 @@ mod tests {
 
     /// Key and value heads transposed once for their block products give the bits of the
     /// transposed views, forward and backward, f32 and f64, grouped-query heads and several
-    /// query blocks (causal and not; with the log-sum-exp output too).
+    /// query blocks (causal and not; with the log-sum-exp output too), blocks of every size
+    /// included: 66 rows leave a causal block pair of 2 x 64 and one of 2 x 2, and 16 rows
+    /// one of 16 x 16, products of at most 256 outputs, which gemm sums on other kernels.
     #[test]
     fn transposed_key_heads_give_the_bits_of_transposed_views() {
-        fn run<T: Real>(causal: bool, with_lse: bool) {
-            let (b, s, hq, hkv, d) = (2, 150, 4, 2, 16);
+        fn run<T: Real>(s: usize, causal: bool, with_lse: bool) {
+            let (b, hq, hkv, d) = (2, 4, 2, 16);
             let t = |v: Vec<f64>| v.into_iter().map(T::from_f64).collect::<Vec<T>>();
             let (q, k, v) = (
                 t(values(b * s * hq * d, 1)),
@@ -748,11 +756,13 @@ mod tests {
             };
             let (fa, views) = (op(), op().with_key_views());
             assert!(transposed_keys::<T>(&dm, 1, &fa).is_some());
-            assert_eq!(grads(fa), grads(views), "causal {causal}, with_lse {with_lse}");
+            assert_eq!(grads(fa), grads(views), "{s} rows, causal {causal}, with_lse {with_lse}");
         }
-        for (causal, with_lse) in [(true, false), (false, false), (true, true)] {
-            run::<f32>(causal, with_lse);
-            run::<f64>(causal, with_lse);
+        for s in [150, 66, 16] {
+            for (causal, with_lse) in [(true, false), (false, false), (true, true)] {
+                run::<f32>(s, causal, with_lse);
+                run::<f64>(s, causal, with_lse);
+            }
         }
     }
 }
