@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Error, Layout, Shape, Tensor};
 
-use super::gemm::{View, matmul};
+use super::gemm::{View, layout_keeps_bits, matmul};
 use super::linear::Matmul;
 use super::{CResult, Real, by_real, by_real_dtype, dot, max, simd, slice, sum, with_data};
 
@@ -289,11 +289,9 @@ fn transposed_keys<T: Real>(dm: &Dims, query_blocks: usize, fa: &FlashAttention)
 
 /// A block of keys (or values) as the right operand `k^T` of a product with `rows` rows of
 /// queries: from the head's transpose `[d, s_k]` where one was made ([`transpose_head`]:
-/// the `d` columns of the block are then rows), else as a transposed view of `k` itself.
-/// Always the view for a product of at most 256 outputs (or an inner dimension of 2 or
-/// less): gemm runs those, with both operands contiguous along the inner dimension as the
-/// view leaves them, on kernels of their own (a horizontal sum, a matrix-vector product)
-/// that sum in another order, so the transpose would change their bits.
+/// the `d` columns of the block are then rows), else as a transposed view of `k` itself,
+/// which small products keep ([`layout_keeps_bits`]: gemm sums those on kernels of their
+/// own, whose bits the transpose would change).
 #[inline(always)]
 fn keys_t<'a, T>(
     k: &'a [T],
@@ -303,7 +301,7 @@ fn keys_t<'a, T>(
     sk: usize,
 ) -> (&'a [T], View) {
     match kt {
-        Some(kt) if rows * kb.len > 256 && kv.cols > 2 => {
+        Some(kt) if layout_keeps_bits(rows, kb.len, kv.cols) => {
             (kt, View::rows(kb.start, kv.cols, kb.len, sk))
         }
         _ => (k, kv.t()),

@@ -28,6 +28,18 @@ pub fn path() -> &'static str {
     }
 }
 
+/// Whether a product of `m x n` outputs over an inner dimension of `k` keeps its bits
+/// whatever the operands' strides. gemm runs a product of at most 256 outputs whose
+/// operands are both contiguous along the inner dimension on a kernel of its own (a
+/// horizontal sum; a single row or column on a matrix-vector one), and one with `k` of 2
+/// or less on an outer-product kernel, each summing in another order than its blocked
+/// kernels; past those sizes the blocked kernels run, packing any layout to the same sums.
+/// A caller that hands gemm a rearranged copy of an operand for speed does so only where
+/// this holds.
+pub fn layout_keeps_bits(m: usize, n: usize, k: usize) -> bool {
+    m > 1 && n > 1 && m * n > 256 && k > 2
+}
+
 /// A matrix inside a slice: element `(r, c)` at `offset + r * rs + c * cs`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct View {

@@ -93,8 +93,7 @@ pub trait Real: WithDType + std::ops::Neg<Output = Self> {
     /// f32 evaluates it in f32 ([`exp_f32_fast_lanes`]); otherwise, and in f64, as
     /// [`Self::exp_in_place`].
     #[inline(always)]
-    fn exp_in_place_as(xs: &mut [Self], how: Matmul) {
-        let _ = how;
+    fn exp_in_place_as(xs: &mut [Self], _how: Matmul) {
         Self::exp_in_place(xs);
     }
     /// [`bf16::matmul_new`] (bf16 operands, f32 sums, into a new matrix of `len` elements)

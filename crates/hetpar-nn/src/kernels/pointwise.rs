@@ -285,8 +285,7 @@ pub(crate) trait NormalCdf: Real {
     /// `x Phi(x)` of every element of `x`, `Phi` as a step whose products multiply `how`
     /// takes it (the f32-evaluated form under bf16 products, in f32).
     #[inline(always)]
-    fn gelu(x: &[Self], how: Matmul) -> Vec<Self> {
-        let _ = how;
+    fn gelu(x: &[Self], _how: Matmul) -> Vec<Self> {
         written(x.len(), x.len(), |_, all| all.map(x, |v| v * v.cdf()))
     }
 }
