@@ -9,7 +9,7 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
 use super::linear::Matmul;
-use super::written::{PART, written};
+use super::written::{PART, written, written_pair};
 use super::{
     CResult, LANES, Real, by_real, by_real_dtype, dot, normal_cdf_f32_fast_lanes,
     normal_cdf_f32_lanes, simd, slice, sum, sum_map, with_data,
@@ -548,22 +548,25 @@ impl SwiGluOp {
     /// `dg = dh u sig(g) (1 + g (1 - sig(g)))`, `du = dh silu(g)`.
     #[inline(always)]
     pub(crate) fn backward<T: Real>(g: &[T], u: &[T], dh: &[T], how: Matmul) -> (Vec<T>, Vec<T>) {
-        let mut dg = vec![T::ZERO; g.len()];
-        let mut du = vec![T::ZERO; g.len()];
-        let mut sg = [T::ZERO; LANES];
-        for (start, (dg, du)) in
-            dg.chunks_mut(LANES).zip(du.chunks_mut(LANES)).enumerate().map(|(c, d)| (c * LANES, d))
-        {
-            let n = dg.len();
-            let (g, u, dh, sg) =
-                (&g[start..start + n], &u[start..start + n], &dh[start..start + n], &mut sg[..n]);
-            sigmoid_into(g, sg, how);
-            for i in 0..n {
-                du[i] = dh[i] * g[i] * sg[i];
-                dg[i] = dh[i] * u[i] * sg[i] * (T::ONE + g[i] * (T::ONE - sg[i]));
-            }
-        }
-        (dg, du)
+        let mut sg = [T::ZERO; PART];
+        written_pair(
+            g.len(),
+            PART,
+            #[inline(always)]
+            |start, dg, du| {
+                let n = dg.len();
+                let (g, u, dh, sg) = (
+                    &g[start..start + n],
+                    &u[start..start + n],
+                    &dh[start..start + n],
+                    &mut sg[..n],
+                );
+                sigmoid_into(g, sg, how);
+                dg.map4_pair(du, [g, u, dh, sg], |g, u, dh, s| {
+                    (dh * u * s * (T::ONE + g * (T::ONE - s)), dh * g * s)
+                })
+            },
+        )
     }
 }
 

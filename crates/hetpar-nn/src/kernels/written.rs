@@ -90,6 +90,26 @@ impl<T> Part<'_, T> {
         }
         self.done()
     }
+
+    /// Element `i` of this part and of `other` (as long) are the two results of `f(a[i],
+    /// b[i], c[i], d[i])`; all as long as the part.
+    #[inline(always)]
+    pub(crate) fn map4_pair<A: Copy>(
+        self,
+        other: Part<'_, T>,
+        [a, b, c, d]: [&[A]; 4],
+        f: impl Fn(A, A, A, A) -> (T, T),
+    ) -> (Written, Written) {
+        let n = self.0.len();
+        assert!(other.0.len() == n, "two parts of a pair");
+        assert!(a.len() == n && b.len() == n && c.len() == n && d.len() == n, "a part");
+        for (i, (o, p)) in self.0.iter_mut().zip(other.0.iter_mut()).enumerate() {
+            let (x, y) = f(a[i], b[i], c[i], d[i]);
+            o.write(x);
+            p.write(y);
+        }
+        (self.done(), other.done())
+    }
 }
 
 /// A new vector of `len` elements, made `part` at a time (a row, say; the last part may be
@@ -121,11 +141,45 @@ pub(crate) fn written<T>(
     out
 }
 
+/// Two new vectors of `len` elements each, made together `part` at a time as [`written`]
+/// makes one: `fill(start, a, b)` writes elements `start..start + a.len()` of both through
+/// the [`Part`]s' methods and returns their [`Written`]s, in that order.
+///
+/// # Panics
+/// If `fill` returns a [`Written`] of another part.
+#[inline(always)]
+pub(crate) fn written_pair<T>(
+    len: usize,
+    part: usize,
+    mut fill: impl FnMut(usize, Part<'_, T>, Part<'_, T>) -> (Written, Written),
+) -> (Vec<T>, Vec<T>) {
+    let part = part.max(1);
+    let (mut a, mut b) = (Vec::with_capacity(len), Vec::with_capacity(len));
+    let parts = a.spare_capacity_mut()[..len].chunks_mut(part);
+    for (i, (p, q)) in parts.zip(b.spare_capacity_mut()[..len].chunks_mut(part)).enumerate() {
+        let (at, bt, n) = (p.as_ptr().cast::<()>(), q.as_ptr().cast::<()>(), p.len());
+        let (Written(wa, na), Written(wb, nb)) = fill(i * part, Part(p), Part(q));
+        assert!(
+            wa == at && na == n && wb == bt && nb == n,
+            "a part of a new vector was not written whole"
+        );
+    }
+    // SAFETY: as in `written`, for each vector: the first `len` slots of its spare capacity
+    // went to `fill` part by part, in order and without gaps (two `chunks_mut` of equal
+    // lengths), and `fill` returned the `Written` of that very part (address and length
+    // checked) for each, which only a `Part` method makes after writing all of it.
+    unsafe {
+        a.set_len(len);
+        b.set_len(len);
+    }
+    (a, b)
+}
+
 #[cfg(test)]
 mod tests {
     use std::mem::MaybeUninit;
 
-    use super::{Part, written};
+    use super::{Part, written, written_pair};
 
     #[test]
     fn parts_are_written_whole_in_order() {
@@ -137,6 +191,28 @@ mod tests {
         assert_eq!(y, x.iter().map(|v| 2.0 * v).collect::<Vec<_>>());
         let none: Vec<f64> = written(0, 3, |_, part| part.map(&[], |v: f64| v));
         assert!(none.is_empty());
+    }
+
+    #[test]
+    fn pairs_are_written_whole_in_order() {
+        let x: Vec<f64> = (0..11).map(f64::from).collect();
+        let (s, d) = written_pair(11, 4, |start, a, b| {
+            let x = &x[start..start + a.len()];
+            a.map4_pair(b, [x, x, x, x], |p, q, r, t| (p + q, r * t))
+        });
+        assert_eq!(s, x.iter().map(|v| 2.0 * v).collect::<Vec<_>>());
+        assert_eq!(d, x.iter().map(|v| v * v).collect::<Vec<_>>());
+        let (e, f): (Vec<f32>, Vec<f32>) =
+            written_pair(0, 3, |_, a, b| a.map4_pair(b, [&[]; 4], |p, _, _, _| (p, p)));
+        assert!(e.is_empty() && f.is_empty());
+    }
+
+    #[test]
+    #[should_panic(expected = "not written whole")]
+    fn a_pair_with_its_parts_swapped_is_refused() {
+        let x = [1.0f32; 4];
+        // `b`'s proof first, `a`'s second.
+        let _ = written_pair(4, 4, |_, a, b| b.map4_pair(a, [&x, &x, &x, &x], |p, _, _, _| (p, p)));
     }
 
     #[test]
