@@ -1148,9 +1148,13 @@ fn the_routed_experts_node_gives_the_composed_routing_and_experts_values() {
     let tokens: Vec<u32> = vec![0, 2, 5, 6, 0, 1, 2, 4, 5, 6, 0];
     let rows = vec![4usize, 0, 6, 1];
     let a = tokens.len();
-    for (dtype, how) in products() {
-        let what = format!("routed experts {dtype:?} {how:?}");
-        let x = var("x", &[n, hidden], dtype);
+    // Also as the MoE layer runs it on one rank: tokens `[1, n, hidden]`, the residual
+    // added in the node.
+    for ((dtype, how), residual) in products().into_iter().flat_map(|p| [(p, false), (p, true)]) {
+        let what = format!("routed experts {dtype:?} {how:?} residual {residual}");
+        let x =
+            if residual { var("x", &[1, n, hidden], dtype) } else { var("x", &[n, hidden], dtype) };
+        let res = var("residual", x.dims(), dtype);
         let gates = var("gates", &[a], dtype);
         let w = expert_vars(rows.len(), hidden, ffn, dtype);
         let sinks = |_| [GradSink::new(), GradSink::new(), GradSink::new()];
@@ -1158,21 +1162,34 @@ fn the_routed_experts_node_gives_the_composed_routing_and_experts_values() {
         // Composed, as the MoE layer across ranks: gather, the experts' node, weigh, sum.
         let per: Vec<[GradSink; 3]> = (0..rows.len()).map(sinks).collect();
         let idx = Tensor::from_vec(tokens.clone(), a, &Device::Cpu).unwrap();
-        let routed = x.as_tensor().index_select(&idx, 0).unwrap();
+        let x2 = x.as_tensor().reshape((n, hidden)).unwrap();
+        let routed = x2.index_select(&idx, 0).unwrap();
         let anchor = var("anchor", &[1], dtype);
         let y = experts_swiglu(how, &routed, &anchor, weights(&per), rows.clone()).unwrap();
         let weighted = y.broadcast_mul(&gates.as_tensor().unsqueeze(1).unwrap()).unwrap();
-        let want = x.as_tensor().zeros_like().unwrap().index_add(&idx, &weighted, 0).unwrap();
+        let want = x2.zeros_like().unwrap().index_add(&idx, &weighted, 0).unwrap();
+        let want = want.reshape(x.shape()).unwrap();
+        let want = if residual { (res.as_tensor() + want).unwrap() } else { want };
         let store = weigh(&want, "dy").backward().unwrap();
         let (want_dx, want_dg) = (store.get(&x).unwrap(), store.get(&gates).unwrap());
+        let want_dr = store.get(&res).cloned();
         // One node.
         let fused: Vec<[GradSink; 3]> = (0..rows.len()).map(sinks).collect();
-        let got =
-            routed_experts(how, &x, &gates, weights(&fused), rows.clone(), tokens.clone()).unwrap();
+        let routing = (rows.clone(), tokens.clone());
+        let r = residual.then(|| res.as_tensor());
+        let got = routed_experts(how, &x, &gates, weights(&fused), routing, r).unwrap();
         let store = weigh(&got, "dy").backward().unwrap();
         assert_eq!(bits(&got), bits(&want), "{what}: outputs");
-        assert!(flat(&got.get(3).unwrap()).unwrap().iter().all(|&v| v == 0.0), "{what}: token 3");
+        if !residual {
+            let token3 = flat(&got.get(3).unwrap()).unwrap();
+            assert!(token3.iter().all(|&v| v == 0.0), "{what}: token 3");
+        }
         assert_eq!(bits(store.get(&x).unwrap()), bits(want_dx), "{what}: dx");
+        match (store.get(&res), want_dr) {
+            (Some(got), Some(want)) => assert_eq!(bits(got), bits(&want), "{what}: residual"),
+            (None, None) => assert!(!residual),
+            _ => panic!("{what}: a residual gradient on one side only"),
+        }
         // A gate's gradient sums in another order than candle's reduction.
         close(&format!("{what}: gates"), store.get(&gates).unwrap(), want_dg, tolerance(dtype));
         for e in 0..rows.len() {
@@ -1198,10 +1215,14 @@ fn the_routed_experts_node_gives_the_composed_routing_and_experts_values() {
         }]
     };
     let gates = var("gates", &[2], DType::F32);
-    let e = routed_experts(Matmul::Native, &x, &gates, one(), vec![2], vec![1, 4]).unwrap_err();
+    let routed = |routing, r| routed_experts(Matmul::Native, &x, &gates, one(), routing, r);
+    let e = routed((vec![2], vec![1, 4]), None).unwrap_err();
     assert!(e.to_string().contains("token 4 of 4"), "{e}");
-    let e = routed_experts(Matmul::Native, &x, &gates, one(), vec![3], vec![0, 1, 2]).unwrap_err();
+    let e = routed((vec![3], vec![0, 1, 2]), None).unwrap_err();
     assert!(e.to_string().contains("2 assignments, 3 tokens"), "{e}");
+    let r = var("residual", &[4, 15], DType::F32);
+    let e = routed((vec![2], vec![1, 3]), Some(r.as_tensor())).unwrap_err();
+    assert!(e.to_string().contains("a residual [4, 15] for tokens [4, 16]"), "{e}");
 }
 
 #[test]

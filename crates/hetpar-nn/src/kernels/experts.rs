@@ -29,7 +29,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use candle_core::{CpuStorage, CustomOp2, Error, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Error, Layout, Shape, Tensor};
 
 use super::linear::{Matmul, backward, product};
 use super::pointwise::{NormalCdf, SwiGluOp};
@@ -94,8 +94,9 @@ impl ExpertsOp {
         Ok((ye, [keep(h1)?, keep(h3)?, keep(h)?]))
     }
 
-    /// The gradient of expert `e`'s rows `xe` given their outputs' `dye`, as the per-expert
-    /// graph sums it (`dx3 + dx1`); its weights' gradients go to their sinks.
+    /// The two parts of the gradient of expert `e`'s rows `xe` given their outputs' `dye`,
+    /// `(dx3, dx1)` (through `w3` and `w1`; the per-expert graph's gradient is `dx3 + dx1`);
+    /// its weights' gradients go to their sinks.
     fn expert_backward<T: Real>(
         &self,
         e: usize,
@@ -103,7 +104,7 @@ impl ExpertsOp {
         r: usize,
         hidden: usize,
         [h1, h3, h]: &[Tensor; 3],
-    ) -> CResult<Vec<T>> {
+    ) -> CResult<(Vec<T>, Vec<T>)> {
         let op = "experts backward";
         let (_, ffn) = self.dims(e);
         let w = &self.experts[e];
@@ -120,7 +121,7 @@ impl ExpertsOp {
         w.w1.1.add(dw1)?;
         w.w3.1.add(dw3)?;
         w.w2.1.add(dw2)?;
-        Ok(dx3.iter().zip(&dx1).map(|(&a, &b)| a + b).collect())
+        Ok((dx3, dx1))
     }
 
     /// The saved state of the `k`-th expert with rows.
@@ -156,7 +157,8 @@ impl ExpertsOp {
             }
             let rows = start * hidden..(start + r) * hidden;
             let io = (&x[rows.clone()], &dy[rows]);
-            dx.extend(self.expert_backward(e, io, r, hidden, Self::saved_of(&saved, k)?)?);
+            let (dx3, dx1) = self.expert_backward(e, io, r, hidden, Self::saved_of(&saved, k)?)?;
+            simd::fast!(dx.extend(dx3.iter().zip(&dx1).map(|(&a, &b)| a + b)));
             k += 1;
             start += r;
         }
@@ -230,6 +232,7 @@ pub fn experts_swiglu(
 
 /// Adds each of `rows` (`[len, hidden]`, assignments in order) times its gate to its
 /// token's row of `out`, in order: the composed graph's broadcast multiply and index add.
+#[inline(always)]
 fn weigh_into<T: Real>(out: &mut [T], rows: &[T], gates: &[T], tokens: &[u32], hidden: usize) {
     for ((y, &t), &g) in rows.chunks_exact(hidden).zip(tokens).zip(gates) {
         let t = t as usize;
@@ -239,13 +242,15 @@ fn weigh_into<T: Real>(out: &mut [T], rows: &[T], gates: &[T], tokens: &[u32], h
     }
 }
 
-/// Adds each of `rows` (`[len, hidden]`) to its token's row of `out`, in order: an index
-/// select's backward (its rows added into zeros in index order).
-fn add_rows<T: Real>(out: &mut [T], rows: &[T], tokens: &[u32], hidden: usize) {
-    for (y, &t) in rows.chunks_exact(hidden).zip(tokens) {
+/// Adds each row of `a + b` (`[len, hidden]` each, summed element by element first, as the
+/// per-expert graph sums an expert's `dx3 + dx1`) to its token's row of `out`, in order: an
+/// index select's backward (its rows added into zeros in index order).
+#[inline(always)]
+fn add_rows<T: Real>(out: &mut [T], (a, b): (&[T], &[T]), tokens: &[u32], hidden: usize) {
+    for ((x, y), &t) in a.chunks_exact(hidden).zip(b.chunks_exact(hidden)).zip(tokens) {
         let t = t as usize;
-        for (o, &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(y) {
-            *o += v;
+        for ((o, &u), &v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(x).zip(y) {
+            *o += u + v;
         }
     }
 }
@@ -253,6 +258,7 @@ fn add_rows<T: Real>(out: &mut [T], rows: &[T], tokens: &[u32], hidden: usize) {
 /// The backward of [`weigh_into`] for `rows` given the output's gradient `dy`: each row's
 /// gradient (its token's times its gate), appended to `drows`, and each gate's (the dot
 /// product of the row and its token's gradient, in `dot`'s order), appended to `dgates`.
+#[inline(always)]
 fn weigh_back<T: Real>(
     dy: &[T],
     rows: &[T],
@@ -306,7 +312,15 @@ impl RoutedOp {
         Ok(())
     }
 
-    fn forward<T: Real>(&self, x: &[T], gates: &[T], hidden: usize) -> CResult<Vec<T>> {
+    /// The output, plus `residual` where given (`residual + output`, as the composed
+    /// residual add sums them).
+    fn forward<T: Real>(
+        &self,
+        x: &[T],
+        gates: &[T],
+        residual: Option<&[T]>,
+        hidden: usize,
+    ) -> CResult<Vec<T>> {
         let a = self.tokens.len();
         let mut routed = Vec::with_capacity(a * hidden);
         for &t in &self.tokens {
@@ -323,7 +337,8 @@ impl RoutedOp {
             let xe = &routed[start * hidden..(start + r) * hidden];
             let (ye, keep) = self.experts.expert_forward(e, xe, r, hidden)?;
             let block = start..start + r;
-            weigh_into(&mut out, &ye, &gates[block.clone()], &self.tokens[block], hidden);
+            let (g, tokens) = (&gates[block.clone()], &self.tokens[block]);
+            simd::fast!(weigh_into(&mut out, &ye, g, tokens, hidden));
             outputs.push(Tensor::from_vec(ye, (r, hidden), &candle_core::Device::Cpu)?);
             saved.push(keep);
             start += r;
@@ -331,6 +346,9 @@ impl RoutedOp {
         *self.experts.saved()? = saved;
         let routed = Tensor::from_vec(routed, (a, hidden), &candle_core::Device::Cpu)?;
         *saved_state(&self.routed, "routed experts")? = Some((routed, outputs));
+        if let Some(r) = residual {
+            simd::fast!(out.iter_mut().zip(r).for_each(|(o, &r)| *o = r + *o));
+        }
         Ok(out)
     }
 
@@ -356,19 +374,72 @@ impl RoutedOp {
                 let (block, mut dye) = (start..start + r, Vec::with_capacity(r * hidden));
                 let (g, tokens) = (&gates[block.clone()], &self.tokens[block]);
                 with_data::<T, _>(ye, op, |ye| {
-                    weigh_back(dy, ye, g, tokens, hidden, (&mut dye, &mut dgates));
+                    let rows = (&mut dye, &mut dgates);
+                    simd::fast!(weigh_back(dy, ye, g, tokens, hidden, rows));
                     Ok(())
                 })?;
                 let (held, xe) =
                     (ExpertsOp::saved_of(&saved, k)?, &xs[start * hidden..(start + r) * hidden]);
-                let dxe = self.experts.expert_backward(e, (xe, &dye), r, hidden, held)?;
-                add_rows(&mut dx, &dxe, tokens, hidden);
+                let (dx3, dx1) = self.experts.expert_backward(e, (xe, &dye), r, hidden, held)?;
+                simd::fast!(add_rows(&mut dx, (&dx3, &dx1), tokens, hidden));
                 k += 1;
                 start += r;
             }
             Ok(())
         })?;
         Ok((dx, dgates))
+    }
+}
+
+impl RoutedOp {
+    /// The forward on the tokens `(s1, l1)`, the gates `(s2, l2)` and, where the node adds
+    /// it, the residual `(s3, l3)`.
+    fn cpu_fwd_with(
+        &self,
+        (s1, l1): (&CpuStorage, &Layout),
+        (s2, l2): (&CpuStorage, &Layout),
+        residual: Option<(&CpuStorage, &Layout)>,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let op = "routed experts";
+        // Tokens `[.., hidden]`: a matrix, or the layer's `[b, s, hidden]` as it is.
+        let Some((&hidden, lead)) = l1.shape().dims().split_last().filter(|(_, l)| !l.is_empty())
+        else {
+            return Err(Error::Msg(format!(
+                "{op}: tokens {:?} are not a matrix or more",
+                l1.shape()
+            )));
+        };
+        self.check(lead.iter().product(), l2.shape().elem_count())?;
+        if let Some((_, l3)) = residual.filter(|(_, l3)| l3.shape() != l1.shape()) {
+            return Err(Error::Msg(format!(
+                "{op}: a residual {:?} for tokens {:?}",
+                l3.shape(),
+                l1.shape()
+            )));
+        }
+        by_real!(s1, op, |T| {
+            let x = slice::<T>(s1, l1, op)?;
+            let gates = slice::<T>(s2, l2, op)?;
+            let r = residual.map(|(s3, l3)| slice::<T>(s3, l3, op)).transpose()?;
+            let y = self.forward(x, gates, r, hidden)?;
+            Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), l1.shape().clone()))
+        })
+    }
+
+    /// The tokens' and the gates' gradients.
+    fn bwd_with(&self, x: &Tensor, gates: &Tensor, grad: &Tensor) -> CResult<(Tensor, Tensor)> {
+        let op = "routed experts";
+        let grad = grad.contiguous()?;
+        let hidden = *x.dims().last().ok_or_else(|| Error::Msg(format!("{op}: scalar tokens")))?;
+        by_real_dtype!(x.dtype(), op, |T| {
+            let (dx, dg) = with_data::<T, _>(gates, op, |g| {
+                with_data::<T, _>(&grad, op, |d| self.backward(g, d, hidden))
+            })?;
+            Ok((
+                Tensor::from_vec(dx, x.shape(), x.device())?,
+                Tensor::from_vec(dg, gates.shape(), gates.device())?,
+            ))
+        })
     }
 }
 
@@ -384,19 +455,7 @@ impl CustomOp2 for RoutedOp {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let &[n, hidden] = l1.shape().dims() else {
-            return Err(Error::Msg(format!(
-                "routed experts: tokens {:?} are not a matrix",
-                l1.shape()
-            )));
-        };
-        self.check(n, l2.shape().elem_count())?;
-        by_real!(s1, "routed experts", |T| {
-            let x = slice::<T>(s1, l1, "routed experts")?;
-            let gates = slice::<T>(s2, l2, "routed experts")?;
-            let y = self.forward(x, gates, hidden)?;
-            Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), l1.shape().clone()))
-        })
+        self.cpu_fwd_with((s1, l1), (s2, l2), None)
     }
 
     fn bwd(
@@ -406,39 +465,68 @@ impl CustomOp2 for RoutedOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let op = "routed experts";
-        let grad = grad.contiguous()?;
-        let hidden = x.dims2()?.1;
-        by_real_dtype!(x.dtype(), op, |T| {
-            let (dx, dg) = with_data::<T, _>(gates, op, |g| {
-                with_data::<T, _>(&grad, op, |d| self.backward(g, d, hidden))
-            })?;
-            Ok((
-                Some(Tensor::from_vec(dx, x.shape(), x.device())?),
-                Some(Tensor::from_vec(dg, gates.shape(), gates.device())?),
-            ))
-        })
+        let (dx, dg) = self.bwd_with(x, gates, grad)?;
+        Ok((Some(dx), Some(dg)))
+    }
+}
+
+/// With the residual: its gradient is the output's.
+impl CustomOp3 for RoutedOp {
+    fn name(&self) -> &'static str {
+        "routed-experts-residual"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        self.cpu_fwd_with((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gates: &Tensor,
+        _residual: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dg) = self.bwd_with(x, gates, grad)?;
+        Ok((Some(dx), Some(dg), Some(grad.clone())))
     }
 }
 
 /// The MoE layer's experts with the routing around them, as one node (see the module's
-/// documentation): for tokens `x` `[n, hidden]`, `tokens[i]` is the token of assignment `i`
+/// documentation): for tokens `x` `[n, hidden]` (or `[b, s, hidden]`, `n = b * s`, the
+/// output shaped alike), `tokens[i]` is the token of assignment `i`
 /// and `gates[i]` (`gates` of `a` elements) its weight, the assignments grouped by expert
 /// (`rows[e]` of them for `experts[e]`, in order). Token `t`'s output is the sum, in
 /// assignment order, of `gates[i] w2 (silu(w1 x_t) * w3 x_t)` over its assignments `i`
 /// (zero for a token with none); gradients go to `x` and `gates`, and the weights' to their
-/// sinks.
+/// sinks. With a `residual` shaped like `x` (a pre-norm layer's input), the node returns
+/// `residual + output` (the composed residual add's sum) and passes the output's gradient
+/// to it: the add's own node would zero-fill and add a gradient the size of `x` for each
+/// side.
 pub fn routed_experts(
     how: Matmul,
     x: &Tensor,
     gates: &Tensor,
     experts: Vec<ExpertWeights>,
-    rows: Vec<usize>,
-    tokens: Vec<u32>,
+    (rows, tokens): (Vec<usize>, Vec<u32>),
+    residual: Option<&Tensor>,
 ) -> CResult<Tensor> {
     let experts = ExpertsOp { how, experts, rows, saved: Mutex::new(Vec::new()) };
     let op = RoutedOp { experts, tokens, routed: Mutex::new(None) };
-    x.contiguous()?.apply_op2(&gates.contiguous()?, op)
+    let (x, gates) = (x.contiguous()?, gates.contiguous()?);
+    match residual {
+        Some(r) => x.apply_op3(&gates, &r.contiguous()?, op),
+        None => x.apply_op2(&gates, op),
+    }
 }
 
 /// The weighted sum of an MoE layer's expert outputs back at their tokens, where they came
@@ -476,7 +564,7 @@ impl CustomOp2 for CombineOp {
         by_real!(s1, op, |T| {
             let (rows, gates) = (slice::<T>(s1, l1, op)?, slice::<T>(s2, l2, op)?);
             let mut out = vec![T::ZERO; self.n * hidden];
-            weigh_into(&mut out, rows, gates, &self.tokens, hidden);
+            simd::fast!(weigh_into(&mut out, rows, gates, &self.tokens, hidden));
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(out), (self.n, hidden).into()))
         })
     }
@@ -496,7 +584,8 @@ impl CustomOp2 for CombineOp {
             with_data::<T, _>(rows, op, |r| {
                 with_data::<T, _>(gates, op, |g| {
                     with_data::<T, _>(&grad, op, |d| {
-                        weigh_back(d, r, g, &self.tokens, hidden, (&mut drows, &mut dgates));
+                        let out = (&mut drows, &mut dgates);
+                        simd::fast!(weigh_back(d, r, g, &self.tokens, hidden, out));
                         Ok(())
                     })
                 })

@@ -28,6 +28,7 @@ use crate::kernels::linear::Matmul;
 use crate::layers::attention::softmax;
 use crate::layers::comm::{gather_rows, split_rows};
 use crate::layers::linear::{Build, matmul_t};
+use crate::layers::norm::Norm;
 use crate::ops::AllToAllRows;
 use crate::params::{HasParams, Param};
 
@@ -120,14 +121,37 @@ impl Moe {
     /// `x` `[b, s, hidden]` to the output `[b, s, hidden]` and this rank's part of the
     /// load-balancing loss (a scalar).
     pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(self.run(x, None)?.0)
+    }
+
+    /// `x + self(norm(x))`, a pre-norm layer's second half, and this rank's part of the
+    /// load-balancing loss. Where one node takes every expert ([`routed_experts`]) the
+    /// residual sum is that node's last step (the same sum), so no add node zero-fills and
+    /// adds a gradient the size of `x` for each of its sides.
+    pub fn residual(&self, x: &Tensor, norm: &impl Norm) -> Result<(Tensor, Tensor)> {
+        let ((y, aux), added) = self.run(&norm.normalize(x)?, Some(x))?;
+        Ok((if added { y } else { (x + y)? }, aux))
+    }
+
+    /// [`Self::forward`] of `x`, with `residual` added where one node takes every expert;
+    /// whether it was.
+    fn run(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<((Tensor, Tensor), bool)> {
         let (b, s, h) = x.dims3()?;
         let n = b * s;
-        let flat = x.reshape((n, h))?;
         let split = self.ctx.tp.size() > 1 && !self.ctx.sp();
-        let xs = if split { split_rows(&self.ctx.tp, &flat)? } else { flat };
-        let n_sub = xs.dims()[0];
+        // Where one node takes every expert ([`routed_experts`]), the router and the node
+        // read `x` as it is, `[b, s, h]`: a reshape's backward would zero-fill and add a
+        // gradient the size of `x` on each side.
+        let one_node = self.ctx.ep.comm().is_none() && !split;
+        let xs = match (split, one_node) {
+            (true, _) => split_rows(&self.ctx.tp, &x.reshape((n, h))?)?,
+            (false, true) => x.clone(),
+            (false, false) => x.reshape((n, h))?,
+        };
+        let n_sub = if split { xs.dims()[0] } else { n };
         let (e_count, k) = (self.spec.experts, self.spec.top_k);
-        let probs = softmax(&matmul_t(Matmul::Native, &xs, &self.gate)?)?;
+        let logits = matmul_t(Matmul::Native, &xs, &self.gate)?.reshape((n_sub, e_count))?;
+        let probs = softmax(&logits)?;
 
         // Top-k per token, ties to the lower expert id (a stable descending sort).
         let p: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
@@ -157,17 +181,20 @@ impl Moe {
         for &(e, _, _) in &assign {
             per_expert[e] += 1;
         }
-        let combined = if self.ctx.ep.comm().is_none() && a > 0 {
+        let combined = if one_node && a > 0 {
             // Every expert is here: the gather, the experts and the weighted sum are one
             // node ([`routed_experts`]).
             let rows = per_expert.iter().map(|&c| c as usize).collect();
-            routed_experts(self.matmul, &xs, &g, self.expert_weights(), rows, tokens)?
+            let (experts, routing) = (self.expert_weights(), (rows, tokens));
+            routed_experts(self.matmul, &xs, &g, experts, routing, residual)?
         } else {
-            self.exchanged(&xs, &g, tokens, &per_expert)?
+            self.exchanged(&xs.reshape((n_sub, h))?, &g, tokens, &per_expert)?
         };
         let out = if split { gather_rows(&self.ctx.tp, &combined, n)? } else { combined };
         let aux = self.aux_loss(&probs, &per_expert, n_sub)?;
-        Ok((out.reshape((b, s, h))?, aux))
+        // (A reshape is a node even to the same shape.)
+        let out = if out.dims() == [b, s, h] { out } else { out.reshape((b, s, h))? };
+        Ok(((out, aux), residual.is_some() && one_node && a > 0))
     }
 
     /// This rank's experts' weights with their gradients' sinks.

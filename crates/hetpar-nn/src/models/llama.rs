@@ -267,9 +267,9 @@ impl Llama {
             x = match &l.ffn {
                 Ffn::Dense(m) => m.residual(&x, &l.post_norm)?,
                 Ffn::Moe(m) => {
-                    let (y, a) = m.forward(&l.post_norm.forward(&x)?)?;
+                    let (y, a) = m.residual(&x, &l.post_norm)?;
                     aux = (aux + a)?;
-                    (x + y)?
+                    y
                 }
             };
         }
