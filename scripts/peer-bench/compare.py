@@ -22,7 +22,9 @@ LLaVA projector to 512 on 4 images; each timed as forward + backward of the same
 next row is the optimizer alone: one AdamW update of 4M parameters (weight decay 0.1),
 hetpar's in-place kernel against the fastest of `torch.optim.AdamW`'s CPU implementations;
 the last rows time the linear layers' forward product alone (`x @ w^T`, the MoE expert's
-704 x 512 weight) at 32 to 512 rows, hetpar's fused op against `F.linear`; and the
+704 x 512 weight) at 32 to 512 rows, hetpar's fused op against `F.linear`, then its two
+backward products (`dx = dy w`, `dw = dy^T x`, the kernels hetpar's backward runs) against
+`dy @ w` and `dy.t() @ x`; and the
 attention core alone (`softmax(q k^T / sqrt(d)) v`, forward + backward of the output's
 sum) on the ViT's, the layer's and the model's shapes, hetpar's fused kernel against
 `F.scaled_dot_product_attention`.
@@ -268,8 +270,8 @@ KEYS = ["layer", "moe-layer", "model", "moe-model", "vit"]
 def hetpar_run(binary, iters, dtype, only):
     """Runs `hetpar bench nn --only ONLY`; returns (matmul GFLOP/s, {key: (name, seconds,
     GFLOP/s)} for the model rows of `only`, and, where `only` asks for them, (AdamW
-    parameters, seconds), ((out, in) of the linear row's weight, {rows: GFLOP/s}) and
-    {attention shape: seconds}). Output without the lines asked for (a binary from before
+    parameters, seconds), ((out, in) of the linear row's weight, {rows: GFLOP/s}, {rows:
+    (dx GFLOP/s, dw GFLOP/s)}) and {attention shape: seconds}). Output without the lines asked for (a binary from before
     they existed) is refused."""
     env = {"RAYON_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(
@@ -281,16 +283,21 @@ def hetpar_run(binary, iters, dtype, only):
     rows = re.findall(r"^(\S.*?\))\s+([\d.]+)ms\s+\d+\s+([\d.]+)", out, re.M)
     adamw = re.search(r"^adamw update of (\d+) \S+ parameters: ([\d.]+) ms", out, re.M)
     linear = re.search(r"^linear forward x @ w\^T \(w (\d+) x (\d+)\) \S+, GFLOP/s by rows: (.*)$", out, re.M)
+    backward = re.search(r"^linear backward dx = dy w, dw = dy\^T x \(w \d+ x \d+\) \S+, "
+                         r"GFLOP/s by rows \(dx/dw\): (.*)$", out, re.M)
     attention = re.search(r"^attention core forward\+backward \S+, ms by shape: (.*)$", out, re.M)
     if (len(rows) != len(keys) or ("adamw" in only and not adamw)
-            or ("linear" in only and not linear) or ("attention" in only and not attention)):
+            or ("linear" in only and not (linear and backward)) or ("attention" in only and not attention)):
         sys.exit(f"unexpected `hetpar bench nn` output:\n{out}")
     rows = {k: (n, float(t) / 1e3, float(g)) for k, (n, t, g) in zip(keys, rows)}
     adam = (int(adamw.group(1)), float(adamw.group(2)) / 1e3) if adamw else None
     lin = None
     if linear:
         shape = (int(linear.group(1)), int(linear.group(2)))
-        lin = (shape, {int(r): float(g) for r, g in re.findall(r"(\d+): ([\d.]+)", linear.group(3))})
+        fwd = {int(r): float(g) for r, g in re.findall(r"(\d+): ([\d.]+)", linear.group(3))}
+        bwd = {int(r): (float(dx), float(dw))
+               for r, dx, dw in re.findall(r"(\d+): ([\d.]+)/([\d.]+)", backward.group(1))}
+        lin = (shape, fwd, bwd)
     attn = {}
     if attention:
         attn = {shape: float(ms) / 1e3
@@ -334,6 +341,27 @@ def torch_linear(shape, rows, iters, dtype, autocast=False):
     return 2 * rows * inner * out / best(20 * iters, step) / 1e9
 
 
+def torch_linear_backward(shape, rows, iters, dtype, autocast=False):
+    """GFLOP/s of the linear backward's two products alone, `(dy @ w, dy.t() @ x)`, for `x`
+    `[rows, in]`, `w` `[out, in]` and `dy` `[rows, out]`, as hetpar's `linear backward`
+    line times its kernels."""
+    out, inner = shape
+    x, w = torch.randn(rows, inner, dtype=dtype), torch.randn(out, inner, dtype=dtype)
+    dy = torch.randn(rows, out, dtype=dtype)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    def dx():
+        with torch.no_grad(), ctx:
+            dy @ w
+
+    def dw():
+        with torch.no_grad(), ctx:
+            dy.t() @ x
+
+    flops = 2 * rows * inner * out
+    return flops / best(20 * iters, dx) / 1e9, flops / best(20 * iters, dw) / 1e9
+
+
 def torch_adamw(n, iters, dtype):
     """Seconds of one `torch.optim.AdamW` step over `n` parameters, the fastest of its CPU
     implementations (the per-tensor loop, `foreach` and `fused`)."""
@@ -370,23 +398,29 @@ def table(a, dtype):
     het, pt, het_mm, pt_mm = {}, {}, 0.0, 0.0
     het_adam, pt_adam = (0, float("inf")), float("inf")
     het_lin, pt_lin, lin_shape = {}, {}, None
+    het_back, pt_back = {}, {}
     het_attn, pt_attn = {}, {}
     ratios = {k: [] for k in KEYS}
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: the short rows, hetpar then PyTorch {torch.__version__} ...",
               file=sys.stderr, flush=True)
-        peak, _, adam, (lin_shape, lin), attn = hetpar_run(
+        peak, _, adam, (lin_shape, lin, back), attn = hetpar_run(
             a.hetpar, a.iters, dtype, ["adamw", "linear", "attention"])
         for shape, t in attn.items():
             het_attn[shape] = min(het_attn.get(shape, t), t)
         for n, g in lin.items():
             het_lin[n] = max(het_lin.get(n, 0.0), g)
+        for n, g in back.items():
+            het_back[n] = tuple(max(u, v) for u, v in zip(het_back.get(n, (0.0, 0.0)), g))
         het_adam = (adam[0], min(het_adam[1], adam[1]))
         het_mm = max(het_mm, peak)
         pt_mm = max(pt_mm, torch_matmul(a.iters, mm_dtype))
         pt_adam = min(pt_adam, torch_adamw(het_adam[0], a.iters, tdtype))
         for n in het_lin:
             pt_lin[n] = max(pt_lin.get(n, 0.0), torch_linear(lin_shape, n, a.iters, tdtype, bf16))
+        for n in het_back:
+            g = torch_linear_backward(lin_shape, n, a.iters, tdtype, bf16)
+            pt_back[n] = tuple(max(u, v) for u, v in zip(pt_back.get(n, (0.0, 0.0)), g))
         for shape in het_attn:
             t = torch_attention(shape, a.iters, tdtype, bf16)
             pt_attn[shape] = min(pt_attn.get(shape, t), t)
@@ -430,6 +464,12 @@ def table(a, dtype):
         h, p = het_lin[n], pt_lin[n]
         print(f"| linear forward alone, {n} x {inner} by {out} x {inner} (no backward) | {h:.1f} GFLOP/s | "
               f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | | {h:.1f} | {100 * h / het_mm:.0f}% |")
+    for i, what in enumerate([f"dx = dy w ({{n}} x {out} by {out} x {inner})",
+                              f"dw = dy^T x ({out} x {{n}} by {{n}} x {inner})"]):
+        for n in sorted(het_back):
+            h, p = het_back[n][i], pt_back[n][i]
+            print(f"| linear backward alone, {what.format(n=n)} | {h:.1f} GFLOP/s | "
+                  f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | | {h:.1f} | {100 * h / het_mm:.0f}% |")
     for shape in het_attn:
         h, p = het_attn[shape], pt_attn[shape]
         note = ", bf16 products on both sides" if bf16 else ""

@@ -128,6 +128,50 @@ pub fn linear_gflops(
     Ok(2.0 * (rows * inner * out) as f64 / best / 1e9)
 }
 
+/// GFLOP/s of the linear layers' two backward products for `x` `[rows, inner]`, `w` `[out,
+/// inner]` and the output's gradient `dy` `[rows, out]` in `dtype` (the kernels their
+/// backward runs, with `how`'s products), each the best of `iters`: `(dx = dy w, dw = dy^T
+/// x)`. At a few rows these are the products an MoE expert's backward is made of.
+pub fn linear_backward_gflops(
+    (rows, inner, out): (usize, usize, usize),
+    iters: usize,
+    dtype: DType,
+    how: Matmul,
+) -> Result<(f64, f64)> {
+    use crate::kernels::{by_real_dtype, linear, with_data};
+    let make = |r, c| Tensor::randn(0f32, 1.0, (r, c), &Device::Cpu)?.to_dtype(dtype);
+    let (x, w, dy) = (make(rows, inner)?, make(out, inner)?, make(rows, out)?);
+    let dims = (rows, inner, out);
+    let best = |product: &dyn Fn() -> candle_core::Result<()>| {
+        let mut best = f64::INFINITY;
+        for _ in 0..iters.max(1) + 1 {
+            let t = Instant::now();
+            product()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok::<_, candle_core::Error>(2.0 * (rows * inner * out) as f64 / best / 1e9)
+    };
+    let op = "linear backward bench";
+    let rates = by_real_dtype!(dtype, op, |T| {
+        with_data::<T, _>(&x, op, |x| {
+            with_data::<T, _>(&w, op, |w| {
+                with_data::<T, _>(&dy, op, |dy| {
+                    let dx = best(&|| {
+                        std::hint::black_box(linear::input_grad(how, w, dy, dims)?);
+                        Ok(())
+                    })?;
+                    let dw = best(&|| {
+                        std::hint::black_box(linear::weight_grad_of(how, x, dy, dims)?);
+                        Ok(())
+                    })?;
+                    Ok((dx, dw))
+                })
+            })
+        })
+    })?;
+    Ok(rates)
+}
+
 /// GFLOP/s of a bidirectional attention core (`softmax(q k^T / sqrt(d)) v` over `heads`
 /// heads of `s x d`, the fused kernel the layers run) in `dtype`, forward only, best of
 /// `iters`: `4 * heads * s^2 * d` FLOPs.

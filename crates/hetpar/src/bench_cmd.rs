@@ -46,9 +46,9 @@ struct NnArgs {
     #[arg(long, default_value_t = 3)]
     iters: usize,
     /// Run only these measurements (comma-separated): layer, moe-layer, model, moe-model,
-    /// vit, linear (the linear forward product alone, by row count), attention (the
-    /// attention core alone, forward and backward, on the rows' shapes), adamw (the
-    /// optimizer update alone). Default: all.
+    /// vit, linear (the linear layer's forward product alone, then its backward's two, by
+    /// row count), attention (the attention core alone, forward and backward, on the rows'
+    /// shapes), adamw (the optimizer update alone). Default: all.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -192,7 +192,8 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     use candle_core::DType;
     use hetpar_nn::bench::{
         ATTENTION_SHAPES, LINEAR_ROWS, NnBench, attention_seconds, bench_adamw, bench_llama,
-        bench_llama_layer, bench_vit, bf16_peak_gflops, linear_gflops, matmul_peak_gflops,
+        bench_llama_layer, bench_vit, bf16_peak_gflops, linear_backward_gflops, linear_gflops,
+        matmul_peak_gflops,
     };
     use hetpar_nn::kernels::linear::Matmul;
     use hetpar_nn::layers::attention::CpMode;
@@ -297,19 +298,27 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
         show(r?);
     }
     if wanted("linear") {
-        // The bench MoE's expert weight (704 x 512): the forward product alone, no autograd.
+        // The bench MoE's expert weight (704 x 512): the forward product alone, no autograd,
+        // then its backward's two products (an expert's backward is three such pairs).
         let (inner, out) = (moe.hidden, moe.ffn);
-        let rates = LINEAR_ROWS
-            .iter()
-            .map(|&rows| {
-                let r = linear_gflops((rows, inner, out), 20 * iters.max(1), dtype, matmul)?;
-                Ok(format!("{rows}: {r:.1}"))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let (mut forward, mut backward) = (Vec::new(), Vec::new());
+        for &rows in &LINEAR_ROWS {
+            let (dims, n) = ((rows, inner, out), 20 * iters.max(1));
+            let y = linear_gflops(dims, n, dtype, matmul)?;
+            let (dx, dw) = linear_backward_gflops(dims, n, dtype, matmul)?;
+            forward.push(format!("{rows}: {y:.1}"));
+            backward.push(format!("{rows}: {dx:.1}/{dw:.1}"));
+        }
         say(&format!(
             "linear forward x @ w^T (w {out} x {inner}) {}, GFLOP/s by rows: {}",
             a.dtype,
-            rates.join(", ")
+            forward.join(", ")
+        ));
+        say(&format!(
+            "linear backward dx = dy w, dw = dy^T x (w {out} x {inner}) {}, GFLOP/s by rows \
+             (dx/dw): {}",
+            a.dtype,
+            backward.join(", ")
         ));
     }
     if wanted("attention") {

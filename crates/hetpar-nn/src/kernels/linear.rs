@@ -186,7 +186,7 @@ pub(crate) fn backward<T: Real>(
 }
 
 /// `dx = dy w` (`[rows, in]`) on row-major slices.
-fn input_grad<T: Real>(
+pub(crate) fn input_grad<T: Real>(
     how: Matmul,
     w: &[T],
     dy: &[T],
@@ -198,7 +198,7 @@ fn input_grad<T: Real>(
 }
 
 /// `dw = dy^T x` (`[out, in]`) on row-major slices.
-fn weight_grad_of<T: Real>(
+pub(crate) fn weight_grad_of<T: Real>(
     how: Matmul,
     x: &[T],
     dy: &[T],
