@@ -150,7 +150,8 @@ impl Moe {
         };
         let n_sub = if split { xs.dims()[0] } else { n };
         let (e_count, k) = (self.spec.experts, self.spec.top_k);
-        let logits = matmul_t(Matmul::Native, &xs, &self.gate)?.reshape((n_sub, e_count))?;
+        let logits = matmul_t(Matmul::Native, &xs, &self.gate)?;
+        let logits = if one_node { logits.reshape((n_sub, e_count))? } else { logits };
         let probs = softmax(&logits)?;
 
         // Top-k per token, ties to the lower expert id (a stable descending sort).
@@ -188,7 +189,10 @@ impl Moe {
             let (experts, routing) = (self.expert_weights(), (rows, tokens));
             routed_experts(self.matmul, &xs, &g, experts, routing, residual)?
         } else {
-            self.exchanged(&xs.reshape((n_sub, h))?, &g, tokens, &per_expert)?
+            // (`xs` is `[b, s, h]` only where one node would have run, but no token was
+            // routed.)
+            let rows = if xs.rank() == 2 { xs.clone() } else { xs.reshape((n_sub, h))? };
+            self.exchanged(&rows, &g, tokens, &per_expert)?
         };
         let out = if split { gather_rows(&self.ctx.tp, &combined, n)? } else { combined };
         let aux = self.aux_loss(&probs, &per_expert, n_sub)?;
