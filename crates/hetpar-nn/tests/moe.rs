@@ -1,6 +1,7 @@
 //! The MoE block with experts over ep (1, 2, 4), mixed with tp (with and without SP) and
 //! expert data parallelism, matches the world-size-1 run; all-to-all appears only under
-//! ep > 1.
+//! ep > 1; as a pre-norm layer's second half on one rank (the residual inside the routed
+//! node) it keeps the composed half's bits.
 
 #![allow(clippy::unwrap_used)]
 
@@ -95,6 +96,8 @@ fn moe_matches_one_rank_under_ep_tp_and_edp() {
             (1, 2, 2, false),
             (1, 4, 4, false),
             (1, 4, 2, false),
+            (2, 1, 1, false),
+            (2, 1, 1, true),
             (2, 1, 2, false),
             (2, 1, 2, true),
             (2, 2, 4, true),
@@ -126,5 +129,52 @@ fn all_to_all_only_under_ep() {
             "ep {ep}: {:?}",
             log.count_by_kind()
         );
+    }
+}
+
+#[test]
+fn the_residual_half_keeps_the_composed_bits() {
+    use hetpar_nn::layers::norm::RmsNorm;
+    let l = layout(1, 1, 1, false);
+    for dtype in [DType::F32, DType::F64] {
+        let reports = launch(1, LocalOptions::default(), |c| {
+            let ctx = ParallelCtx::new(c, &l).unwrap();
+            let b = Build::new(ctx.clone(), 11, dtype);
+            let moe = Moe::new(&b, "moe", SPEC, 0.4, 0.3).unwrap();
+            let norm = RmsNorm::new(&b, "norm", SPEC.hidden, 1e-5).unwrap();
+            let x = Var::from_tensor(&global("x", &[B, S, SPEC.hidden], dtype)).unwrap();
+            let probe = global("probe", &[B, S, SPEC.hidden], dtype);
+            let mut params = moe.params();
+            params.extend(norm.params());
+            // Composed (`x + moe(norm(x))`), then the half as `Moe::residual` runs it.
+            [false, true].map(|fused| {
+                let (y, aux) = if fused {
+                    moe.residual(x.as_tensor(), &norm).unwrap()
+                } else {
+                    let (y, aux) = moe.forward(&norm.forward(x.as_tensor()).unwrap()).unwrap();
+                    ((x.as_tensor() + y).unwrap(), aux)
+                };
+                let loss = ((&y * &probe).unwrap().sum_all().unwrap() + &aux).unwrap();
+                let grads = loss.backward().unwrap();
+                let mut values = BTreeMap::new();
+                values.insert("out".to_string(), flat(&y).unwrap());
+                let dx = flat(grads.get(x.as_tensor()).unwrap()).unwrap();
+                values.insert("x_grad".to_string(), dx);
+                values.insert("aux".to_string(), flat(&aux).unwrap());
+                snapshot(&ctx, &params, &grads, values).unwrap()
+            })
+        })
+        .unwrap();
+        let [composed, fused] = &reports[0];
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for key in ["out", "x_grad", "aux"] {
+            let (a, b) = (&composed.values[key], &fused.values[key]);
+            assert_eq!(bits(a), bits(b), "{dtype:?}: {key}");
+        }
+        for (a, b) in composed.params.iter().zip(&fused.params) {
+            assert_eq!(a.name, b.name);
+            assert!(a.grad.iter().any(|&g| g != 0.0), "{dtype:?}: {} got no gradient", a.name);
+            assert_eq!(bits(&a.grad), bits(&b.grad), "{dtype:?}: {}", a.name);
+        }
     }
 }

@@ -299,7 +299,8 @@ fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
     }
     if wanted("linear") {
         // The bench MoE's expert weight (704 x 512): the forward product alone, no autograd,
-        // then its backward's two products (an expert's backward is three such pairs).
+        // then its backward's two products (an expert's backward is three such pairs, `w2`'s
+        // on the transposed shape).
         let (inner, out) = (moe.hidden, moe.ffn);
         let (mut forward, mut backward) = (Vec::new(), Vec::new());
         for &rows in &LINEAR_ROWS {

@@ -133,17 +133,19 @@ impl Moe {
         Ok((if added { y } else { (x + y)? }, aux))
     }
 
-    /// [`Self::forward`] of `x`, with `residual` added where one node takes every expert;
-    /// whether it was.
+    /// [`Self::forward`] of `x`, with `residual` added where one node takes every expert
+    /// of the whole stream (not split over `tp`); whether it was.
     fn run(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<((Tensor, Tensor), bool)> {
         let (b, s, h) = x.dims3()?;
         let n = b * s;
         let split = self.ctx.tp.size() > 1 && !self.ctx.sp();
-        // Where one node takes every expert ([`routed_experts`]), the router and the node
-        // read `x` as it is, `[b, s, h]`: a reshape's backward would zero-fill and add a
-        // gradient the size of `x` on each side.
-        let one_node = self.ctx.ep.comm().is_none() && !split;
-        let xs = match (split, one_node) {
+        // With every expert here (`ep` 1) one node takes the routing and the experts
+        // ([`routed_experts`]). Where the stream is not split over `tp` either, the router
+        // and the node read `x` as it is, `[b, s, h]` (a reshape's backward would zero-fill
+        // and add a gradient the size of `x` on each side), and the node adds the residual.
+        let local = self.ctx.ep.comm().is_none();
+        let whole = local && !split;
+        let xs = match (split, whole) {
             (true, _) => split_rows(&self.ctx.tp, &x.reshape((n, h))?)?,
             (false, true) => x.clone(),
             (false, false) => x.reshape((n, h))?,
@@ -151,7 +153,7 @@ impl Moe {
         let n_sub = if split { xs.dims()[0] } else { n };
         let (e_count, k) = (self.spec.experts, self.spec.top_k);
         let logits = matmul_t(Matmul::Native, &xs, &self.gate)?;
-        let logits = if one_node { logits.reshape((n_sub, e_count))? } else { logits };
+        let logits = if whole { logits.reshape((n_sub, e_count))? } else { logits };
         let probs = softmax(&logits)?;
 
         // Top-k per token, ties to the lower expert id (a stable descending sort).
@@ -182,12 +184,12 @@ impl Moe {
         for &(e, _, _) in &assign {
             per_expert[e] += 1;
         }
-        let combined = if one_node && a > 0 {
+        let combined = if local && a > 0 {
             // Every expert is here: the gather, the experts and the weighted sum are one
             // node ([`routed_experts`]).
             let rows = per_expert.iter().map(|&c| c as usize).collect();
             let (experts, routing) = (self.expert_weights(), (rows, tokens));
-            routed_experts(self.matmul, &xs, &g, experts, routing, residual)?
+            routed_experts(self.matmul, &xs, &g, experts, routing, residual.filter(|_| whole))?
         } else {
             // (`xs` is `[b, s, h]` only where one node would have run, but no token was
             // routed.)
@@ -198,7 +200,7 @@ impl Moe {
         let aux = self.aux_loss(&probs, &per_expert, n_sub)?;
         // (A reshape is a node even to the same shape.)
         let out = if out.dims() == [b, s, h] { out } else { out.reshape((b, s, h))? };
-        Ok(((out, aux), residual.is_some() && one_node && a > 0))
+        Ok(((out, aux), residual.is_some() && whole && a > 0))
     }
 
     /// This rank's experts' weights with their gradients' sinks.
