@@ -125,9 +125,9 @@ impl Moe {
     }
 
     /// `x + self(norm(x))`, a pre-norm layer's second half, and this rank's part of the
-    /// load-balancing loss. Where one node takes every expert ([`routed_experts`]) the
-    /// residual sum is that node's last step (the same sum), so no add node zero-fills and
-    /// adds a gradient the size of `x` for each of its sides.
+    /// load-balancing loss. Where one node takes every expert ([`routed_experts`], `ep` 1)
+    /// of a stream not split over `tp`, the residual sum is that node's last step (the same
+    /// sum), so no add node zero-fills and adds a gradient the size of `x` for each side.
     pub fn residual(&self, x: &Tensor, norm: &impl Norm) -> Result<(Tensor, Tensor)> {
         let ((y, aux), added) = self.run(&norm.normalize(x)?, Some(x))?;
         Ok((if added { y } else { (x + y)? }, aux))
