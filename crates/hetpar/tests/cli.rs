@@ -251,13 +251,31 @@ fn schedule_for_every_example_with_an_svg() {
 }
 
 #[test]
-fn bench_nn_times_the_linear_forward_by_rows_in_the_format_compare_py_reads() {
+fn bench_nn_times_the_linear_products_by_rows_in_the_format_compare_py_reads() {
     let text = stdout(&hetpar(&["bench", "nn", "--only", "linear", "--iters", "1"]));
     let line =
         text.lines().find(|l| l.starts_with("linear forward")).unwrap_or_else(|| panic!("{text}"));
     let (head, rates) = line.split_once(" GFLOP/s by rows: ").unwrap_or_else(|| panic!("{line}"));
     assert_eq!(head, "linear forward x @ w^T (w 704 x 512) f32,");
     assert_eq!(positive_by_label(rates, ": "), ["32", "64", "128", "256", "512"]);
+    // The backward's two products, `dx/dw` at each row count.
+    let line =
+        text.lines().find(|l| l.starts_with("linear backward")).unwrap_or_else(|| panic!("{text}"));
+    let (head, rates) =
+        line.split_once(" GFLOP/s by rows (dx/dw): ").unwrap_or_else(|| panic!("{line}"));
+    assert_eq!(head, "linear backward dx = dy w, dw = dy^T x (w 704 x 512) f32,");
+    let rows: Vec<&str> = rates
+        .split(", ")
+        .map(|item| {
+            let (rows, pair) = item.split_once(": ").unwrap_or_else(|| panic!("{item}"));
+            let (dx, dw) = pair.split_once('/').unwrap_or_else(|| panic!("{item}"));
+            for v in [dx, dw] {
+                assert!(v.parse::<f64>().is_ok_and(|v| v > 0.0), "{item} in {line}");
+            }
+            rows
+        })
+        .collect();
+    assert_eq!(rows, ["32", "64", "128", "256", "512"]);
     // The kernels it ran on, as the library picks them on this CPU.
     let kernels = format!(
         "kernels on this CPU: gemm's {} products, the fused kernels' loops on the {} path",
