@@ -20,7 +20,7 @@ use hetpar_comm::Communicator;
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
 
 use crate::ctx::ParallelCtx;
-use crate::error::Result;
+use crate::error::{NnError, Result};
 use crate::init::Init;
 use crate::kernels::attention::FlashAttention;
 use crate::kernels::linear::Matmul;
@@ -130,46 +130,46 @@ pub fn linear_gflops(
 
 /// GFLOP/s of the linear layers' two backward products for `x` `[rows, inner]`, `w` `[out,
 /// inner]` and the output's gradient `dy` `[rows, out]` in `dtype` (the kernels their
-/// backward runs, with `how`'s products), each the best of `iters`: `(dx = dy w, dw = dy^T
-/// x)`. At a few rows these are the products an MoE expert's backward is made of.
+/// backward runs, with `how`'s products), each the best of `iters` after a warm-up: `(dx =
+/// dy w, dw = dy^T x)`. At a few rows these are the products an MoE expert's backward is
+/// made of.
 pub fn linear_backward_gflops(
-    (rows, inner, out): (usize, usize, usize),
+    dims: (usize, usize, usize),
     iters: usize,
     dtype: DType,
     how: Matmul,
 ) -> Result<(f64, f64)> {
-    use crate::kernels::{by_real_dtype, linear, with_data};
-    let make = |r, c| Tensor::randn(0f32, 1.0, (r, c), &Device::Cpu)?.to_dtype(dtype);
-    let (x, w, dy) = (make(rows, inner)?, make(out, inner)?, make(rows, out)?);
-    let dims = (rows, inner, out);
-    let best = |product: &dyn Fn() -> candle_core::Result<()>| {
-        let mut best = f64::INFINITY;
-        for _ in 0..iters.max(1) + 1 {
-            let t = Instant::now();
-            product()?;
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        Ok::<_, candle_core::Error>(2.0 * (rows * inner * out) as f64 / best / 1e9)
+    match dtype {
+        DType::F32 => linear_backward_rates::<f32>(dims, iters, how),
+        DType::F64 => linear_backward_rates::<f64>(dims, iters, how),
+        other => Err(NnError::Input(format!(
+            "the linear backward's products run in f32 and f64, not {other:?}"
+        ))),
+    }
+}
+
+fn linear_backward_rates<T: crate::kernels::Real>(
+    (rows, inner, out): (usize, usize, usize),
+    iters: usize,
+    how: Matmul,
+) -> Result<(f64, f64)> {
+    use crate::kernels::linear::{input_grad, weight_grad_of};
+    let data = |r, c| {
+        Tensor::randn(0f32, 1.0, (r, c), &Device::Cpu)?.to_dtype(T::DTYPE)?.flatten_all()?.to_vec1()
     };
-    let op = "linear backward bench";
-    let rates = by_real_dtype!(dtype, op, |T| {
-        with_data::<T, _>(&x, op, |x| {
-            with_data::<T, _>(&w, op, |w| {
-                with_data::<T, _>(&dy, op, |dy| {
-                    let dx = best(&|| {
-                        std::hint::black_box(linear::input_grad(how, w, dy, dims)?);
-                        Ok(())
-                    })?;
-                    let dw = best(&|| {
-                        std::hint::black_box(linear::weight_grad_of(how, x, dy, dims)?);
-                        Ok(())
-                    })?;
-                    Ok((dx, dw))
-                })
-            })
-        })
+    let (x, w, dy): (Vec<T>, Vec<T>, Vec<T>) =
+        (data(rows, inner)?, data(out, inner)?, data(rows, out)?);
+    let dims = (rows, inner, out);
+    let dx = time(iters, || {
+        std::hint::black_box(input_grad(how, &w, &dy, dims)?);
+        Ok(())
     })?;
-    Ok(rates)
+    let dw = time(iters, || {
+        std::hint::black_box(weight_grad_of(how, &x, &dy, dims)?);
+        Ok(())
+    })?;
+    let gflop = 2.0 * (rows * inner * out) as f64 / 1e9;
+    Ok((gflop / dx, gflop / dw))
 }
 
 /// GFLOP/s of a bidirectional attention core (`softmax(q k^T / sqrt(d)) v` over `heads`
@@ -289,7 +289,7 @@ pub fn vit_flops(cfg: &VitConfig) -> f64 {
 
 fn one_rank(comm: &dyn Communicator) -> Result<Arc<ParallelCtx>> {
     let l = ModuleLayout::new("bench", Span::new(0, 1), LayoutSpec::default())
-        .map_err(|e| crate::NnError::Input(e.to_string()))?;
+        .map_err(|e| NnError::Input(e.to_string()))?;
     ParallelCtx::new(comm, &l)
 }
 
