@@ -155,7 +155,10 @@ fn linear_backward_rates<T: crate::kernels::Real>(
 ) -> Result<(f64, f64)> {
     use crate::kernels::linear::{input_grad, weight_grad_of};
     let data = |r, c| {
-        Tensor::randn(0f32, 1.0, (r, c), &Device::Cpu)?.to_dtype(T::DTYPE)?.flatten_all()?.to_vec1()
+        Tensor::randn(0f32, 1.0, (r, c), &Device::Cpu)?
+            .to_dtype(<T as candle_core::WithDType>::DTYPE)?
+            .flatten_all()?
+            .to_vec1()
     };
     let (x, w, dy): (Vec<T>, Vec<T>, Vec<T>) =
         (data(rows, inner)?, data(out, inner)?, data(rows, out)?);

@@ -110,7 +110,9 @@ pub struct ReduceScatterDim {
     pub dim: usize,
 }
 
-fn gather_dim<T: WithDType + Element>(
+/// [`GatherDim`]'s forward on a slice of `shape`: the parts concatenated along `dim` in
+/// member order.
+pub(crate) fn gather_dim<T: WithDType + Element>(
     c: &dyn Communicator,
     x: &[T],
     shape: &Shape,
@@ -133,7 +135,9 @@ fn gather_dim<T: WithDType + Element>(
     Ok((out, Shape::from(dims)))
 }
 
-fn reduce_scatter_dim<T: WithDType + Element>(
+/// [`ReduceScatterDim`]'s forward on a slice of `shape`: the members' sums of this member's
+/// part along `dim`.
+pub(crate) fn reduce_scatter_dim<T: WithDType + Element>(
     c: &dyn Communicator,
     x: &[T],
     shape: &Shape,

@@ -872,7 +872,8 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
                     let heads = (heads, kv_heads);
                     let tables = tables.clone();
                     let pre = residual.then(|| pre.fused());
-                    attention_block(how, &x, &wq, weights, heads, tables, attention(), pre).unwrap()
+                    attention_block(how, &x, &wq, weights, heads, tables, attention(), (pre, None))
+                        .unwrap()
                 } else {
                     let input = if residual { pre.composed(&x) } else { x.as_tensor().clone() };
                     let lin =
@@ -945,7 +946,7 @@ fn the_gelu_mlp_as_one_node_gives_the_composed_mlps_bits() {
                         bias: Some((b.as_tensor().clone(), Some(sinks[i + 2].clone()))),
                     };
                     let pre = residual.then(|| pre.fused());
-                    gelu_mlp(how, &x, &w1, p(&w1, &b1, 0), p(&w2, &b2, 1), pre).unwrap()
+                    gelu_mlp(how, &x, &w1, p(&w1, &b1, 0), p(&w2, &b2, 1), (pre, None)).unwrap()
                 } else {
                     let input = if residual { pre.composed(&x) } else { x.as_tensor().clone() };
                     let h = linear_bias_gelu_into(how, &input, &w1, &b1, &sinks[0]).unwrap();
@@ -987,23 +988,33 @@ fn a_fused_block_with_weights_or_tables_that_do_not_fit_is_an_error() {
     // A key projection one row short of two heads of 4.
     let weights =
         BlockWeights { q: p("q", 16, 16), k: p("k", 7, 16), v: p("v", 8, 16), o: p("o", 16, 16) };
-    let e = attention_block(Matmul::Native, &x, &a, weights, (4, 2), None, attention(), None);
+    let e =
+        attention_block(Matmul::Native, &x, &a, weights, (4, 2), None, attention(), (None, None));
     assert!(e.unwrap_err().to_string().contains("do not fit"));
     // Rotary tables for 5 positions on a sequence of 6.
     let tables = hetpar_nn::layers::rope::Rope::new(4, 10_000.0).tables(&[0, 1, 2, 3, 4]);
     let weights =
         BlockWeights { q: p("q", 16, 16), k: p("k", 8, 16), v: p("v", 8, 16), o: p("o", 16, 16) };
-    let e =
-        attention_block(Matmul::Native, &x, &a, weights, (4, 2), Some(tables), attention(), None);
+    let e = attention_block(
+        Matmul::Native,
+        &x,
+        &a,
+        weights,
+        (4, 2),
+        Some(tables),
+        attention(),
+        (None, None),
+    );
     assert!(e.unwrap_err().to_string().contains("rotary tables"));
     // An MLP whose layers do not chain.
     let mlp = [p("g", 24, 16), p("u", 24, 16), p("d", 16, 20)];
-    let e = swiglu_mlp(Matmul::Native, &x, &a, mlp, None);
+    let e = swiglu_mlp(Matmul::Native, &x, &a, mlp, (None, None));
     assert!(e.unwrap_err().to_string().contains("do not chain"));
     // A pre-norm of half the rows' width (which divides the input's elements).
     let mlp = [p("g", 24, 16), p("u", 24, 16), p("d", 16, 24)];
     let weight = (var("n", &[8], dtype).as_tensor().clone(), GradSink::new());
-    let e = swiglu_mlp(Matmul::Native, &x, &a, mlp, Some(PreNorm::Rms { weight, eps: 1e-6 }));
+    let e =
+        swiglu_mlp(Matmul::Native, &x, &a, mlp, (Some(PreNorm::Rms { weight, eps: 1e-6 }), None));
     assert!(e.unwrap_err().to_string().contains("pre-norm block"));
 }
 
@@ -1027,7 +1038,8 @@ fn the_swiglu_mlp_as_one_node_gives_the_composed_mlps_bits() {
                         bias: None,
                     };
                     let pre = residual.then(|| pre.fused());
-                    swiglu_mlp(how, &x, &wg, [p(&wg, 0), p(&wu, 1), p(&wd, 2)], pre).unwrap()
+                    swiglu_mlp(how, &x, &wg, [p(&wg, 0), p(&wu, 1), p(&wd, 2)], (pre, None))
+                        .unwrap()
                 } else {
                     let input = if residual { pre.composed(&x) } else { x.as_tensor().clone() };
                     let g = linear_into(how, &input, &wg, &sinks[0]).unwrap();

@@ -1,7 +1,8 @@
-//! A self-attention block on one rank (no tensor or context parallelism) as one autograd
-//! node: the q, k and v projections, the rotary embedding of q and k where the model has
-//! one, the attention core and the output projection; and an MLP (GELU or SwiGLU) on one
-//! rank, likewise.
+//! A self-attention block without context parallelism as one autograd node: the q, k and
+//! v projections, the rotary embedding of q and k where the model has one, the attention
+//! core and the output projection; and an MLP (GELU or SwiGLU), likewise. On one rank, or
+//! over `tp` with this rank's heads or FFN columns and the tensor-parallel collectives
+//! inside the node ([`TpEdges`]).
 //!
 //! Composed, the block is seven nodes between its input and output (three projections,
 //! three head reshapes, the attention core, a reshape and the output projection), and
@@ -27,6 +28,14 @@
 //! does, the residual's part first, then the norm's; the norm's weights' gradients go to
 //! their sinks. The results are again the composed layer's bits (zeros aside).
 //!
+//! Over `tp` the composed layers add two more nodes: the gather of the (normed) input
+//! along the sequence under SP (or Megatron's `f`) and the reduce-scatter (or all-reduce,
+//! `g`) of the partial output, then the row-parallel bias add; each is an edge of
+//! `[tokens, hidden]` candle fills and adds into. The node calls the same collectives on
+//! the same data in the same order, forward and backward, keeps the gathered input for
+//! the backward as the composed graph does, and adds the bias after the reduction, so the
+//! bits are again the composed layers'.
+//!
 //! The weights are not inputs of the node (a custom op takes at most three); an anchor, a
 //! variable the caller passes ([`anchor`]), makes candle run the backward whenever the
 //! block trains, and gets no gradient from it. It is an empty variable of its own, not one
@@ -36,6 +45,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{CpuStorage, CustomOp2, Device, Error, Layout, Shape, Tensor};
+use hetpar_comm::{CommExt, Communicator, ReduceOp};
 
 use super::attention::{Dims, FlashAttention};
 use super::linear::{Matmul, backward, biased};
@@ -44,6 +54,7 @@ use super::pointwise::{
 };
 use super::sink::GradSink;
 use super::{Anchored, CResult, Real, by_real, kept, saved_state, simd, slice, with_data};
+use crate::ops;
 
 /// One projection: its weight `[out, in]` with the sink its gradient goes to, and its bias
 /// `[out]` with its sink (`None`: applied but never trained, as the key bias).
@@ -89,6 +100,179 @@ pub enum PreNorm {
         /// Added to the mean square.
         eps: f64,
     },
+}
+
+/// The tensor-parallel edges of a block whose weights are this rank's shards (Megatron's
+/// column-parallel projections in, a row-parallel one out; Shoeybi et al. 2019): the input
+/// enters through an all-gather along the sequence under SP (its gradient reduce-scattered
+/// back; Korthikanti et al. 2022) or as it is (its gradient all-reduced, Megatron's `f`),
+/// the block's partial output leaves through a reduce-scatter along the sequence under SP
+/// or an all-reduce (`g`), and the row-parallel layer's bias, which every rank holds whole,
+/// is added after the reduction. The collectives are the composed layers' calls on the
+/// same data (`crate::ops`), so the node keeps their bits.
+#[derive(Clone, Debug)]
+pub struct TpEdges {
+    /// The tensor-parallel group.
+    pub comm: Arc<dyn Communicator>,
+    /// Sequence parallelism: the input and output are this rank's part of the sequence
+    /// (`[b, s / tp, ..]`).
+    pub sp: bool,
+    /// The output's bias and its sink (the row-parallel layer's; the block's own output
+    /// projection then has none).
+    pub bias: Option<(Tensor, GradSink)>,
+}
+
+/// A block's tensor-parallel edges, and its gathered input from the forward (under SP).
+#[derive(Debug)]
+struct Tp {
+    edges: TpEdges,
+    gathered: Mutex<Option<Tensor>>,
+}
+
+impl Tp {
+    fn new(edges: Option<TpEdges>) -> Option<Tp> {
+        edges.map(|edges| Tp { edges, gathered: Mutex::new(None) })
+    }
+
+    /// The shape the block sees: `shape` with its sequence gathered under SP.
+    fn whole(&self, shape: &Shape) -> CResult<Shape> {
+        let mut dims = shape.dims().to_vec();
+        if self.edges.sp {
+            if dims.len() != 3 {
+                return Err(Error::Msg(format!(
+                    "tensor-parallel block: a sequence-parallel input is [b, s, h], not {shape:?}"
+                )));
+            }
+            dims[1] *= self.edges.comm.size();
+        }
+        Ok(Shape::from(dims))
+    }
+
+    /// `shape` with its last dim holding `len` elements in all.
+    fn rows_of(shape: &Shape, len: usize) -> Shape {
+        let mut dims = shape.dims().to_vec();
+        let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+        if let Some(last) = dims.last_mut() {
+            *last = len.checked_div(rows).unwrap_or(0);
+        }
+        Shape::from(dims)
+    }
+
+    /// `reduce(block(gather(x))) + bias` on `x` of `shape`; `block` maps the (gathered)
+    /// input of its shape to this rank's partial output.
+    fn forward<T: Real>(
+        &self,
+        x: &[T],
+        shape: &Shape,
+        block: impl FnOnce(&[T], &Shape) -> CResult<Vec<T>>,
+    ) -> CResult<Vec<T>> {
+        let op = "tensor-parallel block";
+        let c = self.edges.comm.as_ref();
+        let mut y = if self.edges.sp {
+            let whole = self.whole(shape)?;
+            let (g, _) = ops::gather_dim(c, x, shape, 1)?;
+            let part = block(&g, &whole)?;
+            *saved_state(&self.gathered, op)? = Some(kept(g)?);
+            ops::reduce_scatter_dim(c, &part, &Self::rows_of(&whole, part.len()), 1)?.0
+        } else {
+            let mut part = block(x, shape)?;
+            c.all_reduce(&mut part, ReduceOp::Sum).map_err(|e| Error::Msg(format!("{op}: {e}")))?;
+            part
+        };
+        if let Some((b, _)) = &self.edges.bias {
+            let out = Self::rows_of(shape, y.len());
+            with_data::<T, _>(b, op, |b| {
+                if out.dims().last() != Some(&b.len()) || y.len() != out.elem_count() {
+                    return Err(Error::Msg(format!(
+                        "{op}: a bias of {} for an output of {} elements on {shape:?}",
+                        b.len(),
+                        y.len()
+                    )));
+                }
+                simd::fast!(BiasAddOp::add_rows(&mut y, b));
+                Ok(())
+            })?;
+        }
+        Ok(y)
+    }
+
+    /// `x`'s gradient from the output's `dy`, where `block(input, shape, dy)` maps the
+    /// (gathered) input of its shape and the (gathered) output gradient to the input's
+    /// partial gradient; the bias's gradient goes to its sink. In the order of the composed
+    /// layers' backward: the bias, the output's collective, the block, the input's.
+    fn backward<T: Real>(
+        &self,
+        x: &[T],
+        shape: &Shape,
+        dy: &[T],
+        block: impl FnOnce(&[T], &Shape, &[T]) -> CResult<Vec<T>>,
+    ) -> CResult<Vec<T>> {
+        let op = "tensor-parallel block backward";
+        let c = self.edges.comm.as_ref();
+        if let Some((b, sink)) = &self.edges.bias {
+            let n = b.dims1()?;
+            let out = Self::rows_of(shape, dy.len());
+            if out.dims().last() != Some(&n) || dy.len() != out.elem_count() {
+                return Err(Error::Msg(format!(
+                    "{op}: a bias of {n} for an output gradient of {} elements",
+                    dy.len()
+                )));
+            }
+            sink.add(simd::fast!(BiasAddOp::bias_grad(dy, n)))?;
+        }
+        if !self.edges.sp {
+            let mut dx = block(x, shape, dy)?;
+            c.all_reduce(&mut dx, ReduceOp::Sum).map_err(|e| Error::Msg(format!("{op}: {e}")))?;
+            return Ok(dx);
+        }
+        let whole = self.whole(shape)?;
+        let gathered = saved_state(&self.gathered, op)?
+            .clone()
+            .ok_or_else(|| Error::Msg(format!("{op}: backward without its forward")))?;
+        let (dy, _) = ops::gather_dim(c, dy, &Self::rows_of(shape, dy.len()), 1)?;
+        let dg = with_data::<T, _>(&gathered, op, |g| block(g, &whole, &dy))?;
+        Ok(ops::reduce_scatter_dim(c, &dg, &whole, 1)?.0)
+    }
+}
+
+/// Runs a block's node forward on `x` of `shape`: `block` (on its input and that input's
+/// shape) inside the tensor-parallel edges where there are some, inside the pre-norm and
+/// residual where there is one.
+fn framed_forward<T: Real>(
+    residual: Option<&Residual>,
+    tp: Option<&Tp>,
+    x: &[T],
+    shape: &Shape,
+    block: impl FnOnce(&[T], &Shape) -> CResult<Vec<T>>,
+) -> CResult<Vec<T>> {
+    let inner = |n: &[T]| match tp {
+        None => block(n, shape),
+        Some(tp) => tp.forward(n, shape, block),
+    };
+    match residual {
+        None => inner(x),
+        Some(r) => r.forward(x, shape.dims().last().copied().unwrap_or(0), inner),
+    }
+}
+
+/// The node's backward to [`framed_forward`]: `x`'s gradient from the output's `dy`, where
+/// `block(input, shape, dy)` gives the block's input's gradient.
+fn framed_backward<T: Real>(
+    residual: Option<&Residual>,
+    tp: Option<&Tp>,
+    x: &[T],
+    shape: &Shape,
+    dy: &[T],
+    block: impl FnOnce(&[T], &Shape, &[T]) -> CResult<Vec<T>>,
+) -> CResult<Vec<T>> {
+    let inner = |n: &[T], dy: &[T]| match tp {
+        None => block(n, shape, dy),
+        Some(tp) => tp.backward(n, shape, dy, block),
+    };
+    match residual {
+        None => inner(x, dy),
+        Some(r) => r.backward(x, dy, shape.dims().last().copied().unwrap_or(0), inner),
+    }
 }
 
 /// A block's pre-norm and residual, and the norm's output from the forward.
@@ -230,6 +414,8 @@ struct AttentionBlockOp {
     saved: Mutex<Option<Saved>>,
     /// The pre-norm and residual, where the node is the layer's half.
     residual: Option<Residual>,
+    /// The tensor-parallel edges, where the weights are shards.
+    tp: Option<Tp>,
 }
 
 /// `(rows, in, out)` of `p` on `rows` rows.
@@ -382,11 +568,10 @@ impl Anchored for AttentionBlockOp {
     const NAME: &'static str = "attention block";
 
     fn input_grad<T: NormalCdf>(&self, x: &[T], shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
-        let dims = shape.dims3()?;
-        match &self.residual {
-            None => self.backward(x, dy, dims),
-            Some(r) => r.backward(x, dy, dims.2, |n, dy| self.backward(n, dy, dims)),
-        }
+        let (residual, tp) = (self.residual.as_ref(), self.tp.as_ref());
+        framed_backward(residual, tp, x, shape, dy, |x, shape, dy| {
+            self.backward(x, dy, shape.dims3()?)
+        })
     }
 }
 
@@ -402,13 +587,13 @@ impl CustomOp2 for AttentionBlockOp {
         _s2: &CpuStorage,
         _l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
-        let dims = l1.shape().dims3()?;
+        l1.shape().dims3()?;
+        let (residual, tp) = (self.residual.as_ref(), self.tp.as_ref());
         by_real!(s1, "attention block", |T| {
             let x = slice::<T>(s1, l1, "attention block")?;
-            let y = match &self.residual {
-                None => self.forward(x, dims)?,
-                Some(r) => r.forward(x, dims.2, |n| self.forward(n, dims))?,
-            };
+            let y = framed_forward(residual, tp, x, l1.shape(), |x, shape| {
+                self.forward(x, shape.dims3()?)
+            })?;
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), l1.shape().clone()))
         })
     }
@@ -429,7 +614,9 @@ impl CustomOp2 for AttentionBlockOp {
 /// position of the sequence) where given, the core as `attention` runs it; `anchor` (an
 /// empty variable, [`anchor`]) makes candle run the backward. The weights' gradients go
 /// to their sinks, so they must be the parameters' `Var`s. Given `pre`, the node is
-/// `x + block(pre(x))` ([`PreNorm`]).
+/// `x + block(pre(x))` ([`PreNorm`]). Given `tp`, the weights and heads are this rank's
+/// shards (the output projection's bias, if any, is `tp`'s) and `x` is this rank's part of
+/// the sequence under SP ([`TpEdges`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_block(
     how: Matmul,
@@ -439,7 +626,7 @@ pub fn attention_block(
     (heads, kv_heads): (usize, usize),
     rope: Option<Arc<RopeTables>>,
     attention: FlashAttention,
-    pre: Option<PreNorm>,
+    (pre, tp): (Option<PreNorm>, Option<TpEdges>),
 ) -> CResult<Tensor> {
     let op = AttentionBlockOp {
         how,
@@ -449,6 +636,7 @@ pub fn attention_block(
         attention,
         saved: Mutex::new(None),
         residual: Residual::new(pre),
+        tp: Tp::new(tp),
     };
     x.contiguous()?.apply_op2(anchor, op)
 }
@@ -476,6 +664,8 @@ struct MlpOp {
     saved: Mutex<Vec<Tensor>>,
     /// The pre-norm and residual, where the node is the layer's half.
     residual: Option<Residual>,
+    /// The tensor-parallel edges, where the weights are shards.
+    tp: Option<Tp>,
 }
 
 impl MlpOp {
@@ -562,13 +752,12 @@ impl MlpOp {
 impl Anchored for MlpOp {
     const NAME: &'static str = "MLP";
 
-    fn input_grad<T: NormalCdf>(&self, x: &[T], _shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
+    fn input_grad<T: NormalCdf>(&self, x: &[T], shape: &Shape, dy: &[T]) -> CResult<Vec<T>> {
         let inner = self.widths()?.0;
-        let rows = x.len() / inner.max(1);
-        match &self.residual {
-            None => self.backward(x, dy, rows),
-            Some(r) => r.backward(x, dy, inner, |n, dy| self.backward(n, dy, rows)),
-        }
+        let (residual, tp) = (self.residual.as_ref(), self.tp.as_ref());
+        framed_backward(residual, tp, x, shape, dy, |x, _, dy| {
+            self.backward(x, dy, x.len() / inner.max(1))
+        })
     }
 }
 
@@ -585,21 +774,20 @@ impl CustomOp2 for MlpOp {
         _l2: &Layout,
     ) -> CResult<(CpuStorage, Shape)> {
         let (inner, out) = self.widths()?;
-        let Some((&width, lead)) = l1.shape().dims().split_last() else {
+        let Some((&width, _)) = l1.shape().dims().split_last() else {
             return Err(Error::Msg(format!("MLP: input {:?} has no feature dim", l1.shape())));
         };
         if width != inner {
             return Err(Error::Msg(format!("MLP: input {:?}, first layer of {inner}", l1.shape())));
         }
-        let rows = lead.iter().product();
         let mut shape = l1.shape().dims().to_vec();
         *shape.last_mut().expect("checked above") = out;
+        let (residual, tp) = (self.residual.as_ref(), self.tp.as_ref());
         by_real!(s1, "MLP", |T| {
             let x = slice::<T>(s1, l1, "MLP")?;
-            let y = match &self.residual {
-                None => self.forward(x, rows)?,
-                Some(r) => r.forward(x, inner, |n| self.forward(n, rows))?,
-            };
+            let y = framed_forward(residual, tp, x, l1.shape(), |x, _| {
+                self.forward(x, x.len() / inner.max(1))
+            })?;
             Ok((<T as candle_core::WithDType>::to_cpu_storage_owned(y), Shape::from(shape)))
         })
     }
@@ -615,40 +803,43 @@ impl CustomOp2 for MlpOp {
     }
 }
 
-/// `fc2(gelu(fc1(x)))` on one rank as one node, `x` `[.., in]`; `anchor` (an empty
-/// variable, [`anchor`]) makes candle run the backward. The weights' and biases' gradients go to their
-/// sinks, so they must be the parameters' `Var`s. Given `pre`, the node is
-/// `x + mlp(pre(x))` ([`PreNorm`]).
+/// `fc2(gelu(fc1(x)))` as one node, `x` `[.., in]`; `anchor` (an empty variable,
+/// [`anchor`]) makes candle run the backward. The weights' and biases' gradients go to
+/// their sinks, so they must be the parameters' `Var`s. Given `pre`, the node is
+/// `x + mlp(pre(x))` ([`PreNorm`]). Given `tp`, the layers are this rank's shards (`fc2`'s
+/// bias, if any, is `tp`'s) and `x` `[b, s / tp, in]` under SP ([`TpEdges`]).
 pub fn gelu_mlp(
     how: Matmul,
     x: &Tensor,
     anchor: &Tensor,
     fc1: Projection,
     fc2: Projection,
-    pre: Option<PreNorm>,
+    (pre, tp): (Option<PreNorm>, Option<TpEdges>),
 ) -> CResult<Tensor> {
     let op = MlpOp {
         how,
         mlp: Mlp::Gelu { fc1, fc2 },
         saved: Mutex::new(Vec::new()),
         residual: Residual::new(pre),
+        tp: Tp::new(tp),
     };
     x.contiguous()?.apply_op2(anchor, op)
 }
 
-/// `down(silu(gate(x)) * up(x))` on one rank as one node, as [`gelu_mlp`] (`pre` too).
+/// `down(silu(gate(x)) * up(x))` as one node, as [`gelu_mlp`] (`pre` and `tp` too).
 pub fn swiglu_mlp(
     how: Matmul,
     x: &Tensor,
     anchor: &Tensor,
     [gate, up, down]: [Projection; 3],
-    pre: Option<PreNorm>,
+    (pre, tp): (Option<PreNorm>, Option<TpEdges>),
 ) -> CResult<Tensor> {
     let op = MlpOp {
         how,
         mlp: Mlp::SwiGlu { gate, up, down },
         saved: Mutex::new(Vec::new()),
         residual: Residual::new(pre),
+        tp: Tp::new(tp),
     };
     x.contiguous()?.apply_op2(anchor, op)
 }

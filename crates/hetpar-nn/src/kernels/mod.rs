@@ -70,7 +70,7 @@ pub fn share_threads(ranks: usize) -> usize {
 }
 
 /// The float types the kernels run in.
-pub trait Real: WithDType + std::ops::Neg<Output = Self> {
+pub trait Real: WithDType + hetpar_comm::Element + std::ops::Neg<Output = Self> {
     /// 0.
     const ZERO: Self;
     /// 1.

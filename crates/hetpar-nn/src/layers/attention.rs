@@ -166,9 +166,15 @@ impl Attention {
     /// `x` `[b, s, hidden]` (this rank's tokens; sequence-sharded again under SP) at
     /// `positions` to `[b, s, hidden]`.
     pub fn forward(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
-        if self.one_rank() {
+        if self.one_node() {
             return self.fused(x, positions.own(), None);
         }
+        self.composed(x, positions)
+    }
+
+    /// [`Self::forward`] node by node: the projections, head reshapes, rotations, attention
+    /// core and the collectives each their own nodes (the path under context parallelism).
+    pub(super) fn composed(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
         let (hq, hkv) =
             (self.spec.heads / self.ctx.tp.size(), self.spec.kv_heads / self.ctx.tp.size());
         // One gather (or gradient reduction) over `tp` for the three projections.
@@ -194,40 +200,39 @@ impl Attention {
         self.o.forward(&out.reshape((b, s, h * d))?)
     }
 
-    /// `x + self(norm(x))`, a pre-norm layer's first half; on one rank one node
-    /// ([`attention_block`] with its [`PreNorm`]: the composed half's bits).
+    /// `x + self(norm(x))`, a pre-norm layer's first half; without context parallelism one
+    /// node ([`attention_block`] with its [`PreNorm`]: the composed half's bits).
     pub fn residual(
         &self,
         x: &Tensor,
         norm: &impl Norm,
         positions: &CpPositions,
     ) -> Result<Tensor> {
-        if self.one_rank() {
+        if self.one_node() {
             return self.fused(x, positions.own(), Some(norm.pre_norm()));
         }
-        Ok((x + self.forward(&norm.normalize(x)?, positions)?)?)
+        Ok((x + self.composed(&norm.normalize(x)?, positions)?)?)
     }
 
-    /// Whether the block runs on one rank (`tp` and `cp` 1), as one node.
-    fn one_rank(&self) -> bool {
-        self.ctx.tp.size() == 1 && self.ctx.cp.size() == 1
+    /// Whether the block runs as one node: without context parallelism (`cp` 1), on one
+    /// rank or over `tp` (its collectives inside the node).
+    fn one_node(&self) -> bool {
+        self.ctx.cp.size() == 1
     }
 
-    /// The block on one rank as one node ([`attention_block`]), behind `pre` where given:
-    /// the composed block's bits without candle's zero fills and adds between its nodes.
+    /// The block as one node ([`attention_block`]; over `tp` this rank's heads, with the
+    /// collectives inside), behind `pre` where given: the composed block's bits without
+    /// candle's zero fills and adds between its nodes.
     fn fused(&self, x: &Tensor, own: &[usize], pre: Option<PreNorm>) -> Result<Tensor> {
         let rope = self.rope.as_ref().map(|r| r.tables(own));
         let (q, how) = self.q.projection();
         let anchor = anchor(x.dtype())?;
-        let weights = BlockWeights {
-            q,
-            k: self.k.projection().0,
-            v: self.v.projection().0,
-            o: self.o.projection(),
-        };
-        let heads = (self.spec.heads, self.spec.kv_heads);
+        let (o, tp) = self.o.projection();
+        let weights = BlockWeights { q, k: self.k.projection().0, v: self.v.projection().0, o };
+        let shards = self.ctx.tp.size();
+        let heads = (self.spec.heads / shards, self.spec.kv_heads / shards);
         let attention = self.attend(own, own, false);
-        Ok(attention_block(how, x, &anchor, weights, heads, rope, attention, pre)?)
+        Ok(attention_block(how, x, &anchor, weights, heads, rope, attention, (pre, tp))?)
     }
 
     fn all_gather(&self, q: &Tensor, k: &Tensor, v: &Tensor, p: &CpPositions) -> Result<Tensor> {

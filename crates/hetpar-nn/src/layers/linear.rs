@@ -13,7 +13,7 @@ use candle_core::{DType, Tensor};
 use crate::ctx::ParallelCtx;
 use crate::error::Result;
 use crate::init::Init;
-use crate::kernels::block::Projection;
+use crate::kernels::block::{Projection, TpEdges};
 use crate::kernels::linear::{Matmul, linear_bias_gelu_into, linear_bias_into, linear_into};
 use crate::kernels::pointwise::{bias_add, gelu_as};
 use crate::layers::comm::{copy_to, gather_dim, reduce_from, reduce_scatter_dim};
@@ -145,11 +145,6 @@ impl ColumnParallel {
         Ok(linear_bias_gelu_into(how, &x, w, &b, sink)?)
     }
 
-    /// Ranks of the tensor-parallel group.
-    pub(crate) fn tp_size(&self) -> usize {
-        self.ctx.tp.size()
-    }
-
     /// How the layer multiplies.
     pub(crate) fn matmul(&self) -> Matmul {
         self.matmul
@@ -201,10 +196,23 @@ pub struct RowParallel {
 }
 
 impl RowParallel {
-    /// The weight and bias as a fused node takes them, with their sinks.
-    pub(crate) fn projection(&self) -> Projection {
-        let bias = self.bias.as_ref().map(|b| (b.tensor().clone(), Some(b.sink.clone())));
-        Projection { weight: (self.weight.tensor().clone(), self.weight.sink.clone()), bias }
+    /// The weight and bias as a fused node takes them, with their sinks, and over `tp` the
+    /// node's tensor-parallel edges: the gather (SP) or `f` in front of the block, the
+    /// reduce-scatter (SP) or `g` after it, and this layer's bias, added after the
+    /// reduction (so the projection has none).
+    pub(crate) fn projection(&self) -> (Projection, Option<TpEdges>) {
+        let weight = (self.weight.tensor().clone(), self.weight.sink.clone());
+        let bias = self.bias.as_ref().map(|b| (b.tensor().clone(), b.sink.clone()));
+        match self.ctx.tp.comm() {
+            None => {
+                let bias = bias.map(|(b, sink)| (b, Some(sink)));
+                (Projection { weight, bias }, None)
+            }
+            Some(comm) => {
+                let edges = TpEdges { comm: comm.clone(), sp: self.ctx.sp(), bias };
+                (Projection { weight, bias: None }, Some(edges))
+            }
+        }
     }
 
     /// `name.weight` `[out, in]`, each rank holding `in / tp` columns; `name.bias` whole.

@@ -6,7 +6,6 @@ use candle_core::Tensor;
 
 use crate::error::Result;
 use crate::kernels::block::{PreNorm, anchor, gelu_mlp, swiglu_mlp};
-use crate::kernels::pointwise::swiglu_as;
 use crate::layers::linear::{Build, ColumnParallel, RowParallel};
 use crate::layers::norm::Norm;
 use crate::params::{HasParams, Param};
@@ -36,32 +35,38 @@ impl SwiGlu {
         })
     }
 
-    /// `[b, s, hidden]` to `[b, s, hidden]` (sequence-sharded in and out under SP); on one
-    /// rank as one node ([`swiglu_mlp`], the same bits).
+    /// `[b, s, hidden]` to `[b, s, hidden]` (sequence-sharded in and out under SP), as one
+    /// node ([`swiglu_mlp`]; over `tp` with its collectives inside): the composed layers'
+    /// bits.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.gate.tp_size() == 1 {
-            return self.fused(x, None);
-        }
-        // One gather (or gradient reduction) over `tp` for both projections.
-        let x = self.gate.input(x)?;
-        let h = swiglu_as(self.gate.matmul(), &self.gate.local(&x)?, &self.up.local(&x)?)?;
-        self.down.forward(&h)
+        self.fused(x, None)
     }
 
-    /// `x + self(norm(x))`, a pre-norm layer's second half; on one rank one node
-    /// ([`swiglu_mlp`] with its [`PreNorm`]: the composed half's bits).
+    /// `x + self(norm(x))`, a pre-norm layer's second half, as one node ([`swiglu_mlp`]
+    /// with its [`PreNorm`]: the composed half's bits).
     pub fn residual(&self, x: &Tensor, norm: &impl Norm) -> Result<Tensor> {
-        if self.gate.tp_size() == 1 {
-            return self.fused(x, Some(norm.pre_norm()));
-        }
-        Ok((x + self.forward(&norm.normalize(x)?)?)?)
+        self.fused(x, Some(norm.pre_norm()))
     }
 
     fn fused(&self, x: &Tensor, pre: Option<PreNorm>) -> Result<Tensor> {
         let (gate, how) = self.gate.projection();
         let anchor = anchor(x.dtype())?;
-        let parts = [gate, self.up.projection().0, self.down.projection()];
-        Ok(swiglu_mlp(how, x, &anchor, parts, pre)?)
+        let (down, tp) = self.down.projection();
+        let parts = [gate, self.up.projection().0, down];
+        Ok(swiglu_mlp(how, x, &anchor, parts, (pre, tp))?)
+    }
+
+    /// The layers composed node by node: the reference [`Self::forward`] keeps the bits of.
+    #[cfg(test)]
+    pub(super) fn composed(&self, x: &Tensor) -> Result<Tensor> {
+        // One gather (or gradient reduction) over `tp` for both projections.
+        let x = self.gate.input(x)?;
+        let h = crate::kernels::pointwise::swiglu_as(
+            self.gate.matmul(),
+            &self.gate.local(&x)?,
+            &self.up.local(&x)?,
+        )?;
+        self.down.forward(&h)
     }
 }
 
@@ -102,28 +107,29 @@ impl GeluMlp {
         })
     }
 
-    /// `[b, s, input]` to `[b, s, output]`; on one rank as one node ([`gelu_mlp`], the same
-    /// bits).
+    /// `[b, s, input]` to `[b, s, output]` (sequence-sharded under SP), as one node
+    /// ([`gelu_mlp`]; over `tp` with its collectives inside): the composed layers' bits.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.fc1.tp_size() == 1 {
-            return self.fused(x, None);
-        }
-        self.fc2.forward(&self.fc1.forward_gelu(x)?)
+        self.fused(x, None)
     }
 
-    /// `x + self(norm(x))`, a pre-norm layer's second half; on one rank one node
+    /// `x + self(norm(x))` (`input == output`), a pre-norm layer's second half, as one node
     /// ([`gelu_mlp`] with its [`PreNorm`]: the composed half's bits).
     pub fn residual(&self, x: &Tensor, norm: &impl Norm) -> Result<Tensor> {
-        if self.fc1.tp_size() == 1 {
-            return self.fused(x, Some(norm.pre_norm()));
-        }
-        Ok((x + self.forward(&norm.normalize(x)?)?)?)
+        self.fused(x, Some(norm.pre_norm()))
     }
 
     fn fused(&self, x: &Tensor, pre: Option<PreNorm>) -> Result<Tensor> {
         let (fc1, how) = self.fc1.projection();
         let anchor = anchor(x.dtype())?;
-        Ok(gelu_mlp(how, x, &anchor, fc1, self.fc2.projection(), pre)?)
+        let (fc2, tp) = self.fc2.projection();
+        Ok(gelu_mlp(how, x, &anchor, fc1, fc2, (pre, tp))?)
+    }
+
+    /// The layers composed node by node: the reference [`Self::forward`] keeps the bits of.
+    #[cfg(test)]
+    pub(super) fn composed(&self, x: &Tensor) -> Result<Tensor> {
+        self.fc2.forward(&self.fc1.forward_gelu(x)?)
     }
 }
 

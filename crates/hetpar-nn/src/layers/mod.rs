@@ -9,3 +9,6 @@ pub mod mlp;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+
+#[cfg(test)]
+mod tests;
