@@ -236,12 +236,21 @@ fn visible(causal: bool, q: &Block, k: &Block) -> Visible {
     }
 }
 
-/// Sets the masked scores of a diagonal block (rows `bk` apart) to `-inf`.
+/// Sets the masked scores of a diagonal block (rows `bk` apart) to `-inf`: those of keys
+/// after the query. Where the block's key positions ascend (always without context
+/// parallelism, and within each chunk of the load-balanced split), a row's masked keys
+/// are the block's keys after the first one past the query: one fill per row.
 fn mask<T: Real>(s: &mut [T], bk: usize, q_pos: &[usize], k_pos: &[usize]) {
+    let ascending = k_pos.windows(2).all(|w| w[0] <= w[1]);
     for (i, &qp) in q_pos.iter().enumerate() {
-        for (j, &kp) in k_pos.iter().enumerate() {
-            if kp > qp {
-                s[i * bk + j] = T::NEG_INF;
+        let row = &mut s[i * bk..i * bk + k_pos.len()];
+        if ascending {
+            row[k_pos.partition_point(|&kp| kp <= qp)..].fill(T::NEG_INF);
+        } else {
+            for (e, &kp) in row.iter_mut().zip(k_pos) {
+                if kp > qp {
+                    *e = T::NEG_INF;
+                }
             }
         }
     }
