@@ -343,7 +343,8 @@ impl Communicator for LocalComm {
 
     fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()> {
         check_peer(self, dst, "send")?;
-        self.shared.post(self.group_id, self.me, dst, tag, self.shared.pool.copy_of(data));
+        let key = (self.group_id, self.me, dst, tag);
+        self.shared.post(key, self.members[dst], self.shared.pool.copy_of(data));
         Ok(())
     }
 
@@ -372,7 +373,7 @@ impl Communicator for LocalComm {
                 } else {
                     Err(mismatch(region.len()))
                 };
-                self.shared.returned(id);
+                self.shared.returned(id, self.members[src]);
                 out
             }
         }
@@ -397,10 +398,11 @@ impl Communicator for LocalComm {
         }
         check_peer(self, dst, "send")?;
         let key = (self.group_id, self.me, dst, st);
-        let id = self.shared.lend(key.0, key.1, key.2, key.3, Region::of(send));
+        let id = self.shared.lend(key, self.members[dst], Region::of(send));
         // Reclaimed on every way out, a panic included, before `send` can go.
         let got = catch_unwind(AssertUnwindSafe(|| self.recv_bytes(recv, src, rt)));
-        self.shared.reclaim(key, (id, send.len()), || self.shared.pool.copy_of(send));
+        let lender = (id, send.len(), self.members[self.me]);
+        self.shared.reclaim(key, lender, || self.shared.pool.copy_of(send));
         got.unwrap_or_else(|payload| std::panic::resume_unwind(payload))
     }
 
@@ -409,13 +411,8 @@ impl Communicator for LocalComm {
         // Sends are buffered here: post them all, then take each receive in turn.
         for op in ops.iter() {
             if let P2p::Send { data, peer, tag } = op {
-                self.shared.post(
-                    self.group_id,
-                    self.me,
-                    *peer,
-                    *tag,
-                    self.shared.pool.copy_of(data),
-                );
+                let key = (self.group_id, self.me, *peer, *tag);
+                self.shared.post(key, self.members[*peer], self.shared.pool.copy_of(data));
             }
         }
         for op in ops.iter_mut() {

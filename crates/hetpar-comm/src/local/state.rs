@@ -196,7 +196,12 @@ pub(crate) struct Shared {
     /// Each rank's timeout (its calls' waits), by world rank.
     pub timeouts: Vec<SharedTimeout>,
     state: Mutex<State>,
-    cond: Condvar,
+    /// By world rank, what the rank's threads wait on: a change wakes only the ranks it
+    /// concerns (a collective's members, a message's receiver, a lent buffer's sender),
+    /// every rank only on an exit. With one condition for all, each change woke every
+    /// waiting rank, and on a machine with fewer cores than ranks those wake-ups took cores
+    /// from the ranks computing.
+    conds: Vec<Condvar>,
     /// Payload buffers to reuse.
     pub pool: BufferPool,
     /// Whether every rank can have a core of its own: only then does a send-receive lend
@@ -232,10 +237,39 @@ impl Shared {
         Shared {
             timeouts: (0..world).map(|_| SharedTimeout::new(timeout)).collect(),
             state: Mutex::new(state),
-            cond: Condvar::new(),
+            conds: (0..world).map(|_| Condvar::new()).collect(),
             pool: BufferPool::new(),
             lends: world <= cores,
         }
+    }
+
+    /// Wakes the threads of each world rank in `ranks`, after giving the lock back (a woken
+    /// thread then finds it free).
+    fn wake(&self, st: MutexGuard<'_, State>, ranks: &[usize]) {
+        drop(st);
+        for &r in ranks {
+            self.conds[r].notify_all();
+        }
+    }
+
+    /// Sleeps on world rank `rank`'s condition until woken or `timeout` passes (`None`:
+    /// until woken).
+    fn sleep<'s>(
+        &'s self,
+        st: MutexGuard<'s, State>,
+        rank: usize,
+        timeout: Option<Duration>,
+    ) -> MutexGuard<'s, State> {
+        let cond = &self.conds[rank];
+        match timeout {
+            Some(t) => cond.wait_timeout(st, t).unwrap_or_else(|e| e.into_inner()).0,
+            None => cond.wait(st).unwrap_or_else(|e| e.into_inner()),
+        }
+    }
+
+    /// Wakes every rank's threads.
+    fn wake_all(&self) {
+        self.conds.iter().for_each(Condvar::notify_all);
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -254,7 +288,7 @@ impl Shared {
             st.failed = Some((rank, message));
         }
         drop(st);
-        self.cond.notify_all();
+        self.wake_all();
     }
 
     /// The first rank that panicked, if any.
@@ -350,7 +384,7 @@ impl Shared {
             if waiting.is_none() {
                 *waiting = Some(format!("in {} over ranks {}", op(), ranks(members)));
             }
-            st = self.cond.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self.sleep(st, members[me], Some(deadline - now));
         }
     }
 
@@ -379,14 +413,12 @@ impl Shared {
         let slot = st.slots.entry(key).or_insert_with(|| Slot::new(n));
         if let Err(e) = agree(slot, site, sig) {
             // Not posted: nobody reads this buffer.
-            drop(st);
-            self.cond.notify_all();
+            self.wake(st, site.members);
             return Err(e);
         }
         slot.regions[site.me] = Some(region);
         slot.counts[site.me] = counts;
-        drop(st);
-        self.cond.notify_all();
+        self.wake(st, site.members);
         let op = || site.op_name();
         for phase in 0..=phases {
             let st = self.lock();
@@ -476,8 +508,7 @@ impl Shared {
                     }
                 }
             }
-            drop(st);
-            self.cond.notify_all();
+            self.wake(st, site.members);
             if let Err(e) = done {
                 return Err(self.abandon(site, e));
             }
@@ -496,7 +527,10 @@ impl Shared {
             slot.reading[site.me] = false;
             if slot.closed.is_none() {
                 slot.closed = Some((site.me, err.clone()));
-                self.cond.notify_all();
+                // Every member waiting in the call learns it is closed; then look again.
+                self.wake(st, site.members);
+                st = self.lock();
+                continue;
             }
             // A member's flag is set only while its thread (or any thread using its
             // communicator) runs a phase's work, and cleared after it, panics included;
@@ -505,13 +539,12 @@ impl Shared {
             if !busy {
                 break;
             }
-            st = self.cond.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = self.sleep(st, site.members[site.me], None);
         }
         if let Some(slot) = st.slots.get_mut(&key) {
             slot.left[site.me] = true;
         }
-        drop(st);
-        self.cond.notify_all();
+        self.wake(st, site.members);
         self.finish(site);
         err
     }
@@ -527,42 +560,52 @@ impl Shared {
         }
     }
 
-    /// Queues a message (buffered send: never blocks).
-    pub fn post(&self, group_id: u64, src: usize, dst: usize, tag: u32, data: Vec<u8>) {
-        self.lock()
-            .mail
-            .entry((group_id, src, dst, tag))
-            .or_default()
-            .push_back(Letter::Copy(data));
-        self.cond.notify_all();
+    /// Queues a message (buffered send: never blocks) for world rank `to` (`dst` in the
+    /// group).
+    pub fn post(
+        &self,
+        (group_id, src, dst, tag): (u64, usize, usize, u32),
+        to: usize,
+        data: Vec<u8>,
+    ) {
+        let mut st = self.lock();
+        st.mail.entry((group_id, src, dst, tag)).or_default().push_back(Letter::Copy(data));
+        self.wake(st, &[to]);
     }
 
-    /// Queues the sender's own buffer as a message; the sender must [`Shared::reclaim`] it
-    /// before its buffer may change or go.
-    pub fn lend(&self, group_id: u64, src: usize, dst: usize, tag: u32, region: Region) -> u64 {
+    /// Queues the sender's own buffer as a message for world rank `to` (`dst` in the
+    /// group); the sender must [`Shared::reclaim`] it before its buffer may change or go.
+    pub fn lend(
+        &self,
+        (group_id, src, dst, tag): (u64, usize, usize, u32),
+        to: usize,
+        region: Region,
+    ) -> u64 {
         let mut st = self.lock();
         let id = st.next_lend;
         st.next_lend += 1;
         st.lent.insert(id, Lend::Posted);
         st.mail.entry((group_id, src, dst, tag)).or_default().push_back(Letter::Lent(region, id));
-        drop(st);
-        self.cond.notify_all();
+        self.wake(st, &[to]);
         id
     }
 
-    /// Marks lent buffer `id` read (the receiver has finished with it).
-    pub fn returned(&self, id: u64) {
-        self.lock().lent.insert(id, Lend::Read);
-        self.cond.notify_all();
+    /// Marks lent buffer `id` read (the receiver has finished with it); `lender` is the
+    /// sender's world rank.
+    pub fn returned(&self, id: u64, lender: usize) {
+        let mut st = self.lock();
+        st.lent.insert(id, Lend::Read);
+        self.wake(st, &[lender]);
     }
 
     /// Takes lent buffer `id` back: done when it was read; waited for while it is being
     /// read; replaced by `copy()` in its queue when nobody has taken it yet, so the message
     /// is still delivered, as a buffered send's is.
+    /// `me` is the sender's world rank.
     pub fn reclaim(
         &self,
         (group_id, src, dst, tag): (u64, usize, usize, u32),
-        (id, len): (u64, usize),
+        (id, len, me): (u64, usize, usize),
         copy: impl FnOnce() -> Vec<u8>,
     ) {
         let key = (group_id, src, dst, tag);
@@ -580,7 +623,7 @@ impl Shared {
                     }
                     return;
                 }
-                Some(Lend::Reading) => st = self.cond.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(Lend::Reading) => st = self.sleep(st, me, None),
                 Some(Lend::Posted) => match made.take() {
                     // First wait about as long as the copy would take (a receiver that is
                     // on its way then copies once), then copy outside the lock and swap
@@ -589,7 +632,7 @@ impl Shared {
                         waited = true;
                         let secs = (len as f64 / COPY_RATE).clamp(20e-6, 0.05);
                         let wait = Duration::from_secs_f64(secs);
-                        st = self.cond.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner()).0;
+                        st = self.sleep(st, me, Some(wait));
                     }
                     None => {
                         drop(st);
