@@ -641,9 +641,10 @@ pub fn attention_block(
     x.contiguous()?.apply_op2(anchor, op)
 }
 
-/// An MLP on one rank as one node: the GELU MLP's first layer and GELU (composed, one node,
-/// [`super::linear::linear_bias_gelu_into`]) then its second layer, or SwiGLU's gate and up
-/// projections, their product and the down projection. Composed, every activation between
+/// An MLP as one node (on one rank, or over `tp` within its [`TpEdges`]): the GELU MLP's
+/// first layer and GELU (composed, one node, [`super::linear::linear_bias_gelu_into`]) then
+/// its second layer, or SwiGLU's gate and up projections, their product and the down
+/// projection. Composed, every activation between
 /// the layers (the MLP's widest tensors) is an edge whose gradient candle zero-fills and
 /// adds into on every backward, and the input's gradient is a fill and two adds in SwiGLU;
 /// here the forward keeps the activations the backward needs and the backward runs the

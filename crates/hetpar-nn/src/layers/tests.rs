@@ -60,9 +60,9 @@ fn pass(
 }
 
 /// Runs `body` (which builds a block and gives its fused and its composed pass on the input
-/// and probe) on every rank of a tp 2 layout, with and without SP, and asserts the passes
-/// agree.
-fn agree(what: &str, body: impl Fn(&Build, &Var, &Tensor) -> [Pass; 2] + Sync) {
+/// and a probe of `out` features) on every rank of a tp 2 layout, with and without SP, and
+/// asserts the passes agree.
+fn agree(what: &str, out: usize, body: impl Fn(&Build, &Var, &Tensor) -> [Pass; 2] + Sync) {
     for (dtype, how) in
         [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native), (DType::F32, Matmul::Bf16)]
     {
@@ -75,7 +75,7 @@ fn agree(what: &str, body: impl Fn(&Build, &Var, &Tensor) -> [Pass; 2] + Sync) {
                     if sp { t.chunk(TP, 1).unwrap()[ctx.tp.rank].clone() } else { t }
                 };
                 let x = Var::from_tensor(&shard(global("x", &[B, S, H], dtype))).unwrap();
-                let probe = shard(global("probe", &[B, S, H], dtype));
+                let probe = shard(global("probe", &[B, S, out], dtype));
                 body(&Build::new(ctx.clone(), 3, dtype).with_matmul(how), &x, &probe)
             })
             .unwrap();
@@ -131,7 +131,7 @@ fn over_tp_the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
     for llama in [true, false] {
         for residual in [false, true] {
             let what = format!("attention (Llama-like {llama}, residual {residual})");
-            agree(&what, |b, x, probe| {
+            agree(&what, H, |b, x, probe| {
                 let att = Attention::new(b, "att", "o_proj", attention_spec(llama), 0.3, 0.2);
                 let att = att.unwrap();
                 let at = CpPositions::single(S);
@@ -159,7 +159,7 @@ fn over_tp_the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
 #[test]
 fn over_tp_the_mlps_as_one_node_give_the_composed_mlps_bits() {
     for residual in [false, true] {
-        agree(&format!("SwiGLU (residual {residual})"), |b, x, probe| {
+        agree(&format!("SwiGLU (residual {residual})"), H, |b, x, probe| {
             let mlp = SwiGlu::new(b, "mlp", H, 24, 0.3, 0.2).unwrap();
             let norm = RmsNorm::new(b, "norm", H, 1e-6).unwrap();
             let fused = |x: &Tensor, n: Option<&RmsNorm>| match n {
@@ -168,7 +168,7 @@ fn over_tp_the_mlps_as_one_node_give_the_composed_mlps_bits() {
             };
             both((&mlp, &norm, residual), (x, probe), fused, |x| mlp.composed(x))
         });
-        agree(&format!("GELU MLP (residual {residual})"), |b, x, probe| {
+        agree(&format!("GELU MLP (residual {residual})"), H, |b, x, probe| {
             let mlp = GeluMlp::new(b, "fc1", "fc2", (H, 24, H), 0.3, 0.2).unwrap();
             let norm = LayerNorm::new(b, "norm", H, 1e-5).unwrap();
             let fused = |x: &Tensor, n: Option<&LayerNorm>| match n {
@@ -178,4 +178,11 @@ fn over_tp_the_mlps_as_one_node_give_the_composed_mlps_bits() {
             both((&mlp, &norm, residual), (x, probe), fused, |x| mlp.composed(x))
         });
     }
+    // A projector's shape: an output narrower than the input.
+    agree("GELU MLP 16 -> 24 -> 10", 10, |b, x, probe| {
+        let mlp = GeluMlp::new(b, "fc1", "fc2", (H, 24, 10), 0.3, 0.2).unwrap();
+        let norm = LayerNorm::new(b, "norm", H, 1e-5).unwrap();
+        let fused = |x: &Tensor, _: Option<&LayerNorm>| mlp.forward(x);
+        both((&mlp, &norm, false), (x, probe), fused, |x| mlp.composed(x))
+    });
 }
