@@ -872,8 +872,17 @@ fn the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
                     let heads = (heads, kv_heads);
                     let tables = tables.clone();
                     let pre = residual.then(|| pre.fused());
-                    attention_block(how, &x, &wq, weights, heads, tables, attention(), (pre, None))
-                        .unwrap()
+                    attention_block(
+                        how,
+                        &x,
+                        &wq,
+                        weights,
+                        heads,
+                        tables,
+                        attention(),
+                        (pre, None, None),
+                    )
+                    .unwrap()
                 } else {
                     let input = if residual { pre.composed(&x) } else { x.as_tensor().clone() };
                     let lin =
@@ -985,27 +994,21 @@ fn a_fused_block_with_weights_or_tables_that_do_not_fit_is_an_error() {
     let pos: Arc<Vec<usize>> = Arc::new((0..6).collect());
     let attention = || FlashAttention::new(pos.clone(), pos.clone(), true, 0.5, false);
     let a = hetpar_nn::kernels::block::anchor(dtype).unwrap();
+    let block = |k_rows: usize, tables| {
+        let weights = BlockWeights {
+            q: p("q", 16, 16),
+            k: p("k", k_rows, 16),
+            v: p("v", 8, 16),
+            o: p("o", 16, 16),
+        };
+        let edges = (None, None, None);
+        attention_block(Matmul::Native, &x, &a, weights, (4, 2), tables, attention(), edges)
+    };
     // A key projection one row short of two heads of 4.
-    let weights =
-        BlockWeights { q: p("q", 16, 16), k: p("k", 7, 16), v: p("v", 8, 16), o: p("o", 16, 16) };
-    let e =
-        attention_block(Matmul::Native, &x, &a, weights, (4, 2), None, attention(), (None, None));
-    assert!(e.unwrap_err().to_string().contains("do not fit"));
+    assert!(block(7, None).unwrap_err().to_string().contains("do not fit"));
     // Rotary tables for 5 positions on a sequence of 6.
     let tables = hetpar_nn::layers::rope::Rope::new(4, 10_000.0).tables(&[0, 1, 2, 3, 4]);
-    let weights =
-        BlockWeights { q: p("q", 16, 16), k: p("k", 8, 16), v: p("v", 8, 16), o: p("o", 16, 16) };
-    let e = attention_block(
-        Matmul::Native,
-        &x,
-        &a,
-        weights,
-        (4, 2),
-        Some(tables),
-        attention(),
-        (None, None),
-    );
-    assert!(e.unwrap_err().to_string().contains("rotary tables"));
+    assert!(block(8, Some(tables)).unwrap_err().to_string().contains("rotary tables"));
     // An MLP whose layers do not chain.
     let mlp = [p("g", 24, 16), p("u", 24, 16), p("d", 16, 20)];
     let e = swiglu_mlp(Matmul::Native, &x, &a, mlp, (None, None));

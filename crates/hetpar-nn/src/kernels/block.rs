@@ -1,8 +1,10 @@
-//! A self-attention block without context parallelism as one autograd node: the q, k and
-//! v projections, the rotary embedding of q and k where the model has one, the attention
-//! core and the output projection; and an MLP (GELU or SwiGLU), likewise. On one rank, or
-//! over `tp` with this rank's heads or FFN columns and the tensor-parallel collectives
-//! inside the node ([`TpEdges`]).
+//! A self-attention block as one autograd node: the q, k and v projections, the rotary
+//! embedding of q and k where the model has one, the attention core and the output
+//! projection; and an MLP (GELU or SwiGLU), likewise. On one rank, or over `tp` with this
+//! rank's heads or FFN columns and the tensor-parallel collectives inside the node
+//! ([`TpEdges`]); the attention block also under context parallelism by all-gather, every
+//! cp rank's keys and values gathered inside the node after the rotation (their gradients
+//! reduce-scattered back), as the composed layer gathers them.
 //!
 //! Composed, the block is seven nodes between its input and output (three projections,
 //! three head reshapes, the attention core, a reshape and the output projection), and
@@ -416,6 +418,10 @@ struct AttentionBlockOp {
     residual: Option<Residual>,
     /// The tensor-parallel edges, where the weights are shards.
     tp: Option<Tp>,
+    /// The context-parallel group whose keys and values every rank attends to, gathered
+    /// along the sequence after the rotation (`CpMode::AllGather`; their gradients
+    /// reduce-scattered back), or `None` without context parallelism.
+    cp: Option<Arc<dyn Communicator>>,
 }
 
 /// `(rows, in, out)` of `p` on `rows` rows.
@@ -496,7 +502,7 @@ impl AttentionBlockOp {
                 t.half
             )));
         }
-        let kv = Shape::from((b, s, hkv, d));
+        let kv = Shape::from((b, s * self.cp.as_ref().map_or(1, |c| c.size()), hkv, d));
         self.attention.dims(&Shape::from((b, s, hq, d)), &kv, &kv)
     }
 
@@ -515,6 +521,14 @@ impl AttentionBlockOp {
             q = simd::fast!({ rot.rotate(&q, s, hq) });
             k = simd::fast!({ rot.rotate(&k, s, hkv) });
         }
+        let (k, v) = match &self.cp {
+            None => (k, v),
+            Some(c) => {
+                let part = Shape::from((b, s, k.len() / (b * s).max(1)));
+                let k = ops::gather_dim(c.as_ref(), &k, &part, 1)?.0;
+                (k, ops::gather_dim(c.as_ref(), &v, &part, 1)?.0)
+            }
+        };
         let (att, lse) = simd::fast!(self.attention.forward(&q, &k, &v, dm))?;
         let o = project(self.how, &w.o, &att, rows)?;
         *self.saved()? =
@@ -541,8 +555,16 @@ impl AttentionBlockOp {
                 with_data::<T, _>(&sv.v, op, |v| {
                     with_data::<T, _>(&sv.att, op, |att| {
                         let datt = project_back(self.how, &w.o, att, dy, rows)?;
-                        let (mut dq, mut dk, dv) =
+                        let (mut dq, mut dk, mut dv) =
                             simd::fast!(self.attention.backward(q, k, v, att, &datt, &sv.lse, dm))?;
+                        if let Some(c) = &self.cp {
+                            // Each rank's keys' and values' gradients, summed over the ranks
+                            // that attended to them.
+                            let sk = s * c.size();
+                            let all = Shape::from((b, sk, dk.len() / (b * sk).max(1)));
+                            dk = ops::reduce_scatter_dim(c.as_ref(), &dk, &all, 1)?.0;
+                            dv = ops::reduce_scatter_dim(c.as_ref(), &dv, &all, 1)?.0;
+                        }
                         if let Some(tables) = &self.rope {
                             let (hq, hkv) = self.heads;
                             let back = RopeOp { tables: tables.clone(), inverse: true };
@@ -616,7 +638,9 @@ impl CustomOp2 for AttentionBlockOp {
 /// to their sinks, so they must be the parameters' `Var`s. Given `pre`, the node is
 /// `x + block(pre(x))` ([`PreNorm`]). Given `tp`, the weights and heads are this rank's
 /// shards (the output projection's bias, if any, is `tp`'s) and `x` is this rank's part of
-/// the sequence under SP ([`TpEdges`]).
+/// the sequence under SP ([`TpEdges`]). Given `cp`, `x` holds this context-parallel rank's
+/// positions, the keys and values of every rank of `cp` are gathered after the rotation,
+/// and `attention` attends to all of them (its key positions every rank's, in member order).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_block(
     how: Matmul,
@@ -626,7 +650,7 @@ pub fn attention_block(
     (heads, kv_heads): (usize, usize),
     rope: Option<Arc<RopeTables>>,
     attention: FlashAttention,
-    (pre, tp): (Option<PreNorm>, Option<TpEdges>),
+    (pre, tp, cp): (Option<PreNorm>, Option<TpEdges>, Option<Arc<dyn Communicator>>),
 ) -> CResult<Tensor> {
     let op = AttentionBlockOp {
         how,
@@ -637,6 +661,7 @@ pub fn attention_block(
         saved: Mutex::new(None),
         residual: Residual::new(pre),
         tp: Tp::new(tp),
+        cp,
     };
     x.contiguous()?.apply_op2(anchor, op)
 }

@@ -167,13 +167,13 @@ impl Attention {
     /// `positions` to `[b, s, hidden]`.
     pub fn forward(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
         if self.one_node() {
-            return self.fused(x, positions.own(), None);
+            return self.fused(x, positions, None);
         }
         self.composed(x, positions)
     }
 
     /// [`Self::forward`] node by node: the projections, head reshapes, rotations, attention
-    /// core and the collectives each their own nodes (the path under context parallelism).
+    /// core and the collectives each their own nodes (the path of ring attention).
     pub(super) fn composed(&self, x: &Tensor, positions: &CpPositions) -> Result<Tensor> {
         let (hq, hkv) =
             (self.spec.heads / self.ctx.tp.size(), self.spec.kv_heads / self.ctx.tp.size());
@@ -209,21 +209,24 @@ impl Attention {
         positions: &CpPositions,
     ) -> Result<Tensor> {
         if self.one_node() {
-            return self.fused(x, positions.own(), Some(norm.pre_norm()));
+            return self.fused(x, positions, Some(norm.pre_norm()));
         }
         Ok((x + self.composed(&norm.normalize(x)?, positions)?)?)
     }
 
-    /// Whether the block runs as one node: without context parallelism (`cp` 1), on one
-    /// rank or over `tp` (its collectives inside the node).
+    /// Whether the block runs as one node: on one rank, over `tp` and under context
+    /// parallelism by all-gather (their collectives inside the node); ring attention's
+    /// steps stay nodes of their own.
     fn one_node(&self) -> bool {
-        self.ctx.cp.size() == 1
+        self.ctx.cp.size() == 1 || self.spec.cp_mode == CpMode::AllGather
     }
 
-    /// The block as one node ([`attention_block`]; over `tp` this rank's heads, with the
-    /// collectives inside), behind `pre` where given: the composed block's bits without
-    /// candle's zero fills and adds between its nodes.
-    fn fused(&self, x: &Tensor, own: &[usize], pre: Option<PreNorm>) -> Result<Tensor> {
+    /// The block as one node ([`attention_block`]; over `tp` this rank's heads, under
+    /// context parallelism every cp rank's keys and values, with the collectives inside),
+    /// behind `pre` where given: the composed block's bits without candle's zero fills and
+    /// adds between its nodes.
+    fn fused(&self, x: &Tensor, positions: &CpPositions, pre: Option<PreNorm>) -> Result<Tensor> {
+        let own = positions.own();
         let rope = self.rope.as_ref().map(|r| r.tables(own));
         let (q, how) = self.q.projection();
         let anchor = anchor(x.dtype())?;
@@ -231,8 +234,13 @@ impl Attention {
         let weights = BlockWeights { q, k: self.k.projection().0, v: self.v.projection().0, o };
         let shards = self.ctx.tp.size();
         let heads = (self.spec.heads / shards, self.spec.kv_heads / shards);
-        let attention = self.attend(own, own, false);
-        Ok(attention_block(how, x, &anchor, weights, heads, rope, attention, (pre, tp))?)
+        let cp = self.ctx.cp.comm().cloned();
+        let attention = match cp {
+            None => self.attend(own, own, false),
+            Some(_) => self.attend(own, &positions.ranks.concat(), false),
+        };
+        let edges = (pre, tp, cp);
+        Ok(attention_block(how, x, &anchor, weights, heads, rope, attention, edges)?)
     }
 
     fn all_gather(&self, q: &Tensor, k: &Tensor, v: &Tensor, p: &CpPositions) -> Result<Tensor> {

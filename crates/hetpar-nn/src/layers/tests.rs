@@ -59,34 +59,52 @@ fn pass(
     out
 }
 
-/// Runs `body` (which builds a block and gives its fused and its composed pass on the input
-/// and a probe of `out` features) on every rank of a tp 2 layout, with and without SP, and
-/// asserts the passes agree.
-fn agree(what: &str, out: usize, body: impl Fn(&Build, &Var, &Tensor) -> [Pass; 2] + Sync) {
+/// Runs `body` (which builds a block and gives its fused and its composed pass on the input,
+/// a probe of `out` features and the rank's positions) on every rank of a tp 2 layout, with
+/// and without SP, and asserts the passes agree.
+fn agree(
+    what: &str,
+    out: usize,
+    body: impl Fn(&Build, &Var, &Tensor, &CpPositions) -> [Pass; 2] + Sync,
+) {
+    agree_on(what, &[(TP, 1, false), (TP, 1, true)], out, body);
+}
+
+/// [`agree`] on layouts of `(tp, cp, sp)`: each cp rank holds its own `S / cp` positions'
+/// rows (the same on its tp ranks, split along the sequence under SP).
+fn agree_on(
+    what: &str,
+    layouts: &[(usize, usize, bool)],
+    out: usize,
+    body: impl Fn(&Build, &Var, &Tensor, &CpPositions) -> [Pass; 2] + Sync,
+) {
     for (dtype, how) in
         [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native), (DType::F32, Matmul::Bf16)]
     {
-        for sp in [false, true] {
-            let spec = LayoutSpec { tp: TP, sp, ..LayoutSpec::default() };
-            let layout = ModuleLayout::new("m", Span::new(0, TP), spec).unwrap();
-            let runs = launch(TP, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        for &(tp, cp, sp) in layouts {
+            let spec = LayoutSpec { tp, cp, sp, ..LayoutSpec::default() };
+            let layout = ModuleLayout::new("m", Span::new(0, tp * cp), spec).unwrap();
+            let runs = launch(tp * cp, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
                 let ctx = ParallelCtx::new(c, &layout).unwrap();
+                let at = CpPositions::sequence(&layout, S, ctx.cp.rank);
+                let (i, s) = (ctx.cp.rank, S / cp);
                 let shard = |t: Tensor| {
-                    if sp { t.chunk(TP, 1).unwrap()[ctx.tp.rank].clone() } else { t }
+                    if sp { t.chunk(tp, 1).unwrap()[ctx.tp.rank].clone() } else { t }
                 };
-                let x = Var::from_tensor(&shard(global("x", &[B, S, H], dtype))).unwrap();
-                let probe = shard(global("probe", &[B, S, out], dtype));
-                body(&Build::new(ctx.clone(), 3, dtype).with_matmul(how), &x, &probe)
+                let x = global(&format!("x{i}"), &[B, s, H], dtype);
+                let x = Var::from_tensor(&shard(x)).unwrap();
+                let probe = shard(global(&format!("probe{i}"), &[B, s, out], dtype));
+                body(&Build::new(ctx.clone(), 3, dtype).with_matmul(how), &x, &probe, &at)
             })
             .unwrap();
             for (rank, [fused, composed]) in runs.iter().enumerate() {
                 assert_eq!(fused.len(), composed.len());
                 for ((name, f), (other, c)) in fused.iter().zip(composed) {
-                    assert_eq!(name, other, "{what} {dtype:?} {how:?} sp {sp} rank {rank}");
+                    assert_eq!(name, other, "{what} {dtype:?} {how:?} tp {tp} cp {cp} rank {rank}");
                     let differ = f.iter().zip(c).filter(|(a, b)| a != b).count();
                     assert!(
                         differ == 0 && f.len() == c.len(),
-                        "{what} {dtype:?} {how:?} sp {sp} rank {rank}: {name}: {differ} of {} differ",
+                        "{what} {dtype:?} {how:?} tp {tp} cp {cp} sp {sp} rank {rank}: {name}: {differ} of {} differ",
                         f.len()
                     );
                 }
@@ -127,27 +145,29 @@ fn attention_spec(llama: bool) -> AttentionSpec {
 }
 
 #[test]
-fn over_tp_the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
+fn over_tp_and_cp_the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
+    // tp 2 with and without SP; cp 2 (by all-gather, keys and values gathered inside the
+    // node), alone and with tp 2 and SP.
+    let layouts = [(TP, 1, false), (TP, 1, true), (1, 2, false), (TP, 2, true)];
     for llama in [true, false] {
         for residual in [false, true] {
             let what = format!("attention (Llama-like {llama}, residual {residual})");
-            agree(&what, H, |b, x, probe| {
+            agree_on(&what, &layouts, H, |b, x, probe, at| {
                 let att = Attention::new(b, "att", "o_proj", attention_spec(llama), 0.3, 0.2);
                 let att = att.unwrap();
-                let at = CpPositions::single(S);
-                let composed = |x: &Tensor| att.composed(x, &at);
+                let composed = |x: &Tensor| att.composed(x, at);
                 if llama {
                     let norm = RmsNorm::new(b, "norm", H, 1e-6).unwrap();
                     let fused = |x: &Tensor, n: Option<&RmsNorm>| match n {
-                        Some(n) => att.residual(x, n, &at),
-                        None => att.forward(x, &at),
+                        Some(n) => att.residual(x, n, at),
+                        None => att.forward(x, at),
                     };
                     both((&att, &norm, residual), (x, probe), fused, composed)
                 } else {
                     let norm = LayerNorm::new(b, "norm", H, 1e-5).unwrap();
                     let fused = |x: &Tensor, n: Option<&LayerNorm>| match n {
-                        Some(n) => att.residual(x, n, &at),
-                        None => att.forward(x, &at),
+                        Some(n) => att.residual(x, n, at),
+                        None => att.forward(x, at),
                     };
                     both((&att, &norm, residual), (x, probe), fused, composed)
                 }
@@ -159,7 +179,7 @@ fn over_tp_the_attention_block_as_one_node_gives_the_composed_blocks_bits() {
 #[test]
 fn over_tp_the_mlps_as_one_node_give_the_composed_mlps_bits() {
     for residual in [false, true] {
-        agree(&format!("SwiGLU (residual {residual})"), H, |b, x, probe| {
+        agree(&format!("SwiGLU (residual {residual})"), H, |b, x, probe, _| {
             let mlp = SwiGlu::new(b, "mlp", H, 24, 0.3, 0.2).unwrap();
             let norm = RmsNorm::new(b, "norm", H, 1e-6).unwrap();
             let fused = |x: &Tensor, n: Option<&RmsNorm>| match n {
@@ -168,7 +188,7 @@ fn over_tp_the_mlps_as_one_node_give_the_composed_mlps_bits() {
             };
             both((&mlp, &norm, residual), (x, probe), fused, |x| mlp.composed(x))
         });
-        agree(&format!("GELU MLP (residual {residual})"), H, |b, x, probe| {
+        agree(&format!("GELU MLP (residual {residual})"), H, |b, x, probe, _| {
             let mlp = GeluMlp::new(b, "fc1", "fc2", (H, 24, H), 0.3, 0.2).unwrap();
             let norm = LayerNorm::new(b, "norm", H, 1e-5).unwrap();
             let fused = |x: &Tensor, n: Option<&LayerNorm>| match n {
@@ -179,7 +199,7 @@ fn over_tp_the_mlps_as_one_node_give_the_composed_mlps_bits() {
         });
     }
     // A projector's shape: an output narrower than the input.
-    agree("GELU MLP 16 -> 24 -> 10", 10, |b, x, probe| {
+    agree("GELU MLP 16 -> 24 -> 10", 10, |b, x, probe, _| {
         let mlp = GeluMlp::new(b, "fc1", "fc2", (H, 24, 10), 0.3, 0.2).unwrap();
         let norm = LayerNorm::new(b, "norm", H, 1e-5).unwrap();
         let fused = |x: &Tensor, _: Option<&LayerNorm>| mlp.forward(x);
