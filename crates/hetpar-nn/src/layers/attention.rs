@@ -200,8 +200,8 @@ impl Attention {
         self.o.forward(&out.reshape((b, s, h * d))?)
     }
 
-    /// `x + self(norm(x))`, a pre-norm layer's first half; without context parallelism one
-    /// node ([`attention_block`] with its [`PreNorm`]: the composed half's bits).
+    /// `x + self(norm(x))`, a pre-norm layer's first half; but under ring attention one node
+    /// ([`attention_block`] with its [`PreNorm`]: the composed half's bits).
     pub fn residual(
         &self,
         x: &Tensor,

@@ -126,8 +126,8 @@ impl ColumnParallel {
     /// What every rank's shard multiplies: `x` all-gathered over the sequence under SP (a
     /// reduce-scatter of its gradient backward), else `x` itself with its gradient
     /// all-reduced backward (Megatron's `f`), as a node of its own: the composed path (the
-    /// attention layer under context parallelism; the fused blocks make this gather inside
-    /// their node). Column-parallel layers that read one input (q, k and v) share it,
+    /// attention layer under ring attention; the fused blocks make this gather inside their
+    /// node). Column-parallel layers that read one input (q, k and v) share it,
     /// [`Self::local`] on each: one gather and one reduction of the summed gradient, as
     /// Megatron's fused projections, where a [`Self::forward`] each would gather the input
     /// and reduce its gradient once per layer.
