@@ -160,6 +160,25 @@ impl Tp {
         Shape::from(dims)
     }
 
+    /// The bias and its sink, after checking that the bias is as wide as the rows of an
+    /// output (or output gradient) of `len` elements on `shape`'s rows; `None` without one.
+    fn bias(&self, shape: &Shape, len: usize, op: &str) -> CResult<Option<&(Tensor, GradSink)>> {
+        let Some(bias) = &self.edges.bias else { return Ok(None) };
+        let (n, out) = (bias.0.dims1()?, Self::rows_of(shape, len));
+        if out.dims().last() != Some(&n) || len != out.elem_count() {
+            return Err(Error::Msg(format!(
+                "{op}: a bias of {n} for {len} elements on rows of {shape:?}"
+            )));
+        }
+        Ok(Some(bias))
+    }
+
+    /// Sums `v` over the group in place (Megatron's `g` forward, `f` backward).
+    fn all_reduce<T: Real>(&self, v: &mut [T], op: &str) -> CResult<()> {
+        let c = self.edges.comm.as_ref();
+        c.all_reduce(v, ReduceOp::Sum).map_err(|e| Error::Msg(format!("{op}: {e}")))
+    }
+
     /// `reduce(block(gather(x))) + bias` on `x` of `shape`; `block` maps the (gathered)
     /// input of its shape to this rank's partial output.
     fn forward<T: Real>(
@@ -178,19 +197,11 @@ impl Tp {
             ops::reduce_scatter_dim(c, &part, &Self::rows_of(&whole, part.len()), 1)?.0
         } else {
             let mut part = block(x, shape)?;
-            c.all_reduce(&mut part, ReduceOp::Sum).map_err(|e| Error::Msg(format!("{op}: {e}")))?;
+            self.all_reduce(&mut part, op)?;
             part
         };
-        if let Some((b, _)) = &self.edges.bias {
-            let out = Self::rows_of(shape, y.len());
+        if let Some((b, _)) = self.bias(shape, y.len(), op)? {
             with_data::<T, _>(b, op, |b| {
-                if out.dims().last() != Some(&b.len()) || y.len() != out.elem_count() {
-                    return Err(Error::Msg(format!(
-                        "{op}: a bias of {} for an output of {} elements on {shape:?}",
-                        b.len(),
-                        y.len()
-                    )));
-                }
                 simd::fast!(BiasAddOp::add_rows(&mut y, b));
                 Ok(())
             })?;
@@ -211,20 +222,13 @@ impl Tp {
     ) -> CResult<Vec<T>> {
         let op = "tensor-parallel block backward";
         let c = self.edges.comm.as_ref();
-        if let Some((b, sink)) = &self.edges.bias {
+        if let Some((b, sink)) = self.bias(shape, dy.len(), op)? {
             let n = b.dims1()?;
-            let out = Self::rows_of(shape, dy.len());
-            if out.dims().last() != Some(&n) || dy.len() != out.elem_count() {
-                return Err(Error::Msg(format!(
-                    "{op}: a bias of {n} for an output gradient of {} elements",
-                    dy.len()
-                )));
-            }
             sink.add(simd::fast!(BiasAddOp::bias_grad(dy, n)))?;
         }
         if !self.edges.sp {
             let mut dx = block(x, shape, dy)?;
-            c.all_reduce(&mut dx, ReduceOp::Sum).map_err(|e| Error::Msg(format!("{op}: {e}")))?;
+            self.all_reduce(&mut dx, op)?;
             return Ok(dx);
         }
         let whole = self.whole(shape)?;
