@@ -358,27 +358,197 @@ const ERFCC_F32: [f32; 9] = {
     out
 };
 
-/// The standard normal CDF `Phi(x) = erfc(-x / sqrt 2) / 2` in f32 without a branch:
-/// erfc by the Chebyshev fit of Press et al. (Numerical Recipes, `erfcc`; relative error
-/// below 1.2e-7 everywhere), evaluated in f64 and rounded once. Through erfc, the small
-/// tail values keep their relative accuracy (`1 + erf(x)` would lose it); 0 where `Phi`
-/// is subnormal in f32 (below `x = -13.1`). The fit's `t = 1 / (1 + a/2)` is the f32
-/// quotient refined by two Newton steps in f64 (an f64 division costs several times more
-/// where it vectorizes at all) and its multiply-adds are fused; over every f32 input the
-/// result differs from the unfused form with an f64 division at 2 (1 ulp, near-ties).
+/// Where [`normal_cdf_f32`] takes its central polynomial: `|x|` at most this.
+const CDF_CENTRAL: f32 = 3.5;
+
+/// `g(u)` with `Phi(x) = 1/2 + x g(x^2)` for `x^2` in `[0, 3.5^2]`, the constant term
+/// first: the interpolant of degree 16 at the Chebyshev nodes in `u`, computed in 50-digit
+/// arithmetic and rounded to f64. Evaluated in f64, it is within 8e-11 of `Phi` relative
+/// over `[-3.5, 3.5]` (checked against a 50-digit `Phi` every 1e-4 there), where `Phi` is at
+/// least 2.3e-4: far below half an f32 ulp (6e-8), so rounding it to f32 is correct but
+/// within 1e-10 of a tie.
+const CDF_CENTRAL_POLY: [f64; 17] = [
+    0.398_942_280_401_426_1,
+    -0.066_490_380_066_594_4,
+    0.009_973_557_007_590_486,
+    -0.001_187_328_207_850_555_9,
+    0.000_115_434_675_050_199_77,
+    -9.444_643_663_309_804e-6,
+    6.659_609_943_299_748e-7,
+    -4.122_280_189_222_046e-8,
+    2.272_231_375_450_204_8e-9,
+    -1.126_890_176_744_085_8e-10,
+    5.052_077_533_587_318e-12,
+    -2.036_056_926_852_891_4e-13,
+    7.206_418_431_675_515e-15,
+    -2.133_370_750_734_725_5e-16,
+    4.863_412_018_298_252e-18,
+    -7.426_209_451_135_503e-20,
+    5.586_229_954_239_765e-22,
+];
+
+/// The standard normal CDF `Phi(x)` in f32, evaluated in f64 and rounded once, by the
+/// value of `x` alone (never by its neighbours in a vector):
+/// - For `|x| <= 3.5` (nearly every input of a GELU), `1/2 + x g(x^2)` with `g` a
+///   polynomial ([`CDF_CENTRAL_POLY`]): correctly rounded but within 1e-10 of a tie, and no
+///   exponential or quotient; some twenty vector operations per eight inputs.
+/// - Beyond, `erfc(-x / sqrt 2) / 2`, erfc by the Chebyshev fit of Press et al.
+///   (Numerical Recipes, `erfcc`; relative error below 1.2e-7 everywhere, so within two ulp).
+///   Through erfc, the lower tail keeps its relative accuracy (`1 + erf(x)` would lose it);
+///   0 where `Phi` is subnormal in f32 (below `x = -13.1`). The fit's `t = 1 / (1 + a/2)` is
+///   the f32 quotient refined by two Newton steps in f64 (an f64 division costs several times
+///   more where it vectorizes at all) and its multiply-adds are fused.
 #[inline(always)]
 pub fn normal_cdf_f32(x: f32) -> f32 {
     normal_cdf_f32_lanes([x])[0]
 }
 
-/// [`normal_cdf_f32`] of `N` inputs, each step taken over every lane before the next. One
-/// input's evaluation is a chain of some forty dependent operations; a loop over single
-/// inputs leaves out-of-order execution to overlap a few of them, and ran at half the
-/// vector units' rate (GELU on 784 x 1536, one Intel core: BENCHMARKS.md). Over [`LANES`]
-/// lanes each step is four independent vector operations side by side. Each lane takes the
-/// one-input form's operations in its order: the same bits.
+/// [`normal_cdf_f32`] of `N` inputs, each step taken over every lane before the next (one
+/// input's evaluation is a chain of dependent operations; over [`LANES`] lanes each step is
+/// four independent vector operations side by side, and the polynomial's two halves make it
+/// eight). Every lane takes the central polynomial; where any lane lies beyond it, the whole
+/// vector takes the tail's form too and each such lane keeps that. Each lane's result is
+/// that of the one-input form: the same bits.
 #[inline(always)]
 pub fn normal_cdf_f32_lanes<const N: usize>(x: [f32; N]) -> [f32; N] {
+    let mut out = normal_cdf_central_lanes(x);
+    if any_off_centre(&x) {
+        let tail = normal_cdf_tail_lanes(x);
+        for j in 0..N {
+            if off_centre(x[j]) {
+                out[j] = tail[j];
+            }
+        }
+    }
+    out
+}
+
+/// Whether `x` lies beyond the central polynomials' range: `!(|x| <= 3.5)`, not `|x| > 3.5`,
+/// so NaN takes the other form (as before the polynomials).
+#[inline(always)]
+#[allow(clippy::neg_cmp_op_on_partial_ord)]
+fn off_centre(x: f32) -> bool {
+    !(x.abs() <= CDF_CENTRAL)
+}
+
+/// Whether any lane is [`off_centre`]: an OR over the lanes with no early exit, so it
+/// vectorizes (`contains` or a fold over a mask cost 5-15% of the GELU here).
+#[inline(always)]
+fn any_off_centre<const N: usize>(x: &[f32; N]) -> bool {
+    let mut any = false;
+    for &v in x {
+        any |= off_centre(v);
+    }
+    any
+}
+
+/// `1/2 + x g(x^2)` ([`CDF_CENTRAL_POLY`]) in f64, rounded once: `Phi(x)` for `|x| <= 3.5`.
+#[inline(always)]
+fn normal_cdf_central_lanes<const N: usize>(x: [f32; N]) -> [f32; N] {
+    let p = half_plus_odd_lanes(x, &CDF_CENTRAL_POLY);
+    let mut out = [0.0f32; N];
+    for j in 0..N {
+        out[j] = p[j] as f32;
+    }
+    out
+}
+
+/// `1/2 + x p(x^2)` in f64 for `p` the polynomial `c` (constant term first), as its even and
+/// odd halves in `x^4`: two independent chains of multiply-adds.
+#[inline(always)]
+fn half_plus_odd_lanes<const N: usize>(x: [f32; N], c: &[f64; 17]) -> [f64; N] {
+    let (mut u, mut u2) = ([0.0f64; N], [0.0f64; N]);
+    for j in 0..N {
+        let v = x[j] as f64;
+        u[j] = v * v;
+        u2[j] = u[j] * u[j];
+    }
+    let (mut even, mut odd) = ([c[16]; N], [c[15]; N]);
+    for k in (0..8).rev() {
+        for j in 0..N {
+            even[j] = even[j].mul_add(u2[j], c[2 * k]);
+            if k > 0 {
+                odd[j] = odd[j].mul_add(u2[j], c[2 * k - 1]);
+            }
+        }
+    }
+    let mut out = [0.0f64; N];
+    for j in 0..N {
+        let p = odd[j].mul_add(u[j], even[j]);
+        out[j] = (x[j] as f64).mul_add(p, 0.5);
+    }
+    out
+}
+
+/// `h(u)` with `Phi(x) + x phi(x) = 1/2 + x h(x^2)` (the GELU's slope) for `x^2` in
+/// `[0, 3.5^2]`, the constant term first: as [`CDF_CENTRAL_POLY`], the interpolant of degree 16
+/// at the Chebyshev nodes in `u`. Evaluated in f64, the slope is within 6e-13 of the true
+/// one over `[-3.5, 3.5]` (and within 2e-10 relative where it is above 1e-3; it crosses 0
+/// near `x = -0.75`).
+const GELU_SLOPE_POLY: [f64; 17] = [
+    0.797_884_560_802_661,
+    -0.265_961_520_257_971_43,
+    0.059_841_341_984_328_81,
+    -0.009_498_625_486_964_316,
+    0.001_154_346_485_789_416,
+    -0.000_113_335_483_460_810_85,
+    9.323_310_768_012_004e-6,
+    -6.595_060_640_167_09e-7,
+    4.088_297_616_316_572e-8,
+    -2.250_127_844_788_257_3e-9,
+    1.105_767_572_934_099_1e-10,
+    -4.821_632_289_495_009e-12,
+    1.820_100_317_148_842e-13,
+    -5.662_261_763_510_464e-15,
+    1.338_415_941_012_180_9e-16,
+    -2.096_501_533_182_388_2e-18,
+    1.605_263_007_228_856_6e-20,
+];
+
+/// The exact GELU's backward `dy (Phi(x) + x phi(x))` in f32, from the pre-activation `x`,
+/// the forward's output `y = x Phi(x)` and the output's gradient `dy`, by the value of `x`
+/// alone:
+/// - For `|x| <= 3.5`, the slope `1/2 + x h(x^2)` ([`GELU_SLOPE_POLY`]) and its product with
+///   `dy` in f64, rounded once: no exponential and no quotient.
+/// - Beyond, in f32 arithmetic: `Phi` read off the output as `y / x` (within an ulp or two
+///   of it) and `phi` through [`exp_f32`].
+#[inline(always)]
+pub fn gelu_backward_f32(x: f32, y: f32, dy: f32) -> f32 {
+    gelu_backward_f32_lanes([x], [y], [dy])[0]
+}
+
+/// [`gelu_backward_f32`] of `N` inputs, each step over every lane before the next; as in
+/// [`normal_cdf_f32_lanes`], a vector with a lane beyond the central range takes the other
+/// form too, for those lanes only: each lane's result is that of the one-input form.
+#[inline(always)]
+pub fn gelu_backward_f32_lanes<const N: usize>(x: [f32; N], y: [f32; N], dy: [f32; N]) -> [f32; N] {
+    let slope = half_plus_odd_lanes(x, &GELU_SLOPE_POLY);
+    let mut out = [0.0f32; N];
+    for j in 0..N {
+        out[j] = ((dy[j] as f64) * slope[j]) as f32;
+    }
+    if any_off_centre(&x) {
+        let pdf = (1.0 / (2.0 * std::f64::consts::PI).sqrt()) as f32;
+        let mut e = [0.0f32; N];
+        for j in 0..N {
+            e[j] = -(x[j] * x[j]) * 0.5;
+        }
+        let e = exp_f32_lanes(e);
+        for j in 0..N {
+            if off_centre(x[j]) {
+                let (v, g) = (x[j], dy[j]);
+                let cdf = if v.abs() < 1e-30 { 0.5 } else { y[j] / v };
+                out[j] = g * (cdf + v * pdf * e[j]);
+            }
+        }
+    }
+    out
+}
+
+/// `erfc(-x / sqrt 2) / 2` through the `erfcc` fit (see [`normal_cdf_f32`]): `Phi(x)` beyond
+/// the central polynomial, in f64 and rounded once.
+#[inline(always)]
+fn normal_cdf_tail_lanes<const N: usize>(x: [f32; N]) -> [f32; N] {
     let (mut z, mut a, mut t) = ([0.0f64; N], [0.0f64; N], [0.0f64; N]);
     for j in 0..N {
         z[j] = -(x[j] as f64) * std::f64::consts::FRAC_1_SQRT_2;
@@ -481,10 +651,11 @@ fn exp_f32_core<const N: usize>(big: [f32; N], small: [f32; N]) -> [f32; N] {
 }
 
 /// The standard normal CDF in f32 arithmetic, for steps whose products are bf16
-/// ([`Matmul::Bf16`]): the fit of [`normal_cdf_f32`] (Numerical Recipes' `erfcc`,
-/// 1.2e-7 relative) with its quotient, polynomial and exponential ([`exp_f32_core`]) in
-/// f32: within 8 ulp (6.5 the worst over every 97th f32 in `[-13, 6]`, against the
-/// f64-evaluated form's 2.2). The
+/// ([`Matmul::Bf16`]): the tail fit of [`normal_cdf_f32`] (Numerical Recipes' `erfcc`,
+/// 1.2e-7 relative) over the whole range, with its quotient, polynomial and exponential
+/// ([`exp_f32_core`]) in f32: within 8 ulp (6.5 the worst over every 97th f32 in
+/// `[-13, 6]`, against the f64-evaluated form's half an ulp in `[-3.5, 3.5]` and 2.2
+/// beyond). The
 /// exponent `-a^2 = -x^2 / 2` is taken as the exact `x^2` of a fused multiply-add split
 /// in two, so the lower tail keeps its relative accuracy; 0 from where `Phi` falls a
 /// little below f32's normal range (about `x = -13.1`; subnormal a short way above).
@@ -698,9 +869,10 @@ pub(crate) trait Anchored {
 #[cfg(test)]
 mod tests {
     use super::{
-        LANES, Matmul, Real, dot, exp_f32, exp_f32_fast, exp_f32_fast_lanes, exp_f32_lanes, max,
-        normal_cdf_f32, normal_cdf_f32_fast, normal_cdf_f32_fast_lanes, normal_cdf_f32_lanes,
-        share_of, share_threads, simd, sum, sum_map, threads,
+        CDF_CENTRAL, LANES, Matmul, Real, dot, exp_f32, exp_f32_fast, exp_f32_fast_lanes,
+        exp_f32_lanes, gelu_backward_f32, gelu_backward_f32_lanes, max, normal_cdf_f32,
+        normal_cdf_f32_fast, normal_cdf_f32_fast_lanes, normal_cdf_f32_lanes, share_of,
+        share_threads, simd, sum, sum_map, threads,
     };
 
     #[test]
@@ -834,22 +1006,114 @@ mod tests {
     }
 
     #[test]
-    fn the_normal_cdf_is_within_two_ulp_and_keeps_its_tails() {
-        let mut x = -13.0f32;
+    fn the_normal_cdf_rounds_correctly_in_the_centre_and_keeps_its_tails() {
+        let (mut x, mut n, mut off) = (-13.0f32, 0, 0);
         while x <= 6.0 {
             let want = 0.5 * candle_core::cpu::erf::erfc_f64(-(x as f64) / 2f64.sqrt());
-            let got = normal_cdf_f32(x) as f64;
+            let got = normal_cdf_f32(x);
             if want < f32::MIN_POSITIVE as f64 {
-                assert!(got < f32::MIN_POSITIVE as f64, "Phi({x}) = {got}, want {want}");
-                x += 0.000_77;
-                continue;
+                assert!((got as f64) < f32::MIN_POSITIVE as f64, "Phi({x}) = {got}, want {want}");
+            } else if x.abs() <= CDF_CENTRAL {
+                // The central polynomial: within half an ulp but in near-ties.
+                let u = ulps(got, want);
+                assert!(u <= 0.5001, "Phi({x}) = {got}, want {want}: {u} ulp");
+                off += usize::from(got != want as f32);
+                n += 1;
+            } else {
+                // The tail's fit, 1.2e-7, plus half an ulp from the rounding, relative.
+                assert!(
+                    (got as f64 - want).abs() <= 1.9e-7 * want,
+                    "Phi({x}) = {got}, want {want}"
+                );
             }
-            // 1.2e-7 from the fit plus half an ulp from the rounding, relative.
-            assert!((got - want).abs() <= 1.9e-7 * want, "Phi({x}) = {got}, want {want}");
             x += 0.000_77;
+        }
+        assert!(n > 9_000 && off * 1000 < n, "{off} of {n} not correctly rounded");
+        // Either side of the central range's edge, and its edges.
+        for x in [CDF_CENTRAL, -CDF_CENTRAL] {
+            for y in [x, f32::from_bits(x.to_bits() + 1), f32::from_bits(x.to_bits() - 1)] {
+                let want = 0.5 * candle_core::cpu::erf::erfc_f64(-(y as f64) / 2f64.sqrt());
+                let got = normal_cdf_f32(y) as f64;
+                assert!((got - want).abs() <= 1.9e-7 * want, "Phi({y}) = {got}, want {want}");
+            }
         }
         assert_eq!(normal_cdf_f32(-20.0), 0.0);
         assert_eq!(normal_cdf_f32(20.0), 1.0);
+        assert_eq!(normal_cdf_f32(0.0), 0.5);
+        assert_eq!(normal_cdf_f32(-0.0), 0.5);
+    }
+
+    /// The lanes of a vector with one input beyond the central range take the tail's form
+    /// there and the polynomial elsewhere: each the bits of its input alone.
+    #[test]
+    fn a_lane_beyond_the_centre_leaves_its_neighbours_alone() {
+        let mut xs: [f32; LANES] = std::array::from_fn(|i| i as f32 * 0.21 - 3.3);
+        let alone = xs.map(normal_cdf_f32);
+        assert_eq!(normal_cdf_f32_lanes(xs), alone);
+        xs[5] = -7.25;
+        let mixed = normal_cdf_f32_lanes(xs);
+        assert_eq!(mixed[5], normal_cdf_f32(-7.25));
+        for j in (0..LANES).filter(|&j| j != 5) {
+            assert_eq!(mixed[j], alone[j], "lane {j}");
+        }
+    }
+
+    /// The GELU's slope `Phi(x) + x phi(x)` in f64 (candle's erfc and f64's exp).
+    fn gelu_slope(x: f64) -> f64 {
+        let pdf = (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
+        0.5 * candle_core::cpu::erf::erfc_f64(-x / 2f64.sqrt()) + x * pdf
+    }
+
+    #[test]
+    fn the_gelu_backward_rounds_correctly_in_the_centre() {
+        let (mut x, mut n, mut off) = (-CDF_CENTRAL, 0, 0);
+        while x <= CDF_CENTRAL {
+            let y = x * normal_cdf_f32(x);
+            for dy in [1.0f32, -0.37, 3.1e-3] {
+                let want = dy as f64 * gelu_slope(x as f64);
+                let got = gelu_backward_f32(x, y, dy);
+                // Half an ulp from the one rounding and the polynomial's 6e-13 of the slope
+                // (which counts where the slope is small: near x = -0.75 and -3.5).
+                let err = (got as f64 - want).abs();
+                let ulp = 2f64.powi(want.abs().log2().floor() as i32 - 23);
+                assert!(
+                    err <= 0.5 * ulp + 6e-13 * dy.abs() as f64,
+                    "gelu'({x}) dy {dy} = {got}, want {want}: {} ulp",
+                    err / ulp
+                );
+                off += usize::from(got != want as f32);
+                n += 1;
+            }
+            x += 0.000_31;
+        }
+        assert!(n > 60_000 && off * 1000 < n, "{off} of {n} not correctly rounded");
+    }
+
+    /// Beyond the central range, the slope from the forward's output and `exp_f32`; a lane
+    /// there leaves the others of its vector alone.
+    #[test]
+    fn the_gelu_backward_beyond_the_centre_reads_phi_off_the_output() {
+        let pdf = (1.0 / (2.0 * std::f64::consts::PI).sqrt()) as f32;
+        for x in [-13.5f32, -7.25, -3.5000002, 3.5000002, 5.0, 9.0] {
+            let (y, dy) = (x * normal_cdf_f32(x), 0.75f32);
+            let want = dy * (y / x + x * pdf * exp_f32(-(x * x) * 0.5));
+            assert_eq!(gelu_backward_f32(x, y, dy), want, "gelu'({x})");
+            // Within the tail fit's 2e-7 of the true slope.
+            let exact = dy as f64 * gelu_slope(x as f64);
+            assert!((want as f64 - exact).abs() <= 4e-7 * exact.abs().max(1e-30), "{x}");
+        }
+        assert!(gelu_backward_f32(f32::NAN, f32::NAN, 1.0).is_nan());
+        let mut xs: [f32; LANES] = std::array::from_fn(|i| i as f32 * 0.21 - 3.3);
+        let ys = xs.map(|x| x * normal_cdf_f32(x));
+        let gs: [f32; LANES] = std::array::from_fn(|i| 1.0 - i as f32 * 0.05);
+        let alone: Vec<f32> = (0..LANES).map(|j| gelu_backward_f32(xs[j], ys[j], gs[j])).collect();
+        assert_eq!(gelu_backward_f32_lanes(xs, ys, gs).to_vec(), alone);
+        xs[9] = -7.25;
+        let mixed = gelu_backward_f32_lanes(xs, ys, gs);
+        assert_eq!(mixed[9], gelu_backward_f32(-7.25, ys[9], gs[9]));
+        for j in (0..LANES).filter(|&j| j != 9) {
+            assert_eq!(mixed[j], alone[j], "lane {j}");
+        }
     }
 
     #[test]
@@ -914,8 +1178,9 @@ mod tests {
             x += 0.000_77;
         }
         // 5.2 ulp here, 6.5 over every 97th f32 of the range (just below 0, where Phi is
-        // just below 1/2 and its spacing half that above); the f64-evaluated form's 2.2. As
-        // for the exponential, a check that this is the f32-evaluated form.
+        // just below 1/2 and its spacing half that above); the f64-evaluated form's 0.5
+        // within 3.5 of 0 and 2.2 beyond. As for the exponential, a check that this is the
+        // f32-evaluated form.
         assert!(worst > 2.0, "worst {worst} ulp");
         for x in [-20.0f32, 20.0, 0.0, f32::NEG_INFINITY, f32::INFINITY] {
             assert_eq!(normal_cdf_f32_fast(x), normal_cdf_f32(x), "Phi({x})");

@@ -11,8 +11,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Error, Layout, Sh
 use super::linear::Matmul;
 use super::written::{PART, written, written_pair};
 use super::{
-    CResult, LANES, Real, by_real, by_real_dtype, dot, normal_cdf_f32_fast_lanes,
-    normal_cdf_f32_lanes, simd, slice, sum, sum_map, with_data,
+    CResult, LANES, Real, by_real, by_real_dtype, dot, gelu_backward_f32, gelu_backward_f32_lanes,
+    normal_cdf_f32_fast_lanes, normal_cdf_f32_lanes, simd, slice, sum, sum_map, with_data,
 };
 
 /// The row width `h` of `x` `[.., h]`, checking that each of `params` is `[h]`.
@@ -264,14 +264,16 @@ impl CustomOp3 for LayerNormOp {
 }
 
 /// The exact GELU `x Phi(x) = x (1 + erf(x / sqrt 2)) / 2` (Hendrycks and Gimpel 2016),
-/// and its backward `Phi(x) + x phi(x)` (candle's own `gelu_erf` backward rounds
-/// `1 / sqrt(2 pi)` to six digits). `Phi` in f32 is [`super::normal_cdf_f32`], within two
-/// ulp and vectorizable; in f64 it is through candle's `erf`. The backward does not
-/// evaluate `Phi` again: it reads it off the forward's output as `y / x` (within an ulp or
-/// two of `Phi`; `1/2` where `|x| < 1e-30`, where `Phi` rounds to it), which leaves one
-/// `exp` per element, for `phi`: the CDF costs four times that. Under bf16 products
-/// (`how`), `Phi` and `exp` are evaluated in f32 ([`super::normal_cdf_f32_fast`],
-/// [`super::exp_f32_fast`]: within 8 ulp and one).
+/// and its backward `dy (Phi(x) + x phi(x))` (candle's own `gelu_erf` backward rounds
+/// `1 / sqrt(2 pi)` to six digits).
+/// - In f32, `Phi` is [`super::normal_cdf_f32`] and the backward
+///   [`super::gelu_backward_f32`]: for `|x| <= 3.5` each a polynomial evaluated in f64 and
+///   rounded once (correctly but within 1e-10 of a tie); beyond, `Phi` within two ulp and
+///   the backward reading `Phi` off the forward's output as `y / x`, with one `exp` for `phi`.
+/// - In f64, `Phi` is through candle's `erf`, and the backward reads `Phi` off the output.
+/// - Under bf16 products (`how`), `Phi` and `exp` are evaluated in f32
+///   ([`super::normal_cdf_f32_fast`], [`super::exp_f32_fast`]: within 8 ulp and one), the
+///   backward from the output.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GeluOp {
     /// How the step's products multiply: [`Matmul::Bf16`] takes the f32-evaluated forms.
@@ -288,6 +290,42 @@ pub(crate) trait NormalCdf: Real {
     fn gelu(x: &[Self], _how: Matmul) -> Vec<Self> {
         written(x.len(), x.len(), |_, all| all.map(x, |v| v * v.cdf()))
     }
+
+    /// The GELU's backward `dy (Phi(x) + x phi(x))` of every element, from the forward's
+    /// output `y` ([`gelu_backward_from_output`]).
+    #[inline(always)]
+    fn gelu_backward(x: &[Self], y: &[Self], dy: &[Self], how: Matmul) -> Vec<Self> {
+        gelu_backward_from_output(x, y, dy, how)
+    }
+}
+
+/// `dy (Phi(x) + x phi(x))`, `Phi(x)` as `y / x` from the forward's output `y`, `phi`
+/// through [`Real::exp_in_place_as`].
+#[inline(always)]
+fn gelu_backward_from_output<T: Real>(x: &[T], y: &[T], dy: &[T], how: Matmul) -> Vec<T> {
+    let (half, pdf) = (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
+    let tiny = T::from_f64(1e-30);
+    // The exponentials into a scratch part ([`Real::exp_in_place_as`]: LANES at a time in
+    // f32), then the rest.
+    let mut e = [T::ZERO; PART];
+    written(
+        x.len(),
+        PART,
+        #[inline(always)]
+        |start, part| {
+            let n = part.len();
+            let (x, y, dy) = (&x[start..start + n], &y[start..start + n], &dy[start..start + n]);
+            let e = &mut e[..n];
+            for (e, &v) in e.iter_mut().zip(x) {
+                *e = -(v * v) * half;
+            }
+            T::exp_in_place_as(e, how);
+            part.map4([x, y, dy, &*e], |v, u, g, e| {
+                let cdf = if v.larger(-v) < tiny { half } else { u / v };
+                g * (cdf + v * pdf * e)
+            })
+        },
+    )
 }
 
 impl NormalCdf for f32 {
@@ -327,6 +365,40 @@ impl NormalCdf for f32 {
             },
         )
     }
+
+    /// [`gelu_backward_f32_lanes`] [`LANES`] elements at a time (the tail one at a time, the
+    /// same bits); under bf16 products the form from the output, its `phi` evaluated in f32.
+    #[inline(always)]
+    fn gelu_backward(x: &[f32], y: &[f32], dy: &[f32], how: Matmul) -> Vec<f32> {
+        if how == Matmul::Bf16 {
+            return gelu_backward_from_output(x, y, dy, how);
+        }
+        written(
+            x.len(),
+            PART,
+            #[inline(always)]
+            |start, part| {
+                let n = part.len();
+                let (x, y, dy) =
+                    (&x[start..start + n], &y[start..start + n], &dy[start..start + n]);
+                // Closures inline, or they would run on the baseline target (see `written`).
+                #[inline(always)]
+                fn lanes(s: &[f32]) -> [f32; LANES] {
+                    s.try_into().expect("LANES")
+                }
+                part.lanes(
+                    #[inline(always)]
+                    |i| {
+                        let at = i..i + LANES;
+                        let (xs, ys, gs) = (&x[at.clone()], &y[at.clone()], &dy[at]);
+                        gelu_backward_f32_lanes(lanes(xs), lanes(ys), lanes(gs))
+                    },
+                    #[inline(always)]
+                    |i| gelu_backward_f32(x[i], y[i], dy[i]),
+                )
+            },
+        )
+    }
 }
 
 impl NormalCdf for f64 {
@@ -341,34 +413,10 @@ impl GeluOp {
         T::gelu(x, how)
     }
 
-    /// `dy (Phi(x) + x phi(x))`, `Phi(x)` as `y / x` from the forward's output `y`.
+    /// `dy (Phi(x) + x phi(x))` ([`NormalCdf::gelu_backward`]).
     #[inline(always)]
     pub(crate) fn backward<T: NormalCdf>(x: &[T], y: &[T], dy: &[T], how: Matmul) -> Vec<T> {
-        let (half, pdf) =
-            (T::from_f64(0.5), T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt()));
-        let tiny = T::from_f64(1e-30);
-        // The exponentials into a scratch part ([`Real::exp_in_place_as`]: LANES at a time in
-        // f32), then the rest.
-        let mut e = [T::ZERO; PART];
-        written(
-            x.len(),
-            PART,
-            #[inline(always)]
-            |start, part| {
-                let n = part.len();
-                let (x, y, dy) =
-                    (&x[start..start + n], &y[start..start + n], &dy[start..start + n]);
-                let e = &mut e[..n];
-                for (e, &v) in e.iter_mut().zip(x) {
-                    *e = -(v * v) * half;
-                }
-                T::exp_in_place_as(e, how);
-                part.map4([x, y, dy, &*e], |v, u, g, e| {
-                    let cdf = if v.larger(-v) < tiny { half } else { u / v };
-                    g * (cdf + v * pdf * e)
-                })
-            },
-        )
+        T::gelu_backward(x, y, dy, how)
     }
 }
 

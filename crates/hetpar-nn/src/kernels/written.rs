@@ -91,6 +91,27 @@ impl<T> Part<'_, T> {
         self.done()
     }
 
+    /// Elements `N` at a time: those from `i` (a multiple of `N`) are `f(i)`, and the last
+    /// `len % N` elements one at a time, element `i` being `one(i)`.
+    #[inline(always)]
+    pub(crate) fn lanes<const N: usize>(
+        self,
+        f: impl Fn(usize) -> [T; N],
+        one: impl Fn(usize) -> T,
+    ) -> Written {
+        let whole = self.0.len() - self.0.len() % N;
+        let (head, tail) = self.0.split_at_mut(whole);
+        for (k, c) in head.chunks_exact_mut(N).enumerate() {
+            for (o, v) in c.iter_mut().zip(f(k * N)) {
+                o.write(v);
+            }
+        }
+        for (i, o) in tail.iter_mut().enumerate() {
+            o.write(one(whole + i));
+        }
+        self.done()
+    }
+
     /// Element `i` of this part and of `other` (as long) are the two results of `f(a[i],
     /// b[i], c[i], d[i])`; all as long as the part.
     #[inline(always)]
