@@ -444,3 +444,31 @@ impl Communicator for LocalComm {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{LocalOptions, launch};
+    use crate::{CommExt, Communicator, ReduceOp};
+    use std::time::Duration;
+
+    /// A collective whose members disagree fails on every member, and every member leaves
+    /// it, the ones that disagreed included: once the world ends no call's slot is held.
+    #[test]
+    fn a_mismatched_collective_leaves_no_slot_behind() {
+        for world in [2, 3] {
+            let opts = LocalOptions { timeout: Duration::from_secs(10) };
+            let out = launch(world, opts, |c| {
+                let mut x = vec![1.0f64; 4 + c.rank()];
+                let failed = c.all_reduce(&mut x, ReduceOp::Sum).is_err();
+                // The communicator goes on working after the failed call.
+                let mut y = [c.rank() as f64];
+                c.all_reduce(&mut y, ReduceOp::Sum).expect("a later call");
+                (failed, y[0], c.shared.clone())
+            })
+            .expect("no panic");
+            let sum = (0..world).sum::<usize>() as f64;
+            assert!(out.iter().all(|&(failed, y, _)| failed && y == sum), "world {world}");
+            assert_eq!(out[0].2.open_calls(), 0, "world {world}: calls still held");
+        }
+    }
+}

@@ -412,8 +412,10 @@ impl Shared {
         let mut st = self.lock();
         let slot = st.slots.entry(key).or_insert_with(|| Slot::new(n));
         if let Err(e) = agree(slot, site, sig) {
-            // Not posted: nobody reads this buffer.
+            // Not posted: nobody reads this buffer. The member is done with the call (the
+            // others leave it through the poisoned slot), so the last to leave frees it.
             self.wake(st, site.members);
+            self.finish(site);
             return Err(e);
         }
         slot.regions[site.me] = Some(region);
@@ -547,6 +549,12 @@ impl Shared {
         self.wake(st, site.members);
         self.finish(site);
         err
+    }
+
+    /// Collective calls whose slot is still held (by a member that has not left them).
+    #[cfg(test)]
+    pub fn open_calls(&self) -> usize {
+        self.lock().slots.len()
     }
 
     /// Marks this member done with the slot; the last one frees it.
