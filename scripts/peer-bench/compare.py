@@ -7,7 +7,9 @@ columns and their ratio. Within a round each model row runs on both sides back t
 (`hetpar bench nn --only ROW`, then the PyTorch model, the first side alternating by round),
 so a pair is measured seconds apart; the table adds the median and range of the pairs'
 ratios, which a VM whose speed drifts over minutes moves far less than the ratio of two
-bests taken minutes apart. PyTorch is optional and never used by CI:
+bests taken minutes apart (`--pairs N`: N pairs per row and round, for a steadier median
+where the speed also moves from one pair to the next). PyTorch is optional and never used
+by CI:
 
     python3 -m venv /tmp/torch && /tmp/torch/bin/pip install torch numpy
     cargo build --release -p hetpar
@@ -380,6 +382,9 @@ def main():
     ap.add_argument("--iters", type=int, default=3, help="timed iterations per row and round")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds (best kept); in each, every model row runs on both sides back to back")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="back-to-back pairs of each model row per round (the paired ratio's median "
+                         "is over rounds x pairs; this VM's speed moves a pair's ratio by a few percent)")
     ap.add_argument("--dtype", default="f32", choices=["f32", "f64", "bf16"])
     ap.add_argument("--bf16", action="store_true",
                     help="after the table in --dtype, the same table in bf16")
@@ -429,20 +434,23 @@ def table(a, dtype):
         # first alternating by round.
         for k in KEYS:
             print(f"round {r + 1}/{a.rounds}: {k}, both", file=sys.stderr, flush=True)
-            pair = {}
-            for side in (["hetpar", "torch"] if r % 2 == 0 else ["torch", "hetpar"]):
-                if side == "hetpar":
-                    peak, rows, _, _, _ = hetpar_run(a.hetpar, a.iters, dtype, [k])
-                    het_mm = max(het_mm, peak)
-                    pair[side] = rows[k][1]
-                    het[k] = rows[k] if k not in het or rows[k][1] < het[k][1] else het[k]
-                else:
-                    pair[side] = torch_row(k, a.iters, tdtype, autocast=bf16)
-                    pt[k] = min(pt.get(k, pair[side]), pair[side])
-            ratios[k].append(pair["hetpar"] / pair["torch"])
+            for p in range(a.pairs):
+                pair = {}
+                # The side that goes first alternates by pair and by round.
+                for side in (["hetpar", "torch"] if (r + p) % 2 == 0 else ["torch", "hetpar"]):
+                    if side == "hetpar":
+                        peak, rows, _, _, _ = hetpar_run(a.hetpar, a.iters, dtype, [k])
+                        het_mm = max(het_mm, peak)
+                        pair[side] = rows[k][1]
+                        het[k] = rows[k] if k not in het or rows[k][1] < het[k][1] else het[k]
+                    else:
+                        pair[side] = torch_row(k, a.iters, tdtype, autocast=bf16)
+                        pt[k] = min(pt.get(k, pair[side]), pair[side])
+                ratios[k].append(pair["hetpar"] / pair["torch"])
     what = "bf16 products, f32 weights (PyTorch: autocast)" if bf16 else dtype
     print(f"one core, {what}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
-          f"PyTorch {torch.__version__}; the model rows' pairs measured back to back, the ratio of "
+          f"PyTorch {torch.__version__}; the model rows' pairs ({a.pairs} a round) measured back "
+          f"to back, the ratio of "
           f"each pair's times as median (lowest-highest)")
     print()
     print("| what (forward+backward) | hetpar | PyTorch | hetpar / PyTorch | paired ratio | "

@@ -67,6 +67,9 @@ pub fn mel_filters(n_mels: usize) -> Vec<Vec<f64>> {
 pub struct LogMel {
     n_mels: usize,
     filters: Vec<Vec<f64>>,
+    /// Each filter's bins from its first nonzero weight to its last (empty where it has
+    /// none): a triangle spans a few bins of the 201, and the weights outside it are 0.
+    spans: Vec<std::ops::Range<usize>>,
     window: Vec<f64>,
     fft: Arc<dyn RealToComplex<f64>>,
 }
@@ -84,7 +87,9 @@ impl LogMel {
             .map(|i| 0.5 - 0.5 * (2.0 * std::f64::consts::PI * i as f64 / N_FFT as f64).cos())
             .collect();
         let fft = RealFftPlanner::<f64>::new().plan_fft_forward(N_FFT);
-        LogMel { n_mels, filters: mel_filters(n_mels), window, fft }
+        let filters = mel_filters(n_mels);
+        let spans = filters.iter().map(|row| nonzero_span(row)).collect();
+        LogMel { n_mels, filters, spans, window, fft }
     }
 
     /// Frames of a clip of `samples` samples.
@@ -132,13 +137,24 @@ impl LogMel {
             for (p, c) in power.iter_mut().zip(&spectrum) {
                 *p = c.norm_sqr();
             }
-            for (m, row) in self.filters.iter().enumerate() {
-                let e: f64 = row.iter().zip(&power).map(|(w, p)| w * p).sum();
+            for (m, (row, span)) in self.filters.iter().zip(&self.spans).enumerate() {
+                // Over the filter's span only: the terms outside it are zeros (the powers
+                // are finite), which leave the sum's bits as they are.
+                let (w, p) = (&row[span.clone()], &power[span.clone()]);
+                let e: f64 = w.iter().zip(p).map(|(w, p)| w * p).sum();
                 mel[m * frames + t] = e.max(1e-10).log10();
             }
         }
         let floor = mel.iter().copied().fold(f64::NEG_INFINITY, f64::max) - 8.0;
         Ok(mel.iter().map(|&v| ((v.max(floor) + 4.0) / 4.0) as f32).collect())
+    }
+}
+
+/// The bins from `row`'s first nonzero weight to its last (empty where all are zero).
+fn nonzero_span(row: &[f64]) -> std::ops::Range<usize> {
+    match row.iter().position(|&w| w != 0.0) {
+        Some(first) => first..row.iter().rposition(|&w| w != 0.0).map_or(first, |l| l + 1),
+        None => 0..0,
     }
 }
 
@@ -171,4 +187,59 @@ pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
     .map_err(|e| bad(e.to_string()))?;
     let channels = usize::from(spec.channels.max(1));
     Ok(interleaved.chunks(channels).map(|c| c.iter().sum::<f32>() / channels as f32).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::{LogMel, N_FFT, nonzero_span};
+
+    /// The features with every filter applied over all its bins, as before the spans.
+    fn dense(front: &LogMel, clip: &[f32]) -> Vec<f32> {
+        let (n, pad, bins) = (clip.len() as isize, (N_FFT / 2) as isize, N_FFT / 2 + 1);
+        let at = |i: isize| {
+            let j = if i < 0 {
+                -i
+            } else if i >= n {
+                2 * (n - 1) - i
+            } else {
+                i
+            };
+            f64::from(clip[j as usize])
+        };
+        let frames = LogMel::frames(clip.len());
+        let (mut input, mut spectrum) = (front.fft.make_input_vec(), front.fft.make_output_vec());
+        let mut mel = vec![0.0f64; front.n_mels * frames];
+        for t in 0..frames {
+            for (k, x) in input.iter_mut().enumerate() {
+                *x = at((t * super::HOP) as isize - pad + k as isize) * front.window[k];
+            }
+            front.fft.process(&mut input, &mut spectrum).unwrap();
+            let power: Vec<f64> = spectrum[..bins].iter().map(|c| c.norm_sqr()).collect();
+            for (m, row) in front.filters.iter().enumerate() {
+                let e: f64 = row.iter().zip(&power).map(|(w, p)| w * p).sum();
+                mel[m * frames + t] = e.max(1e-10).log10();
+            }
+        }
+        let floor = mel.iter().copied().fold(f64::NEG_INFINITY, f64::max) - 8.0;
+        mel.iter().map(|&v| ((v.max(floor) + 4.0) / 4.0) as f32).collect()
+    }
+
+    #[test]
+    fn filters_over_their_spans_give_the_dense_sums_bits() {
+        let clip: Vec<f32> =
+            (0..7000u32).map(|t| ((t * 2_654_435_761) % 65_536) as f32 / 32_768.0 - 1.0).collect();
+        for n_mels in [16, 80, 128] {
+            let front = LogMel::new(n_mels);
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            assert_eq!(bits(front.compute(&clip).unwrap()), bits(dense(&front, &clip)), "{n_mels}");
+            // A bin lies under at most two triangles (their edges meeting at most once
+            // more), so the spans' work is about two passes over the bins, not `n_mels`.
+            let work: usize = front.spans.iter().map(|s| s.len()).sum();
+            assert!(work <= 2 * (N_FFT / 2 + 1) + n_mels, "{n_mels} mels: {work} bins in all");
+        }
+        assert_eq!(nonzero_span(&[0.0, 0.0, 1.0, 0.0, 2.0, 0.0]), 2..5);
+        assert_eq!(nonzero_span(&[0.0, 0.0]), 0..0);
+    }
 }
