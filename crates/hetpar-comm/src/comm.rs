@@ -59,6 +59,54 @@ pub trait Communicator: Send + Sync {
         recv: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<()>;
+    /// An all-gather along a middle dimension: `send` is `outer` equal runs, and `recv`
+    /// holds, run after run, every member's run in member order (`[outer, size, run]`;
+    /// `recv.len() == size * send.len()`). The gathered rows of a row-major tensor split
+    /// along a dimension that is not its first. The default gathers into a buffer of its own
+    /// and reorders; a backend that writes each run in place overrides it.
+    fn all_gather_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        outer: usize,
+    ) -> Result<()> {
+        args::interleaved(self, "all-gather-interleaved", send.len(), recv.len(), outer)?;
+        let n = self.size();
+        let mut all = vec![0u8; recv.len()];
+        self.all_gather_v_bytes(send, &mut all, &vec![send.len(); n])?;
+        let run = send.len() / outer.max(1);
+        for o in 0..outer {
+            for m in 0..n {
+                let from = m * send.len() + o * run;
+                recv[(o * n + m) * run..][..run].copy_from_slice(&all[from..from + run]);
+            }
+        }
+        Ok(())
+    }
+    /// A reduce-scatter along a middle dimension: `send` is `outer` runs of `size` equal
+    /// blocks, and member `i` receives block `i` of every run reduced over all members, run
+    /// after run (`recv`, `[outer, block]`; `send.len() == size * recv.len()`). The default
+    /// packs the blocks member by member into a buffer of its own; a backend that reduces
+    /// them in place overrides it. Either way each element is reduced in member order, as
+    /// [`Self::reduce_scatter_bytes`] reduces it.
+    fn reduce_scatter_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        (dtype, op): (DType, ReduceOp),
+        outer: usize,
+    ) -> Result<()> {
+        let what = "reduce-scatter-interleaved";
+        args::interleaved(self, what, recv.len(), send.len(), outer)?;
+        let (n, block) = (self.size(), recv.len() / outer.max(1));
+        let mut packed = Vec::with_capacity(send.len());
+        for m in 0..n {
+            for o in 0..outer {
+                packed.extend_from_slice(&send[(o * n + m) * block..][..block]);
+            }
+        }
+        self.reduce_scatter_bytes(&packed, recv, dtype, op)
+    }
     /// Sends `data` to member `dst` with `tag`. Messages between a pair with one tag arrive
     /// in order.
     fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()>;
@@ -260,6 +308,23 @@ impl<C: Communicator + ?Sized> Communicator for &C {
     ) -> Result<()> {
         (**self).all_to_all_v_bytes(send, sc, recv, rc)
     }
+    fn all_gather_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        outer: usize,
+    ) -> Result<()> {
+        (**self).all_gather_interleaved_bytes(send, recv, outer)
+    }
+    fn reduce_scatter_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        how: (DType, ReduceOp),
+        outer: usize,
+    ) -> Result<()> {
+        (**self).reduce_scatter_interleaved_bytes(send, recv, how, outer)
+    }
     fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()> {
         (**self).send_bytes(data, dst, tag)
     }
@@ -403,6 +468,30 @@ pub trait CommExt: Communicator {
         self.reduce_scatter_bytes(bytes(send), bytes_mut(recv), T::DTYPE, op)
     }
 
+    /// Typed [`Communicator::all_gather_interleaved_bytes`].
+    fn all_gather_interleaved<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        outer: usize,
+    ) -> Result<()> {
+        // In elements first: a run must be whole elements, which bytes cannot tell.
+        args::interleaved(self, "all-gather-interleaved", send.len(), recv.len(), outer)?;
+        self.all_gather_interleaved_bytes(bytes(send), bytes_mut(recv), outer)
+    }
+
+    /// Typed [`Communicator::reduce_scatter_interleaved_bytes`].
+    fn reduce_scatter_interleaved<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        outer: usize,
+    ) -> Result<()> {
+        args::interleaved(self, "reduce-scatter-interleaved", recv.len(), send.len(), outer)?;
+        self.reduce_scatter_interleaved_bytes(bytes(send), bytes_mut(recv), (T::DTYPE, op), outer)
+    }
+
     /// Typed [`Communicator::all_to_all_v_bytes`]; counts in elements.
     fn all_to_all_v<T: Element>(
         &self,
@@ -516,6 +605,27 @@ pub(crate) mod args {
                 comm.global_rank(),
                 send.len(),
                 recv.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// An interleaved all-gather's (`part` sent, `whole` received) or reduce-scatter's
+    /// (`part` received, `whole` sent) sizes: `whole` is `size` parts, and `part` splits
+    /// into `outer` equal runs (`outer` 0 only for nothing at all).
+    pub fn interleaved<C: Communicator + ?Sized>(
+        comm: &C,
+        op: &str,
+        part: usize,
+        whole: usize,
+        outer: usize,
+    ) -> Result<()> {
+        let runs = if outer == 0 { part == 0 } else { part.is_multiple_of(outer) };
+        if whole != part * comm.size() || !runs {
+            return Err(CommError::Usage(format!(
+                "{op} on rank {}: {whole} bytes must be {} members x {part}, and {part} bytes {outer} equal runs",
+                comm.global_rank(),
+                comm.size()
             )));
         }
         Ok(())

@@ -26,6 +26,7 @@ pub const SUITE: &[(&str, Check)] = &[
     ("all_gather", all_gather),
     ("all_gather_v", all_gather_v),
     ("reduce_scatter", reduce_scatter),
+    ("interleaved", interleaved),
     ("all_to_all_v", all_to_all_v),
     ("point_to_point", point_to_point),
     ("message_lengths", message_lengths),
@@ -151,6 +152,13 @@ where
     for (k, &got) in recv.iter().enumerate() {
         check("reduce-scatter sum", c.rank() * 64 + k, got)?;
     }
+    // Interleaved, 4 runs of n blocks of 16: run o's block m is elements (o n + m) 16 ...
+    let mut recv = vec![T::of(0); 64];
+    let what = "reduce-scatter-interleaved";
+    ok(c, c.reduce_scatter_interleaved(&send, &mut recv, ReduceOp::Sum, 4), what)?;
+    for (k, &got) in recv.iter().enumerate() {
+        check("reduce-scatter-interleaved sum", ((k / 16) * n + c.rank()) * 16 + k % 16, got)?;
+    }
     Ok(())
 }
 
@@ -258,6 +266,43 @@ fn reduce_scatter(c: &dyn Communicator) -> Result<(), String> {
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// The interleaved all-gather and reduce-scatter (a split along a tensor's middle
+/// dimension): every member's runs in their places, and each run's block reduced, for
+/// empty, single and uneven runs.
+fn interleaved(c: &dyn Communicator) -> Result<(), String> {
+    let (n, me) = (c.size(), c.rank());
+    for (outer, run) in [(0usize, 0usize), (1, 0), (1, 5), (3, 1), (4, 333)] {
+        let send: Vec<i64> = (0..outer * run).map(|j| (me * 100_000 + j) as i64).collect();
+        let mut recv = vec![-1i64; send.len() * n];
+        ok(c, c.all_gather_interleaved(&send, &mut recv, outer), "all-gather-interleaved")?;
+        let want: Vec<i64> = (0..outer)
+            .flat_map(|o| (0..n).flat_map(move |m| (0..run).map(move |j| (m, o * run + j))))
+            .map(|(m, j)| (m * 100_000 + j) as i64)
+            .collect();
+        if recv != want {
+            return Err(fail(c, format!("all-gather-interleaved of {outer} runs of {run}")));
+        }
+        let block = run;
+        let send: Vec<f32> = (0..outer * n * block).map(|k| ((me + 1) * (k % 97)) as f32).collect();
+        let mut recv = vec![-1.0f32; outer * block];
+        let what = "reduce-scatter-interleaved";
+        ok(c, c.reduce_scatter_interleaved(&send, &mut recv, ReduceOp::Sum, outer), what)?;
+        for (i, &got) in recv.iter().enumerate() {
+            let k = ((i / block.max(1)) * n + me) * block + i % block.max(1);
+            let want = (1..=n).map(|r| r * (k % 97)).sum::<usize>() as f32;
+            if got != want {
+                return Err(fail(c, format!("{what} of {outer} runs: element {i} is {got}")));
+            }
+        }
+    }
+    // Sizes that do not split are refused the same way everywhere.
+    let mut recv = vec![0i64; 5 * n];
+    if c.all_gather_interleaved(&[1i64; 5], &mut recv, 2).is_ok() {
+        return Err(fail(c, "5 elements in 2 runs were accepted".into()));
     }
     Ok(())
 }

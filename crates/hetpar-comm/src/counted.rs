@@ -101,6 +101,25 @@ impl Communicator for Counted<'_> {
         self.traffic.add(send.len());
         self.inner.reduce_scatter_bytes(send, recv, dtype, op)
     }
+    fn all_gather_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        outer: usize,
+    ) -> Result<()> {
+        self.traffic.add(send.len());
+        self.inner.all_gather_interleaved_bytes(send, recv, outer)
+    }
+    fn reduce_scatter_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        how: (DType, ReduceOp),
+        outer: usize,
+    ) -> Result<()> {
+        self.traffic.add(send.len());
+        self.inner.reduce_scatter_interleaved_bytes(send, recv, how, outer)
+    }
     fn all_to_all_v_bytes(
         &self,
         send: &[u8],

@@ -172,6 +172,18 @@ impl<'a> Recording<'a> {
         });
     }
 
+    /// Records an all-gather of `send` bytes into `recv` bytes.
+    fn record_all_gather(&self, send: usize, recv: usize) {
+        let n = self.inner.size();
+        self.record(OpKind::AllGatherV, None, send * (n - 1), recv.saturating_sub(send));
+    }
+
+    /// Records a reduce-scatter of `send` bytes (a ring's traffic each way).
+    fn record_reduce_scatter(&self, send: usize) {
+        let b = self.ring(send);
+        self.record(OpKind::ReduceScatter, None, b, b);
+    }
+
     fn ring(&self, bytes: usize) -> usize {
         let n = self.inner.size();
         bytes * (n - 1) / n
@@ -218,13 +230,7 @@ impl Communicator for Recording<'_> {
     }
 
     fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
-        let n = self.inner.size();
-        self.record(
-            OpKind::AllGatherV,
-            None,
-            send.len() * (n - 1),
-            recv.len().saturating_sub(send.len()),
-        );
+        self.record_all_gather(send.len(), recv.len());
         self.inner.all_gather_v_bytes(send, recv, counts)
     }
 
@@ -235,9 +241,31 @@ impl Communicator for Recording<'_> {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let b = self.ring(send.len());
-        self.record(OpKind::ReduceScatter, None, b, b);
+        self.record_reduce_scatter(send.len());
         self.inner.reduce_scatter_bytes(send, recv, dtype, op)
+    }
+
+    /// Recorded as the all-gather it is: the same kind and bytes.
+    fn all_gather_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        outer: usize,
+    ) -> Result<()> {
+        self.record_all_gather(send.len(), recv.len());
+        self.inner.all_gather_interleaved_bytes(send, recv, outer)
+    }
+
+    /// Recorded as the reduce-scatter it is: the same kind and bytes.
+    fn reduce_scatter_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        how: (DType, ReduceOp),
+        outer: usize,
+    ) -> Result<()> {
+        self.record_reduce_scatter(send.len());
+        self.inner.reduce_scatter_interleaved_bytes(send, recv, how, outer)
     }
 
     fn all_to_all_v_bytes(

@@ -119,17 +119,12 @@ pub(crate) fn gather_dim<T: WithDType + Element>(
     dim: usize,
 ) -> CResult<(Vec<T>, Shape)> {
     let n = c.size();
-    let (outer, d, inner) = split3(shape, dim);
-    let mut all = vec![T::from_f64(0.0); x.len() * n];
-    c.all_gather(x, &mut all).map_err(|e| comm_err("all-gather", e))?;
-    let mut out = Vec::with_capacity(all.len());
-    let part = d * inner;
-    for o in 0..outer {
-        for m in 0..n {
-            let base = m * x.len() + o * part;
-            out.extend_from_slice(&all[base..base + part]);
-        }
-    }
+    let (outer, _, _) = split3(shape, dim);
+    // Each member's `[d, inner]` run of every outer index lands in its place: `[outer, n * d,
+    // inner]` (the local backend copies them there directly).
+    let mut out = vec![T::from_f64(0.0); x.len() * n];
+    c.all_gather_interleaved(x, &mut out, if x.is_empty() { 0 } else { outer })
+        .map_err(|e| comm_err("all-gather", e))?;
     let mut dims = shape.dims().to_vec();
     dims[dim] *= n;
     Ok((out, Shape::from(dims)))
@@ -144,23 +139,19 @@ pub(crate) fn reduce_scatter_dim<T: WithDType + Element>(
     dim: usize,
 ) -> CResult<(Vec<T>, Shape)> {
     let n = c.size();
-    let (outer, d, inner) = split3(shape, dim);
+    let (outer, d, _) = split3(shape, dim);
     if d % n != 0 {
         return Err(Error::Msg(format!(
             "reduce-scatter along dim {dim} of {shape:?} over {n} ranks: {d} does not divide"
         )));
     }
     let dl = d / n;
-    // Pack member m's block [outer, dl, inner] contiguously.
-    let mut send = Vec::with_capacity(x.len());
-    for m in 0..n {
-        for o in 0..outer {
-            let base = o * d * inner + m * dl * inner;
-            send.extend_from_slice(&x[base..base + dl * inner]);
-        }
-    }
+    // `x` is `[outer, n, dl * inner]`: member m's block of every outer index, reduced over
+    // the members (the local backend reads the blocks in place, others pack them first).
     let mut out = vec![T::from_f64(0.0); x.len() / n];
-    c.reduce_scatter(&send, &mut out, ReduceOp::Sum).map_err(|e| comm_err("reduce-scatter", e))?;
+    let runs = if x.is_empty() { 0 } else { outer };
+    c.reduce_scatter_interleaved(x, &mut out, ReduceOp::Sum, runs)
+        .map_err(|e| comm_err("reduce-scatter", e))?;
     let mut dims = shape.dims().to_vec();
     dims[dim] = dl;
     Ok((out, Shape::from(dims)))

@@ -300,6 +300,67 @@ impl Communicator for LocalComm {
         })
     }
 
+    /// Each member's runs copied straight to their places in `recv`: no buffer of its own
+    /// and no second copy.
+    fn all_gather_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        outer: usize,
+    ) -> Result<()> {
+        args::interleaved(self, "all-gather-interleaved", send.len(), recv.len(), outer)?;
+        let sig = Signature {
+            len: Some(send.len()),
+            counts: Some(vec![outer]),
+            ..Signature::new("all-gather-interleaved")
+        };
+        let (n, run) = (self.size(), send.len() / outer.max(1));
+        let site = self.site("all-gather-interleaved");
+        self.shared.direct(&site, sig, (Region::of(send), None), 1, |_, regions, _| {
+            for o in 0..outer {
+                for (m, g) in regions.iter().enumerate() {
+                    // SAFETY: send buffers are only read, and `recv` is this member's own.
+                    recv[(o * n + m) * run..][..run]
+                        .copy_from_slice(unsafe { g.bytes(o * run..(o + 1) * run) });
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Each run's block reduced in place from every member's buffer, in member order: no
+    /// packed copy.
+    fn reduce_scatter_interleaved_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        (dtype, op): (DType, ReduceOp),
+        outer: usize,
+    ) -> Result<()> {
+        let what = "reduce-scatter-interleaved";
+        args::interleaved(self, what, recv.len(), send.len(), outer)?;
+        args::elements(self, what, recv.len() / outer.max(1), dtype)?;
+        let sig = Signature {
+            dtype: Some(dtype),
+            reduce: Some(op),
+            len: Some(send.len()),
+            counts: Some(vec![outer]),
+            ..Signature::new(what)
+        };
+        let (n, me, block) = (self.size(), self.me, recv.len() / outer.max(1));
+        let site = self.site(what);
+        self.shared.direct(&site, sig, (Region::of(send), None), 1, |_, regions, _| {
+            for o in 0..outer {
+                let r = (o * n + me) * block..(o * n + me + 1) * block;
+                // SAFETY: send buffers are only read, and `recv` is this member's own.
+                let parts: Vec<&[u8]> =
+                    regions.iter().map(|g| unsafe { g.bytes(r.clone()) }).collect();
+                reduce_into(&mut recv[o * block..(o + 1) * block], &parts, dtype, op);
+            }
+            Ok(())
+        })
+    }
+
     fn all_to_all_v_bytes(
         &self,
         send: &[u8],
