@@ -389,6 +389,8 @@ def main():
     ap.add_argument("--bf16", action="store_true",
                     help="after the table in --dtype, the same table in bf16")
     a = ap.parse_args()
+    if a.rounds < 1 or a.pairs < 1 or a.iters < 1:
+        ap.error("--rounds, --pairs and --iters must be at least 1")
     torch.set_num_threads(1)
     for dtype in [a.dtype] + (["bf16"] if a.bf16 and a.dtype != "bf16" else []):
         table(a, dtype)
@@ -448,7 +450,8 @@ def table(a, dtype):
                         pt[k] = min(pt.get(k, pair[side]), pair[side])
                 ratios[k].append(pair["hetpar"] / pair["torch"])
     what = "bf16 products, f32 weights (PyTorch: autocast)" if bf16 else dtype
-    print(f"one core, {what}, best of {a.rounds} alternating rounds x {a.iters} iterations; "
+    print(f"one core, {what}, best of {a.rounds} alternating rounds ({a.rounds * a.pairs} pairs for "
+          f"the model rows) x {a.iters} iterations; "
           f"PyTorch {torch.__version__}; the model rows' pairs ({a.pairs} a round) measured back "
           f"to back, the ratio of "
           f"each pair's times as median (lowest-highest)")

@@ -99,6 +99,13 @@ pub trait Communicator: Send + Sync {
         let what = "reduce-scatter-interleaved";
         args::interleaved(self, what, recv.len(), send.len(), outer)?;
         let (n, block) = (self.size(), recv.len() / outer.max(1));
+        if !block.is_multiple_of(dtype.size()) {
+            return Err(CommError::Usage(format!(
+                "{what} on rank {}: blocks of {block} bytes are not whole {} elements",
+                self.global_rank(),
+                dtype.name()
+            )));
+        }
         let mut packed = Vec::with_capacity(send.len());
         for m in 0..n {
             for o in 0..outer {
@@ -623,7 +630,7 @@ pub(crate) mod args {
         let runs = if outer == 0 { part == 0 } else { part.is_multiple_of(outer) };
         if whole != part * comm.size() || !runs {
             return Err(CommError::Usage(format!(
-                "{op} on rank {}: {whole} bytes must be {} members x {part}, and {part} bytes {outer} equal runs",
+                "{op} on rank {}: {whole} must be {} members x {part}, and {part} split into {outer} equal runs",
                 comm.global_rank(),
                 comm.size()
             )));

@@ -7,7 +7,7 @@
 use half::bf16;
 
 use crate::comm::{CommExt, Communicator, P2p};
-use crate::dtype::{Element, ReduceOp};
+use crate::dtype::{DType, Element, ReduceOp};
 
 /// A conformance check: `Ok` or what went wrong on this rank.
 pub type Check = fn(&dyn Communicator) -> Result<(), String>;
@@ -299,10 +299,15 @@ fn interleaved(c: &dyn Communicator) -> Result<(), String> {
             }
         }
     }
-    // Sizes that do not split are refused the same way everywhere.
+    // Sizes that do not split are refused the same way everywhere, in elements and in
+    // bytes: 5 elements in 2 runs, and blocks of 2 bytes of f32.
     let mut recv = vec![0i64; 5 * n];
     if c.all_gather_interleaved(&[1i64; 5], &mut recv, 2).is_ok() {
         return Err(fail(c, "5 elements in 2 runs were accepted".into()));
+    }
+    let how = (DType::F32, ReduceOp::Sum);
+    if c.reduce_scatter_interleaved_bytes(&vec![0u8; 8 * n], &mut [0u8; 8], how, 4).is_ok() {
+        return Err(fail(c, "f32 blocks of 2 bytes were accepted".into()));
     }
     Ok(())
 }

@@ -228,8 +228,9 @@ mod tests {
 
     #[test]
     fn filters_over_their_spans_give_the_dense_sums_bits() {
-        let clip: Vec<f32> =
-            (0..7000u32).map(|t| ((t * 2_654_435_761) % 65_536) as f32 / 32_768.0 - 1.0).collect();
+        let clip: Vec<f32> = (0..7000u32)
+            .map(|t| (t.wrapping_mul(2_654_435_761) % 65_536) as f32 / 32_768.0 - 1.0)
+            .collect();
         for n_mels in [16, 80, 128] {
             let front = LogMel::new(n_mels);
             let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();

@@ -509,7 +509,9 @@ const GELU_SLOPE_POLY: [f64; 17] = [
 /// the forward's output `y = x Phi(x)` and the output's gradient `dy`, by the value of `x`
 /// alone:
 /// - For `|x| <= 3.5`, the slope `1/2 + x h(x^2)` ([`GELU_SLOPE_POLY`]) and its product with
-///   `dy` in f64, rounded once: no exponential and no quotient.
+///   `dy` in f64, then rounded to f32: no exponential and no quotient. Within half an f32
+///   ulp of `dy` times the true slope plus the polynomial's 6e-13 of `|dy|` (which counts
+///   only where the slope is near 0: about `x = -0.75`).
 /// - Beyond, in f32 arithmetic: `Phi` read off the output as `y / x` (within an ulp or two
 ///   of it) and `phi` through [`exp_f32`].
 #[inline(always)]
@@ -1114,6 +1116,27 @@ mod tests {
         for j in (0..LANES).filter(|&j| j != 9) {
             assert_eq!(mixed[j], alone[j], "lane {j}");
         }
+    }
+
+    /// The GELU kernel over several parts of [`super::written::PART`], lanes of both forms
+    /// mixed in its vectors and a tail past the last whole vector: every element the bits
+    /// of the one-input forms, on the baseline and the dispatched path.
+    #[test]
+    fn the_gelu_kernel_gives_the_one_input_bits_across_parts() {
+        use super::pointwise::GeluOp;
+        let n = 3 * super::written::PART + 45;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1801) as f32 * 0.01 - 9.0).collect();
+        let dy: Vec<f32> = (0..n).map(|i| 1.0 - (i % 13) as f32 * 0.17).collect();
+        let y: Vec<f32> = x.iter().map(|&v| v * normal_cdf_f32(v)).collect();
+        let want: Vec<u32> =
+            (0..n).map(|i| gelu_backward_f32(x[i], y[i], dy[i]).to_bits()).collect();
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        assert!(x.iter().any(|v| v.abs() > CDF_CENTRAL) && x.iter().any(|v| v.abs() < 1.0));
+        assert_eq!(bits(GeluOp::forward(&x, Matmul::Native)), bits(y.clone()), "forward");
+        assert_eq!(bits(simd::fast!(GeluOp::forward(&x, Matmul::Native))), bits(y.clone()));
+        assert_eq!(bits(GeluOp::backward(&x, &y, &dy, Matmul::Native)), want, "backward");
+        let wide = simd::fast!(GeluOp::backward(&x, &y, &dy, Matmul::Native));
+        assert_eq!(bits(wide), want, "backward on the dispatched path");
     }
 
     #[test]

@@ -267,9 +267,10 @@ impl CustomOp3 for LayerNormOp {
 /// and its backward `dy (Phi(x) + x phi(x))` (candle's own `gelu_erf` backward rounds
 /// `1 / sqrt(2 pi)` to six digits).
 /// - In f32, `Phi` is [`super::normal_cdf_f32`] and the backward
-///   [`super::gelu_backward_f32`]: for `|x| <= 3.5` each a polynomial evaluated in f64 and
-///   rounded once (correctly but within 1e-10 of a tie); beyond, `Phi` within two ulp and
-///   the backward reading `Phi` off the forward's output as `y / x`, with one `exp` for `phi`.
+///   [`super::gelu_backward_f32`]: for `|x| <= 3.5` each a polynomial evaluated in f64, the
+///   CDF correctly rounded but within 1e-10 of a tie, the backward within half an ulp plus
+///   6e-13 of `|dy|`; beyond, `Phi` within two ulp and the backward reading `Phi` off the
+///   forward's output as `y / x`, with one `exp` for `phi`.
 /// - In f64, `Phi` is through candle's `erf`, and the backward reads `Phi` off the output.
 /// - Under bf16 products (`how`), `Phi` and `exp` are evaluated in f32
 ///   ([`super::normal_cdf_f32_fast`], [`super::exp_f32_fast`]: within 8 ulp and one), the
