@@ -123,8 +123,7 @@ pub(crate) fn gather_dim<T: WithDType + Element>(
     // Each member's `[d, inner]` run of every outer index lands in its place: `[outer, n * d,
     // inner]` (the local backend copies them there directly).
     let mut out = vec![T::from_f64(0.0); x.len() * n];
-    c.all_gather_interleaved(x, &mut out, if x.is_empty() { 0 } else { outer })
-        .map_err(|e| comm_err("all-gather", e))?;
+    c.all_gather_interleaved(x, &mut out, outer).map_err(|e| comm_err("all-gather", e))?;
     let mut dims = shape.dims().to_vec();
     dims[dim] *= n;
     Ok((out, Shape::from(dims)))
@@ -149,8 +148,7 @@ pub(crate) fn reduce_scatter_dim<T: WithDType + Element>(
     // `x` is `[outer, n, dl * inner]`: member m's block of every outer index, reduced over
     // the members (the local backend reads the blocks in place, others pack them first).
     let mut out = vec![T::from_f64(0.0); x.len() / n];
-    let runs = if x.is_empty() { 0 } else { outer };
-    c.reduce_scatter_interleaved(x, &mut out, ReduceOp::Sum, runs)
+    c.reduce_scatter_interleaved(x, &mut out, ReduceOp::Sum, outer)
         .map_err(|e| comm_err("reduce-scatter", e))?;
     let mut dims = shape.dims().to_vec();
     dims[dim] = dl;

@@ -350,11 +350,12 @@ impl Communicator for LocalComm {
         let (n, me, block) = (self.size(), self.me, recv.len() / outer.max(1));
         let site = self.site(what);
         self.shared.direct(&site, sig, (Region::of(send), None), 1, |_, regions, _| {
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(n);
             for o in 0..outer {
                 let r = (o * n + me) * block..(o * n + me + 1) * block;
+                parts.clear();
                 // SAFETY: send buffers are only read, and `recv` is this member's own.
-                let parts: Vec<&[u8]> =
-                    regions.iter().map(|g| unsafe { g.bytes(r.clone()) }).collect();
+                parts.extend(regions.iter().map(|g| unsafe { g.bytes(r.clone()) }));
                 reduce_into(&mut recv[o * block..(o + 1) * block], &parts, dtype, op);
             }
             Ok(())
