@@ -10,16 +10,17 @@
 //! buffered (they never block); receives wait; a send-receive lends its send buffer while
 //! it receives (when the world has no more ranks than cores), so a receiver that takes it
 //! meanwhile copies it once. A rank that panics or returns makes every rank waiting on it fail at once
-//! with its rank in the error.
+//! with its rank in the error. Copies of 32 MiB or more are written past the caches
+//! ([`copy`]).
 //!
-//! This module is the workspace's one user of `unsafe`: reading a peer's buffer in place
-//! needs its address. [`state::Region`] and `Shared::direct` hold the protocol that keeps
+//! Reading a peer's buffer in place needs its address, hence `unsafe` here. [`state::Region`] and `Shared::direct` hold the protocol that keeps
 //! it sound: a buffer is posted only while its owner is inside the call, phases are
 //! separated by waits for every member and touch disjoint ranges, and no member leaves,
 //! on success, error or panic, while another is inside a phase.
 
 #![allow(unsafe_code)]
 
+mod copy;
 mod state;
 
 use std::collections::HashMap;
@@ -28,6 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use self::copy::copy;
 use self::state::{CallSite, Letter, Region, Shared, Signature};
 use crate::comm::{
     Communicator, P2p, args, check_batch, check_peer, check_subgroup, length_mismatch,
@@ -231,8 +233,7 @@ impl Communicator for LocalComm {
                     // SAFETY: in phase 1 chunk `i` is final in member i's buffer and only
                     // read; this member writes chunks other than its own in its buffer,
                     // which nobody reads in this phase.
-                    unsafe { own.bytes_mut(bytes(i)) }
-                        .copy_from_slice(unsafe { g.bytes(bytes(i)) });
+                    copy(unsafe { own.bytes_mut(bytes(i)) }, unsafe { g.bytes(bytes(i)) });
                 }
             }
             Ok(())
@@ -250,8 +251,7 @@ impl Communicator for LocalComm {
                 let len = regions[root].len();
                 // SAFETY: the root's buffer is only read in this phase, and this member
                 // writes only its own.
-                unsafe { own.bytes_mut(0..len) }
-                    .copy_from_slice(unsafe { regions[root].bytes(0..len) });
+                copy(unsafe { own.bytes_mut(0..len) }, unsafe { regions[root].bytes(0..len) });
             }
             Ok(())
         })
@@ -265,7 +265,7 @@ impl Communicator for LocalComm {
             let mut at = 0;
             for (g, &len) in regions.iter().zip(counts) {
                 // SAFETY: send buffers are only read, and `recv` is this member's own.
-                recv[at..at + len].copy_from_slice(unsafe { g.bytes(0..len) });
+                copy(&mut recv[at..at + len], unsafe { g.bytes(0..len) });
                 at += len;
             }
             Ok(())
@@ -320,8 +320,8 @@ impl Communicator for LocalComm {
             for o in 0..outer {
                 for (m, g) in regions.iter().enumerate() {
                     // SAFETY: send buffers are only read, and `recv` is this member's own.
-                    recv[(o * n + m) * run..][..run]
-                        .copy_from_slice(unsafe { g.bytes(o * run..(o + 1) * run) });
+                    let part = unsafe { g.bytes(o * run..(o + 1) * run) };
+                    copy(&mut recv[(o * n + m) * run..][..run], part);
                 }
             }
             Ok(())
@@ -396,7 +396,7 @@ impl Communicator for LocalComm {
             for (g, r) in regions.iter().zip(parts) {
                 let len = r.len();
                 // SAFETY: send buffers are only read, and `recv` is this member's own.
-                recv[at..at + len].copy_from_slice(unsafe { g.bytes(r) });
+                copy(&mut recv[at..at + len], unsafe { g.bytes(r) });
                 at += len;
             }
             Ok(())
@@ -418,7 +418,7 @@ impl Communicator for LocalComm {
         match letter {
             Letter::Copy(msg) => {
                 let out = if msg.len() == data.len() {
-                    data.copy_from_slice(&msg);
+                    copy(data, &msg);
                     Ok(())
                 } else {
                     Err(mismatch(msg.len()))
@@ -430,7 +430,7 @@ impl Communicator for LocalComm {
                 let out = if region.len() == data.len() {
                     // SAFETY: the sender waits in `reclaim` until this taker has returned
                     // the buffer, and only reads it meanwhile.
-                    data.copy_from_slice(unsafe { region.bytes(0..data.len()) });
+                    copy(data, unsafe { region.bytes(0..data.len()) });
                     Ok(())
                 } else {
                     Err(mismatch(region.len()))
@@ -512,6 +512,31 @@ mod tests {
     use super::{LocalOptions, launch};
     use crate::{CommExt, Communicator, ReduceOp};
     use std::time::Duration;
+
+    /// Collectives whose copies pass [`super::copy::STREAM_MIN`] (streamed past the caches)
+    /// give the bytes the small ones give: an all-gather, an all-reduce's copies of the
+    /// other members' sums, a send-receive, each of an odd length.
+    #[test]
+    fn collectives_of_streamed_sizes_move_every_byte() {
+        let n = super::copy::STREAM_MIN / 4 + 1001;
+        let value = |rank: usize, i: usize| (rank * 7 + i % 1013) as f32;
+        let out = launch(2, LocalOptions::default(), |c| {
+            let me = c.rank();
+            let mine: Vec<f32> = (0..n).map(|i| value(me, i)).collect();
+            let mut all = vec![0f32; 2 * n];
+            c.all_gather(&mine, &mut all).expect("all-gather");
+            let gathered = (0..2 * n).all(|i| all[i] == value(i / n, i % n));
+            c.all_reduce(&mut all, ReduceOp::Sum).expect("all-reduce");
+            let summed = (0..2 * n).all(|i| all[i] == 2.0 * value(i / n, i % n));
+            let mut got = vec![0f32; n];
+            let other = 1 - me;
+            c.send_recv(&mine, other, 3, &mut got, other, 3).expect("send-recv");
+            let received = (0..n).all(|i| got[i] == value(other, i));
+            (gathered, summed, received)
+        })
+        .expect("no panic");
+        assert!(out.iter().all(|&r| r == (true, true, true)), "{out:?}");
+    }
 
     /// A collective whose members disagree fails on every member, and every member leaves
     /// it, the ones that disagreed included: once the world ends no call's slot is held.
