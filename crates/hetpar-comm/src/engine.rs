@@ -81,15 +81,27 @@ impl<S: 'static> EngineHandle<S> {
         }))
     }
 
-    /// Runs `f` on the engine thread and returns its result.
-    pub fn call<R: Send + 'static>(
+    /// Runs `f` on the engine thread and returns its result. `f` may borrow from the caller
+    /// (the buffers of a collective, used in place on the engine: no copy to it and back),
+    /// since the call returns only once `f` is done with them.
+    pub fn call<'a, R: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut S) -> Result<R> + Send + 'static,
+        f: impl FnOnce(&mut S) -> Result<R> + Send + 'a,
     ) -> Result<R> {
         let (reply_tx, reply_rx): (SyncSender<Result<R>>, _) = sync_channel(1);
-        let job: Job<S> = Box::new(move |s| {
+        let job: Box<dyn FnOnce(&mut S) + Send + 'a> = Box::new(move |s| {
             let _ = reply_tx.send(f(s));
         });
+        // SAFETY: only the lifetime changes, from `'a` to `'static`. The job owns the reply's
+        // sender, so `reply_rx.recv()` below returns only after `f` has returned (the job
+        // sends its result after that, and touches nothing borrowed afterwards), after `f`
+        // has unwound from a panic (its captures are dropped before the sender), or once the
+        // job has been dropped without running (an engine that stopped, a send that failed).
+        // This call returns only then, so nothing `f` borrows is used after the caller's
+        // borrow ends.
+        #[allow(unsafe_code)]
+        let job: Job<S> =
+            unsafe { std::mem::transmute::<Box<dyn FnOnce(&mut S) + Send + 'a>, Job<S>>(job) };
         let stopped = || CommError::Backend {
             backend: self.name,
             message: "the engine has shut down".into(),

@@ -2,8 +2,9 @@
 //! under `mpirun`.
 //!
 //! MPI handles may not leave the thread that uses them, so they live on an engine thread
-//! (`engine.rs`); the [`MpiComm`] handles callers hold are `Send + Sync` and copy their
-//! buffers to and from the engine. On the engine every operation is issued non-blocking and
+//! (`engine.rs`); the [`MpiComm`] handles callers hold are `Send + Sync` and lend their
+//! buffers to the engine for the call (it blocks until the engine is done with them), so
+//! MPI reads and writes them in place: no copy to the engine and back. On the engine every operation is issued non-blocking and
 //! polled against a deadline. While polling, and while idle between operations, the engine
 //! answers status queries on a private control communicator ("what are you doing?"). When a
 //! deadline passes, the rank asks the members it waits for, so the timeout names the ranks
@@ -30,7 +31,7 @@ use crate::comm::{
     Communicator, P2p, SharedTimeout, args, check_batch, check_peer, check_subgroup,
     length_mismatch,
 };
-use crate::dtype::{DType, ReduceOp, reduce_onto};
+use crate::dtype::{DType, ReduceOp, reduce_into, reduce_onto};
 use crate::engine::EngineHandle;
 use crate::error::{CommError, Result, ranks};
 use crate::pool::BufferPool;
@@ -87,7 +88,6 @@ impl std::fmt::Debug for MpiEngine {
 /// A communicator of the MPI backend: a handle to a communicator on the engine thread.
 pub struct MpiComm {
     engine: Arc<EngineHandle<MpiEngine>>,
-    pool: Arc<BufferPool>,
     id: usize,
     members: Vec<usize>,
     me: usize,
@@ -106,7 +106,6 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
     let timeout = Arc::new(SharedTimeout::new(opts.timeout));
     let engine_timeout = timeout.clone();
     let pool = Arc::new(BufferPool::new());
-    let engine_pool = pool.clone();
     let engine = EngineHandle::spawn(
         "mpi",
         Duration::from_millis(2),
@@ -129,7 +128,7 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
             };
             Ok(MpiEngine {
                 entries: vec![entry],
-                pool: engine_pool,
+                pool,
                 control,
                 doing: RefCell::new("computing (not in a communication call)".into()),
                 timeout: engine_timeout,
@@ -141,7 +140,7 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
         MpiEngine::serve,
     )?;
     let (members, me) = engine.call(|e| Ok((e.entries[0].members.clone(), e.entries[0].me)))?;
-    Ok(MpiComm { engine, pool, id: 0, members, me, timeout })
+    Ok(MpiComm { engine, id: 0, members, me, timeout })
 }
 
 impl MpiComm {
@@ -215,6 +214,18 @@ fn post<'a, Sc: Scope<'a> + Copy>(
 ) -> Vec<Request<'a, [u8], Sc>> {
     let p = comm.process_at_rank(dst as Rank);
     pieces(data.len()).map(|r| p.immediate_send_with_tag(s, &data[r], tag as i32)).collect()
+}
+
+/// `data`, or where it is empty an empty slice of `spare`. An empty slice's address may be
+/// 1, which OpenMPI takes for `MPI_IN_PLACE` (an all-gather into it fails, and one sent from
+/// it would read its part from the receive buffer): MPI gets a real address instead.
+fn placed<'a>(data: &'a [u8], spare: &'a [u8; 1]) -> &'a [u8] {
+    if data.is_empty() { &spare[..0] } else { data }
+}
+
+/// [`placed`] for a buffer MPI writes.
+fn placed_mut<'a>(data: &'a mut [u8], spare: &'a mut [u8; 1]) -> &'a mut [u8] {
+    if data.is_empty() { &mut spare[..0] } else { data }
 }
 
 /// Why a message was not received.
@@ -393,55 +404,39 @@ impl MpiEngine {
         }
     }
 
-    fn all_reduce(&self, id: usize, data: Vec<u8>, dtype: DType, op: ReduceOp) -> Result<Vec<u8>> {
+    fn all_reduce(&self, id: usize, data: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         // Member m reduces elements [m * len / n, (m + 1) * len / n) of every member's
         // buffer in member order, then every member gathers the reduced ranges: the same
         // arithmetic as the local backend for every type and group size (MPI's own
         // all-reduce picks its order by message size and group, so a sum over three or more
         // ranks could round differently from the local run's, and from one MPI to another).
         let name = self.begin(id, "all-reduce");
-        if self.entries[id].members.len() == 1 {
-            self.end();
-            return Ok(data);
-        }
-        // In pieces of at most `PIECE` bytes, so MPI's 32-bit counts and displacements hold
-        // (the sums are per element, so the pieces change nothing in the result); a whole
-        // number of elements per member, so each member's range stays within the all-to-all's
-        // one-call share. One piece, the usual case, goes through without a copy.
-        let step = self.entries[id].members.len() * dtype.size();
-        let piece = (piece_bytes() / step).max(1) * step;
-        let out = if data.len() <= piece {
-            self.reduce_piece(id, &name, data, dtype, op)
-        } else {
-            let mut out = self.pool.take(data.len());
-            for (src, dst) in data.chunks(piece).zip(out.chunks_mut(piece)) {
-                let reduced = self.reduce_piece(id, &name, self.pool.copy_of(src), dtype, op);
-                dst.copy_from_slice(&reduced);
-                self.pool.give(reduced);
+        if self.entries[id].members.len() > 1 {
+            // In pieces of at most `PIECE` bytes, so MPI's 32-bit counts and displacements
+            // hold (the sums are per element, so the pieces change nothing in the result); a
+            // whole number of elements per member, so each member's range stays within the
+            // all-to-all's one-call share. Every member holds the same length, so all cut
+            // the same pieces (none where it is empty).
+            let step = self.entries[id].members.len() * dtype.size();
+            let piece = (piece_bytes() / step).max(1) * step;
+            for part in data.chunks_mut(piece) {
+                self.reduce_piece(id, &name, part, dtype, op);
             }
-            self.pool.give(data);
-            out
-        };
+        }
         self.end();
-        Ok(out)
+        Ok(())
     }
 
-    /// One piece of all-reduce `name`: member m sums its range of every member's `data` in
-    /// member order, then every member gathers the sums.
-    fn reduce_piece(
-        &self,
-        id: usize,
-        name: &str,
-        data: Vec<u8>,
-        dtype: DType,
-        op: ReduceOp,
-    ) -> Vec<u8> {
+    /// One piece of all-reduce `name`, in place: member m sums its range of every member's
+    /// `data` in member order, then every member gathers the sums into `data`.
+    fn reduce_piece(&self, id: usize, name: &str, data: &mut [u8], dtype: DType, op: ReduceOp) {
         let e = &self.entries[id];
         let (n, size) = (e.members.len(), dtype.size());
         let len = data.len() / size;
         let counts: Vec<usize> = (0..n).map(|m| ((m + 1) * len / n - m * len / n) * size).collect();
         let sums = self.sum_ranges(id, name, data, &counts, dtype, op);
-        self.gather_v(id, name, sums, &counts)
+        self.gather_v(id, name, &sums, &counts, data);
+        self.pool.give(sums);
     }
 
     /// Member m's range (`counts[m]` bytes, in member order through `data`) of every
@@ -451,7 +446,7 @@ impl MpiEngine {
         &self,
         id: usize,
         name: &str,
-        data: Vec<u8>,
+        data: &[u8],
         counts: &[usize],
         dtype: DType,
         op: ReduceOp,
@@ -459,14 +454,15 @@ impl MpiEngine {
         let e = &self.entries[id];
         let n = e.members.len();
         let mine = counts[e.me];
-        let blocks = self.exchange(id, name, data, counts.to_vec(), vec![mine; n]);
-        let mut acc = self.pool.copy_of(&blocks[..mine]);
-        let rest: Vec<&[u8]> = (1..n).map(|m| &blocks[m * mine..(m + 1) * mine]).collect();
+        let mut blocks = self.exchange(id, name, data, counts, &vec![mine; n]);
+        // Member 0's block is the accumulator; the others fold onto it in member order.
+        let (acc, rest) = blocks.split_at_mut(mine);
         if mine > 0 {
-            reduce_onto(&mut acc, &rest, dtype, op);
+            let rest: Vec<&[u8]> = rest.chunks_exact(mine).collect();
+            reduce_onto(acc, &rest, dtype, op);
         }
-        self.pool.give(blocks);
-        acc
+        blocks.truncate(mine);
+        blocks
     }
 
     fn barrier(&self, id: usize) -> Result<()> {
@@ -477,7 +473,7 @@ impl MpiEngine {
         Ok(())
     }
 
-    fn broadcast(&self, id: usize, mut data: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+    fn broadcast(&self, id: usize, data: &mut [u8], root: usize) -> Result<()> {
         let name = self.begin(id, "broadcast");
         let e = &self.entries[id];
         // Every member holds the same length, so all cut it into the same pieces (none
@@ -489,67 +485,85 @@ impl MpiEngine {
             });
         }
         self.end();
-        Ok(data)
+        Ok(())
     }
 
-    fn all_gather_v(&self, id: usize, send: Vec<u8>, counts: Vec<usize>) -> Result<Vec<u8>> {
+    fn all_gather_v(
+        &self,
+        id: usize,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+    ) -> Result<()> {
         let name = self.begin(id, "all-gather-v");
-        let recv = self.gather_v(id, &name, send, &counts);
+        self.gather_v(id, &name, send, counts, recv);
         self.end();
-        Ok(recv)
+        Ok(())
     }
 
     /// The all-gather of operation `name` (begun by the caller). Every member knows every
     /// count, so all cut the gathered bytes into the same `PIECE`-long rounds: round `k`
     /// gathers bytes `[k * PIECE, (k + 1) * PIECE)` of the result from the members whose
     /// parts overlap them, straight into place. One round, the usual case, is one MPI call.
-    fn gather_v(&self, id: usize, name: &str, send: Vec<u8>, counts: &[usize]) -> Vec<u8> {
+    fn gather_v(&self, id: usize, name: &str, send: &[u8], counts: &[usize], recv: &mut [u8]) {
         let e = &self.entries[id];
         let (total, at, p) = (counts.iter().sum::<usize>(), starts(counts), piece_bytes());
-        let mut recv = self.pool.take(total);
+        debug_assert_eq!(recv.len(), total);
         for k in 0..total.div_ceil(p).max(1) {
             let (lo, hi) = (k * p, ((k + 1) * p).min(total));
             let overlap = |m: usize| (at[m].clamp(lo, hi), (at[m] + counts[m]).clamp(lo, hi));
             let c = mpi_counts((0..counts.len()).map(|m| overlap(m).1 - overlap(m).0));
             let d = mpi_counts((0..counts.len()).map(|m| overlap(m).0 - lo));
             let (a, b) = overlap(e.me);
-            let mine = if a < b { &send[a - at[e.me]..b - at[e.me]] } else { &[] };
-            let mut part = PartitionMut::new(&mut recv[lo..hi], &c[..], &d[..]);
+            let (spare, mut spare_mut) = ([0u8], [0u8]);
+            let mine = if a < b { &send[a - at[e.me]..b - at[e.me]] } else { &spare[..0] };
+            let out = placed_mut(&mut recv[lo..hi], &mut spare_mut);
+            let mut part = PartitionMut::new(out, &c[..], &d[..]);
             scope(|s| {
                 let req = e.comm.immediate_all_gather_varcount_into(s, mine, &mut part);
                 self.wait(req, id, name, &self.others(id));
             });
         }
-        self.pool.give(send);
-        recv
     }
 
     fn reduce_scatter(
         &self,
         id: usize,
-        send: Vec<u8>,
-        block: usize,
+        send: &[u8],
+        recv: &mut [u8],
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<Vec<u8>> {
+    ) -> Result<()> {
         let name = self.begin(id, "reduce-scatter");
-        let counts = vec![block; self.entries[id].members.len()];
-        let mine = self.sum_ranges(id, &name, send, &counts, dtype, op);
+        let (n, block) = (self.entries[id].members.len(), recv.len());
+        let blocks = self.exchange(id, &name, send, &vec![block; n], &vec![block; n]);
+        if block > 0 {
+            // Every member's block of `send`, in member order: the same sums as all-reduce.
+            let parts: Vec<&[u8]> = blocks.chunks_exact(block).collect();
+            reduce_into(recv, &parts, dtype, op);
+        }
+        self.pool.give(blocks);
         self.end();
-        Ok(mine)
+        Ok(())
     }
 
     fn all_to_all_v(
         &self,
         id: usize,
-        send: Vec<u8>,
-        sc: Vec<usize>,
-        rc: Vec<usize>,
-    ) -> Result<Vec<u8>> {
+        (send, sc): (&[u8], &[usize]),
+        (recv, rc): (&mut [u8], &[usize]),
+    ) -> Result<()> {
         let name = self.begin(id, "all-to-all-v");
-        let recv = self.exchange(id, &name, send, sc, rc);
+        self.exchange_into(id, &name, (send, sc), (recv, rc));
         self.end();
-        Ok(recv)
+        Ok(())
+    }
+
+    /// [`Self::exchange_into`] a new buffer from the pool.
+    fn exchange(&self, id: usize, name: &str, send: &[u8], sc: &[usize], rc: &[usize]) -> Vec<u8> {
+        let mut recv = self.pool.take(rc.iter().sum());
+        self.exchange_into(id, name, (send, sc), (&mut recv, rc));
+        recv
     }
 
     /// The all-to-all of operation `name` (begun by the caller): `sc[m]` bytes of `send`
@@ -561,25 +575,22 @@ impl MpiEngine {
     /// and displacements hold), and a pair with more sends the rest point to point on the
     /// group's private communicator: both ends of a pair know its count, so they agree on
     /// that without asking. Without such a pair (the usual case) it is one MPI call.
-    fn exchange(
+    fn exchange_into(
         &self,
         id: usize,
         name: &str,
-        send: Vec<u8>,
-        sc: Vec<usize>,
-        rc: Vec<usize>,
-    ) -> Vec<u8> {
+        (send, sc): (&[u8], &[usize]),
+        (recv, rc): (&mut [u8], &[usize]),
+    ) {
         let e = &self.entries[id];
         let share = (piece_bytes() / e.members.len()).max(1);
-        let mut recv = self.pool.take(rc.iter().sum());
-        if sc.iter().chain(&rc).all(|&c| c <= share) {
-            self.all_to_all_call(id, name, &send, &sc, &mut recv, &rc);
-            self.pool.give(send);
-            return recv;
+        if sc.iter().chain(rc).all(|&c| c <= share) {
+            self.all_to_all_call(id, name, send, sc, recv, rc);
+            return;
         }
-        let (so, ro) = (starts(&sc), starts(&rc));
+        let (so, ro) = (starts(sc), starts(rc));
         let first = |c: &[usize]| c.iter().map(|&c| c.min(share)).collect::<Vec<_>>();
-        let (sc1, rc1) = (first(&sc), first(&rc));
+        let (sc1, rc1) = (first(sc), first(rc));
         let mut head = self.pool.take(sc1.iter().sum());
         for ((m, &c), to) in sc1.iter().enumerate().zip(starts(&sc1)) {
             head[to..to + c].copy_from_slice(&send[so[m]..so[m] + c]);
@@ -602,12 +613,9 @@ impl MpiEngine {
                 })
                 .collect();
             for m in (0..rc.len()).filter(|&m| rc[m] > share) {
-                let len = rc[m] - share;
-                match self.take_message(&e.bulk, (m, 0, len), deadline, || pause(start)) {
-                    Ok(rest) => {
-                        recv[ro[m] + share..ro[m] + rc[m]].copy_from_slice(&rest);
-                        self.pool.give(rest);
-                    }
+                let rest = &mut recv[ro[m] + share..ro[m] + rc[m]];
+                match self.take_message(&e.bulk, (m, 0), rest, deadline, || pause(start)) {
+                    Ok(()) => {}
                     // The collective's members disagree on a count, or one is gone: the job
                     // cannot go on, as when an MPI collective times out.
                     Err(missed) => {
@@ -632,8 +640,6 @@ impl MpiEngine {
                 self.wait(req, id, name, &[e.members[m]]);
             }
         });
-        self.pool.give(send);
-        recv
     }
 
     /// One MPI all-to-all of `sc[m]` bytes of `send` to member `m` and `rc[m]` from it into
@@ -649,8 +655,9 @@ impl MpiEngine {
     ) {
         let (sd, rd) = (mpi_counts(starts(sc)), mpi_counts(starts(rc)));
         let (sc, rc) = (mpi_counts(sc.iter().copied()), mpi_counts(rc.iter().copied()));
-        let part = Partition::new(send, &sc[..], &sd[..]);
-        let mut rpart = PartitionMut::new(recv, &rc[..], &rd[..]);
+        let (spare, mut spare_mut) = ([0u8], [0u8]);
+        let part = Partition::new(placed(send, &spare), &sc[..], &sd[..]);
+        let mut rpart = PartitionMut::new(placed_mut(recv, &mut spare_mut), &rc[..], &rd[..]);
         scope(|s| {
             let req =
                 self.entries[id].comm.immediate_all_to_all_varcount_into(s, &part, &mut rpart);
@@ -670,11 +677,11 @@ impl MpiEngine {
         Ok(())
     }
 
-    fn recv(&self, id: usize, len: usize, src: usize, tag: u32) -> Result<Vec<u8>> {
+    fn recv(&self, id: usize, data: &mut [u8], src: usize, tag: u32) -> Result<()> {
         let e = &self.entries[id];
         let name = self.begin_named(id, format!("recv from rank {} (tag {tag})", e.members[src]));
-        let start = Instant::now();
-        let got = self.take_message(&e.comm, (src, tag, len), start + self.timeout.get(), || {
+        let (start, len) = (Instant::now(), data.len());
+        let got = self.take_message(&e.comm, (src, tag), data, start + self.timeout.get(), || {
             std::thread::yield_now();
         });
         let out = got.map_err(|missed| match missed {
@@ -685,18 +692,18 @@ impl MpiEngine {
         out
     }
 
-    /// Receives message `(src, tag, len)` on `comm` in the pieces [`pieces`] cuts it into,
-    /// probing until `deadline` (`idle` between probes). A piece of the wrong length is
-    /// taken anyway, so the tag's later messages still match.
+    /// Receives message `(src, tag)` of `data.len()` bytes on `comm` into `data`, in the
+    /// pieces [`pieces`] cuts it into, probing until `deadline` (`idle` between probes). A
+    /// piece of the wrong length is taken anyway, so the tag's later messages still match.
     fn take_message(
         &self,
         comm: &SimpleCommunicator,
-        (src, tag, len): (usize, u32, usize),
+        (src, tag): (usize, u32),
+        data: &mut [u8],
         deadline: Instant,
         idle: impl Fn(),
-    ) -> std::result::Result<Vec<u8>, Missed> {
-        let mut data = self.pool.take(len);
-        for piece in pieces(len) {
+    ) -> std::result::Result<(), Missed> {
+        for piece in pieces(data.len()) {
             let (msg, status) = loop {
                 if let Some(found) =
                     comm.process_at_rank(src as Rank).immediate_matched_probe_with_tag(tag as i32)
@@ -705,7 +712,6 @@ impl MpiEngine {
                 }
                 self.answer();
                 if Instant::now() >= deadline {
-                    self.pool.give(data);
                     return Err(Missed::Late);
                 }
                 idle();
@@ -713,7 +719,6 @@ impl MpiEngine {
             let got = status.count(u8::equivalent_datatype()) as usize;
             if got != piece.len() {
                 self.pool.give(receive_all(&self.pool, msg, &status));
-                self.pool.give(data);
                 // A longer message goes on in whole pieces up to a shorter last one: all of
                 // it is taken, so none is left to match a later receive on the tag.
                 let (mut total, mut last) = (piece.start + got, got);
@@ -738,36 +743,29 @@ impl MpiEngine {
             }
             msg.matched_receive_into(&mut data[piece]);
         }
-        Ok(data)
+        Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn send_recv(
         &self,
         id: usize,
-        send: Vec<u8>,
-        dst: usize,
-        st: u32,
-        len: usize,
-        src: usize,
-        rt: u32,
-    ) -> Result<Vec<u8>> {
+        (send, dst, st): (&[u8], usize, u32),
+        (recv, src, rt): (&mut [u8], usize, u32),
+    ) -> Result<()> {
         let e = &self.entries[id];
         let name = self.begin_named(
             id,
             format!("send-recv with ranks {} and {}", e.members[dst], e.members[src]),
         );
-        let got = scope(|s| {
-            let reqs = post(s, &e.comm, dst, st, &send);
-            let got = self.recv(id, len, src, rt);
+        scope(|s| {
+            let reqs = post(s, &e.comm, dst, st, send);
+            let got = self.recv(id, recv, src, rt);
             for req in reqs {
                 self.wait(req, id, &name, &[e.members[dst]]);
             }
             self.end();
             got
-        });
-        self.pool.give(send);
-        got
+        })
     }
 
     /// A batch of messages: every send posted non-blocking, each receive then probed and
@@ -777,9 +775,9 @@ impl MpiEngine {
         &self,
         id: usize,
         name: String,
-        sends: &[(usize, u32, Vec<u8>)],
-        recvs: &[(usize, u32, usize)],
-    ) -> Result<Vec<Vec<u8>>> {
+        sends: &[(usize, u32, &[u8])],
+        recvs: &mut [(usize, u32, &mut [u8])],
+    ) -> Result<()> {
         let e = &self.entries[id];
         let name = self.begin_named(id, name);
         let start = Instant::now();
@@ -791,11 +789,11 @@ impl MpiEngine {
                     post(s, &e.comm, *dst, *tag, data).into_iter().map(|r| (*dst, r))
                 })
                 .collect();
-            let mut got = Vec::with_capacity(recvs.len());
             let mut failed = None;
-            for &(src, tag, len) in recvs {
-                match self.take_message(&e.comm, (src, tag, len), deadline, || pause(start)) {
-                    Ok(data) => got.push(data),
+            for (src, tag, data) in recvs.iter_mut() {
+                let (src, tag, len) = (*src, *tag, data.len());
+                match self.take_message(&e.comm, (src, tag), data, deadline, || pause(start)) {
+                    Ok(()) => {}
                     Err(Missed::Late) => {
                         let what = format!("{name}: recv from rank {} (tag {tag})", e.members[src]);
                         failed = Some(self.timeout_error(id, &what, &[e.members[src]]));
@@ -811,7 +809,7 @@ impl MpiEngine {
                 for (dst, req) in reqs {
                     self.wait(req, id, &name, &[e.members[dst]]);
                 }
-                return Ok(got);
+                return Ok(());
             };
             // MPI owns the sends' buffers until they complete: give them until the batch's
             // deadline, then the job cannot go on.
@@ -827,9 +825,6 @@ impl MpiEngine {
                     }
                     std::thread::yield_now();
                 }
-            }
-            for data in got {
-                self.pool.give(data);
             }
             Err(err)
         });
@@ -900,29 +895,20 @@ impl Communicator for MpiComm {
 
     fn all_reduce_bytes(&self, data: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         args::elements(self, "all-reduce", data.len(), dtype)?;
-        let (id, input) = (self.id, self.pool.copy_of(data));
-        let out = self.engine.call(move |e| e.all_reduce(id, input, dtype, op))?;
-        data.copy_from_slice(&out);
-        self.pool.give(out);
-        Ok(())
+        let id = self.id;
+        self.engine.call(move |e| e.all_reduce(id, data, dtype, op))
     }
 
     fn broadcast_bytes(&self, data: &mut [u8], root: usize) -> Result<()> {
         check_peer(self, root, "broadcast root")?;
-        let (id, input) = (self.id, self.pool.copy_of(data));
-        let out = self.engine.call(move |e| e.broadcast(id, input, root))?;
-        data.copy_from_slice(&out);
-        self.pool.give(out);
-        Ok(())
+        let id = self.id;
+        self.engine.call(move |e| e.broadcast(id, data, root))
     }
 
     fn all_gather_v_bytes(&self, send: &[u8], recv: &mut [u8], counts: &[usize]) -> Result<()> {
         args::all_gather_v(self, send, recv, counts)?;
-        let (id, input, counts) = (self.id, self.pool.copy_of(send), counts.to_vec());
-        let out = self.engine.call(move |e| e.all_gather_v(id, input, counts))?;
-        recv.copy_from_slice(&out);
-        self.pool.give(out);
-        Ok(())
+        let id = self.id;
+        self.engine.call(move |e| e.all_gather_v(id, send, recv, counts))
     }
 
     fn reduce_scatter_bytes(
@@ -933,11 +919,8 @@ impl Communicator for MpiComm {
         op: ReduceOp,
     ) -> Result<()> {
         args::reduce_scatter(self, send, recv, dtype)?;
-        let (id, input, block) = (self.id, self.pool.copy_of(send), recv.len());
-        let out = self.engine.call(move |e| e.reduce_scatter(id, input, block, dtype, op))?;
-        recv.copy_from_slice(&out);
-        self.pool.give(out);
-        Ok(())
+        let id = self.id;
+        self.engine.call(move |e| e.reduce_scatter(id, send, recv, dtype, op))
     }
 
     fn all_to_all_v_bytes(
@@ -948,30 +931,20 @@ impl Communicator for MpiComm {
         rc: &[usize],
     ) -> Result<()> {
         args::all_to_all_v(self, send, sc, recv, rc)?;
-        let (id, input, sc, rc) = (self.id, self.pool.copy_of(send), sc.to_vec(), rc.to_vec());
-        let out = self.engine.call(move |e| e.all_to_all_v(id, input, sc, rc))?;
-        recv.copy_from_slice(&out);
-        self.pool.give(out);
-        Ok(())
+        let id = self.id;
+        self.engine.call(move |e| e.all_to_all_v(id, (send, sc), (recv, rc)))
     }
 
     fn send_bytes(&self, data: &[u8], dst: usize, tag: u32) -> Result<()> {
         check_peer(self, dst, "send")?;
-        let (id, input) = (self.id, self.pool.copy_of(data));
-        self.engine.call(move |e| {
-            let r = e.send(id, &input, dst, tag);
-            e.pool.give(input);
-            r
-        })
+        let id = self.id;
+        self.engine.call(move |e| e.send(id, data, dst, tag))
     }
 
     fn recv_bytes(&self, data: &mut [u8], src: usize, tag: u32) -> Result<()> {
         check_peer(self, src, "recv")?;
-        let (id, len) = (self.id, data.len());
-        let out = self.engine.call(move |e| e.recv(id, len, src, tag))?;
-        data.copy_from_slice(&out);
-        self.pool.give(out);
-        Ok(())
+        let id = self.id;
+        self.engine.call(move |e| e.recv(id, data, src, tag))
     }
 
     fn send_recv_bytes(
@@ -985,39 +958,21 @@ impl Communicator for MpiComm {
     ) -> Result<()> {
         check_peer(self, dst, "send-recv")?;
         check_peer(self, src, "send-recv")?;
-        let (id, input, len) = (self.id, self.pool.copy_of(send), recv.len());
-        let out = self.engine.call(move |e| e.send_recv(id, input, dst, st, len, src, rt))?;
-        recv.copy_from_slice(&out);
-        self.pool.give(out);
-        Ok(())
+        let id = self.id;
+        self.engine.call(move |e| e.send_recv(id, (send, dst, st), (recv, src, rt)))
     }
 
     fn batch_p2p(&self, ops: &mut [P2p<'_>]) -> Result<()> {
         let name = check_batch(self, ops)?;
         let (mut sends, mut recvs) = (Vec::new(), Vec::new());
-        for op in ops.iter() {
+        for op in ops.iter_mut() {
             match op {
-                P2p::Send { data, peer, tag } => sends.push((*peer, *tag, self.pool.copy_of(data))),
-                P2p::Recv { data, peer, tag } => recvs.push((*peer, *tag, data.len())),
+                P2p::Send { data, peer, tag } => sends.push((*peer, *tag, &**data)),
+                P2p::Recv { data, peer, tag } => recvs.push((*peer, *tag, &mut **data)),
             }
         }
         let id = self.id;
-        let got = self.engine.call(move |e| {
-            let r = e.batch(id, name, &sends, &recvs);
-            for (_, _, data) in sends {
-                e.pool.give(data);
-            }
-            r
-        })?;
-        let recv_bufs = ops.iter_mut().filter_map(|op| match op {
-            P2p::Recv { data, .. } => Some(data),
-            P2p::Send { .. } => None,
-        });
-        for (data, got) in recv_bufs.zip(got) {
-            data.copy_from_slice(&got);
-            self.pool.give(got);
-        }
-        Ok(())
+        self.engine.call(move |e| e.batch(id, name, &sends, &mut recvs))
     }
 
     fn subgroup(&self, list: &[usize]) -> Result<Box<dyn Communicator>> {
@@ -1026,7 +981,6 @@ impl Communicator for MpiComm {
         let (new_id, members, me) = self.engine.call(move |e| e.subgroup(id, l))?;
         Ok(Box::new(MpiComm {
             engine: self.engine.clone(),
-            pool: self.pool.clone(),
             id: new_id,
             members,
             me,
