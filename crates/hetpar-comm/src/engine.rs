@@ -89,16 +89,20 @@ impl<S: 'static> EngineHandle<S> {
         f: impl FnOnce(&mut S) -> Result<R> + Send + 'a,
     ) -> Result<R> {
         let (reply_tx, reply_rx): (SyncSender<Result<R>>, _) = sync_channel(1);
+        let pending = Pending { f: Some(f), reply: reply_tx };
         let job: Box<dyn FnOnce(&mut S) + Send + 'a> = Box::new(move |s| {
-            let _ = reply_tx.send(f(s));
+            let mut pending = pending;
+            let f = pending.f.take().expect("a job runs once");
+            let out = f(s);
+            let _ = pending.reply.send(out);
         });
         // SAFETY: only the lifetime changes, from `'a` to `'static`. The job owns the reply's
-        // sender, so `reply_rx.recv()` below returns only after `f` has returned (the job
-        // sends its result after that, and touches nothing borrowed afterwards), after `f`
-        // has unwound from a panic (its captures are dropped before the sender), or once the
-        // job has been dropped without running (an engine that stopped, a send that failed).
-        // This call returns only then, so nothing `f` borrows is used after the caller's
-        // borrow ends.
+        // sender, and `reply_rx.recv()` below (which must stay a wait without a timeout)
+        // returns only once that sender has sent or been dropped. It sends after `f` has
+        // returned, touching nothing borrowed afterwards; it is dropped after `f` and its
+        // captures are gone: after `f` unwinds from a panic, or, for a job dropped without
+        // running (an engine that stopped or panicked, a send that failed), by
+        // [`Pending`]'s drop order. So nothing `f` borrows is used after this call returns.
         #[allow(unsafe_code)]
         let job: Job<S> =
             unsafe { std::mem::transmute::<Box<dyn FnOnce(&mut S) + Send + 'a>, Job<S>>(job) };
@@ -125,6 +129,21 @@ impl<S: 'static> EngineHandle<S> {
     }
 }
 
+/// A job's closure and the sender of its reply. Dropped unrun, it drops the closure (and
+/// whatever the closure borrows) before the sender, whose drop wakes the caller: the order
+/// [`EngineHandle::call`]'s safety rests on.
+struct Pending<F, R> {
+    f: Option<F>,
+    reply: SyncSender<Result<R>>,
+}
+
+impl<F, R> Drop for Pending<F, R> {
+    fn drop(&mut self) {
+        // The fields, the sender among them, are dropped after this returns.
+        drop(self.f.take());
+    }
+}
+
 impl<S> Drop for EngineHandle<S> {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
@@ -133,5 +152,55 @@ impl<S> Drop for EngineHandle<S> {
         if let Some(t) = self.thread.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EngineHandle;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    fn engine() -> std::sync::Arc<EngineHandle<u32>> {
+        EngineHandle::spawn("test", Duration::from_millis(5), || Ok(0), |_| {})
+            .expect("an engine thread")
+    }
+
+    /// A job borrows the caller's buffers and works on them in place on the engine thread.
+    #[test]
+    fn a_job_works_on_the_callers_buffers() {
+        let e = engine();
+        let (src, mut dst) = (vec![1u8, 2, 3], vec![0u8; 3]);
+        let on = e
+            .call(|count| {
+                *count += 1;
+                dst.iter_mut().zip(&src).for_each(|(d, s)| *d = 2 * s);
+                Ok(std::thread::current().name().map(str::to_owned))
+            })
+            .expect("the job runs");
+        assert_eq!(dst, [2, 4, 6]);
+        assert_eq!(on.as_deref(), Some("test"));
+        assert_eq!(e.call(|count| Ok(*count)).expect("state kept"), 1);
+    }
+
+    /// After a shutdown, or after a job panicked on the engine, a call fails without
+    /// running its job; the caller gets an error, not a hang.
+    #[test]
+    fn a_stopped_engine_runs_no_job() {
+        let e = engine();
+        e.shutdown();
+        let ran = AtomicBool::new(false);
+        let job = |_: &mut u32| {
+            ran.store(true, Ordering::SeqCst);
+            Ok(())
+        };
+        assert!(e.call(job).is_err());
+        assert!(!ran.load(Ordering::SeqCst));
+
+        let e = engine();
+        let panicked = e.call(|_| -> crate::error::Result<()> { panic!("a job's panic") });
+        assert!(panicked.is_err());
+        assert!(e.call(job).is_err());
+        assert!(!ran.load(Ordering::SeqCst));
     }
 }

@@ -10,7 +10,7 @@ pub mod comm;
 pub mod conformance;
 pub mod counted;
 pub mod dtype;
-#[cfg(feature = "mpi")]
+#[cfg(any(feature = "mpi", test))]
 pub(crate) mod engine;
 pub mod error;
 pub mod local;

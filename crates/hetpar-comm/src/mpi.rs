@@ -4,7 +4,9 @@
 //! MPI handles may not leave the thread that uses them, so they live on an engine thread
 //! (`engine.rs`); the [`MpiComm`] handles callers hold are `Send + Sync` and lend their
 //! buffers to the engine for the call (it blocks until the engine is done with them), so
-//! MPI reads and writes them in place: no copy to the engine and back. On the engine every operation is issued non-blocking and
+//! MPI reads and writes them in place: no copy to the engine and back. A receive that fails
+//! may have written part of its buffer (the pieces, or a batch's receives, taken before
+//! the failure), as on the local backend. On the engine every operation is issued non-blocking and
 //! polled against a deadline. While polling, and while idle between operations, the engine
 //! answers status queries on a private control communicator ("what are you doing?"). When a
 //! deadline passes, the rank asks the members it waits for, so the timeout names the ranks
@@ -213,8 +215,12 @@ fn post<'a, Sc: Scope<'a> + Copy>(
     data: &'a [u8],
 ) -> Vec<Request<'a, [u8], Sc>> {
     let p = comm.process_at_rank(dst as Rank);
+    let data = placed(data, &EMPTY);
     pieces(data.len()).map(|r| p.immediate_send_with_tag(s, &data[r], tag as i32)).collect()
 }
+
+/// What an empty send is handed to MPI as ([`placed`]).
+static EMPTY: [u8; 1] = [0];
 
 /// `data`, or where it is empty an empty slice of `spare`. An empty slice's address may be
 /// 1, which OpenMPI takes for `MPI_IN_PLACE` (an all-gather into it fails, and one sent from
@@ -416,9 +422,14 @@ impl MpiEngine {
             // hold (the sums are per element, so the pieces change nothing in the result); a
             // whole number of elements per member, so each member's range stays within the
             // all-to-all's one-call share. Every member holds the same length, so all cut
-            // the same pieces (none where it is empty).
+            // the same pieces.
             let step = self.entries[id].members.len() * dtype.size();
             let piece = (piece_bytes() / step).max(1) * step;
+            if data.is_empty() {
+                // Still one round of calls: members that disagree on the length fail in
+                // MPI instead of matching this round with their next collective.
+                self.reduce_piece(id, &name, data, dtype, op);
+            }
             for part in data.chunks_mut(piece) {
                 self.reduce_piece(id, &name, part, dtype, op);
             }
@@ -741,7 +752,8 @@ impl MpiEngine {
                 }
                 return Err(Missed::Length(total));
             }
-            msg.matched_receive_into(&mut data[piece]);
+            let mut spare = [0u8];
+            msg.matched_receive_into(placed_mut(&mut data[piece], &mut spare));
         }
         Ok(())
     }

@@ -9,14 +9,15 @@
 //! cache-sized accumulator) and then copies the other chunks from their owners. Sends are
 //! buffered (they never block); receives wait; a send-receive lends its send buffer while
 //! it receives (when the world has no more ranks than cores), so a receiver that takes it
-//! meanwhile copies it once. A rank that panics or returns makes every rank waiting on it fail at once
-//! with its rank in the error. Copies of 32 MiB or more are written past the caches
-//! ([`copy`]).
+//! meanwhile copies it once. A rank that panics or returns makes every rank waiting on it
+//! fail at once with its rank in the error. A member's copies from another's buffer of 32
+//! MiB or more are written past the caches ([`copy`]).
 //!
-//! Reading a peer's buffer in place needs its address, hence `unsafe` here. [`state::Region`] and `Shared::direct` hold the protocol that keeps
-//! it sound: a buffer is posted only while its owner is inside the call, phases are
-//! separated by waits for every member and touch disjoint ranges, and no member leaves,
-//! on success, error or panic, while another is inside a phase.
+//! Reading a peer's buffer in place needs its address, hence `unsafe` here (and in
+//! `copy.rs`, for its SIMD stores). [`state::Region`] and `Shared::direct` hold the
+//! protocol that keeps it sound: a buffer is posted only while its owner is inside the
+//! call, phases are separated by waits for every member and touch disjoint ranges, and no
+//! member leaves, on success, error or panic, while another is inside a phase.
 
 #![allow(unsafe_code)]
 
