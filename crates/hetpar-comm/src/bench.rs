@@ -114,6 +114,46 @@ pub fn bench(
     })
 }
 
+/// Bytes per second each of `threads` threads copies when all copy `bytes` at once, each
+/// between buffers of its own (the best of `iters` rounds, the slowest thread's time in
+/// each): with the C library's `memcpy`, or, `streamed`, as the local backend copies from
+/// another member's buffer (non-temporal stores from 32 MiB on x86-64, `crate::local`'s
+/// `copy.rs`). Two threads show what the copies of a 2-rank collective get at once.
+pub fn copy_bandwidth(bytes: usize, threads: usize, iters: usize, streamed: bool) -> f64 {
+    let threads = threads.max(1);
+    let start = std::sync::Barrier::new(threads);
+    let times: Vec<Vec<f64>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let start = &start;
+                scope.spawn(move || {
+                    let src = vec![1u8; bytes];
+                    let mut dst = vec![0u8; bytes];
+                    (0..iters.max(1) + 1)
+                        .map(|_| {
+                            start.wait();
+                            let t = Instant::now();
+                            if streamed {
+                                crate::local::copy::copy(&mut dst, &src);
+                            } else {
+                                dst.copy_from_slice(&src);
+                            }
+                            std::hint::black_box(&mut dst);
+                            t.elapsed().as_secs_f64()
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("a copying thread")).collect()
+    });
+    // Round 0 touches the pages; each later round counts at its slowest thread's time.
+    let best = (1..=iters.max(1))
+        .map(|r| times.iter().map(|t| t[r]).fold(0.0, f64::max))
+        .fold(f64::INFINITY, f64::min);
+    bytes as f64 / best
+}
+
 /// Single-thread memcpy bandwidth (bytes copied per second) over a buffer of `bytes`, the
 /// best of `iters` copies: the ceiling for moving bytes between threads of one machine.
 pub fn memcpy_bandwidth(bytes: usize, iters: usize) -> f64 {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use hetpar_comm::bench::{BenchOp, BenchResult, bench, memcpy_bandwidth};
+use hetpar_comm::bench::{BenchOp, BenchResult, bench, copy_bandwidth, memcpy_bandwidth};
 use hetpar_comm::{LocalOptions, launch};
 
 /// Arguments of `hetpar bench`.
@@ -127,6 +127,18 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
                 "memcpy, one thread, 256 MiB: {:.2} GB/s (the ceiling for moving bytes between threads)",
                 gbs(memcpy)
             ));
+            for &size in &sizes {
+                let rate = |threads, streamed| gbs(copy_bandwidth(size, threads, 5, streamed));
+                say(&format!(
+                    "copies of {} MiB, GB/s per thread, one / two at once: memcpy {:.2} / {:.2}, \
+                     as the local backend copies {:.2} / {:.2}",
+                    size >> 20,
+                    rate(1, false),
+                    rate(2, false),
+                    rate(1, true),
+                    rate(2, true)
+                ));
+            }
             say(&header);
             for &n in &a.ranks {
                 if n == 0 {

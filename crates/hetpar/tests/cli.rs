@@ -315,6 +315,12 @@ fn bench_comm_runs_a_small_case() {
     let text =
         stdout(&hetpar(&["bench", "comm", "--ranks", "2", "--sizes-mib", "1", "--iters", "1"]));
     assert!(text.starts_with("memcpy, one thread, 256 MiB: "), "{text}");
+    let copies = text.lines().nth(1).unwrap_or_default();
+    let rates = copies
+        .strip_prefix("copies of 1 MiB, GB/s per thread, one / two at once: memcpy ")
+        .unwrap_or_else(|| panic!("{text}"));
+    let numbers: Vec<f64> = rates.split([' ', '/', ',']).filter_map(|w| w.parse().ok()).collect();
+    assert!(numbers.len() == 4 && numbers.iter().all(|&r| r > 0.0 && r.is_finite()), "{copies}");
     for op in ["all-reduce", "all-gather", "all-to-all-v", "send-recv"] {
         assert!(
             text.lines().any(|l| l.starts_with("local") && l.contains(op) && l.contains(" 2 ")),

@@ -12,13 +12,13 @@
 #![allow(unsafe_code)]
 
 /// Copies of this many bytes or more are streamed past the caches (x86-64).
-pub(super) const STREAM_MIN: usize = 32 << 20;
+pub(crate) const STREAM_MIN: usize = 32 << 20;
 
 /// `dst.copy_from_slice(src)`; see the module's docs for how large copies are written.
 ///
 /// # Panics
 /// If the lengths differ, as `copy_from_slice` does.
-pub(super) fn copy(dst: &mut [u8], src: &[u8]) {
+pub(crate) fn copy(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy between buffers of different lengths");
     #[cfg(target_arch = "x86_64")]
     if dst.len() >= STREAM_MIN {

@@ -21,7 +21,7 @@
 
 #![allow(unsafe_code)]
 
-mod copy;
+pub(crate) mod copy;
 mod state;
 
 use std::collections::HashMap;
