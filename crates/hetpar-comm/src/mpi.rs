@@ -6,13 +6,14 @@
 //! buffers to the engine for the call (it blocks until the engine is done with them), so
 //! MPI reads and writes them in place: no copy to the engine and back. A receive that fails
 //! may have written part of its buffer (the pieces, or a batch's receives, taken before
-//! the failure), as on the local backend. On the engine every operation is issued non-blocking and
-//! polled against a deadline. While polling, and while idle between operations, the engine
-//! answers status queries on a private control communicator ("what are you doing?"). When a
-//! deadline passes, the rank asks the members it waits for, so the timeout names the ranks
-//! that never arrived and what they are doing instead. A receive that times out returns the
-//! error. A collective or send that times out cannot give its buffers back to MPI, so the
-//! watchdog reports the error through the fatal handler and aborts the whole job.
+//! the failure), as on the local backend. On the engine every operation is issued
+//! non-blocking and polled against a deadline. While polling, and while idle between
+//! operations, the engine answers status queries on a private control communicator ("what
+//! are you doing?"). When a deadline passes, the rank asks the members it waits for, so the
+//! timeout names the ranks that never arrived and what they are doing instead. A receive
+//! that times out returns the error. A collective or send that times out cannot give its
+//! buffers back to MPI, so the watchdog reports the error through the fatal handler and
+//! aborts the whole job.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
