@@ -37,6 +37,12 @@ products in the linear layers and the attention core), PyTorch's f32 models unde
 `torch.autocast("cpu", dtype=torch.bfloat16)`, its mixed-precision mode (which runs SDPA in
 bf16 too); the matmul row is each one's bf16 product, the attention rows hetpar's core with
 bf16 products against SDPA under autocast, and the AdamW row stays f32.
+
+A model row's share of hetpar's matmul rate comes two ways: its best rate over the best of
+every matmul rate the run measured (`of hetpar's matmul`: a maximum over dozens of samples,
+which this VM's noise pushes up), and, paired, each `bench nn --only ROW` run's rate over
+the matmul rate that same run measured seconds before (`of its run's matmul`, median and
+range over the pairs), which the machine's drift moves far less.
 """
 
 import contextlib
@@ -408,6 +414,8 @@ def table(a, dtype):
     het_back, pt_back = {}, {}
     het_attn, pt_attn = {}, {}
     ratios = {k: [] for k in KEYS}
+    # Each hetpar run's row rate over the matmul rate that run measured.
+    shares = {k: [] for k in KEYS}
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: the short rows, hetpar then PyTorch {torch.__version__} ...",
               file=sys.stderr, flush=True)
@@ -443,6 +451,7 @@ def table(a, dtype):
                     if side == "hetpar":
                         peak, rows, _, _, _ = hetpar_run(a.hetpar, a.iters, dtype, [k])
                         het_mm = max(het_mm, peak)
+                        shares[k].append(rows[k][2] / peak)
                         pair[side] = rows[k][1]
                         het[k] = rows[k] if k not in het or rows[k][1] < het[k][1] else het[k]
                     else:
@@ -457,35 +466,36 @@ def table(a, dtype):
           f"each pair's times as median (lowest-highest)")
     print()
     print("| what (forward+backward) | hetpar | PyTorch | hetpar / PyTorch | paired ratio | "
-          "hetpar GFLOP/s | of hetpar's matmul |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "hetpar GFLOP/s | of hetpar's matmul | of its run's matmul |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| matmul rate (best of 512^3, 1024^3) | {het_mm:.1f} GFLOP/s | {pt_mm:.1f} GFLOP/s | "
-          f"{pt_mm / het_mm:.2f} (time) | | | |")
+          f"{pt_mm / het_mm:.2f} (time) | | | | |")
     for k in KEYS:
         name, t, g = het[k]
-        rs = sorted(ratios[k])
+        rs, ss = sorted(ratios[k]), sorted(shares[k])
         paired = f"{statistics.median(rs):.2f} ({rs[0]:.2f}-{rs[-1]:.2f})"
+        share = f"{100 * statistics.median(ss):.0f}% ({100 * ss[0]:.0f}-{100 * ss[-1]:.0f}%)"
         print(f"| {name} | {t * 1e3:.1f} ms | {pt[k] * 1e3:.1f} ms | {t / pt[k]:.2f} | {paired} | {g:.1f} | "
-              f"{100 * g / het_mm:.0f}% |")
+              f"{100 * g / het_mm:.0f}% | {share} |")
     n, t = het_adam
     print(f"| AdamW update of {n} parameters (no forward or backward) | {t * 1e3:.2f} ms | "
-          f"{pt_adam * 1e3:.2f} ms | {t / pt_adam:.2f} | | | |")
+          f"{pt_adam * 1e3:.2f} ms | {t / pt_adam:.2f} | | | | |")
     out, inner = lin_shape
     for n in sorted(het_lin):
         h, p = het_lin[n], pt_lin[n]
         print(f"| linear forward alone, {n} x {inner} by {out} x {inner} (no backward) | {h:.1f} GFLOP/s | "
-              f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | | {h:.1f} | {100 * h / het_mm:.0f}% |")
+              f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | | {h:.1f} | {100 * h / het_mm:.0f}% | |")
     for i, what in enumerate([f"dx = dy w ({{n}} x {out} by {out} x {inner})",
                               f"dw = dy^T x ({out} x {{n}} by {{n}} x {inner})"]):
         for n in sorted(het_back):
             h, p = het_back[n][i], pt_back[n][i]
             print(f"| linear backward alone, {what.format(n=n)} | {h:.1f} GFLOP/s | "
-                  f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | | {h:.1f} | {100 * h / het_mm:.0f}% |")
+                  f"{p:.1f} GFLOP/s | {p / h:.2f} (time) | | {h:.1f} | {100 * h / het_mm:.0f}% | |")
     for shape in het_attn:
         h, p = het_attn[shape], pt_attn[shape]
         note = ", bf16 products on both sides" if bf16 else ""
         print(f"| attention core alone, {shape} (batch x seq : heads / kv heads : head dim, c causal{note}) | "
-              f"{h * 1e3:.2f} ms | {p * 1e3:.2f} ms | {h / p:.2f} | | | |")
+              f"{h * 1e3:.2f} ms | {p * 1e3:.2f} ms | {h / p:.2f} | | | | |")
 
 
 if __name__ == "__main__":
