@@ -32,11 +32,18 @@ impl BufferPool {
         v
     }
 
-    /// A copy of `data` in a reused buffer (written once: no zero fill, no regrowth).
+    /// A copy of `data` in a reused buffer (written once: no zero fill, no regrowth). Where
+    /// the buffer's bytes already cover `data` (a large buffer used before), the copy is the
+    /// local backend's ([`crate::local`]'s `copy.rs`: streamed past the caches from 32 MiB).
     pub fn copy_of(&self, data: &[u8]) -> Vec<u8> {
         let mut v = self.reuse(data.len());
-        v.clear();
-        v.extend_from_slice(data);
+        if v.len() >= data.len() {
+            v.truncate(data.len());
+            crate::local::copy::copy(&mut v, data);
+        } else {
+            v.clear();
+            v.extend_from_slice(data);
+        }
         v
     }
 
@@ -95,5 +102,17 @@ mod tests {
         // The small buffer stays; the copy lands in the big one, without regrowing.
         let again = pool.copy_of(&[9; 4000]);
         assert_eq!((again.as_ptr(), again.len(), again[3999]), (at, 4000, 9));
+        // Into a buffer whose bytes cover the copy, and past the streaming threshold.
+        pool.give(again);
+        let n = crate::local::copy::STREAM_MIN + 77;
+        let big: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+        let first = pool.copy_of(&big);
+        assert!(first == big);
+        pool.give(first);
+        let second = pool.copy_of(&big[1..]);
+        assert!(second == big[1..]);
+        pool.give(second);
+        let small: Vec<u8> = (0..5000).map(|i| (i % 13) as u8).collect();
+        assert!(pool.copy_of(&small) == small);
     }
 }
