@@ -32,18 +32,12 @@ impl BufferPool {
         v
     }
 
-    /// A copy of `data` in a reused buffer (written once: no zero fill, no regrowth). Where
-    /// the buffer's bytes already cover `data` (a large buffer used before), the copy is the
-    /// local backend's ([`crate::local`]'s `copy.rs`: streamed past the caches from 32 MiB).
+    /// A copy of `data` in a reused buffer (written once: no zero fill, no regrowth), made
+    /// as the local backend copies ([`crate::local`]'s `copy.rs`: streamed past the caches
+    /// from 32 MiB).
     pub fn copy_of(&self, data: &[u8]) -> Vec<u8> {
         let mut v = self.reuse(data.len());
-        if v.len() >= data.len() {
-            v.truncate(data.len());
-            crate::local::copy::copy(&mut v, data);
-        } else {
-            v.clear();
-            v.extend_from_slice(data);
-        }
+        crate::local::copy::copy_to_vec(&mut v, data);
         v
     }
 
@@ -102,17 +96,20 @@ mod tests {
         // The small buffer stays; the copy lands in the big one, without regrowing.
         let again = pool.copy_of(&[9; 4000]);
         assert_eq!((again.as_ptr(), again.len(), again[3999]), (at, 4000, 9));
-        // Into a buffer whose bytes cover the copy, and past the streaming threshold.
+        // Past the streaming threshold, into a new buffer and then into the same one after a
+        // small copy has shortened it.
         pool.give(again);
         let n = crate::local::copy::STREAM_MIN + 77;
         let big: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
         let first = pool.copy_of(&big);
+        let at = first.as_ptr();
         assert!(first == big);
         pool.give(first);
-        let second = pool.copy_of(&big[1..]);
-        assert!(second == big[1..]);
-        pool.give(second);
         let small: Vec<u8> = (0..5000).map(|i| (i % 13) as u8).collect();
-        assert!(pool.copy_of(&small) == small);
+        let shortened = pool.copy_of(&small);
+        assert!(shortened == small && shortened.as_ptr() == at);
+        pool.give(shortened);
+        let second = pool.copy_of(&big[1..]);
+        assert!(second == big[1..] && second.as_ptr() == at);
     }
 }

@@ -1,4 +1,5 @@
-//! The copies the local backend makes between members' buffers.
+//! The copies the local backend makes between members' buffers, and into its pool's send
+//! buffers.
 //!
 //! Small copies are `copy_from_slice` (the C library's `memcpy`). A copy of
 //! [`STREAM_MIN`] bytes or more, on x86-64, is written with non-temporal stores: each
@@ -22,15 +23,38 @@ pub(crate) fn copy(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy between buffers of different lengths");
     #[cfg(target_arch = "x86_64")]
     if dst.len() >= STREAM_MIN {
-        stream::copy(dst, src);
+        // SAFETY: `dst` has `src.len()` writable bytes and, borrowed mutably, does not
+        // overlap `src`.
+        unsafe { stream::copy(dst.as_mut_ptr(), src.as_ptr(), src.len()) };
         return;
     }
     dst.copy_from_slice(src);
 }
 
+/// `v`'s contents replaced by a copy of `src`, in `v`'s allocation where it holds them (a
+/// pool's reused send buffer): `v.clear(); v.extend_from_slice(src)`, with a large copy
+/// written as [`copy`] writes it, whatever `v` held before.
+pub(crate) fn copy_to_vec(v: &mut Vec<u8>, src: &[u8]) {
+    v.clear();
+    #[cfg(target_arch = "x86_64")]
+    if src.len() >= STREAM_MIN {
+        v.reserve(src.len());
+        // SAFETY: after `reserve` `v` has room for `src.len()` bytes; `stream::copy` writes
+        // every one of them before `set_len` makes them `v`'s. `v`'s allocation is its own,
+        // apart from `src` (which cannot borrow from `v` while `v` is borrowed mutably).
+        unsafe {
+            stream::copy(v.as_mut_ptr(), src.as_ptr(), src.len());
+            v.set_len(src.len());
+        }
+        return;
+    }
+    v.extend_from_slice(src);
+}
+
 #[cfg(target_arch = "x86_64")]
 mod stream {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    use std::ptr::copy_nonoverlapping;
 
     /// A cache line.
     const LINE: usize = 64;
@@ -38,35 +62,38 @@ mod stream {
     const PAGE: usize = 4096;
     const PAGES: usize = 4;
 
-    /// [`super::copy`] of equal-length buffers through non-temporal stores: the bytes up to
-    /// the first line boundary of `dst` and the tail past the last whole group of
-    /// [`PAGES`] pages by `copy_from_slice`, the rest line by line, a line from each of the
-    /// group's pages in turn. Uses SSE2 only, which every x86-64 CPU has.
-    pub(super) fn copy(dst: &mut [u8], src: &[u8]) {
-        debug_assert_eq!(dst.len(), src.len());
-        let n = dst.len();
-        let head = dst.as_ptr().align_offset(LINE).min(n);
-        dst[..head].copy_from_slice(&src[..head]);
+    /// `n` bytes from `s` to `d` through non-temporal stores: the bytes up to the first line
+    /// boundary of `d` and the tail past the last whole group of [`PAGES`] pages as plain
+    /// copies, the rest line by line, a line from each of the group's pages in turn. Every
+    /// byte of `d` is written (it need not be initialized before). Uses SSE2 only, which
+    /// every x86-64 CPU has.
+    ///
+    /// # Safety
+    /// `s` must be valid for reading `n` bytes and `d` for writing `n` bytes, and the two
+    /// ranges must not overlap.
+    pub(super) unsafe fn copy(d: *mut u8, s: *const u8, n: usize) {
+        let head = d.align_offset(LINE).min(n);
         let group = PAGES * PAGE;
         let body = (n - head) / group * group;
-        let (d, s) = (dst[head..].as_mut_ptr(), src[head..].as_ptr());
-        for base in (0..body).step_by(group) {
-            for off in (0..PAGE).step_by(LINE) {
-                for p in 0..PAGES {
-                    let at = base + p * PAGE + off;
-                    // SAFETY: `at + LINE <= body <= n - head`, so the line lies inside both
-                    // slices past `head`; `d + at` is 64-byte aligned (`d` is, and `at` is
-                    // a multiple of LINE), as the stores require 16; `dst` is borrowed
-                    // mutably, so the two do not overlap.
-                    unsafe { line(d.add(at), s.add(at)) };
+        // SAFETY: the caller's contract: every offset below stays under `n` (`head + body
+        // <= n`, and each line `at + LINE <= body`), the ranges do not overlap, and
+        // `d + head` is 64-byte aligned, so each line's stores are 16-byte aligned.
+        unsafe {
+            copy_nonoverlapping(s, d, head);
+            let (d, s) = (d.add(head), s.add(head));
+            for base in (0..body).step_by(group) {
+                for off in (0..PAGE).step_by(LINE) {
+                    for p in 0..PAGES {
+                        let at = base + p * PAGE + off;
+                        line(d.add(at), s.add(at));
+                    }
                 }
             }
+            // The streamed stores are weakly ordered: fenced before any later store (the
+            // release that tells the other members this copy is done) can be seen.
+            _mm_sfence();
+            copy_nonoverlapping(s.add(body), d.add(body), n - head - body);
         }
-        // The streamed stores are weakly ordered: fenced before any later store (the
-        // release that tells the other members this copy is done) can be seen.
-        // SAFETY: SSE is part of x86-64.
-        unsafe { _mm_sfence() };
-        dst[head + body..].copy_from_slice(&src[head + body..]);
     }
 
     /// One line: four unaligned 16-byte loads from `s`, four non-temporal stores to `d`.
@@ -110,6 +137,14 @@ mod tests {
                 assert!(dst[dof..dof + n] == src[so..so + n], "length {n}, offsets {so} {dof}");
                 assert!(dst[..dof].iter().all(|&b| b == 0xEE), "wrote before the copy");
                 assert!(dst[dof + n..].iter().all(|&b| b == 0xEE), "wrote past the copy");
+            }
+        }
+        // Into a vector: empty, holding less, holding more, with room or without.
+        for n in [0, 5, STREAM_MIN - 1, STREAM_MIN, STREAM_MIN + 17] {
+            for start in [Vec::new(), vec![0xEE; 3], vec![0xEE; len], Vec::with_capacity(len)] {
+                let mut v = start;
+                super::copy_to_vec(&mut v, &src[3..3 + n]);
+                assert!(v == src[3..3 + n], "length {n}");
             }
         }
     }

@@ -11,7 +11,7 @@
 //! it receives (when the world has no more ranks than cores), so a receiver that takes it
 //! meanwhile copies it once. A rank that panics or returns makes every rank waiting on it
 //! fail at once with its rank in the error. Copies of 32 MiB or more, from another
-//! member's buffer or into a reused send buffer, are written past the caches ([`copy`]).
+//! member's buffer or into a send's buffer, are written past the caches ([`copy`]).
 //!
 //! Reading a peer's buffer in place needs its address, hence `unsafe` here (and in
 //! `copy.rs`, for its SIMD stores). [`state::Region`] and `Shared::direct` hold the
