@@ -216,21 +216,21 @@ fn post<'a, Sc: Scope<'a> + Copy>(
     data: &'a [u8],
 ) -> Vec<Request<'a, [u8], Sc>> {
     let p = comm.process_at_rank(dst as Rank);
-    let data = placed(data, &EMPTY);
+    let data = placed(data);
     pieces(data.len()).map(|r| p.immediate_send_with_tag(s, &data[r], tag as i32)).collect()
 }
 
-/// What an empty send is handed to MPI as ([`placed`]).
+/// What an empty buffer MPI reads is handed to it as ([`placed`]).
 static EMPTY: [u8; 1] = [0];
 
-/// `data`, or where it is empty an empty slice of `spare`. An empty slice's address may be
-/// 1, which OpenMPI takes for `MPI_IN_PLACE` (an all-gather into it fails, and one sent from
-/// it would read its part from the receive buffer): MPI gets a real address instead.
-fn placed<'a>(data: &'a [u8], spare: &'a [u8; 1]) -> &'a [u8] {
-    if data.is_empty() { &spare[..0] } else { data }
+/// `data`, or where it is empty an empty slice of a real buffer. An empty slice's address
+/// may be 1, which OpenMPI takes for `MPI_IN_PLACE` (an all-gather into it fails, and one
+/// sent from it would read its part from the receive buffer): MPI gets a real address.
+fn placed(data: &[u8]) -> &[u8] {
+    if data.is_empty() { &EMPTY[..0] } else { data }
 }
 
-/// [`placed`] for a buffer MPI writes.
+/// [`placed`] for a buffer MPI writes: an empty one becomes an empty slice of `spare`.
 fn placed_mut<'a>(data: &'a mut [u8], spare: &'a mut [u8; 1]) -> &'a mut [u8] {
     if data.is_empty() { &mut spare[..0] } else { data }
 }
@@ -527,9 +527,9 @@ impl MpiEngine {
             let c = mpi_counts((0..counts.len()).map(|m| overlap(m).1 - overlap(m).0));
             let d = mpi_counts((0..counts.len()).map(|m| overlap(m).0 - lo));
             let (a, b) = overlap(e.me);
-            let (spare, mut spare_mut) = ([0u8], [0u8]);
-            let mine = if a < b { &send[a - at[e.me]..b - at[e.me]] } else { &spare[..0] };
-            let out = placed_mut(&mut recv[lo..hi], &mut spare_mut);
+            let mine = placed(if a < b { &send[a - at[e.me]..b - at[e.me]] } else { &[] });
+            let mut spare = [0u8];
+            let out = placed_mut(&mut recv[lo..hi], &mut spare);
             let mut part = PartitionMut::new(out, &c[..], &d[..]);
             scope(|s| {
                 let req = e.comm.immediate_all_gather_varcount_into(s, mine, &mut part);
@@ -667,9 +667,9 @@ impl MpiEngine {
     ) {
         let (sd, rd) = (mpi_counts(starts(sc)), mpi_counts(starts(rc)));
         let (sc, rc) = (mpi_counts(sc.iter().copied()), mpi_counts(rc.iter().copied()));
-        let (spare, mut spare_mut) = ([0u8], [0u8]);
-        let part = Partition::new(placed(send, &spare), &sc[..], &sd[..]);
-        let mut rpart = PartitionMut::new(placed_mut(recv, &mut spare_mut), &rc[..], &rd[..]);
+        let mut spare = [0u8];
+        let part = Partition::new(placed(send), &sc[..], &sd[..]);
+        let mut rpart = PartitionMut::new(placed_mut(recv, &mut spare), &rc[..], &rd[..]);
         scope(|s| {
             let req =
                 self.entries[id].comm.immediate_all_to_all_varcount_into(s, &part, &mut rpart);
