@@ -329,8 +329,17 @@ pub fn read_header(path: &Path) -> Result<(u64, BTreeMap<String, Entry>)> {
             Some(d) => elem_bytes(d) as u64,
             None => return Err(bad(path, format!("{name}: unsupported dtype {dtype}"))),
         };
-        let want = shape.iter().product::<usize>() as u64 * elem;
-        if end - begin != want || data_start + end > len {
+        // Checked sums and products: a crafted header's sizes near 2^64 must not wrap past
+        // the bounds check (release builds do not trap on overflow).
+        let Some(want) = shape
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+            .and_then(|n| n.checked_mul(elem))
+            .filter(|&n| usize::try_from(n).is_ok())
+        else {
+            return Err(bad(path, format!("{name}: shape {shape:?} of {dtype} is too large")));
+        };
+        if end - begin != want || data_start.checked_add(end).is_none_or(|e| e > len) {
             return Err(bad(
                 path,
                 format!(

@@ -116,6 +116,35 @@ fn corrupt_files_are_refused_naming_the_file() {
     std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
     let e = read_header(&truncated).unwrap_err().to_string();
     assert!(e.starts_with(&truncated.display().to_string()) && e.contains("bytes at"), "{e}");
+    // Sizes near 2^64 in a crafted header: offsets whose sum with the header's length
+    // wraps, and a shape whose element count does.
+    let crafted = |name: &str, entry: &str| {
+        let header = format!("{{\"w\":{entry}}}");
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.extend_from_slice(&[0u8; 64]);
+        let p = dir().join(name);
+        std::fs::write(&p, file).unwrap();
+        read_header(&p).unwrap_err().to_string()
+    };
+    let e = crafted(
+        "wrapping-offsets.safetensors",
+        &format!(
+            r#"{{"dtype":"F32","shape":[1],"data_offsets":[{},{}]}}"#,
+            u64::MAX - 7,
+            u64::MAX - 3
+        ),
+    );
+    assert!(e.contains("bytes at"), "{e}");
+    let e = crafted(
+        "wrapping-shape.safetensors",
+        &format!(
+            r#"{{"dtype":"F32","shape":[{},{}],"data_offsets":[0,0]}}"#,
+            1u64 << 32,
+            1u64 << 32
+        ),
+    );
+    assert!(e.contains("too large"), "{e}");
     let garbage = dir().join("garbage.safetensors");
     std::fs::write(&garbage, [255u8; 64]).unwrap();
     let e = read_header(&garbage).unwrap_err().to_string();
