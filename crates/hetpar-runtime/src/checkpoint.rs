@@ -662,6 +662,21 @@ pub fn load_checkpoint(
     machine: &str,
 ) -> Result<Loaded> {
     let manifest = read_manifest(dir, graph)?;
+    // A resume continues in the precision it was saved in: converting the tensors would
+    // not reproduce the run (RELIABILITY.md rows 1 and 5).
+    if let Some(s) = exec.stages().first() {
+        let ours = format!("{:?}", s.dtype()).to_lowercase();
+        if !manifest.dtype.is_empty() && manifest.dtype != ours {
+            return Err(io(
+                &dir.join(MANIFEST_FILE),
+                format!(
+                    "the checkpoint holds {} tensors and this run's parameters are {ours}: \
+                     resume it in the precision it was saved in",
+                    manifest.dtype
+                ),
+            ));
+        }
+    }
     let mut where_: BTreeMap<&str, &FileEntry> = BTreeMap::new();
     for f in &manifest.files {
         for t in &f.tensors {

@@ -42,9 +42,20 @@ fn train(
     save: &[usize],
     root: &Path,
 ) -> Result<Vec<f64>, String> {
+    train_as(DType::F32, g, resume, save, root)
+}
+
+/// [`train`] with parameters of `dtype`.
+fn train_as(
+    dtype: DType,
+    g: &ModelGraph,
+    resume: Option<&Path>,
+    save: &[usize],
+    root: &Path,
+) -> Result<Vec<f64>, String> {
     let sources = Sources::synthetic(g);
     let out = launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
-        let mut t = Trainer::new(c, g, DType::F32, STEPS, &sources)?;
+        let mut t = Trainer::new(c, g, dtype, STEPS, &sources)?;
         let start = match resume {
             Some(dir) => t.resume(c, dir)?.manifest.step,
             None => 0,
@@ -111,6 +122,22 @@ fn a_resume_under_another_layout_continues_bitwise() {
     for (got, want) in resumed.iter().zip(&full[2..]) {
         assert!((got - want).abs() <= 1e-5 * want.abs(), "{resumed:?} vs {full:?}");
     }
+}
+
+#[test]
+fn a_resume_in_another_precision_is_refused() {
+    let root = temp("precision");
+    let g = graph(false);
+    train_as(DType::F64, &g, None, &[1], &root.join("f64")).unwrap();
+    let saved = root.join("f64").join("step-00000001");
+    let e = train(&g, Some(&saved), &[], &root.join("f32")).unwrap_err();
+    assert!(
+        e.contains("manifest.json")
+            && e.contains("holds f64 tensors and this run's parameters are f32"),
+        "{e}"
+    );
+    // In its own precision it resumes.
+    assert_eq!(train_as(DType::F64, &g, Some(&saved), &[], &root.join("again")).unwrap().len(), 3);
 }
 
 /// An edit that breaks a checkpoint directory.

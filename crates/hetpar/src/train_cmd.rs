@@ -425,6 +425,17 @@ fn run_on(
         Some(dir) => {
             let m = hetpar_runtime::checkpoint::read_manifest(dir, &graph)
                 .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
+            let ran = dtype_name(dtype, &graph);
+            if let Some(saved) = saved_precision(dir, &m)?
+                && saved != ran
+            {
+                bail!(
+                    "--resume {}: the checkpoint was trained in {saved} and this run asks for \
+                     {ran}; continue it with --dtype {saved} (in another precision it would \
+                     not go on as it ran)",
+                    dir.display()
+                );
+            }
             if lead {
                 say(&resumed_from(dir, &m, steps));
             }
@@ -729,6 +740,24 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
             Ok(Some(dir))
         }
     }
+}
+
+/// The precision checkpoint `dir` (manifest `m`) was trained in, as `--dtype` names it:
+/// f64 where its tensors are f64, else its saved config's `train.dtype` (f32 or bf16, whose
+/// parameters are both f32); `None` where the checkpoint holds no config.
+fn saved_precision(
+    dir: &Path,
+    m: &hetpar_runtime::checkpoint::Manifest,
+) -> anyhow::Result<Option<String>> {
+    if m.dtype == "f64" {
+        return Ok(Some("f64".into()));
+    }
+    let path = dir.join(hetpar_runtime::checkpoint::CONFIG_FILE);
+    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
+    let config: toml::Value = toml::from_str(&text)
+        .with_context(|| format!("--resume: {} is not a config", path.display()))?;
+    let dtype = config.get("train").and_then(|t| t.get("dtype")).and_then(toml::Value::as_str);
+    Ok(Some(dtype.unwrap_or("f32").to_string()))
 }
 
 /// What a resume says it loads: the step, the layout it was saved under, the files.

@@ -984,6 +984,35 @@ fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
     assert!(err.contains("--resume /nonexistent/step-00000003: no checkpoint there"), "{err}");
 }
 
+/// A checkpoint resumes in the precision it was trained in: f64 tensors, or bf16 products
+/// on f32 tensors, refused under another `--dtype` (or none), naming the one to pass.
+#[test]
+fn a_resume_in_another_precision_is_refused_naming_the_dtype_to_pass() {
+    for (trained, other) in [("f64", None), ("bf16", Some("f32")), ("f32", Some("bf16"))] {
+        let dir = temp(&format!("resume-{trained}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let d = dir.to_str().expect("utf-8");
+        stdout(&hetpar(&["train", IN_MEMORY, "--steps", "1", "--dtype", trained, "--out", d]));
+        let resume = |dtype: Option<&str>| {
+            let mut args = vec!["train", IN_MEMORY, "--steps", "2", "--out", d, "--resume", "auto"];
+            args.extend(dtype.iter().flat_map(|o| ["--dtype", *o]));
+            hetpar(&args)
+        };
+        let out = resume(other);
+        assert_eq!(out.status.code(), Some(1), "{trained} resumed as {other:?}");
+        let err = String::from_utf8(out.stderr).expect("utf-8");
+        let ran = other.unwrap_or("f32");
+        assert!(
+            err.contains(&format!(
+                "the checkpoint was trained in {trained} and this run asks for {ran}; continue it with --dtype {trained}"
+            )),
+            "{err}"
+        );
+        let text = stdout(&resume(Some(trained)));
+        assert!(text.contains("1 of 2 steps done"), "{text}");
+    }
+}
+
 #[test]
 fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
     let dir = std::env::temp_dir().join(format!("hetpar-cli-synth-{}", std::process::id()));
