@@ -72,9 +72,10 @@ pub struct StepReport {
     pub module_norms: Vec<f64>,
     /// Whether the update was applied (false: skipped for a non-finite gradient).
     pub applied: bool,
-    /// Where a skipped step found non-finite values, job-wide, in module order then edge
-    /// order: `NAME` for a module with a non-finite gradient, `boundary SRC -> DST` for an
-    /// edge whose rows or row gradients arrived non-finite. Empty when the step was applied.
+    /// Where a skipped step found non-finite values, job-wide: `loss` first where the loss
+    /// was not finite, then in module order `NAME` for a module with a non-finite gradient,
+    /// then in edge order `boundary SRC -> DST` for an edge whose rows or row gradients
+    /// arrived non-finite. Empty when the step was applied.
     pub nonfinite_at: Vec<String>,
     /// Forward passes this rank ran again before their backward (`recompute`).
     pub recomputed: usize,
@@ -941,7 +942,8 @@ impl Executor {
             sums[found + modules + e] = 1.0;
         }
         world.all_reduce(&mut sums, ReduceOp::Sum)?;
-        let (loss, nonfinite) = (sums[0], sums[1] > 0.0);
+        let loss = sums[0];
+        let nonfinite = nonfinite_step(sums[1], loss);
         let shares = &sums[2..2 + modules];
         let module_norms: Vec<f64> = shares.iter().map(|x| x.sqrt()).collect();
         let norm = shares.iter().sum::<f64>().sqrt();
@@ -965,9 +967,10 @@ impl Executor {
                 let norm = f64::NAN;
                 let flags = &sums[found..];
                 let edge = |e: usize| format!("boundary {}", plans.edge_name(e));
-                let nonfinite_at = (0..modules)
-                    .filter(|&m| flags[m] > 0.0)
-                    .map(|m| plans.names[m].clone())
+                let nonfinite_at = (!loss.is_finite())
+                    .then(|| "loss".to_string())
+                    .into_iter()
+                    .chain((0..modules).filter(|&m| flags[m] > 0.0).map(|m| plans.names[m].clone()))
                     .chain((0..edges).filter(|&e| flags[modules + e] > 0.0).map(edge))
                     .collect();
                 Ok(Outcome {
@@ -983,11 +986,21 @@ impl Executor {
             (OnNonFinite::Stop, Some((module, param))) => {
                 Err(RuntimeError::NonFinite { module, param })
             }
+            (OnNonFinite::Stop, None) if !loss.is_finite() => Err(RuntimeError::Model(format!(
+                "the loss is not finite ({loss}); the step was not applied"
+            ))),
             (OnNonFinite::Stop, None) => Err(RuntimeError::Model(
                 "a gradient on another rank is not finite (that rank names it); the step was not applied".into(),
             )),
         }
     }
+}
+
+/// Whether a step must not be applied: a gradient found non-finite on some rank (`flagged`,
+/// the ranks' findings summed) or a loss that is not finite, whose gradients the step would
+/// otherwise apply as they came (RELIABILITY.md row 6).
+fn nonfinite_step(flagged: f64, loss: f64) -> bool {
+    flagged > 0.0 || !loss.is_finite()
 }
 
 /// The module action `a` needs resident (not offloaded): a forward or backward, a gradient
@@ -1022,4 +1035,18 @@ fn in_transform(e: RuntimeError, edge: &str, mb: usize, dir: Direction) -> Runti
 
 fn missing(what: &str, msg: &MsgId) -> RuntimeError {
     RuntimeError::Model(format!("no {what} for {msg:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nonfinite_step;
+
+    #[test]
+    fn a_step_with_a_non_finite_loss_is_not_applied_even_with_finite_gradients() {
+        assert!(!nonfinite_step(0.0, 1.5));
+        assert!(nonfinite_step(1.0, 1.5));
+        for loss in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            assert!(nonfinite_step(0.0, loss), "{loss}");
+        }
+    }
 }

@@ -82,10 +82,11 @@ fn a_nan_in_a_boundary_row_skips_the_step_under_skip() {
         let reports = r.unwrap();
         assert!(reports[0].applied && !reports[1].applied, "step 1 skipped");
         assert!(reports[1].grad_norm.is_nan());
-        // Every rank says where: both modules' gradients and the edge the NaN crossed.
+        // Every rank says where: the loss, both modules' gradients and the edge the NaN
+        // crossed.
         assert!(reports[0].nonfinite_at.is_empty());
         assert_eq!(reports[1].collective_bytes.len(), 2, "one entry per module");
-        assert_eq!(reports[1].nonfinite_at, ["llm", "vision", "boundary vision -> llm"]);
+        assert_eq!(reports[1].nonfinite_at, ["loss", "llm", "vision", "boundary vision -> llm"]);
     }
 }
 

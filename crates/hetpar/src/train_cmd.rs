@@ -340,7 +340,7 @@ impl Report {
         let skipped = if r.applied {
             String::new()
         } else {
-            format!("  (skipped: non-finite gradient; non-finite in {})", r.nonfinite_at.join(", "))
+            format!("  (skipped: non-finite in {})", r.nonfinite_at.join(", "))
         };
         let text = format!(
             "loss {:.4}  grad norm {:.3}  lr {:.2e}  {:.0} tokens/s{skipped}",

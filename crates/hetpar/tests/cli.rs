@@ -1046,25 +1046,23 @@ fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
 fn a_skipped_step_names_where_it_went_non_finite() {
     let dir = temp("skip-where");
     let out = dir.join("run");
-    let run = hetpar(&[
-        "train",
-        "examples/in-memory.toml",
-        "--steps",
-        "2",
-        "--out",
-        out.to_str().expect("utf-8"),
-        "--set",
-        "train.lr=1e30",
-        "--set",
-        "train.clip_grad=0",
-        "--set",
-        "train.warmup=0",
-        "--set",
-        "train.on_nonfinite=\"skip\"",
-    ]);
+    // A learning rate that makes step 1's gradients non-finite, skipped rather than stopped.
+    let diverging = |steps: &str, out: &Path, more: &[&str]| {
+        let mut args = vec!["train", "examples/in-memory.toml", "--steps", steps, "--out"];
+        args.push(out.to_str().expect("utf-8"));
+        for set in ["train.lr=1e30", "train.clip_grad=0", "train.warmup=0"]
+            .into_iter()
+            .chain(["train.on_nonfinite=\"skip\""])
+            .chain(more.iter().copied())
+        {
+            args.extend(["--set", set]);
+        }
+        hetpar(&args)
+    };
+    let run = diverging("2", &out, &[]);
     let err = String::from_utf8(run.stderr).expect("utf-8");
     assert!(run.status.success(), "{err}");
-    assert!(err.contains("(skipped: non-finite gradient; non-finite in "), "{err}");
+    assert!(err.contains("(skipped: non-finite in "), "{err}");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
     let steps: Vec<Value> =
         metrics.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
@@ -1078,6 +1076,14 @@ fn a_skipped_step_names_where_it_went_non_finite() {
         .map(|v| v.as_str().expect("a name"))
         .collect();
     assert!(at.contains(&"llm") && at.contains(&"boundary vision -> llm"), "{at:?}");
+    // Past `train.max_skips` the run stops with an error (steps 1 and 2 skipped, one allowed).
+    let run = diverging("4", &dir.join("stopped"), &["train.max_skips=1"]);
+    let err = String::from_utf8(run.stderr).expect("utf-8");
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("2 steps were skipped for non-finite gradients, more than train.max_skips(1)"),
+        "{err}"
+    );
 }
 
 /// A `--timeout` shorter than a step's work: the run stops with an error naming what the
