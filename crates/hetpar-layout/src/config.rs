@@ -289,7 +289,8 @@ pub struct ModuleConfig {
     /// audio: log-mel channels.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub n_mels: Option<usize>,
-    /// audio: log-mel frames per clip (the conv stem halves them).
+    /// audio: log-mel frames per clip (the conv stem halves them); default
+    /// [`crate::graph::DEFAULT_FRAMES`], Whisper's 3000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frames: Option<usize>,
     /// llama: vocabulary size.

@@ -270,8 +270,9 @@ impl ModuleSizes {
                 ModuleSpec::Vit { image_size, patch_size }
             }
             ModuleKind::Audio => {
-                let (n_mels, frames) = (need("n_mels", m.n_mels)?, need("frames", m.frames)?);
-                if n_mels == 0 || frames < 2 || frames % 2 != 0 {
+                let n_mels = need("n_mels", m.n_mels)?;
+                let frames = m.frames.unwrap_or(DEFAULT_FRAMES);
+                if n_mels == 0 || frames < 2 || !frames.is_multiple_of(2) {
                     return err(format!(
                         "needs n_mels >= 1 and an even frames >= 2 (stride-2 stem), got n_mels({n_mels}) frames({frames})"
                     ));
@@ -298,6 +299,10 @@ impl ModuleSizes {
         Ok((spec, dims))
     }
 }
+
+/// Log-mel frames per clip of an audio module that does not give `frames`: Whisper's 30
+/// seconds at a 10 ms hop (1,500 rows after the stride-2 stem).
+pub const DEFAULT_FRAMES: usize = 3000;
 
 /// The largest size, count or length a config may give (2^24): far beyond any model or
 /// batch, small enough that products of a few fit in 64 bits.

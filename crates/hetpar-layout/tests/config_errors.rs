@@ -81,6 +81,23 @@ fn the_base_config_is_valid() {
     assert_eq!(audio.strategy, Strategy::Leaders { stripes: 1 });
 }
 
+/// An audio module without `frames` (as INTERFACES.md's example writes it) takes
+/// Whisper's 3000 frames, 1,500 rows a clip.
+#[test]
+fn an_audio_module_without_frames_takes_whispers() {
+    let text = GOOD.replacen("frames = 32\n", "", 1).replacen("seq_len = 128", "seq_len = 2048", 1);
+    let g = validate(&text).expect("valid");
+    let audio = g.module_id("audio").expect("audio");
+    assert_eq!(
+        g.modules[audio].spec,
+        hetpar_layout::ModuleSpec::Audio {
+            n_mels: 16,
+            frames: hetpar_layout::graph::DEFAULT_FRAMES
+        }
+    );
+    assert_eq!(hetpar_layout::graph::DEFAULT_FRAMES, 3000);
+}
+
 #[test]
 fn axes_that_do_not_fill_the_span() {
     assert_eq!(
