@@ -354,6 +354,43 @@ fn plan_text_of_a_published_workload() {
     expect_file!["snapshots/plan-mm-3b-14b-8k.txt"].assert_eq(&text);
 }
 
+/// A workload's `[cluster] gpus_per_node` replaces its hardware's node size: on nodes of
+/// one GPU every collective crosses the network, and every kind of layout plans slower.
+#[test]
+fn a_workloads_gpus_per_node_replaces_the_hardwares() {
+    let dir = temp("gpus-per-node");
+    let text = std::fs::read_to_string(root().join("examples/workloads/mm-1b-7b-8k.toml"))
+        .expect("workload");
+    assert_eq!(text.matches("hardware = \"h100\"").count(), 1, "the workload's [cluster] changed");
+    let path = dir.join("one-gpu-nodes.toml");
+    std::fs::write(
+        &path,
+        text.replacen("hardware = \"h100\"", "hardware = \"h100\"\ngpus_per_node = 1", 1),
+    )
+    .expect("write");
+    let plan = |workload: &str| -> Vec<(String, f64)> {
+        let v: Value =
+            serde_json::from_str(&stdout(&hetpar(&["plan", workload, "--json"]))).expect("json");
+        let candidates = v["candidates"].as_array().expect("candidates");
+        candidates
+            .iter()
+            .map(|c| {
+                (
+                    c["kind"].as_str().expect("kind").to_string(),
+                    c["step_time_s"].as_f64().expect("s"),
+                )
+            })
+            .collect()
+    };
+    let (nodes_of_8, nodes_of_1) =
+        (plan("examples/workloads/mm-1b-7b-8k.toml"), plan(path.to_str().expect("utf-8")));
+    assert_eq!(nodes_of_8.len(), 3);
+    for ((kind, fast), (other, slow)) in nodes_of_8.iter().zip(&nodes_of_1) {
+        assert_eq!(kind, other);
+        assert!(slow > fast, "{kind}: {slow} s on one-GPU nodes against {fast} s on H100 nodes");
+    }
+}
+
 #[test]
 fn plan_json_has_the_interface_fields_and_emits_a_config_layout_accepts() {
     let dir = std::env::temp_dir().join(format!("hetpar-plan-{}", std::process::id()));
