@@ -1050,6 +1050,68 @@ fn a_resume_in_another_precision_is_refused_naming_the_dtype_to_pass() {
     }
 }
 
+/// `[data] source = "llava"` through `train`: `path` a directory (its `train.json` and
+/// `heldout.json`) or the JSON itself; with the media moved elsewhere the run stops naming
+/// the missing file, and `image_root` pointing there trains on the same records (the same
+/// losses, bit for bit).
+#[test]
+fn train_reads_llava_files_by_directory_or_file_with_media_under_image_root() {
+    let dir = temp("llava");
+    let data = dir.join("d");
+    let d = data.to_str().expect("utf-8");
+    stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "40", "--seed", "1"]));
+    let train = |out: &str, sets: &[String]| {
+        let out = dir.join(out);
+        let mut args = vec!["train", "--steps", "2", "--out", out.to_str().expect("utf-8")];
+        for s in sets {
+            args.extend(["--set", s.as_str()]);
+        }
+        (hetpar(&args), out)
+    };
+    let llava = |path: &Path| {
+        vec![
+            "data.source=\"llava\"".to_string(),
+            format!("data.path={:?}", path.display().to_string()),
+        ]
+    };
+    let (run, by_dir) = train("by-dir", &llava(&data));
+    let text = stdout(&run);
+    assert!(
+        text.contains(&format!("data {}: 36 records", data.join("train.json").display())),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("data {}: 4 records", data.join("heldout.json").display())),
+        "{text}"
+    );
+    let media = dir.join("media");
+    std::fs::create_dir_all(&media).expect("media dir");
+    for sub in ["images", "audio"] {
+        std::fs::rename(data.join(sub), media.join(sub)).expect("move media");
+    }
+    let (run, _) = train("missing", &llava(&data.join("train.json")));
+    assert_eq!(run.status.code(), Some(1));
+    let err = String::from_utf8(run.stderr).expect("utf-8");
+    assert!(err.contains(&format!("missing file {}", data.join("images").display())), "{err}");
+    let mut sets = llava(&data.join("train.json"));
+    sets.push(format!("data.image_root={:?}", media.display().to_string()));
+    let (run, by_file) = train("image-root", &sets);
+    stdout(&run);
+    // The training steps' lines (not the held-out evaluations' or the checkpoints').
+    let steps = |out: &Path| -> Vec<(u64, f64)> {
+        metrics(out)
+            .iter()
+            .filter_map(|v| Some((v["step"].as_u64()?, v.get("loss")?.as_f64()?)))
+            .collect()
+    };
+    let (a, b) = (steps(&by_dir), steps(&by_file));
+    assert_eq!(a.len(), 2);
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| x.0 == y.0 && x.1.to_bits() == y.1.to_bits()),
+        "{a:?} {b:?}"
+    );
+}
+
 #[test]
 fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
     let dir = std::env::temp_dir().join(format!("hetpar-cli-synth-{}", std::process::id()));
