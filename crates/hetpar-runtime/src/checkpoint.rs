@@ -671,7 +671,7 @@ pub fn load_checkpoint(
                 &dir.join(MANIFEST_FILE),
                 format!(
                     "the checkpoint holds {} tensors and this run's parameters are {ours}: \
-                     resume it in the precision it was saved in",
+                     a checkpoint loads in the precision it was saved in",
                     manifest.dtype
                 ),
             ));

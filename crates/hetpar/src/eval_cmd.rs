@@ -75,7 +75,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     sets.extend(a.set.iter().cloned());
     let (cfg, mut graph) =
         crate::config_load::load_text(text, config.display().to_string(), &sets)?;
-    let dt = dtype(None, &mut graph)?;
+    // The precision the checkpoint was trained in: f64 where its tensors are (its config
+    // names only the products, f32 or bf16), so the numbers are the ones the run found.
+    let manifest = hetpar_runtime::checkpoint::read_manifest(&ckpt, &graph)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", ckpt.display()))?;
+    let dt = dtype((manifest.dtype == "f64").then_some("f64"), &mut graph)?;
     let timeout = timeout(a.timeout)?;
     // This rank's part: the checkpoint's slices, then the held-out batches.
     let evaluate = |c: &dyn Communicator, data: &RunData| {

@@ -606,6 +606,34 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     assert!(!missing.status.success() && err.contains("/nonexistent/set"), "{err}");
 }
 
+/// An f64 run's checkpoint evaluates in f64, as the run evaluated its held-out set: the
+/// same numbers to the last bit.
+#[test]
+fn eval_of_an_f64_checkpoint_finds_what_the_f64_run_found() {
+    let out_dir = temp("synth-f64");
+    let out = out_dir.to_str().expect("utf-8");
+    let args = ["train", "--steps", "1", "--dtype", "f64", "--out", out];
+    // 50 samples: a set of its own in the cache (the synth test generates the 60-sample one
+    // and expects to be first).
+    let text = stdout(&hetpar(&[&args[..], &["--set", "data.samples=50"]].concat()));
+    let data = text
+        .lines()
+        .find_map(|l| l.strip_prefix("data ")?.strip_suffix("/train.json: 45 records"))
+        .unwrap_or_else(|| panic!("no training records line in {text}"));
+    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
+    let last = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("json"))
+        .rfind(|l| l.get("heldout").is_some())
+        .expect("a held-out evaluation")["heldout"]
+        .clone();
+    let e: Value = serde_json::from_str(&stdout(&hetpar(&["eval", out, "--data", data, "--json"])))
+        .expect("json");
+    for key in ["loss", "answer_accuracy", "token_accuracy", "targets"] {
+        assert_eq!(e[key], last[key], "{key}: {e} vs {last}");
+    }
+}
+
 #[test]
 fn train_writes_metrics_and_the_loss_falls() {
     let out_dir = temp("train");
