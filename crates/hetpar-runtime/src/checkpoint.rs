@@ -120,6 +120,11 @@ impl Manifest {
     }
 }
 
+/// The manifest's name of a tensor type (`f32`, `f64`).
+fn tensor_type(dtype: candle_core::DType) -> String {
+    format!("{dtype:?}").to_lowercase()
+}
+
 /// `bytes` in lower-case hex.
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -424,11 +429,7 @@ fn commit(
         step,
         skipped: exec.skipped(),
         schedule_steps: at.schedule_steps,
-        dtype: exec
-            .stages()
-            .first()
-            .map(|s| format!("{:?}", s.dtype()).to_lowercase())
-            .unwrap_or_default(),
+        dtype: exec.stages().first().map(|s| tensor_type(s.dtype())).unwrap_or_default(),
         modules: graph
             .modules
             .iter()
@@ -665,7 +666,7 @@ pub fn load_checkpoint(
     // A resume continues in the precision it was saved in: converting the tensors would
     // not reproduce the run (RELIABILITY.md rows 1 and 5).
     if let Some(s) = exec.stages().first() {
-        let ours = format!("{:?}", s.dtype()).to_lowercase();
+        let ours = tensor_type(s.dtype());
         if !manifest.dtype.is_empty() && manifest.dtype != ours {
             return Err(io(
                 &dir.join(MANIFEST_FILE),

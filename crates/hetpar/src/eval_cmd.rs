@@ -77,8 +77,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         crate::config_load::load_text(text, config.display().to_string(), &sets)?;
     // The precision the checkpoint was trained in: f64 where its tensors are (its config
     // names only the products, f32 or bf16), so the numbers are the ones the run found.
-    let manifest = hetpar_runtime::checkpoint::read_manifest(&ckpt, &graph)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", ckpt.display()))?;
+    let manifest = hetpar_runtime::checkpoint::read_manifest(&ckpt, &graph)?;
     let dt = dtype((manifest.dtype == "f64").then_some("f64"), &mut graph)?;
     let timeout = timeout(a.timeout)?;
     // This rank's part: the checkpoint's slices, then the held-out batches.
