@@ -6,18 +6,17 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 
 use hetpar_data::dataset::{BadData, Fronts};
 use hetpar_data::llava::{self, Media};
 use hetpar_data::synth::{self, SynthOptions};
 use hetpar_data::{Dataset, DatasetSpec};
 
-/// A synthetic set of 40 samples (4 held out) under a fresh directory.
-fn synth_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hetpar-dataset-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    synth::generate(&d, &SynthOptions::with_samples(40), &mut |_| {}).unwrap();
+/// A synthetic set of 40 samples (4 held out) under a fresh directory, which goes with its
+/// files when the value drops.
+fn synth_dir(name: &str) -> tempfile::TempDir {
+    let d = tempfile::Builder::new().prefix(&format!("hetpar-dataset-{name}-")).tempdir().unwrap();
+    synth::generate(d.path(), &SynthOptions::with_samples(40), &mut |_| {}).unwrap();
     d
 }
 
@@ -37,7 +36,7 @@ fn spec(dir: &std::path::Path, json: &str, on_bad: BadData) -> DatasetSpec {
 #[test]
 fn epochs_draw_every_record_once_and_heldout_batches_cover_each_once() {
     let dir = synth_dir("epochs");
-    let ds = Dataset::open(spec(&dir, "train.json", BadData::Error)).unwrap();
+    let ds = Dataset::open(spec(dir.path(), "train.json", BadData::Error)).unwrap();
     let n = ds.entries().len();
     assert_eq!(n, 36);
     // 9 steps of 8 draws: two whole epochs, each a permutation of the records.
@@ -49,7 +48,7 @@ fn epochs_draw_every_record_once_and_heldout_batches_cover_each_once() {
     // The same seed and step draw the same records; another seed others.
     assert_eq!(ds.step_entries(7, 3, 8), draws[24..32]);
     assert_ne!(ds.step_entries(8, 3, 8), draws[24..32]);
-    let held = Dataset::open(spec(&dir, "heldout.json", BadData::Error)).unwrap();
+    let held = Dataset::open(spec(dir.path(), "heldout.json", BadData::Error)).unwrap();
     assert_eq!(held.entries().len(), 4);
     assert_eq!(held.eval_batches(3), 2);
     let (a, sa) = held.eval_entries(0, 3);
@@ -61,7 +60,7 @@ fn epochs_draw_every_record_once_and_heldout_batches_cover_each_once() {
 #[test]
 fn payloads_have_the_encoders_shapes_and_answers_their_questions_kind() {
     let dir = synth_dir("payloads");
-    let ds = Dataset::open(spec(&dir, "train.json", BadData::Error)).unwrap();
+    let ds = Dataset::open(spec(dir.path(), "train.json", BadData::Error)).unwrap();
     let mut kinds = BTreeSet::new();
     for (e, entry) in ds.entries().iter().enumerate() {
         for (k, item) in entry.encoded.items.iter().enumerate() {
@@ -96,19 +95,19 @@ fn payloads_have_the_encoders_shapes_and_answers_their_questions_kind() {
 }
 
 /// Writes `train.json` with record 0 broken by `f` and returns the directory.
-fn broken(name: &str, f: impl FnOnce(&mut llava::Record, &std::path::Path)) -> PathBuf {
+fn broken(name: &str, f: impl FnOnce(&mut llava::Record, &std::path::Path)) -> tempfile::TempDir {
     let dir = synth_dir(name);
-    let mut records = llava::load(&dir.join("train.json")).unwrap();
+    let mut records = llava::load(&dir.path().join("train.json")).unwrap();
     let i = records.iter().position(|r| !r.image.is_empty()).unwrap();
     records.swap(0, i);
-    f(&mut records[0], &dir);
-    llava::save(&dir.join("train.json"), &records).unwrap();
+    f(&mut records[0], dir.path());
+    llava::save(&dir.path().join("train.json"), &records).unwrap();
     dir
 }
 
 #[test]
 fn each_bad_data_class_names_the_record_or_is_skipped_and_counted() {
-    let cases: Vec<(&str, PathBuf, &str)> = vec![
+    let cases: Vec<(&str, tempfile::TempDir, &str)> = vec![
         (
             "missing image file",
             broken("missing", |r, _| {
@@ -135,9 +134,10 @@ fn each_bad_data_class_names_the_record_or_is_skipped_and_counted() {
         ),
     ];
     for (what, dir, says) in cases {
-        let err = Dataset::open(spec(&dir, "train.json", BadData::Error)).unwrap_err().to_string();
+        let err =
+            Dataset::open(spec(dir.path(), "train.json", BadData::Error)).unwrap_err().to_string();
         assert!(err.contains("record 0") && err.contains(says), "{what}: {err}");
-        let ds = Dataset::open(spec(&dir, "train.json", BadData::Skip)).unwrap();
+        let ds = Dataset::open(spec(dir.path(), "train.json", BadData::Skip)).unwrap();
         assert_eq!(ds.entries().len(), 35, "{what}");
         assert_eq!(ds.skipped().len(), 1, "{what}");
         assert_eq!(ds.skipped()[0].index, 0);
@@ -149,15 +149,16 @@ fn each_bad_data_class_names_the_record_or_is_skipped_and_counted() {
         std::fs::write(dir.join(r.image.paths()[0]), b"not a png").unwrap();
     });
     for policy in [BadData::Error, BadData::Skip] {
-        let ds = Dataset::open(spec(&dir, "train.json", policy)).unwrap();
+        let ds = Dataset::open(spec(dir.path(), "train.json", policy)).unwrap();
         let e = ds.entries().iter().position(|e| e.index == 0).unwrap();
         let err = ds.payload(e, 0).unwrap_err().to_string();
         assert!(err.contains("record 0") && err.contains("unreadable image"), "{err}");
     }
     // A tokenizer larger than the LLM's vocabulary is refused before anything trains.
     let dir = synth_dir("vocab");
-    let err = Dataset::open(DatasetSpec { vocab: 100, ..spec(&dir, "train.json", BadData::Error) })
-        .unwrap_err()
-        .to_string();
+    let err =
+        Dataset::open(DatasetSpec { vocab: 100, ..spec(dir.path(), "train.json", BadData::Error) })
+            .unwrap_err()
+            .to_string();
     assert!(err.contains("modules.llm.vocab = 100"), "{err}");
 }

@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use std::sync::Arc;
@@ -34,10 +33,9 @@ const CFG: LlamaConfig = LlamaConfig {
     cp_mode: CpMode::AllGather,
 };
 
-fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hetpar-weights-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A directory of one test's own, removed with its files when the value drops.
+fn dir() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("hetpar-weights-").tempdir().unwrap()
 }
 
 fn layout(tp: usize) -> ModuleLayout {
@@ -69,7 +67,8 @@ fn saved(tp: usize, seed: u64, shift: f64, path: &std::path::Path) -> BTreeMap<S
 
 #[test]
 fn save_under_tp2_load_under_tp1_and_tp4() {
-    let path = dir().join("llm.safetensors");
+    let tmp = dir();
+    let path = tmp.path().join("llm.safetensors");
     let full = saved(2, 1, 0.5, &path);
     let (_, header) = read_header(&path).unwrap();
     assert!(
@@ -109,10 +108,11 @@ fn save_under_tp2_load_under_tp1_and_tp4() {
 
 #[test]
 fn corrupt_files_are_refused_naming_the_file() {
-    let path = dir().join("llm2.safetensors");
+    let tmp = dir();
+    let path = tmp.path().join("llm2.safetensors");
     saved(1, 1, 0.0, &path);
     let bytes = std::fs::read(&path).unwrap();
-    let truncated = dir().join("truncated.safetensors");
+    let truncated = tmp.path().join("truncated.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
     let e = read_header(&truncated).unwrap_err().to_string();
     assert!(e.starts_with(&truncated.display().to_string()) && e.contains("bytes at"), "{e}");
@@ -123,7 +123,7 @@ fn corrupt_files_are_refused_naming_the_file() {
         let mut file = (header.len() as u64).to_le_bytes().to_vec();
         file.extend_from_slice(header.as_bytes());
         file.extend_from_slice(&[0u8; 64]);
-        let p = dir().join(name);
+        let p = tmp.path().join(name);
         std::fs::write(&p, file).unwrap();
         read_header(&p).unwrap_err().to_string()
     };
@@ -145,7 +145,7 @@ fn corrupt_files_are_refused_naming_the_file() {
         ),
     );
     assert!(e.contains("too large"), "{e}");
-    let garbage = dir().join("garbage.safetensors");
+    let garbage = tmp.path().join("garbage.safetensors");
     std::fs::write(&garbage, [255u8; 64]).unwrap();
     let e = read_header(&garbage).unwrap_err().to_string();
     assert!(e.contains("does not fit a file of 64 bytes"), "{e}");
@@ -170,8 +170,9 @@ fn corrupt_files_are_refused_naming_the_file() {
 #[cfg(unix)]
 #[test]
 fn saved_files_get_the_mode_a_plain_create_gives() {
+    let tmp = dir();
     use std::os::unix::fs::PermissionsExt;
-    let d = dir().join("mode");
+    let d = tmp.path().join("mode");
     std::fs::create_dir_all(&d).unwrap();
     let plain = d.join("plain");
     std::fs::File::create(&plain).unwrap();
@@ -189,7 +190,8 @@ fn saved_files_get_the_mode_a_plain_create_gives() {
 /// copying tensors out of it gives the file of those tensors.
 #[test]
 fn the_writer_makes_the_file_safetensors_makes() {
-    let d = dir().join("writer");
+    let tmp = dir();
+    let d = tmp.path().join("writer");
     std::fs::create_dir_all(&d).unwrap();
     let cpu = &Device::Cpu;
     let values = |n: usize| (0..n).map(|i| i as f64 * 0.37 - 1.0).collect::<Vec<_>>();
@@ -237,7 +239,8 @@ fn the_writer_makes_the_file_safetensors_makes() {
 /// tensors (only the names and shapes every member learns).
 #[test]
 fn a_sharded_save_writes_what_one_rank_writes_sending_each_slice_once() {
-    let d = dir().join("sharded");
+    let tmp = dir();
+    let d = tmp.path().join("sharded");
     std::fs::create_dir_all(&d).unwrap();
     let whole = d.join("tp1.safetensors");
     let file_bytes = saved(1, 3, 0.25, &whole).values().map(|t| t.elem_count() * 4).sum::<usize>();
@@ -285,7 +288,8 @@ fn a_sharded_save_writes_what_one_rank_writes_sending_each_slice_once() {
 /// the writer cannot create fails there while the others finish (nobody waits on a send).
 #[test]
 fn untiled_slices_and_an_unwritable_file_fail_without_a_hang() {
-    let d = dir().join("untiled");
+    let tmp = dir();
+    let d = tmp.path().join("untiled");
     std::fs::create_dir_all(&d).unwrap();
     let out = launch(2, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let held = |offset: usize, len: usize| Param {
@@ -336,7 +340,8 @@ fn untiled_slices_and_an_unwritable_file_fail_without_a_hang() {
 /// member, before anything moves.
 #[test]
 fn a_slice_of_the_wrong_size_is_refused_everywhere() {
-    let d = dir().join("wrong-size");
+    let tmp = dir();
+    let d = tmp.path().join("wrong-size");
     std::fs::create_dir_all(&d).unwrap();
     let out = launch(2, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
         let rows = if c.rank() == 0 { 2 } else { 3 };
@@ -367,7 +372,8 @@ fn a_slice_of_the_wrong_size_is_refused_everywhere() {
 /// leaves no temporary file, and a file saved over an old one replaces it whole.
 #[test]
 fn a_save_replaces_its_target_whole_or_not_at_all() {
-    let d = dir().join("replace");
+    let tmp = dir();
+    let d = tmp.path().join("replace");
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(d.join("taken.safetensors")).unwrap();
     let t = |v: f32| {

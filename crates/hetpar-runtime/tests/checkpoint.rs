@@ -27,11 +27,9 @@ fn graph(islands: bool) -> ModelGraph {
     g
 }
 
-fn temp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hetpar-ckpt-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A directory of one test's own, removed with its files when the value drops.
+fn temp(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("hetpar-ckpt-{name}-")).tempdir().unwrap()
 }
 
 /// Trains `g` from `resume` (or from scratch) up to `STEPS`, saving after each step in
@@ -102,7 +100,8 @@ fn tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
 
 #[test]
 fn a_resume_under_another_layout_continues_bitwise() {
-    let root = temp("layouts");
+    let root_tmp = temp("layouts");
+    let root = root_tmp.path();
     let (a, b) = (graph(false), graph(true));
     let full = train(&a, None, &[2], &root.join("a")).unwrap();
     let saved = root.join("a").join("step-00000002");
@@ -126,7 +125,8 @@ fn a_resume_under_another_layout_continues_bitwise() {
 
 #[test]
 fn a_resume_in_another_precision_is_refused() {
-    let root = temp("precision");
+    let root_tmp = temp("precision");
+    let root = root_tmp.path();
     let g = graph(false);
     train_as(DType::F64, &g, None, &[1], &root.join("f64")).unwrap();
     let saved = root.join("f64").join("step-00000001");
@@ -170,9 +170,10 @@ fn edit_manifest(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
 
 #[test]
 fn corrupt_checkpoints_are_refused_naming_the_file() {
-    let root = temp("corrupt");
+    let root_tmp = temp("corrupt");
+    let root = root_tmp.path();
     let g = graph(false);
-    train(&g, None, &[2], &root).unwrap();
+    train(&g, None, &[2], root).unwrap();
     let good = root.join("step-00000002");
     const SHARD: &str = "llm.stage0.safetensors";
     let cases: Vec<(&str, Breaks, &str)> = vec![
@@ -243,9 +244,10 @@ fn corrupt_checkpoints_are_refused_naming_the_file() {
 /// including ranks that did not hash it.
 #[test]
 fn ranks_on_one_machine_share_the_check_and_all_refuse_a_corrupt_file() {
-    let root = temp("machine");
+    let root_tmp = temp("machine");
+    let root = root_tmp.path();
     let g = graph(false);
-    train(&g, None, &[2], &root).unwrap();
+    train(&g, None, &[2], root).unwrap();
     let good = root.join("step-00000002");
     let broken = copy_of(&good, &root.join("broken"));
     flip_byte(&broken.join("llm.stage0.safetensors"));
@@ -285,26 +287,27 @@ fn ranks_on_one_machine_share_the_check_and_all_refuse_a_corrupt_file() {
 
 #[test]
 fn an_uncommitted_checkpoint_is_never_latest() {
-    let root = temp("partial");
+    let root_tmp = temp("partial");
+    let root = root_tmp.path();
     let g = graph(false);
-    train(&g, None, &[1], &root).unwrap();
+    train(&g, None, &[1], root).unwrap();
     // A run killed while writing step 3: its temporary directory, shards but no manifest.
     let tmp = root.join(".tmp-step-00000003");
     std::fs::create_dir_all(&tmp).unwrap();
     std::fs::write(tmp.join("llm.stage0.safetensors"), b"partial").unwrap();
-    assert_eq!(latest(&root).unwrap(), Some(root.join("step-00000001")));
-    assert_eq!(committed(&root).unwrap().iter().map(|c| c.0).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(latest(root).unwrap(), Some(root.join("step-00000001")));
+    assert_eq!(committed(root).unwrap().iter().map(|c| c.0).collect::<Vec<_>>(), vec![1]);
     // The next save of that step replaces the leftovers and commits.
-    let resumed = train(&g, Some(&root.join("step-00000001")), &[3], &root).unwrap();
+    let resumed = train(&g, Some(&root.join("step-00000001")), &[3], root).unwrap();
     assert_eq!(resumed.len(), STEPS - 1);
-    assert_eq!(latest(&root).unwrap(), Some(root.join("step-00000003")));
+    assert_eq!(latest(root).unwrap(), Some(root.join("step-00000003")));
     assert!(!tmp.exists());
     // `latest` lost or dangling (a crash between the rename and the pointer): the newest
     // committed checkpoint is taken.
     std::fs::write(root.join("latest"), "step-00000009").unwrap();
-    assert_eq!(latest(&root).unwrap(), Some(root.join("step-00000003")));
+    assert_eq!(latest(root).unwrap(), Some(root.join("step-00000003")));
     std::fs::remove_file(root.join("latest")).unwrap();
-    assert_eq!(latest(&root).unwrap(), Some(root.join("step-00000003")));
+    assert_eq!(latest(root).unwrap(), Some(root.join("step-00000003")));
 }
 
 /// Checkpoints need a directory every process mounts: a rank whose `OUT` is another
@@ -312,12 +315,14 @@ fn an_uncommitted_checkpoint_is_never_latest() {
 /// run; where every rank sees rank 0's directory the probe passes and leaves nothing.
 #[test]
 fn a_checkpoint_directory_not_every_rank_sees_is_refused() {
-    let shared = temp("shared");
-    let own = temp("own");
+    let shared_tmp = temp("shared");
+    let shared = shared_tmp.path();
+    let own_tmp = temp("own");
+    let own = own_tmp.path();
     let opts = || LocalOptions { timeout: Duration::from_secs(20) };
-    let ok = launch(3, opts(), |c| hetpar_runtime::checkpoint::check_shared(c, &shared)).unwrap();
+    let ok = launch(3, opts(), |c| hetpar_runtime::checkpoint::check_shared(c, shared)).unwrap();
     assert!(ok.iter().all(Result::is_ok), "{ok:?}");
-    assert_eq!(std::fs::read_dir(&shared).unwrap().count(), 0, "the probe stays behind");
+    assert_eq!(std::fs::read_dir(shared).unwrap().count(), 0, "the probe stays behind");
     let apart = launch(4, opts(), |c| {
         let root = if c.rank() == 2 { &own } else { &shared };
         hetpar_runtime::checkpoint::check_shared(c, root).map_err(|e| e.to_string())

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,8 +82,8 @@ fn data(g: &ModelGraph) -> (Arc<Dataset>, Arc<Dataset>) {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     let dir = DIR
         .get_or_init(|| {
-            let dir: PathBuf =
-                std::env::temp_dir().join(format!("hetpar-runtime-data-{}", std::process::id()));
+            // Under cargo's scratch space for tests, emptied first: runs leave one set behind.
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hetpar-runtime-data");
             let _ = std::fs::remove_dir_all(&dir);
             synth::generate(&dir, &SynthOptions::with_samples(40), &mut |_| {}).unwrap();
             dir

@@ -24,8 +24,8 @@ use hetpar_runtime::{Sources, Trainer};
 
 #[test]
 fn the_export_loads_in_candle_transformers_with_the_same_outputs() {
-    let dir = std::env::temp_dir().join(format!("hetpar-export-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = tempfile::Builder::new().prefix("hetpar-export-").tempdir().unwrap();
+    let dir = tmp.path();
     // Two steps of the colocated model (vision dp2, LLM tp2 on 2 ranks), then a checkpoint.
     let g = fault_graph(false);
     let sources = Sources::synthetic(&g);

@@ -231,9 +231,8 @@ mod tests {
 
     #[test]
     fn an_event_file_reads_back_with_its_version_steps_and_scalars() {
-        let dir = std::env::temp_dir().join(format!("hetpar-tb-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut e = Events::create(&dir).unwrap();
+        let dir = tempfile::Builder::new().prefix("hetpar-tb-").tempdir().unwrap();
+        let mut e = Events::create(dir.path()).unwrap();
         e.scalars(0, &[("loss", 6.25), ("lr", 3e-4), ("mfu", f64::NAN)]).unwrap();
         e.scalars(300, &[("heldout/loss", 1.5)]).unwrap();
         let bytes = std::fs::read(e.path()).unwrap();

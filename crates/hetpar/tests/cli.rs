@@ -10,14 +10,15 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The cache every command of this test process shares (the synthetic sets it generates).
-/// This process's cache, emptied on first use: a directory left by an earlier process with
-/// the same id (ids repeat, after a reboot especially) must not stand in for a first run.
+/// The cache every command of this test process shares (the synthetic sets it generates):
+/// one directory under cargo's scratch space for tests, emptied on first use, so that a
+/// set left by an earlier run cannot stand in for a first generation, and runs leave one
+/// cache behind, not one each.
 fn cache() -> PathBuf {
     static FRESH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     FRESH
         .get_or_init(|| {
-            let d = std::env::temp_dir().join(format!("hetpar-cli-cache-{}", std::process::id()));
+            let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hetpar-cli-cache");
             let _ = std::fs::remove_dir_all(&d);
             d
         })
@@ -63,7 +64,8 @@ fn layout_text_of_the_colocated_fan_in() {
 /// layout report sizes them as under f32, not at 2 bytes an element.
 #[test]
 fn layout_sizes_boundary_rows_in_f32_under_bf16() {
-    let dir = temp("layout-bf16");
+    let dir_tmp = temp("layout-bf16");
+    let dir = dir_tmp.path();
     let demo_path = root().join("examples/demo.toml");
     let demo = std::fs::read_to_string(&demo_path).expect("demo");
     assert!(demo.contains("lr = 1e-3"), "the demo's [train] changed");
@@ -159,8 +161,8 @@ fn an_encoder_at_tp1_next_to_one_sample_per_microbatch_plans_and_schedules() {
 
 #[test]
 fn bad_input_is_one_line_and_a_nonzero_exit() {
-    let dir = std::env::temp_dir().join(format!("hetpar-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir_tmp = temp("bad-input");
+    let dir = dir_tmp.path();
     let good =
         std::fs::read_to_string(root().join("examples/colocated-cp-sp.toml")).expect("example");
     let cases = [
@@ -236,8 +238,8 @@ fn schedule_text_of_the_two_encoder_islands() {
 
 #[test]
 fn schedule_for_every_example_with_an_svg() {
-    let dir = std::env::temp_dir().join(format!("hetpar-svg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir_tmp = temp("svg");
+    let dir = dir_tmp.path();
     for example in examples() {
         let svg = dir.join("s.svg");
         let text = stdout(&hetpar(&["schedule", &example, "--svg", svg.to_str().expect("utf-8")]));
@@ -358,7 +360,8 @@ fn plan_text_of_a_published_workload() {
 /// one GPU every collective crosses the network, and every kind of layout plans slower.
 #[test]
 fn a_workloads_gpus_per_node_replaces_the_hardwares() {
-    let dir = temp("gpus-per-node");
+    let dir_tmp = temp("gpus-per-node");
+    let dir = dir_tmp.path();
     let text = std::fs::read_to_string(root().join("examples/workloads/mm-1b-7b-8k.toml"))
         .expect("workload");
     assert_eq!(text.matches("hardware = \"h100\"").count(), 1, "the workload's [cluster] changed");
@@ -393,7 +396,8 @@ fn a_workloads_gpus_per_node_replaces_the_hardwares() {
 
 #[test]
 fn plan_json_has_the_interface_fields_and_emits_a_config_layout_accepts() {
-    let dir = std::env::temp_dir().join(format!("hetpar-plan-{}", std::process::id()));
+    let dir_tmp = temp("plan");
+    let dir = dir_tmp.path();
     let cfg = dir.join("emitted.toml");
     let out = hetpar(&[
         "plan",
@@ -437,8 +441,8 @@ fn plan_reads_a_hardware_file() {
     assert!(built_in < 190.0, "built-in factors: {built_in}");
     assert!((ring - 380.0).abs() / 380.0 <= 0.10, "measured ring cost: {ring}");
     // A workload naming a hardware file finds it next to itself.
-    let dir = std::env::temp_dir().join(format!("hetpar-hardware-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir_tmp = temp("hardware");
+    let dir = dir_tmp.path();
     std::fs::copy(root().join("examples/hardware/h100-ring-cp.toml"), dir.join("ring.toml"))
         .expect("copy");
     let text = std::fs::read_to_string(root().join("examples/workloads/llama3-405b-131k.toml"))
@@ -493,13 +497,12 @@ fn plan_errors_are_one_line() {
 
 #[test]
 fn calibrate_writes_a_spec_that_plan_reads_as_local() {
-    let dir = std::env::temp_dir().join(format!("hetpar-calibrate-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
+    let dir_tmp = temp("calibrate");
+    let dir = dir_tmp.path();
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_hetpar"))
             .args(args)
-            .current_dir(&dir)
+            .current_dir(dir)
             .output()
             .expect("hetpar runs")
     };
@@ -518,11 +521,10 @@ fn calibrate_writes_a_spec_that_plan_reads_as_local() {
     assert!(out.status.success() || err.contains("no layout"), "{err}");
 }
 
-fn temp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("hetpar-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("temp dir");
-    d
+/// A directory of one test's own, removed with everything in it when the value drops (a
+/// failing test's too, as it unwinds).
+fn temp(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("hetpar-cli-{name}-")).tempdir().expect("temp dir")
 }
 
 /// The bare `hetpar train` trains on files: the synth set generated once into the cache, held-out loss and
@@ -531,7 +533,8 @@ fn temp(name: &str) -> PathBuf {
 /// the last evaluation found.
 #[test]
 fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
-    let out_dir = temp("synth");
+    let out_dir_tmp = temp("synth");
+    let out_dir = out_dir_tmp.path();
     let out = out_dir.to_str().expect("utf-8");
     let args = ["train", "--steps", "4", "--eval-every", "2"];
     let run = hetpar(&[&args[..], &["--out", out, "--set", "data.samples=60"]].concat());
@@ -570,7 +573,7 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
         assert!(peaks.len() == 3 && peaks.iter().all(|p| p.as_u64() > Some(0)), "{s}");
     }
     // TensorBoard's event file, next to metrics.jsonl (its format is tested in the binary).
-    let events: Vec<_> = std::fs::read_dir(&out_dir)
+    let events: Vec<_> = std::fs::read_dir(out_dir)
         .expect("out")
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents."))
@@ -610,7 +613,8 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
 /// same numbers to the last bit.
 #[test]
 fn eval_of_an_f64_checkpoint_finds_what_the_f64_run_found() {
-    let out_dir = temp("synth-f64");
+    let out_dir_tmp = temp("synth-f64");
+    let out_dir = out_dir_tmp.path();
     let out = out_dir.to_str().expect("utf-8");
     let args = ["train", "--steps", "1", "--dtype", "f64", "--out", out];
     // 50 samples: a set of its own in the cache (the synth test generates the 60-sample one
@@ -636,7 +640,8 @@ fn eval_of_an_f64_checkpoint_finds_what_the_f64_run_found() {
 
 #[test]
 fn train_writes_metrics_and_the_loss_falls() {
-    let out_dir = temp("train");
+    let out_dir_tmp = temp("train");
+    let out_dir = out_dir_tmp.path();
     let (config, out) = ("examples/in-memory.toml", out_dir.to_str().expect("utf-8"));
     let out = hetpar(&["train", config, "--steps", "12", "--out", out]);
     let text = stdout(&out);
@@ -657,7 +662,7 @@ fn train_writes_metrics_and_the_loss_falls() {
     assert!(err.lines().any(|l| l.starts_with("step 12/12  loss ")), "{err}");
     // A line per step, then the final checkpoint's.
     let (saves, steps): (Vec<Value>, Vec<Value>) =
-        metrics(&out_dir).into_iter().partition(|v| v.get("checkpoint").is_some());
+        metrics(out_dir).into_iter().partition(|v| v.get("checkpoint").is_some());
     assert_eq!(steps.len(), 12);
     assert_eq!(saves.len(), 1, "{saves:?}");
     assert_eq!(saves[0]["step"], 12, "{saves:?}");
@@ -710,7 +715,8 @@ fn train_refuses_what_it_cannot_run_in_one_line() {
 /// multiplies the same way.
 #[test]
 fn bf16_multiplies_in_bf16_and_keeps_parity() {
-    let dir = temp("train-bf16");
+    let dir_tmp = temp("train-bf16");
+    let dir = dir_tmp.path();
     let demo = std::fs::read_to_string(root().join("examples/in-memory.toml")).expect("demo");
     let path = dir.join("bf16.toml");
     std::fs::write(&path, demo.replacen("lr = 3e-3", "lr = 3e-3\ndtype = \"bf16\"", 1))
@@ -764,7 +770,8 @@ fn bf16_multiplies_in_bf16_and_keeps_parity() {
 /// every module's collective and resident bytes are in metrics.jsonl.
 #[test]
 fn train_offloads_a_colocated_encoder() {
-    let dir = temp("train-offload");
+    let dir_tmp = temp("train-offload");
+    let dir = dir_tmp.path();
     let demo = std::fs::read_to_string(root().join("examples/in-memory.toml")).expect("demo");
     assert_eq!(demo.matches("tp = 1").count(), 1, "the vision layout is the one tp = 1");
     let path = dir.join("offload.toml");
@@ -822,7 +829,8 @@ fn check_passes_every_example_in_f32_and_f64() {
 
 #[test]
 fn check_fails_past_the_tolerance_naming_the_differences() {
-    let dir = temp("check");
+    let dir_tmp = temp("check");
+    let dir = dir_tmp.path();
     let cfg = std::fs::read_to_string(root().join("examples/colocated-fanin.toml")).expect("cfg");
     let other = dir.join("other-seed.toml");
     std::fs::write(&other, cfg.replacen("seed = 1234", "seed = 99", 1)).expect("write");
@@ -934,15 +942,15 @@ fn start_training(out: &Path, steps: &str, extra: &[&str], lines: usize) -> std:
 /// with no step in metrics.jsonl twice.
 #[test]
 fn sigterm_commits_a_checkpoint_and_resume_auto_reproduces_the_run() {
-    let (full, cut) = (temp("sigterm-full"), temp("sigterm-cut"));
-    let _ = std::fs::remove_dir_all(&cut);
+    let (full_tmp, cut_tmp) = (temp("sigterm-full"), temp("sigterm-cut"));
+    let (full, cut) = (full_tmp.path(), cut_tmp.path());
     stdout(&hetpar(&["train", IN_MEMORY, "--steps", "40", "--out", full.to_str().expect("utf-8")]));
-    let mut child = start_training(&cut, "40", &[], 2);
+    let mut child = start_training(cut, "40", &[], 2);
     let pid = child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
     let status = child.wait().expect("exits");
     assert!(status.success(), "a stop by SIGTERM is clean: {status}");
-    let stopped = losses(&cut).len();
+    let stopped = losses(cut).len();
     assert!(stopped < 40, "the signal came after the run ended");
     let out = hetpar(&[
         "train",
@@ -960,7 +968,7 @@ fn sigterm_commits_a_checkpoint_and_resume_auto_reproduces_the_run() {
         "{text}"
     );
     assert!(text.contains(&format!("{stopped} of 40 steps done")), "{text}");
-    let (a, b) = (losses(&full), losses(&cut));
+    let (a, b) = (losses(full), losses(cut));
     assert_eq!(b.iter().map(|x| x.0).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(x.1.to_bits(), y.1.to_bits(), "step {}: {} vs {}", x.0, x.1, y.1);
@@ -968,7 +976,7 @@ fn sigterm_commits_a_checkpoint_and_resume_auto_reproduces_the_run() {
     // Each save has its line, the one resumed from kept: after the stop, then at the end,
     // each with the bytes its manifest lists for the tensor files.
     let saves: Vec<Value> =
-        metrics(&cut).into_iter().filter(|v| v.get("checkpoint").is_some()).collect();
+        metrics(cut).into_iter().filter(|v| v.get("checkpoint").is_some()).collect();
     let steps: Vec<u64> = saves.iter().map(|v| v["step"].as_u64().expect("step")).collect();
     assert_eq!(steps, vec![stopped as u64, 40], "{saves:?}");
     let last = &saves[1]["checkpoint"];
@@ -999,9 +1007,9 @@ fn sigterm_commits_a_checkpoint_and_resume_auto_reproduces_the_run() {
 /// nothing saved starts fresh and says so; `--resume DIR` that does not exist is an error.
 #[test]
 fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
-    let dir = temp("sigkill");
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut child = start_training(&dir, "60", &["--save-every", "1", "--keep", "2"], 3);
+    let dir_tmp = temp("sigkill");
+    let dir = dir_tmp.path();
+    let mut child = start_training(dir, "60", &["--save-every", "1", "--keep", "2"], 3);
     child.kill().expect("SIGKILL");
     child.wait().expect("reaped");
     let ckpts = dir.join("checkpoints");
@@ -1024,11 +1032,11 @@ fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
     ];
     let text = stdout(&hetpar(&args));
     assert!(text.contains("resuming from "), "{text}");
-    let steps: Vec<u64> = losses(&dir).iter().map(|x| x.0).collect();
+    let steps: Vec<u64> = losses(dir).iter().map(|x| x.0).collect();
     assert_eq!(steps, (0..60).collect::<Vec<_>>());
 
-    let fresh = temp("resume-fresh");
-    let _ = std::fs::remove_dir_all(&fresh);
+    let fresh_tmp = temp("resume-fresh");
+    let fresh = fresh_tmp.path();
     let args = [
         "train",
         IN_MEMORY,
@@ -1054,8 +1062,8 @@ fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
 #[test]
 fn a_resume_in_another_precision_is_refused_naming_the_dtype_to_pass() {
     for (trained, other) in [("f64", None), ("bf16", Some("f32")), ("f32", Some("bf16"))] {
-        let dir = temp(&format!("resume-{trained}"));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir_tmp = temp(&format!("resume-{trained}"));
+        let dir = dir_tmp.path();
         let d = dir.to_str().expect("utf-8");
         stdout(&hetpar(&["train", IN_MEMORY, "--steps", "1", "--dtype", trained, "--out", d]));
         let resume = |dtype: Option<&str>| {
@@ -1084,7 +1092,8 @@ fn a_resume_in_another_precision_is_refused_naming_the_dtype_to_pass() {
 /// losses, bit for bit).
 #[test]
 fn train_reads_llava_files_by_directory_or_file_with_media_under_image_root() {
-    let dir = temp("llava");
+    let dir_tmp = temp("llava");
+    let dir = dir_tmp.path();
     let data = dir.join("d");
     let d = data.to_str().expect("utf-8");
     stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "40", "--seed", "1"]));
@@ -1142,8 +1151,8 @@ fn train_reads_llava_files_by_directory_or_file_with_media_under_image_root() {
 
 #[test]
 fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
-    let dir = std::env::temp_dir().join(format!("hetpar-cli-synth-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = temp("synth-out");
+    let dir = tmp.path().join("set");
     let d = dir.to_str().expect("utf-8 path");
     let text = stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "30", "--seed", "3"]));
     assert!(
@@ -1164,14 +1173,14 @@ fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
     assert_eq!(err.lines().count(), 1, "{err}");
     let help = stdout(&hetpar(&["data", "synth", "--help"]));
     assert!(help.contains("Examples:\n  hetpar data synth --out /tmp/d"), "{help}");
-    std::fs::remove_dir_all(dir).expect("cleanup");
 }
 
 /// Under `on_nonfinite = "skip"` a skipped step says where its values stopped being finite:
 /// on the progress line and in `metrics.jsonl` (`nonfinite_at`: modules, then edges).
 #[test]
 fn a_skipped_step_names_where_it_went_non_finite() {
-    let dir = temp("skip-where");
+    let dir_tmp = temp("skip-where");
+    let dir = dir_tmp.path();
     let out = dir.join("run");
     // A learning rate that makes step 1's gradients non-finite, skipped rather than stopped.
     let diverging = |steps: &str, out: &Path, more: &[&str]| {
@@ -1217,7 +1226,8 @@ fn a_skipped_step_names_where_it_went_non_finite() {
 /// missing rank was doing, and where it was computing, that the timeout can be raised.
 #[test]
 fn a_timeout_shorter_than_the_work_says_to_raise_it() {
-    let dir = temp("short-timeout");
+    let dir_tmp = temp("short-timeout");
+    let dir = dir_tmp.path();
     let out_dir = dir.join("run");
     let args = ["train", IN_MEMORY, "--steps", "3", "--timeout", "0.01", "--out"];
     let out = hetpar(&[&args[..], &[out_dir.to_str().expect("utf-8")]].concat());
@@ -1241,7 +1251,8 @@ fn a_timeout_shorter_than_the_work_says_to_raise_it() {
 /// memory preflight refuses before anything is allocated (an allocation that fails ends a
 /// process without a message).
 fn refused_for_memory(name: &str, sets: &[&str]) -> String {
-    let dir = temp(name);
+    let dir_tmp = temp(name);
+    let dir = dir_tmp.path();
     let out_dir = dir.join("run");
     let mut args = vec!["train", "examples/in-memory.toml", "--steps", "1", "--out"];
     args.push(out_dir.to_str().expect("utf-8"));
