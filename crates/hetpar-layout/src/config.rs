@@ -120,25 +120,28 @@ fn default_lr() -> f64 {
     1e-3
 }
 
-/// Element types.
+/// Element types: what the parameters are and how the products multiply.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     /// 32-bit float.
     #[default]
     F32,
-    /// bfloat16, where the backend supports it.
+    /// bfloat16 products on f32 parameters, where the backend supports it.
     Bf16,
+    /// 64-bit float throughout: the precision `hetpar check --dtype f64` compares at.
+    F64,
 }
 
 impl Dtype {
     /// Bytes of an activation element as the runtime moves it across a boundary: 4 under
-    /// both dtypes, because `bf16` rounds only the operands of the linear layers' and the
+    /// f32 and bf16, because `bf16` rounds only the operands of the linear layers' and the
     /// attention core's products (weights, activations and gradients stay f32; a bf16 row
-    /// would be 2).
+    /// would be 2); 8 under f64.
     pub fn activation_bytes(self) -> usize {
         match self {
             Dtype::F32 | Dtype::Bf16 => 4,
+            Dtype::F64 => 8,
         }
     }
 
@@ -147,6 +150,7 @@ impl Dtype {
         match self {
             Dtype::F32 => "f32",
             Dtype::Bf16 => "bf16",
+            Dtype::F64 => "f64",
         }
     }
 }
@@ -550,6 +554,9 @@ tp = 2
         let c = Config::from_toml(MINIMAL).expect("parses");
         assert_eq!(c.train.seed, 1234);
         assert_eq!(c.train.dtype, Dtype::F32);
+        let f64 = Config::from_toml(&MINIMAL.replacen("[train]", "[train]\ndtype = \"f64\"", 1))
+            .expect("parses");
+        assert_eq!((f64.train.dtype, f64.train.dtype.activation_bytes()), (Dtype::F64, 8));
         assert_eq!(c.data.source, DataSource::Synthetic);
         assert_eq!(c.data, DataConfig::default());
         assert_eq!(c.data.max_items, 1);

@@ -61,7 +61,9 @@ pub const MOE_AUX_COEF: f64 = 0.01;
 
 /// The stages of this rank (`world.global_rank()`) in `graph`, parameters in `dtype`. Under
 /// `train.dtype = "bf16"` the parameters are f32 (`dtype` must say so) and the linear
-/// layers and the attention core multiply in bf16 with f32 sums ([`Matmul::Bf16`]).
+/// layers and the attention core multiply in bf16 with f32 sums ([`Matmul::Bf16`]); under
+/// `"f64"` they are f64. Under `"f32"` they are `dtype`'s (f64 where a caller compares at
+/// f64 on an f32 config).
 pub fn build_stages(
     world: &dyn Communicator,
     graph: &ModelGraph,
@@ -80,8 +82,13 @@ pub fn build_stages(
                 "train.dtype bf16 keeps f32 parameters and multiplies in bf16; got {dtype:?} parameters"
             )));
         }
+        Dtype::F64 if dtype != DType::F64 => {
+            return Err(RuntimeError::Model(format!(
+                "train.dtype f64 needs f64 parameters; got {dtype:?} parameters"
+            )));
+        }
         Dtype::Bf16 => Matmul::Bf16,
-        Dtype::F32 => Matmul::Native,
+        Dtype::F32 | Dtype::F64 => Matmul::Native,
     };
     let mut out: Vec<Box<dyn Stage>> = Vec::new();
     for (id, m) in graph.modules.iter().enumerate() {

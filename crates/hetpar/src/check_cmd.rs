@@ -6,10 +6,10 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use hetpar_layout::config::{ParallelConfig, StrategyName};
+use hetpar_layout::config::{Dtype, ParallelConfig, StrategyName};
 use hetpar_layout::{Config, ModelGraph};
 
-use crate::train_cmd::{dtype, dtype_name, load, precision, timeout, train_local, train_mpi};
+use crate::train_cmd::{dtype, load, precision, timeout, train_local, train_mpi};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -93,10 +93,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // and then, which moves that product by up to twice bf16's unit roundoff (2^-8
     // relative): the default bf16 tolerance is that roundoff. It would let a layout bug
     // of that size through, so a layout is judged correct in f32.
-    let tol = a.tol.unwrap_or(match dtype_name(dt, &graph) {
-        "f64" => 1e-10,
-        "bf16" => BF16_TOL,
-        _ => 1e-5,
+    let tol = a.tol.unwrap_or(match graph.train.dtype {
+        Dtype::F64 => 1e-10,
+        Dtype::Bf16 => BF16_TOL,
+        Dtype::F32 => 1e-5,
     });
     let timeout = timeout(a.timeout)?;
     if !(tol.is_finite() && tol >= 0.0) {
@@ -153,7 +153,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             "config": graph.name,
             "ranks": graph.world,
             "reference_ranks": reference.world,
-            "dtype": dtype_name(dt, &graph),
+            "dtype": graph.train.dtype.name(),
             "tol": tol,
             "steps": steps,
             "max_loss_rel_diff": max_loss,

@@ -13,7 +13,7 @@ use crate::data_open::RunData;
 use crate::export_cmd::checkpoint;
 use crate::preflight::{Holds, fits_memory, fits_memory_mpi};
 use crate::train_cmd::{
-    describe_eval, dtype, dtype_name, fail_job, open_mpi, run_facts, timeout, with_timeout_hint,
+    describe_eval, dtype, fail_job, open_mpi, run_facts, timeout, with_timeout_hint,
 };
 
 /// Arguments of `hetpar eval`.
@@ -75,8 +75,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     sets.extend(a.set.iter().cloned());
     let (cfg, mut graph) =
         crate::config_load::load_text(text, config.display().to_string(), &sets)?;
-    // The precision the checkpoint was trained in: f64 where its tensors are (its config
-    // names only the products, f32 or bf16), so the numbers are the ones the run found.
+    // The precision the checkpoint was trained in, so the numbers are the ones the run
+    // found: f64 where its tensors are (checkpoints saved before a config could say
+    // `dtype = "f64"` have f64 tensors under an "f32" config), else its config's.
     let manifest = hetpar_runtime::checkpoint::read_manifest(&ckpt, &graph)?;
     let dt = dtype((manifest.dtype == "f64").then_some("f64"), &mut graph)?;
     let timeout = timeout(a.timeout)?;
@@ -113,8 +114,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             // Every process reads its own records and checkpoint: they must agree, as
             // for training; an error on one ends the job, printed.
             let done = crate::data_open::open(&graph, &|_| {}).and_then(|data| {
-                let facts =
-                    run_facts(&cfg, dtype_name(dt, &graph), graph.train.steps, &data, Some(&ckpt))?;
+                let facts = run_facts(
+                    &cfg,
+                    graph.train.dtype.name(),
+                    graph.train.steps,
+                    &data,
+                    Some(&ckpt),
+                )?;
                 hetpar_runtime::agree(world.as_ref(), &facts)?;
                 fits_memory_mpi(world.as_ref(), &graph, dt, Holds::Evaluation)?;
                 Ok(evaluate(world.as_ref(), &data)?)

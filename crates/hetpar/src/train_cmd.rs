@@ -81,25 +81,17 @@ pub fn load(config: Option<&PathBuf>, sets: &[String]) -> anyhow::Result<(Config
 
 /// The parameters' element type: `--dtype`, else the config's. bf16 trains f32 parameters
 /// with bf16 products in the linear layers and the attention core; `graph.train.dtype` is
-/// set to what the flag chose, which is what the runtime reads for the products.
+/// set to what the flag chose, which is what the runtime reads for the products and what
+/// the saved config says.
 pub fn dtype(flag: Option<&str>, graph: &mut ModelGraph) -> anyhow::Result<DType> {
     let (params, compute) = match flag.unwrap_or(graph.train.dtype.name()) {
         "f32" => (DType::F32, Dtype::F32),
-        "f64" => (DType::F64, Dtype::F32),
+        "f64" => (DType::F64, Dtype::F64),
         "bf16" => (DType::F32, Dtype::Bf16),
         other => bail!("--dtype {other:?}: use f32, f64 or bf16"),
     };
     graph.train.dtype = compute;
     Ok(params)
-}
-
-/// The dtype a run was asked for: `f32`, `f64` or `bf16`.
-pub fn dtype_name(dtype: DType, graph: &ModelGraph) -> &'static str {
-    match (graph.train.dtype, dtype) {
-        (Dtype::Bf16, _) => "bf16",
-        (Dtype::F32, DType::F64) => "f64",
-        (Dtype::F32, _) => "f32",
-    }
 }
 
 /// How a run multiplies, for its log lines: the parameters' type, or bf16 products on f32
@@ -109,7 +101,7 @@ pub fn precision(dtype: DType, graph: &ModelGraph) -> String {
         Dtype::Bf16 => {
             format!("bf16 products ({}), f32 weights", hetpar_nn::kernels::bf16::kernel())
         }
-        Dtype::F32 => format!("{dtype:?}"),
+        Dtype::F32 | Dtype::F64 => format!("{dtype:?}"),
     }
 }
 
@@ -425,7 +417,7 @@ fn run_on(
         Some(dir) => {
             let m = hetpar_runtime::checkpoint::read_manifest(dir, &graph)
                 .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
-            let ran = dtype_name(dtype, &graph);
+            let ran = graph.train.dtype.name();
             if let Some(saved) = saved_precision(dir, &m)?
                 && saved != ran
             {
@@ -541,7 +533,7 @@ fn run_on(
                 // peak by a quarter run to run.
                 let one = match graph.train.dtype {
                     Dtype::Bf16 => hetpar_nn::bench::bf16_peak_gflops(10),
-                    Dtype::F32 => hetpar_nn::bench::matmul_peak_gflops(10, dtype)?,
+                    Dtype::F32 | Dtype::F64 => hetpar_nn::bench::matmul_peak_gflops(10, dtype)?,
                 } * 1e9;
                 one * mpi.map_or(1, |w| w.size()) as f64
             }
@@ -743,8 +735,9 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
 }
 
 /// The precision checkpoint `dir` (manifest `m`) was trained in, as `--dtype` names it:
-/// f64 where its tensors are f64, else its saved config's `train.dtype` (f32 or bf16, whose
-/// parameters are both f32); `None` where the checkpoint holds no config.
+/// f64 where its tensors are f64 (checkpoints saved before a config could say `dtype =
+/// "f64"` have them under an "f32" config), else its saved config's `train.dtype`; `None`
+/// where the checkpoint holds no config.
 fn saved_precision(
     dir: &Path,
     m: &hetpar_runtime::checkpoint::Manifest,
@@ -1133,7 +1126,7 @@ pub fn train_mpi(
             return Ok(None);
         }
     };
-    let facts = run_facts(cfg, dtype_name(dtype, graph), steps, &data, None)
+    let facts = run_facts(cfg, graph.train.dtype.name(), steps, &data, None)
         .map_err(|e| RuntimeError::Data(format!("{e:#}")));
     if let Err(e) = facts.and_then(|f| hetpar_runtime::agree(world.as_ref(), &f)) {
         fail_job(rank, e)?;
@@ -1220,7 +1213,7 @@ fn agree_mpi(
 ) -> anyhow::Result<()> {
     let rank = world.rank();
     let resume = ckpt.as_ref().and_then(|k| k.resume.as_deref());
-    let facts = run_facts(cfg, dtype_name(dtype, graph), steps, data, resume)
+    let facts = run_facts(cfg, graph.train.dtype.name(), steps, data, resume)
         .map(|mut f| {
             for (k, v) in when {
                 f.set(*k, v);

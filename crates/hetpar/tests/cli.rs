@@ -610,9 +610,9 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
 }
 
 /// An f64 run's checkpoint evaluates in f64, as the run evaluated its held-out set: the
-/// same numbers to the last bit.
+/// same numbers to the last bit; and its saved config says f64 and trains as the run did.
 #[test]
-fn eval_of_an_f64_checkpoint_finds_what_the_f64_run_found() {
+fn an_f64_runs_checkpoint_evaluates_and_its_config_trains_in_f64() {
     let out_dir_tmp = temp("synth-f64");
     let out_dir = out_dir_tmp.path();
     let out = out_dir.to_str().expect("utf-8");
@@ -624,10 +624,8 @@ fn eval_of_an_f64_checkpoint_finds_what_the_f64_run_found() {
         .lines()
         .find_map(|l| l.strip_prefix("data ")?.strip_suffix("/train.json: 45 records"))
         .unwrap_or_else(|| panic!("no training records line in {text}"));
-    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).expect("metrics");
-    let last = metrics
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).expect("json"))
+    let last = metrics(out_dir)
+        .into_iter()
         .rfind(|l| l.get("heldout").is_some())
         .expect("a held-out evaluation")["heldout"]
         .clone();
@@ -636,6 +634,23 @@ fn eval_of_an_f64_checkpoint_finds_what_the_f64_run_found() {
     for key in ["loss", "answer_accuracy", "token_accuracy", "targets"] {
         assert_eq!(e[key], last[key], "{key}: {e} vs {last}");
     }
+    let saved = out_dir.join("config.toml");
+    let config = std::fs::read_to_string(&saved).expect("config.toml");
+    assert!(config.contains("dtype = \"f64\""), "{config}");
+    let again = out_dir.join("again");
+    let text = stdout(&hetpar(&[
+        "train",
+        saved.to_str().expect("utf-8"),
+        "--steps",
+        "1",
+        "--out",
+        again.to_str().expect("utf-8"),
+    ]));
+    assert!(text.contains(" backend, F64, "), "{text}");
+    let first_loss = |dir: &Path| {
+        metrics(dir).iter().find_map(|v| v.get("loss")?.as_f64()).expect("a step's loss")
+    };
+    assert_eq!(first_loss(out_dir).to_bits(), first_loss(&again).to_bits());
 }
 
 #[test]
