@@ -1190,6 +1190,35 @@ fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
     assert!(help.contains("Examples:\n  hetpar data synth --out /tmp/d"), "{help}");
 }
 
+/// A step that fails commits no checkpoint: saving after every step, a run whose second
+/// step is not finite stops with an error, and `latest` still names the checkpoint after
+/// the first, from which `--resume auto` goes on.
+#[test]
+fn a_failed_step_commits_no_checkpoint() {
+    let tmp = temp("failed-step");
+    let out = tmp.path().to_str().expect("utf-8");
+    let args = ["train", IN_MEMORY, "--steps", "3", "--save-every", "1", "--out", out];
+    // A learning rate that makes step 1 non-finite.
+    let sets = ["train.lr=1e30", "train.clip_grad=0", "train.warmup=0"].map(|s| ["--set", s]);
+    let run = hetpar(&[&args[..], &sets.concat()].concat());
+    let err = String::from_utf8(run.stderr).expect("utf-8");
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert!(err.contains("error: ") && err.contains("non-finite"), "{err}");
+    let ckpts = tmp.path().join("checkpoints");
+    let mut saved: Vec<String> = std::fs::read_dir(&ckpts)
+        .expect("checkpoints")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    saved.sort();
+    assert_eq!(saved, ["latest", "step-00000001"]);
+    let latest = std::fs::read_to_string(ckpts.join("latest")).expect("latest");
+    assert_eq!(latest.trim(), "step-00000001");
+    // Resumed from it (at the same learning rate, so step 1 fails again).
+    let resumed = hetpar(&[&args[..], &["--resume", "auto"], &sets.concat()].concat());
+    let text = String::from_utf8(resumed.stdout).expect("utf-8");
+    assert!(text.contains("1 of 3 steps done"), "{text}");
+}
+
 /// Under `on_nonfinite = "skip"` a skipped step says where its values stopped being finite:
 /// on the progress line and in `metrics.jsonl` (`nonfinite_at`: modules, then edges).
 #[test]
