@@ -22,7 +22,7 @@
 
 use std::alloc::{GlobalAlloc, Layout};
 
-/// `mi_option_purge_delay`: the option after `mi_option_use_numa_nodes` in the enum of
+/// `mi_option_purge_delay`: the option before `mi_option_use_numa_nodes` in the enum of
 /// the mimalloc `libmimalloc-sys` builds (v3, and v2 alike), for which the crate names no
 /// constant; a test holds the index to the defaults around it.
 const PURGE_DELAY: libmimalloc_sys::mi_option_t = libmimalloc_sys::mi_option_use_numa_nodes - 1;
