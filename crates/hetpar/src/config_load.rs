@@ -41,8 +41,9 @@ pub fn load_text(
 
 /// `text` with each `KEY=VALUE` set: `KEY` a dotted path (`train.lr`,
 /// `modules.llm.parallel.tp`), `VALUE` a TOML value (`1e-4`, `true`, `[0, 4]`, `"skip"`)
-/// or, when it does not parse as one, a string (`skip`).
-fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
+/// or, when it does not parse as one, a string (`skip`). Configs and planner workloads
+/// alike.
+pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
     let mut root: toml::Table = toml::from_str(text).context("not valid TOML")?;
     for s in sets {
         let Some((key, value)) = s.split_once('=') else {

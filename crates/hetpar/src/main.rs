@@ -72,7 +72,7 @@ enum Command {
     /// Rank layouts and placements for a workload: best homogeneous, colocated and
     /// non-colocated, with predicted step time, TFLOPS/GPU, tokens/s and memory, and why.
     #[command(
-        after_help = "Examples:\n  hetpar plan examples/workloads/mm-1b-14b-8k.toml\n  hetpar plan examples/workloads/mm-1b-7b-64k.toml --top 3\n  hetpar plan examples/workloads/mm-6b-gptoss120b.toml --gpus 1024 --json\n  hetpar plan examples/workloads/mm-3b-32b-8k.toml --emit-config runs/mm-3b-32b.toml"
+        after_help = "Examples:\n  hetpar plan examples/workloads/mm-1b-14b-8k.toml\n  hetpar plan examples/workloads/mm-1b-7b-64k.toml --top 3\n  hetpar plan examples/workloads/mm-1b-7b-8k.toml --set workload.seq_len=16384 --set workload.global_batch=16\n  hetpar plan examples/workloads/mm-6b-gptoss120b.toml --gpus 1024 --json\n  hetpar plan examples/workloads/mm-3b-32b-8k.toml --emit-config runs/mm-3b-32b.toml"
     )]
     Plan(plan_cmd::Args),
     /// Measure this machine (matmul, attention, memcpy, collectives) into a hardware spec

@@ -35,6 +35,10 @@ pub struct Args {
     /// Write the winner as a config `hetpar train` accepts.
     #[arg(long, value_name = "FILE")]
     emit_config: Option<PathBuf>,
+    /// Override a workload value before validation (repeatable): a dotted key and a TOML
+    /// value, e.g. `--set workload.seq_len=16384 --set modules.llm.layers=48`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
 }
 
 #[allow(clippy::print_stdout)]
@@ -134,7 +138,15 @@ fn module_json(name: &str, c: &hetpar_plan::Choice, on_llm_first_stage: bool) ->
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&a.workload)
         .with_context(|| format!("cannot read workload {}", a.workload.display()))?;
-    let mut wl = Workload::from_toml(&text).with_context(|| a.workload.display().to_string())?;
+    let mut name = a.workload.display().to_string();
+    let text = if a.set.is_empty() {
+        text
+    } else {
+        let set = crate::config_load::apply(&text, &a.set).with_context(|| name.clone())?;
+        name = format!("{name} with --set {}", a.set.join(" --set "));
+        set
+    };
+    let mut wl = Workload::from_toml(&text).with_context(|| name.clone())?;
     if let Some(n) = a.gpus {
         wl = wl.with_gpus(n).context("--gpus")?;
     }
@@ -155,7 +167,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         hw.gpus_per_node = g;
     }
     let start = Instant::now();
-    let plan = search(&wl, &hw, a.top).with_context(|| a.workload.display().to_string())?;
+    let plan = search(&wl, &hw, a.top).with_context(|| name.clone())?;
     let elapsed = start.elapsed();
     let why = explain(&wl, &hw, &plan);
     if let Some(path) = &a.emit_config {

@@ -394,6 +394,35 @@ fn a_workloads_gpus_per_node_replaces_the_hardwares() {
     }
 }
 
+/// `plan --set` edits a workload as an edited file does (the same candidates), and a value
+/// the workload refuses is named with the sets that made it, in one line.
+#[test]
+fn plan_set_overrides_a_workload_as_an_edited_file_does() {
+    let tmp = temp("plan-set");
+    let workload = "examples/workloads/mm-1b-7b-8k.toml";
+    let text = std::fs::read_to_string(root().join(workload)).expect("workload");
+    assert_eq!(text.matches("seq_len = 8192").count(), 1, "the workload's [workload] changed");
+    let edited = tmp.path().join("16k.toml");
+    std::fs::write(&edited, text.replacen("seq_len = 8192", "seq_len = 16384", 1)).expect("write");
+    let candidates = |args: &[&str]| -> Value {
+        let v: Value =
+            serde_json::from_str(&stdout(&hetpar(&[&["plan"], args, &["--json"]].concat())))
+                .expect("json");
+        v["candidates"].clone()
+    };
+    let set = candidates(&[workload, "--set", "workload.seq_len=16384"]);
+    assert_eq!(set, candidates(&[edited.to_str().expect("utf-8")]));
+    assert_ne!(set, candidates(&[workload]));
+    let out = hetpar(&["plan", workload, "--set", "workload.seq_len=0"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with(&format!("error: {workload} with --set workload.seq_len=0: ")),
+        "{err}"
+    );
+}
+
 #[test]
 fn plan_json_has_the_interface_fields_and_emits_a_config_layout_accepts() {
     let dir_tmp = temp("plan");
