@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use candle_core::DType;
 use hetpar_comm::{Communicator, LocalOptions, launch};
-use hetpar_layout::ModelGraph;
+use hetpar_layout::config::ParallelConfig;
+use hetpar_layout::{Config, ModelGraph};
 use hetpar_nn::io::read_header;
 use hetpar_runtime::checkpoint::{committed, latest};
-use hetpar_runtime::testing::fault_graph;
+use hetpar_runtime::testing::{fault_config, fault_graph};
 use hetpar_runtime::{RuntimeError, Sources, Trainer};
 
 const STEPS: usize = 4;
@@ -120,6 +121,60 @@ fn a_resume_under_another_layout_continues_bitwise() {
     }
     for (got, want) in resumed.iter().zip(&full[2..]) {
         assert!((got - want).abs() <= 1e-5 * want.abs(), "{resumed:?} vs {full:?}");
+    }
+}
+
+/// [`fault_config`]'s model with an MoE LLM of four layers (4 experts, top 2, 2 KV heads),
+/// the encoder on `vision` and the LLM on `llm` (`[start, end)`) laid out by `parallel`.
+fn moe_graph(
+    vision: [usize; 2],
+    llm: [usize; 2],
+    parallel: impl FnOnce(&mut ParallelConfig),
+) -> ModelGraph {
+    let mut cfg = Config::from_toml(&fault_config(false)).unwrap();
+    cfg.train.weight_decay = 0.1;
+    cfg.modules.get_mut("vision").unwrap().parallel.ranks = vision;
+    let m = cfg.modules.get_mut("llm").unwrap();
+    (m.layers, m.kv_heads, m.experts, m.top_k) = (4, Some(2), Some(4), Some(2));
+    m.parallel = ParallelConfig { ranks: llm, tp: 1, ..m.parallel.clone() };
+    parallel(&mut m.parallel);
+    ModelGraph::from_config(&cfg).unwrap()
+}
+
+/// RELIABILITY row 5 for the axes the ViT-and-tp test above leaves out: an MoE checkpoint
+/// saved under expert and tensor parallelism with SP reloads under a two-stage pipeline on
+/// islands, an interleaved one, context parallelism, and experts that the tensor
+/// parallelism around them does not split (etp 1 under tp 2); each saves again right after
+/// loading every parameter and moment bitwise as saved, and the losses go on as the
+/// uninterrupted run's.
+#[test]
+fn an_moe_checkpoint_reshards_across_ep_etp_pp_vpp_and_cp() {
+    let root_tmp = temp("moe-layouts");
+    let root = root_tmp.path();
+    let a = moe_graph([0, 4], [0, 4], |p| (p.ep, p.tp, p.sp) = (2, 2, true));
+    let full = train(&a, None, &[2], &root.join("a")).unwrap();
+    let saved = root.join("a").join("step-00000002");
+    let x = tensors(&saved);
+    assert!(
+        x.keys().any(|k| k.contains("experts.3.w2") && k.ends_with(":exp_avg")),
+        "{:?}",
+        x.keys()
+    );
+    for (name, b) in [
+        ("pp2-islands", moe_graph([0, 1], [1, 5], |p| p.pp = 2)),
+        ("pp2-vpp2", moe_graph([0, 2], [0, 2], |p| (p.pp, p.vpp) = (2, 2))),
+        ("cp2-ep2", moe_graph([0, 4], [0, 4], |p| (p.cp, p.ep) = (2, 2))),
+        ("tp2-etp1-ep2", moe_graph([0, 4], [0, 4], |p| (p.tp, p.etp, p.ep) = (2, Some(1), 2))),
+    ] {
+        let resumed = train(&b, Some(&saved), &[2], &root.join(name)).unwrap();
+        let y = tensors(&root.join(name).join("step-00000002"));
+        assert_eq!(x.keys().collect::<Vec<_>>(), y.keys().collect::<Vec<_>>(), "{name}");
+        for (k, v) in &x {
+            assert!(y[k] == *v, "{name}: {k} differs after the reshard");
+        }
+        for (got, want) in resumed.iter().zip(&full[2..]) {
+            assert!((got - want).abs() <= 1e-5 * want.abs(), "{name}: {resumed:?} vs {full:?}");
+        }
     }
 }
 
