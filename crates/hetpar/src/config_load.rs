@@ -28,15 +28,49 @@ pub fn load_text(
     name: String,
     sets: &[String],
 ) -> anyhow::Result<(Config, ModelGraph)> {
-    let (text, name) = if sets.is_empty() {
-        (text, name)
-    } else {
-        let set = apply(&text, sets).with_context(|| name.clone())?;
-        (set, format!("{name} with --set {}", sets.join(" --set ")))
-    };
-    let cfg = Config::from_toml(&text).with_context(|| name.clone())?;
+    let (cfg, name) = parse_with_sets(&text, &name, sets, |t| {
+        Config::from_toml(t).map_err(|e| (e.field, e.message))
+    })?;
     let graph = ModelGraph::from_config(&cfg).with_context(|| name)?;
     Ok((cfg, graph))
+}
+
+/// `text` (called `name`) with `sets` applied, read by `parse` (whose error is where, then
+/// what), and the name errors about it go by (`name with --set ...`). A line number in an
+/// error is the file's own: where the file alone is refused its error stands as it is, and
+/// where only the sets make it fail the error names the table but no line, since the text
+/// it would count in has the sets written into it.
+pub fn parse_with_sets<T>(
+    text: &str,
+    name: &str,
+    sets: &[String],
+    parse: impl Fn(&str) -> Result<T, (String, String)>,
+) -> anyhow::Result<(T, String)> {
+    let fail = |name: &str, (at, what): (String, String)| match at.as_str() {
+        "" => anyhow::anyhow!("{name}: {what}"),
+        at => anyhow::anyhow!("{name}: {at}: {what}"),
+    };
+    if sets.is_empty() {
+        return parse(text).map(|t| (t, name.to_string())).map_err(|e| fail(name, e));
+    }
+    let set = apply(text, sets).with_context(|| name.to_string())?;
+    let with = format!("{name} with --set {}", sets.join(" --set "));
+    match parse(&set) {
+        Ok(t) => Ok((t, with)),
+        Err((at, what)) => match parse(text) {
+            // The file's own mistake, at its own line.
+            Err(own) if own.1 == what => Err(fail(name, own)),
+            _ => Err(fail(&with, (without_line(&at).to_string(), what))),
+        },
+    }
+}
+
+/// `at` without the line number `hetpar_layout::config::parse_toml` puts first (`line 33,
+/// in [workload]` -> `in [workload]`).
+fn without_line(at: &str) -> &str {
+    let Some(rest) = at.strip_prefix("line ") else { return at };
+    let rest = rest.trim_start_matches(|c: char| c.is_ascii_digit());
+    rest.strip_prefix(", ").unwrap_or(rest)
 }
 
 /// `text` with each `KEY=VALUE` set: `KEY` a dotted path (`train.lr`,
@@ -78,7 +112,7 @@ pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::{DEMO, load};
+    use super::{DEMO, load, load_text};
 
     #[test]
     fn sets_override_what_the_file_says_and_are_validated_alike() {
@@ -97,6 +131,24 @@ mod tests {
         }
         let unknown = format!("{:#}", load(None, &["train.lrr=1".to_string()]).unwrap_err());
         assert!(unknown.contains("unknown field `lrr`"), "{unknown}");
+        // The key the set adds is on no line of the file: the error names its table only.
+        assert!(unknown.contains("with --set train.lrr=1: in [train]: unknown field"), "{unknown}");
+    }
+
+    /// A mistake of the file's own is reported at its line in the file, as without sets,
+    /// though the sets are written into the text that is read.
+    #[test]
+    fn a_files_own_mistake_keeps_its_line_under_sets() {
+        let bad = DEMO.replacen("\n[train]\n", "\n[train]\nlrr = 1\n", 1);
+        let line = bad.lines().position(|l| l == "lrr = 1").unwrap() + 1;
+        let plain = format!("{:#}", load_text(bad.clone(), "f.toml".into(), &[]).unwrap_err());
+        let sets = ["train.lr=1e-4".to_string(), "name=\"x\"".to_string()];
+        let set = format!("{:#}", load_text(bad, "f.toml".into(), &sets).unwrap_err());
+        assert!(
+            plain.starts_with(&format!("f.toml: line {line}, in [train]: unknown field `lrr`")),
+            "{plain}"
+        );
+        assert_eq!(set, plain);
         assert!(DEMO.contains("name = \"demo\""));
     }
 }

@@ -135,18 +135,24 @@ fn module_json(name: &str, c: &hetpar_plan::Choice, on_llm_first_stage: bool) ->
     })
 }
 
+/// A workload error's where and what, as `hetpar_plan` joins them (`line 3, in
+/// [workload]: unknown field ...`, `workload: seq_len ... must be at least 1`).
+fn where_what(e: &str) -> (String, String) {
+    match e.split_once(": ") {
+        Some((at, what)) => (at.to_string(), what.to_string()),
+        None => (String::new(), e.to_string()),
+    }
+}
+
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&a.workload)
         .with_context(|| format!("cannot read workload {}", a.workload.display()))?;
-    let mut name = a.workload.display().to_string();
-    let text = if a.set.is_empty() {
-        text
-    } else {
-        let set = crate::config_load::apply(&text, &a.set).with_context(|| name.clone())?;
-        name = format!("{name} with --set {}", a.set.join(" --set "));
-        set
-    };
-    let mut wl = Workload::from_toml(&text).with_context(|| name.clone())?;
+    let (mut wl, name) = crate::config_load::parse_with_sets(
+        &text,
+        &a.workload.display().to_string(),
+        &a.set,
+        |t| Workload::from_toml(t).map_err(|e| where_what(&e.0)),
+    )?;
     if let Some(n) = a.gpus {
         wl = wl.with_gpus(n).context("--gpus")?;
     }
