@@ -430,6 +430,15 @@ fn run_on(
             }
             if lead {
                 say(&resumed_from(dir, &m, steps));
+                let changed = config_changes(dir, &cfg)?;
+                if !changed.is_empty() {
+                    say(&format!(
+                        "note: this run's config differs from the checkpoint's in {} key{}: {}",
+                        changed.len(),
+                        if changed.len() == 1 { "" } else { "s" },
+                        changed.join("; ")
+                    ));
+                }
             }
             if m.step >= steps {
                 bail!(
@@ -751,6 +760,44 @@ fn saved_precision(
         .with_context(|| format!("--resume: {} is not a config", path.display()))?;
     let dtype = config.get("train").and_then(|t| t.get("dtype")).and_then(toml::Value::as_str);
     Ok(Some(dtype.unwrap_or("f32").to_string()))
+}
+
+/// The keys whose values `cfg` changes from the config checkpoint `dir` was saved with,
+/// each as `key old -> new` (`(unset)` where one side has none), in key order; none where
+/// the checkpoint holds no config.
+fn config_changes(dir: &Path, cfg: &Config) -> anyhow::Result<Vec<String>> {
+    let path = dir.join(hetpar_runtime::checkpoint::CONFIG_FILE);
+    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(Vec::new()) };
+    let saved: toml::Value = toml::from_str(&text)
+        .with_context(|| format!("--resume: {} is not a config", path.display()))?;
+    let now = toml::Value::try_from(cfg).context("the resolved config does not serialize")?;
+    let (mut was, mut is) = (Default::default(), Default::default());
+    flatten("", &saved, &mut was);
+    flatten("", &now, &mut is);
+    let keys: std::collections::BTreeSet<&String> = was.keys().chain(is.keys()).collect();
+    let unset = || "(unset)".to_string();
+    Ok(keys
+        .into_iter()
+        .filter(|k| was.get(*k) != is.get(*k))
+        .map(|k| {
+            let (a, b) = (was.get(k).cloned(), is.get(k).cloned());
+            format!("{k} {} -> {}", a.unwrap_or_else(unset), b.unwrap_or_else(unset))
+        })
+        .collect())
+}
+
+/// Every value under `v` by its dotted key (arrays of tables, such as `edges`, by index).
+fn flatten(key: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
+    let join = |k: &str| if key.is_empty() { k.to_string() } else { format!("{key}.{k}") };
+    match v {
+        toml::Value::Table(t) => t.iter().for_each(|(k, v)| flatten(&join(k), v, out)),
+        toml::Value::Array(a) if a.iter().any(toml::Value::is_table) => {
+            a.iter().enumerate().for_each(|(i, v)| flatten(&join(&i.to_string()), v, out));
+        }
+        v => {
+            out.insert(key.to_string(), v.to_string());
+        }
+    }
 }
 
 /// What a resume says it loads: the step, the layout it was saved under, the files.

@@ -1101,6 +1101,28 @@ fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
     assert!(err.contains("--resume /nonexistent/step-00000003: no checkpoint there"), "{err}");
 }
 
+/// A resume under a config that differs from the checkpoint's says which keys changed,
+/// with both values; under the same config it says nothing of the kind.
+#[test]
+fn a_resume_names_the_config_keys_that_changed() {
+    let tmp = temp("resume-changes");
+    let out = tmp.path().to_str().expect("utf-8");
+    stdout(&hetpar(&["train", IN_MEMORY, "--steps", "1", "--out", out]));
+    let resume = |steps: &str| {
+        let args = ["train", IN_MEMORY, "--steps", steps, "--out", out, "--resume", "auto"];
+        stdout(&hetpar(
+            &[&args[..], &["--set", "train.lr=1e-4", "--set", "train.warmup=0"]].concat(),
+        ))
+    };
+    let text = resume("2");
+    assert!(
+        text.contains("note: this run's config differs from the checkpoint's in 2 keys: train.lr 0.003 -> 0.0001; train.warmup 5 -> 0\n"),
+        "{text}"
+    );
+    let text = resume("3");
+    assert!(text.contains("resuming from ") && !text.contains("differs"), "{text}");
+}
+
 /// A checkpoint resumes in the precision it was trained in: f64 tensors, or bf16 products
 /// on f32 tensors, refused under another `--dtype` (or none), naming the one to pass.
 #[test]
