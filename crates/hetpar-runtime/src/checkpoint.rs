@@ -167,6 +167,29 @@ fn model_of(graph: &ModelGraph) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// How module `name`'s sizes in the checkpoint (`saved`) and the config differ, each as
+/// [`model_of`] writes them (its spec, then hidden, layers, heads and ffn): the sizes that
+/// differ by name, and the specs where those do.
+fn model_difference(name: &str, saved: &str, config: &str) -> String {
+    // [ffn, heads, layers, hidden, spec]: the spec's own text may hold spaces.
+    let parts = |s: &str| s.rsplitn(5, ' ').map(str::to_string).collect::<Vec<_>>();
+    let (a, b) = (parts(saved), parts(config));
+    if a.len() != 5 || b.len() != 5 {
+        return format!("{name}: {saved} in the checkpoint, {config} in the config");
+    }
+    let mut out: Vec<String> = ["ffn", "heads", "layers", "hidden"]
+        .iter()
+        .zip(a.iter().zip(&b))
+        .rev()
+        .filter(|(_, (x, y))| x != y)
+        .map(|(what, (x, y))| format!("{what} {x} in the checkpoint, {y} in the config"))
+        .collect();
+    if a[4] != b[4] {
+        out.push(format!("{} in the checkpoint, {} in the config", a[4], b[4]));
+    }
+    format!("{name}: {}", out.join(", "))
+}
+
 fn layout_name(l: &hetpar_layout::ModuleLayout) -> String {
     format!("tp{} cp{} dp{} pp{} ep{}", l.tp(), l.cp(), l.dp(), l.pp(), l.ep())
 }
@@ -568,9 +591,12 @@ pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
         let differ: Vec<String> = want
             .iter()
             .filter(|(k, v)| m.model.get(*k) != Some(v))
-            .map(|(k, v)| format!("{k}: saved {:?}, config {v:?}", m.model.get(k)))
+            .map(|(k, v)| match m.model.get(k) {
+                Some(saved) => model_difference(k, saved, v),
+                None => format!("{k}: no sizes in the checkpoint"),
+            })
             .collect();
-        return Err(io(&path, format!("saved for another model ({})", differ.join("; "))));
+        return Err(io(&path, format!("saved for another model: {}", differ.join("; "))));
     }
     Ok(m)
 }

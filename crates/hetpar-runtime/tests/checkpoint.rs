@@ -178,6 +178,30 @@ fn an_moe_checkpoint_reshards_across_ep_etp_pp_vpp_and_cp() {
     }
 }
 
+/// A checkpoint of another model is refused naming the module and the sizes that differ,
+/// before any file is read.
+#[test]
+fn a_checkpoint_of_another_model_is_refused_naming_the_sizes() {
+    let root_tmp = temp("model");
+    let root = root_tmp.path();
+    train(&graph(false), None, &[1], root).unwrap();
+    let saved = root.join("step-00000001");
+    let other = |edit: &dyn Fn(&mut hetpar_layout::config::ModuleConfig)| {
+        let mut cfg = Config::from_toml(&fault_config(false)).unwrap();
+        edit(cfg.modules.get_mut("llm").unwrap());
+        let g = ModelGraph::from_config(&cfg).unwrap();
+        hetpar_runtime::checkpoint::read_manifest(&saved, &g).unwrap_err().to_string()
+    };
+    let e = other(&|m| (m.layers, m.ffn) = (3, 64));
+    assert!(
+        e.ends_with("saved for another model: llm: layers 2 in the checkpoint, 3 in the config, ffn 48 in the checkpoint, 64 in the config"),
+        "{e}"
+    );
+    let e = other(&|m| m.kv_heads = Some(2));
+    assert!(e.contains("saved for another model: llm: Llama { vocab: 64, kv_heads: 4,"), "{e}");
+    assert!(e.contains(" in the checkpoint, Llama { vocab: 64, kv_heads: 2,"), "{e}");
+}
+
 #[test]
 fn a_resume_in_another_precision_is_refused() {
     let root_tmp = temp("precision");
