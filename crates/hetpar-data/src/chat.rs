@@ -87,7 +87,8 @@ impl Vocab {
         for (id, s) in special.iter_mut().zip(SPECIAL) {
             *id = tokenizer.token_to_id(s).ok_or_else(|| {
                 DataError::Options(format!(
-                    "{what} has no {s} token (hetpar's template needs {SPECIAL:?})"
+                    "{what} has no {s} token (hetpar's template needs {})",
+                    SPECIAL.join(" ")
                 ))
             })?;
         }
@@ -142,6 +143,16 @@ pub enum Kind {
     Image,
     /// An audio clip: the audio encoder.
     Audio,
+}
+
+impl Kind {
+    /// `image` or `audio`, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Image => "image",
+            Kind::Audio => "audio",
+        }
+    }
 }
 
 /// Where one item's encoder rows sit in the sequence.
@@ -226,8 +237,8 @@ pub fn encode(
     if length > seq_len {
         if let Some(cut) = items.iter().find(|i| i.position + i.rows > seq_len) {
             return Err(format!(
-                "{length} tokens do not fit seq_len {seq_len}: {:?} {} needs positions {}..{}",
-                cut.kind,
+                "{length} tokens do not fit seq_len {seq_len}: {} {} needs positions {}..{}",
+                cut.kind.name(),
                 cut.index,
                 cut.position,
                 cut.position + cut.rows

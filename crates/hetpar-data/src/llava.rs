@@ -88,6 +88,17 @@ pub enum Role {
     System,
 }
 
+impl Role {
+    /// The spelling in a LLaVA file's `from`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Human => "human",
+            Role::Gpt => "gpt",
+            Role::System => "system",
+        }
+    }
+}
+
 /// One turn of a conversation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Turn {
@@ -109,8 +120,8 @@ impl Record {
                 match p {
                     IMAGE | AUDIO if t.from != Role::Human => {
                         return Err(format!(
-                            "turn {i} ({:?}) holds the placeholder {p}: media go in human turns",
-                            t.from
+                            "turn {i} (from {:?}) holds the placeholder {p}: media go in human turns",
+                            t.from.name()
                         ));
                     }
                     IMAGE => images += 1,
@@ -278,7 +289,7 @@ mod tests {
             ),
             (
                 r#"{"id": "c", "audio": "c.wav", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<audio>"}]}"#,
-                "turn 1 (Gpt) holds the placeholder <audio>",
+                "turn 1 (from \"gpt\") holds the placeholder <audio>",
             ),
             (
                 r#"{"id": "d", "conversations": [{"from": "human", "value": "hi"}]}"#,

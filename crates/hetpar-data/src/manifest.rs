@@ -35,8 +35,8 @@ impl Edges {
             };
             if slot.is_some() {
                 return Err(format!(
-                    "two {:?} encoders feed the LLM; a data file cannot say which of them an item is for",
-                    src.kind()
+                    "two {} encoders feed the LLM; a data file cannot say which of them an item is for",
+                    src.kind().name()
                 ));
             }
             *slot = Some((id, rows));
@@ -61,12 +61,17 @@ pub fn sample(id: &str, e: &Encoded, edges: &Edges) -> Result<manifest::Sample, 
                 Kind::Audio => edges.audio,
             }
             .ok_or_else(|| {
-                format!("record {id} has a {:?} item but the model has no encoder for it", it.kind)
+                format!(
+                    "record {id} has an {} item but the model has no encoder for it",
+                    it.kind.name()
+                )
             })?;
             if rows != it.rows {
                 return Err(format!(
-                    "record {id}: {:?} {} was encoded with {} rows, its encoder gives {rows}",
-                    it.kind, it.index, it.rows
+                    "record {id}: {} {} was encoded with {} rows, its encoder gives {rows}",
+                    it.kind.name(),
+                    it.index,
+                    it.rows
                 ));
             }
             Ok(manifest::Item { edge, pos: it.position, rows })

@@ -179,8 +179,12 @@ pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
             reader.samples::<f32>().collect::<std::result::Result<_, _>>()
         }
         (format, bits) => {
+            let kind = match format {
+                hound::SampleFormat::Int => "integer",
+                hound::SampleFormat::Float => "float",
+            };
             return Err(bad(format!(
-                "{bits}-bit {format:?} samples; hetpar reads 16-bit integer or 32-bit float WAV"
+                "{bits}-bit {kind} samples; hetpar reads 16-bit integer or 32-bit float WAV"
             )));
         }
     }

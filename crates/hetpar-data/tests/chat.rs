@@ -174,7 +174,7 @@ fn truncation_cuts_only_past_every_row_and_keeps_something_to_learn() {
     assert_eq!(*cut.targets.last().unwrap(), -1, "the last position predicts nothing kept");
     // An image's rows past the end: refused, naming the item.
     let e = encode(&v, &one, 40, 3, 30).unwrap_err();
-    assert!(e.contains("do not fit seq_len 30: Image 0 needs positions 1..41"), "{e}");
+    assert!(e.contains("do not fit seq_len 30: image 0 needs positions 1..41"), "{e}");
     // Room for the rows and the prompt but no answer token: refused.
     let prompt = 1 + 4 + v.ids("\nWhat is in the image?").unwrap().len() + 2;
     let e = encode(&v, &one, 4, 3, prompt).unwrap_err();

@@ -53,6 +53,6 @@ fn synthetic_records_make_the_demos_manifest() {
     let r = records.iter().find(|r| !r.image.is_empty()).unwrap();
     let wrong = encode(&vocab, r, image_rows + 1, audio_rows, 512).unwrap();
     let e = step_manifest(&g, &[(r.id.as_str(), &wrong); 8]).unwrap_err();
-    let want = format!("record {}: Image 0 was encoded with 17 rows, its encoder gives 16", r.id);
+    let want = format!("record {}: image 0 was encoded with 17 rows, its encoder gives 16", r.id);
     assert!(e.contains(&want), "{e}");
 }

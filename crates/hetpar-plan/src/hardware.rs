@@ -155,10 +155,11 @@ pub fn parse(text: &str) -> Result<BTreeMap<String, Hardware>> {
 /// A built-in accelerator by name (`h100`, `h200`, `a100`).
 pub fn builtin(name: &str) -> Result<Hardware> {
     let table = parse(BUILTIN).expect("the built-in hardware table parses");
-    let names: Vec<&String> = table.keys().collect();
+    let names: Vec<&str> = table.keys().map(String::as_str).collect();
     table.get(name).cloned().ok_or_else(|| {
         PlanError(format!(
-            "unknown hardware {name:?}: built in are {names:?}, `local` after `hetpar calibrate`, or a .toml file with one hardware table"
+            "unknown hardware {name:?}: built in are {}, `local` after `hetpar calibrate`, or a .toml file with one hardware table",
+            names.join(", ")
         ))
     })
 }

@@ -177,17 +177,39 @@ fn model_difference(name: &str, saved: &str, config: &str) -> String {
     if a.len() != 5 || b.len() != 5 {
         return format!("{name}: {saved} in the checkpoint, {config} in the config");
     }
-    let mut out: Vec<String> = ["ffn", "heads", "layers", "hidden"]
-        .iter()
-        .zip(a.iter().zip(&b))
-        .rev()
+    let sizes = ["ffn", "heads", "layers", "hidden"].iter().zip(a.iter().zip(&b)).rev();
+    let mut out: Vec<(String, String, String)> = sizes
         .filter(|(_, (x, y))| x != y)
-        .map(|(what, (x, y))| format!("{what} {x} in the checkpoint, {y} in the config"))
+        .map(|(what, (x, y))| (what.to_string(), x.clone(), y.clone()))
         .collect();
     if a[4] != b[4] {
-        out.push(format!("{} in the checkpoint, {} in the config", a[4], b[4]));
+        // The spec's fields (`Llama { vocab: 256, kv_heads: 2, .. }`) one by one where both
+        // name the same kind, else the two kinds.
+        match (spec_fields(&a[4]), spec_fields(&b[4])) {
+            (Some((ka, fa)), Some((kb, fb))) if ka == kb && fa.len() == fb.len() => {
+                out.extend(
+                    fa.into_iter()
+                        .zip(fb)
+                        .filter(|(x, y)| x != y)
+                        .map(|((k, x), (_, y))| (k.to_string(), x.to_string(), y.to_string())),
+                );
+            }
+            _ => out.push(("kind".into(), a[4].clone(), b[4].clone())),
+        }
     }
-    format!("{name}: {}", out.join(", "))
+    let said: Vec<String> = out
+        .iter()
+        .map(|(k, x, y)| format!("{k} {x} in the checkpoint, {y} in the config"))
+        .collect();
+    format!("{name}: {}", said.join(", "))
+}
+
+/// A module spec's kind and fields from its debug text (`Llama { vocab: 256, top_k: 0 }`).
+fn spec_fields(spec: &str) -> Option<(&str, Vec<(&str, &str)>)> {
+    let (kind, rest) = spec.split_once(" { ")?;
+    let fields: Option<Vec<_>> =
+        rest.strip_suffix(" }")?.split(", ").map(|f| f.split_once(": ")).collect();
+    Some((kind, fields?))
 }
 
 fn layout_name(l: &hetpar_layout::ModuleLayout) -> String {

@@ -2,7 +2,7 @@
 //! layout it was saved under (its own config), one thread per rank, or under mpirun one
 //! process per rank (`--backend mpi`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use hetpar_comm::{CommExt, Communicator};
@@ -61,14 +61,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if !file.is_file() {
         anyhow::bail!("--data {}: no {} there", a.data.display(), file.display());
     }
-    let (f, d) = (file.display().to_string(), dir.display().to_string());
-    let tok = dir.join("tokenizer.json").display().to_string();
+    // Each path as a TOML string (Rust's `{:?}` escapes other characters than TOML does).
+    let quoted = |p: &Path| toml::Value::String(p.display().to_string()).to_string();
+    let (f, d, tok) = (quoted(&file), quoted(&dir), quoted(&dir.join("tokenizer.json")));
     let mut sets = vec![
         "data.source=\"llava\"".to_string(),
-        format!("data.path={f:?}"),
-        format!("data.heldout={f:?}"),
-        format!("data.tokenizer={tok:?}"),
-        format!("data.image_root={d:?}"),
+        format!("data.path={f}"),
+        format!("data.heldout={f}"),
+        format!("data.tokenizer={tok}"),
+        format!("data.image_root={d}"),
         // Items come from the records: the synthetic source's item count does not apply.
         "data.max_items=1".to_string(),
     ];

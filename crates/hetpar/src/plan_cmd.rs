@@ -57,8 +57,12 @@ fn hardware(name: &str) -> anyhow::Result<Hardware> {
     if name.ends_with(".toml") {
         let table = read_tables(name, " (a hardware file)")?;
         if table.len() != 1 {
-            let names: Vec<&String> = table.keys().collect();
-            bail!("{name}: {} hardware tables {names:?}; a hardware file holds one", table.len());
+            let names: Vec<&str> = table.keys().map(String::as_str).collect();
+            bail!(
+                "{name}: {} hardware tables ({}); a hardware file holds one",
+                table.len(),
+                names.join(", ")
+            );
         }
         return Ok(table.into_values().next().expect("one table"));
     }

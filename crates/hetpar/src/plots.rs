@@ -31,8 +31,9 @@ pub fn losses(metrics: &str) -> (Curve, Curve) {
     (train, held)
 }
 
-fn draw_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
-    anyhow!("drawing: {e:?}")
+/// What a drawing error of `file` says: the file and the plotting library's reason.
+fn draw_err<E: std::fmt::Display>(file: &Path) -> impl Fn(E) -> anyhow::Error + '_ {
+    move |e| anyhow!("cannot draw {}: {e}", file.display())
 }
 
 /// Writes `loss.svg` under `out` from its `metrics.jsonl`.
@@ -44,42 +45,42 @@ pub fn loss_curve(out: &Path, title: &str) -> anyhow::Result<PathBuf> {
     let steps = train.iter().chain(&held).map(|p| p.0).fold(1.0f64, f64::max);
     let top = train.iter().chain(&held).map(|p| p.1).fold(0.0f64, f64::max) * 1.05;
     let root = SVGBackend::new(&file, (800, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(draw_err)?;
+    root.fill(&WHITE).map_err(draw_err(&file))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(format!("{title}: loss"), ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(56)
         .build_cartesian_2d(0.0..steps, 0.0..top.max(1e-3))
-        .map_err(draw_err)?;
+        .map_err(draw_err(&file))?;
     chart
         .configure_mesh()
         .x_desc("step")
         .y_desc("loss (mean over target tokens)")
         .draw()
-        .map_err(draw_err)?;
+        .map_err(draw_err(&file))?;
     chart
         .draw_series(LineSeries::new(train.iter().copied(), BLUE.stroke_width(2)))
-        .map_err(draw_err)?
+        .map_err(draw_err(&file))?
         .label("training batch")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
     if !held.is_empty() {
         chart
             .draw_series(LineSeries::new(held.iter().copied(), RED.stroke_width(2)))
-            .map_err(draw_err)?
+            .map_err(draw_err(&file))?
             .label("held-out")
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
         chart
             .draw_series(held.iter().map(|&p| Circle::new(p, 4, RED.filled())))
-            .map_err(draw_err)?;
+            .map_err(draw_err(&file))?;
     }
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
-        .map_err(draw_err)?;
-    root.present().map_err(draw_err)?;
+        .map_err(draw_err(&file))?;
+    root.present().map_err(draw_err(&file))?;
     drop(chart);
     drop(root);
     Ok(file)
@@ -101,7 +102,7 @@ pub fn time_bars(
     };
     let top = per_rank.iter().map(|m| m.values().sum::<f64>()).fold(0.0f64, f64::max) * 1.45;
     let root = SVGBackend::new(&file, (800, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(draw_err)?;
+    root.fill(&WHITE).map_err(draw_err(&file))?;
     let n = per_rank.len().max(1);
     let mut chart = ChartBuilder::on(&root)
         .caption(format!("{title}: time per rank by action"), ("sans-serif", 22))
@@ -109,7 +110,7 @@ pub fn time_bars(
         .x_label_area_size(40)
         .y_label_area_size(56)
         .build_cartesian_2d(-0.5..n as f64 - 0.5, 0.0..top.max(1e-3))
-        .map_err(draw_err)?;
+        .map_err(draw_err(&file))?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -118,7 +119,7 @@ pub fn time_bars(
         .x_desc("rank")
         .y_desc("seconds over the run")
         .draw()
-        .map_err(draw_err)?;
+        .map_err(draw_err(&file))?;
     for (i, kind) in kinds.iter().enumerate() {
         let colour = Palette99::pick(i).to_rgba();
         let bars = per_rank.iter().enumerate().map(|(r, m)| {
@@ -129,7 +130,7 @@ pub fn time_bars(
         });
         chart
             .draw_series(bars)
-            .map_err(draw_err)?
+            .map_err(draw_err(&file))?
             .label(kind.as_str())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour.filled()));
     }
@@ -139,8 +140,8 @@ pub fn time_bars(
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
-        .map_err(draw_err)?;
-    root.present().map_err(draw_err)?;
+        .map_err(draw_err(&file))?;
+    root.present().map_err(draw_err(&file))?;
     drop(chart);
     drop(root);
     Ok(file)
