@@ -187,7 +187,14 @@ pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {
     };
     let one = |spec: DatasetSpec| -> anyhow::Result<Arc<Dataset>> {
         let path = spec.path.clone();
-        let ds = Dataset::open(spec).with_context(|| format!("data {}", path.display()))?;
+        // "data FILE: ...", the file named once where the error begins with it already.
+        let ds = Dataset::open(spec).map_err(|e| {
+            let (p, e) = (path.display().to_string(), e.to_string());
+            match e.strip_prefix(&p) {
+                Some(rest) => anyhow::anyhow!("data {p}{rest}"),
+                None => anyhow::anyhow!("data {p}: {e}"),
+            }
+        })?;
         let skipped = ds.skipped();
         say(&format!(
             "data {}: {} records{}",
