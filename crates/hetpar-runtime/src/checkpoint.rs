@@ -168,48 +168,34 @@ fn model_of(graph: &ModelGraph) -> BTreeMap<String, String> {
 }
 
 /// How module `name`'s sizes in the checkpoint (`saved`) and the config differ, each as
-/// [`model_of`] writes them (its spec, then hidden, layers, heads and ffn): the sizes that
-/// differ by name, and the specs where those do.
+/// [`model_of`] writes them: field by field where both read as the same kind, else whole.
 fn model_difference(name: &str, saved: &str, config: &str) -> String {
-    // [ffn, heads, layers, hidden, spec]: the spec's own text may hold spaces.
-    let parts = |s: &str| s.rsplitn(5, ' ').map(str::to_string).collect::<Vec<_>>();
-    let (a, b) = (parts(saved), parts(config));
-    if a.len() != 5 || b.len() != 5 {
-        return format!("{name}: {saved} in the checkpoint, {config} in the config");
-    }
-    let sizes = ["ffn", "heads", "layers", "hidden"].iter().zip(a.iter().zip(&b)).rev();
-    let mut out: Vec<(String, String, String)> = sizes
-        .filter(|(_, (x, y))| x != y)
-        .map(|(what, (x, y))| (what.to_string(), x.clone(), y.clone()))
-        .collect();
-    if a[4] != b[4] {
-        // The spec's fields (`Llama { vocab: 256, kv_heads: 2, .. }`) one by one where both
-        // name the same kind, else the two kinds.
-        match (spec_fields(&a[4]), spec_fields(&b[4])) {
-            (Some((ka, fa)), Some((kb, fb))) if ka == kb && fa.len() == fb.len() => {
-                out.extend(
-                    fa.into_iter()
-                        .zip(fb)
-                        .filter(|(x, y)| x != y)
-                        .map(|((k, x), (_, y))| (k.to_string(), x.to_string(), y.to_string())),
-                );
-            }
-            _ => out.push(("kind".into(), a[4].clone(), b[4].clone())),
-        }
-    }
-    let said: Vec<String> = out
-        .iter()
-        .map(|(k, x, y)| format!("{k} {x} in the checkpoint, {y} in the config"))
-        .collect();
+    let said = match (labeled(saved), labeled(config)) {
+        (Some((ka, a)), Some((kb, b))) if ka == kb && a.len() == b.len() => a
+            .iter()
+            .zip(&b)
+            .filter(|(x, y)| x != y)
+            .map(|((k, x), (_, y))| format!("{k} {x} in the checkpoint, {y} in the config"))
+            .collect(),
+        _ => vec![format!("{saved} in the checkpoint, {config} in the config")],
+    };
     format!("{name}: {}", said.join(", "))
 }
 
-/// A module spec's kind and fields from its debug text (`Llama { vocab: 256, top_k: 0 }`).
-fn spec_fields(spec: &str) -> Option<(&str, Vec<(&str, &str)>)> {
-    let (kind, rest) = spec.split_once(" { ")?;
-    let fields: Option<Vec<_>> =
-        rest.strip_suffix(" }")?.split(", ").map(|f| f.split_once(": ")).collect();
-    Some((kind, fields?))
+/// A module's sizes as [`model_of`] writes them (`Llama { vocab: 256, top_k: 0 } 96 4 6
+/// 192`): its kind, then each value by name, the spec's fields before hidden, layers,
+/// heads and ffn.
+fn labeled(sizes: &str) -> Option<(&str, Vec<(&str, &str)>)> {
+    let (kind, rest) = sizes.split_once(" { ")?;
+    let (fields, dims) = rest.split_once(" } ")?;
+    let mut out: Vec<(&str, &str)> =
+        fields.split(", ").map(|f| f.split_once(": ")).collect::<Option<_>>()?;
+    let dims: Vec<&str> = dims.split(' ').collect();
+    if dims.len() != 4 {
+        return None;
+    }
+    out.extend(["hidden", "layers", "heads", "ffn"].into_iter().zip(dims));
+    Some((kind, out))
 }
 
 fn layout_name(l: &hetpar_layout::ModuleLayout) -> String {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use hetpar_data::dataset::{BadData, Fronts};
-use hetpar_data::{Dataset, DatasetSpec, SynthOptions};
+use hetpar_data::{DataError, Dataset, DatasetSpec, SynthOptions};
 use hetpar_layout::config::{DataSource, OnBad};
 use hetpar_layout::{ModelGraph, ModuleSpec};
 use hetpar_runtime::{RunFacts, Sources};
@@ -187,13 +187,10 @@ pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {
     };
     let one = |spec: DatasetSpec| -> anyhow::Result<Arc<Dataset>> {
         let path = spec.path.clone();
-        // "data FILE: ...", the file named once where the error begins with it already.
-        let ds = Dataset::open(spec).map_err(|e| {
-            let (p, e) = (path.display().to_string(), e.to_string());
-            match e.strip_prefix(&p) {
-                Some(rest) => anyhow::anyhow!("data {p}{rest}"),
-                None => anyhow::anyhow!("data {p}: {e}"),
-            }
+        // Every kind of data error but a bad option names its file first.
+        let ds = Dataset::open(spec).map_err(|e| match e {
+            DataError::Options(_) => anyhow::anyhow!("data {}: {e}", path.display()),
+            e => anyhow::anyhow!("data {e}"),
         })?;
         let skipped = ds.skipped();
         say(&format!(

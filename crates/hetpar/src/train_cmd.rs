@@ -417,8 +417,9 @@ fn run_on(
         Some(dir) => {
             let m = hetpar_runtime::checkpoint::read_manifest(dir, &graph)
                 .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
+            let saved_cfg = saved_config(dir)?;
             let ran = graph.train.dtype.name();
-            if let Some(saved) = saved_precision(dir, &m)?
+            if let Some(saved) = saved_precision(&m, saved_cfg.as_ref())
                 && saved != ran
             {
                 bail!(
@@ -430,7 +431,10 @@ fn run_on(
             }
             if lead {
                 say(&resumed_from(dir, &m, steps));
-                let changed = config_changes(dir, &cfg)?;
+                let changed = match &saved_cfg {
+                    Some(saved) => config_changes(saved, &cfg)?,
+                    None => Vec::new(),
+                };
                 if !changed.is_empty() {
                     say(&format!(
                         "note: this run's config differs from the checkpoint's in {} key{}: {}",
@@ -743,36 +747,36 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
     }
 }
 
-/// The precision checkpoint `dir` (manifest `m`) was trained in, as `--dtype` names it:
-/// f64 where its tensors are f64 (checkpoints saved before a config could say `dtype =
-/// "f64"` have them under an "f32" config), else its saved config's `train.dtype`; `None`
-/// where the checkpoint holds no config.
-fn saved_precision(
-    dir: &Path,
-    m: &hetpar_runtime::checkpoint::Manifest,
-) -> anyhow::Result<Option<String>> {
-    if m.dtype == "f64" {
-        return Ok(Some("f64".into()));
-    }
+/// The config checkpoint `dir` was saved with, as TOML; `None` where it holds none.
+fn saved_config(dir: &Path) -> anyhow::Result<Option<toml::Value>> {
     let path = dir.join(hetpar_runtime::checkpoint::CONFIG_FILE);
     let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
-    let config: toml::Value = toml::from_str(&text)
+    let config = toml::from_str(&text)
         .with_context(|| format!("--resume: {} is not a config", path.display()))?;
-    let dtype = config.get("train").and_then(|t| t.get("dtype")).and_then(toml::Value::as_str);
-    Ok(Some(dtype.unwrap_or("f32").to_string()))
+    Ok(Some(config))
 }
 
-/// The keys whose values `cfg` changes from the config checkpoint `dir` was saved with,
-/// each as `key old -> new` (`(unset)` where one side has none), in key order; none where
-/// the checkpoint holds no config.
-fn config_changes(dir: &Path, cfg: &Config) -> anyhow::Result<Vec<String>> {
-    let path = dir.join(hetpar_runtime::checkpoint::CONFIG_FILE);
-    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(Vec::new()) };
-    let saved: toml::Value = toml::from_str(&text)
-        .with_context(|| format!("--resume: {} is not a config", path.display()))?;
+/// The precision a checkpoint (manifest `m`, config `saved`) was trained in, as `--dtype`
+/// names it: f64 where its tensors are f64 (checkpoints saved before a config could say
+/// `dtype = "f64"` have them under an "f32" config), else its saved config's
+/// `train.dtype`; `None` where the checkpoint holds no config.
+fn saved_precision(
+    m: &hetpar_runtime::checkpoint::Manifest,
+    saved: Option<&toml::Value>,
+) -> Option<String> {
+    if m.dtype == "f64" {
+        return Some("f64".into());
+    }
+    let dtype = saved?.get("train").and_then(|t| t.get("dtype")).and_then(toml::Value::as_str);
+    Some(dtype.unwrap_or("f32").to_string())
+}
+
+/// The keys whose values `cfg` changes from the config a checkpoint was saved with
+/// (`saved`), each as `key old -> new` (`(unset)` where one side has none), in key order.
+fn config_changes(saved: &toml::Value, cfg: &Config) -> anyhow::Result<Vec<String>> {
     let now = toml::Value::try_from(cfg).context("the resolved config does not serialize")?;
     let (mut was, mut is) = (Default::default(), Default::default());
-    flatten("", &saved, &mut was);
+    flatten("", saved, &mut was);
     flatten("", &now, &mut is);
     let keys: std::collections::BTreeSet<&String> = was.keys().chain(is.keys()).collect();
     let unset = || "(unset)".to_string();
