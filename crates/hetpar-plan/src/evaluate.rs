@@ -43,8 +43,36 @@ struct ModCost {
 }
 
 impl ModCost {
+    /// The costs of `r` on `hw`, its first stage on collapsed rank `start`.
+    fn of(r: &Run<'_>, hw: &Hardware, start: usize) -> Self {
+        let vstage: Vec<PassTime> = (0..r.pp * r.vpp).map(|v| r.vstage(hw, v)).collect();
+        ModCost {
+            start,
+            pp: r.pp,
+            p2p: r.p2p(hw),
+            reduce: (0..r.pp).map(|s| r.reduce(hw, s, &vstage)).collect(),
+            step: (0..r.pp).map(|s| r.step(hw, s)).collect(),
+            vstage,
+        }
+    }
+
     fn stage(&self, rank: usize) -> usize {
         if self.pp == 1 { 0 } else { rank - self.start }
+    }
+
+    /// Stage `s`'s own work in a step of `m` microbatches: its passes, its exposed
+    /// reduction and its optimizer step.
+    fn busy(&self, s: usize, m: f64) -> f64 {
+        let passes: f64 = (0..self.vstage.len())
+            .filter(|v| v % self.pp == s)
+            .map(|v| self.vstage[v].fwd + self.vstage[v].bwd)
+            .sum();
+        m * passes + self.reduce[s] + self.step[s]
+    }
+
+    /// The busiest stage's own work in a step of `m` microbatches.
+    fn busiest(&self, m: f64) -> f64 {
+        (0..self.pp).map(|s| self.busy(s, m)).fold(0.0, f64::max)
     }
 }
 
@@ -107,7 +135,12 @@ impl<'a> Evaluator<'a> {
     /// The LLM's run in `c`, its layers split evenly over the virtual stages (a homogeneous
     /// LLM's first stage also runs the encoders, which overloads it, as in Megatron).
     pub fn llm_run(&self, c: &Candidate) -> Run<'a> {
-        let l = &c.llm;
+        self.llm_run_of(&c.llm, c.microbatches)
+    }
+
+    /// [`Self::llm_run`] of layout `l` with `microbatches` microbatches a step.
+    fn llm_run_of(&self, l: &Choice, microbatches: usize) -> Run<'a> {
+        let mbs = self.wl.global_batch as f64 / (microbatches * l.dp()) as f64;
         Run {
             shape: &self.wl.llm,
             tp: l.tp,
@@ -117,7 +150,7 @@ impl<'a> Evaluator<'a> {
             vpp: l.vpp,
             ep: l.ep,
             recompute: f64::from(l.recompute) / 4.0,
-            tokens: c.llm_mbs(self.wl) * self.wl.seq_len as f64,
+            tokens: mbs * self.wl.seq_len as f64,
             seq: self.wl.seq_len,
             rows: 0.0,
             cp_split: true,
@@ -130,11 +163,22 @@ impl<'a> Evaluator<'a> {
     /// microbatch in contiguous ranges (SEMANTICS.md section 3), so the busiest replica,
     /// which every collective after it waits for, encodes `ceil(n / dp)` of the `n` items.
     pub fn encoder_run(&self, c: &Candidate, i: usize) -> Run<'a> {
+        self.encoder_run_of(c.kind, i, (&c.encoders[i], &c.llm), c.microbatches)
+    }
+
+    /// [`Self::encoder_run`] of encoder `i` laid out as `ch` next to LLM layout `l` in a
+    /// candidate of `kind` with `microbatches` microbatches a step.
+    fn encoder_run_of(
+        &self,
+        kind: Kind,
+        i: usize,
+        (ch, l): (&Choice, &Choice),
+        microbatches: usize,
+    ) -> Run<'a> {
         let e = &self.wl.encoders[i];
-        let ch = &c.encoders[i];
-        let mb = self.wl.global_batch as f64 / c.microbatches as f64;
-        let (tp, cp, dp, pp, split) = match c.kind {
-            Kind::Homogeneous => (c.llm.tp, c.llm.cp, c.llm.dp(), 1, false),
+        let mb = self.wl.global_batch as f64 / microbatches as f64;
+        let (tp, cp, dp, pp, split) = match kind {
+            Kind::Homogeneous => (l.tp, l.cp, l.dp(), 1, false),
             _ => (ch.tp, ch.cp, ch.dp(), ch.pp, true),
         };
         // Whole items per microbatch; a workload with items has at least one per microbatch.
@@ -148,8 +192,8 @@ impl<'a> Evaluator<'a> {
             pp,
             vpp: 1,
             ep: 1,
-            recompute: f64::from(match c.kind {
-                Kind::Homogeneous => c.llm.recompute,
+            recompute: f64::from(match kind {
+                Kind::Homogeneous => l.recompute,
                 _ => ch.recompute,
             }) / 4.0,
             tokens: items * e.seq as f64,
@@ -231,17 +275,7 @@ impl<'a> Evaluator<'a> {
         let llm = self.llm_run(c);
         let encs: Vec<Run<'a>> = (0..c.encoders.len()).map(|i| self.encoder_run(c, i)).collect();
         let m = c.microbatches as f64;
-        let module_cost = |r: &Run<'_>, start: usize| {
-            let vstage: Vec<PassTime> = (0..r.pp * r.vpp).map(|v| r.vstage(hw, v)).collect();
-            ModCost {
-                start,
-                pp: r.pp,
-                p2p: r.p2p(hw),
-                reduce: (0..r.pp).map(|s| r.reduce(hw, s, &vstage)).collect(),
-                step: (0..r.pp).map(|s| r.step(hw, s)).collect(),
-                vstage,
-            }
-        };
+        let module_cost = |r: &Run<'_>, start: usize| ModCost::of(r, hw, start);
         let mut modules = Vec::new();
         match c.kind {
             Kind::Homogeneous => {
@@ -272,13 +306,7 @@ impl<'a> Evaluator<'a> {
         // and, outside the three-phase schedule, their backwards of the last microbatch
         // (they run after its last backward). Islands also wait for the encoders' first
         // forward. Encoder ranks bound by their own work.
-        let busy = |mc: &ModCost, s: usize| -> f64 {
-            let passes: f64 = (0..mc.vstage.len())
-                .filter(|v| v % mc.pp == s)
-                .map(|v| mc.vstage[v].fwd + mc.vstage[v].bwd)
-                .sum();
-            m * passes + mc.reduce[s] + mc.step[s]
-        };
+        let busy = |mc: &ModCost, s: usize| mc.busy(s, m);
         let n_enc = modules.len() - 1;
         let llm_cost = &modules[n_enc];
         let enc_on_llm_ranks: f64 = match c.kind {
@@ -310,6 +338,24 @@ impl<'a> Evaluator<'a> {
         }
         let memory = self.memory(c, &llm, &encs);
         Ok(Prepared { candidate: c.clone(), modules, memory, lower_bound })
+    }
+
+    /// A lower bound on the step time of every non-colocated candidate with `microbatches`
+    /// microbatches that lays encoder `i` out as `ch` on its island: the busiest island
+    /// stage's own work without recomputation (which only adds work), which
+    /// [`Self::prepare`]'s bound never falls below.
+    pub fn island_bound(&self, i: usize, ch: &Choice, microbatches: usize) -> f64 {
+        let ch = Choice { recompute: 0, ..*ch };
+        let r = self.encoder_run_of(Kind::NonColocated, i, (&ch, &ch), microbatches);
+        ModCost::of(&r, self.hw, 0).busiest(microbatches as f64)
+    }
+
+    /// As [`Self::island_bound`], for the LLM laid out as `l` (any placement: the LLM's
+    /// ranks run at least their own work).
+    pub fn llm_bound(&self, l: &Choice, microbatches: usize) -> f64 {
+        let l = Choice { recompute: 0, ..*l };
+        let r = self.llm_run_of(&l, microbatches);
+        ModCost::of(&r, self.hw, 0).busiest(microbatches as f64)
     }
 
     /// `c` prepared with the least LLM recomputation (quarters 0 to 4) that fits memory,

@@ -7,10 +7,14 @@
 //! microbatch (encoders split items, SEMANTICS.md section 3), so each one is a config hetpar
 //! can run: colocated encoders take every tp and cp on the LLM's ranks, down to tp 1 on
 //! every rank; encoder islands take every size that is a power of two or a multiple of a
-//! node, or whose dp divides the microbatch. Each is first costed without simulation; its
+//! node, or whose dp divides the microbatch (with several encoders, whose sizes multiply:
+//! a power of two or three times one). Each is first costed without simulation; its
 //! busiest rank's work bounds its step time from below.
 //! Per placement family, candidates are simulated in order of that bound until the bound
 //! passes the `top`-th best simulated step: the answer is the same as simulating them all.
+//! Islands are searched twice: a subset's best bounds the family's, and the full pass
+//! leaves out, before costing, islands and LLM layouts whose own work exceeds that bound
+//! (no candidate holding one can beat it).
 
 use std::collections::BTreeMap;
 
@@ -138,42 +142,30 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
                 }
             }
             Kind::NonColocated => {
-                for m in divisors(wl.global_batch) {
-                    let mb = wl.global_batch / m;
-                    for (enc, used) in island_encoders(wl, mb, n, hw.gpus_per_node) {
-                        if used >= n {
-                            continue;
-                        }
-                        for (llm, lm) in llm_choices(wl, used, n, Some(m)) {
-                            debug_assert_eq!(lm, m);
-                            consider(
-                                &eval,
-                                Candidate { kind, llm, encoders: enc.clone(), microbatches: m },
-                                &mut plan,
-                                &mut pools,
-                            );
-                        }
-                    }
-                }
+                // Islands multiply: each encoder's layouts and island sizes times the
+                // others' and the LLM's on the rest. A first pass over a subset (each
+                // encoder's power-of-two islands, the layout of least work per size)
+                // bounds the family's `top`-th best step; no layout with an island or an
+                // LLM whose own work exceeds that bound can beat it, so the full pass
+                // leaves them out before costing (the answer is unchanged).
+                let mut first = BTreeMap::new();
+                islands(&eval, wl, n, hw.gpus_per_node, None, &mut |c| {
+                    consider(&eval, c, &mut Plan::default(), &mut first);
+                });
+                let first = first.remove(&kind).unwrap_or_default();
+                let found = rank(&mut eval, first, top, &mut plan.simulated)?;
+                let bound = match found.get(top - 1) {
+                    Some(r) => r.prediction.step_time_s,
+                    None => f64::INFINITY,
+                };
+                islands(&eval, wl, n, hw.gpus_per_node, Some(bound), &mut |c| {
+                    consider(&eval, c, &mut plan, &mut pools);
+                });
             }
         }
     }
-    for (kind, mut pool) in pools {
-        pool.sort_by(|a, b| a.lower_bound.total_cmp(&b.lower_bound));
-        let mut best: Vec<Ranked> = Vec::new();
-        for p in pool {
-            if best.len() >= top && p.lower_bound >= best[top - 1].prediction.step_time_s {
-                break;
-            }
-            let candidate = p.candidate.clone();
-            plan.simulated += 1;
-            // Every prepared candidate passed the checks its schedule and boundary plans
-            // rely on, so a failure here is a planner bug, not a layout to skip.
-            let prediction = eval.finish(p)?;
-            best.push(Ranked { candidate, prediction });
-            best.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
-            best.truncate(top);
-        }
+    for (kind, pool) in pools {
+        let best = rank(&mut eval, pool, top, &mut plan.simulated)?;
         plan.best.insert(kind, best);
     }
     if plan.considered == 0 {
@@ -191,6 +183,134 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
         )));
     }
     Ok(plan)
+}
+
+/// The `top` fastest of `pool` by simulation, simulating candidates in order of their lower
+/// bound until the bound passes the `top`-th best simulated step (no later one can beat
+/// it); counts the simulations in `simulated`.
+fn rank(
+    eval: &mut Evaluator<'_>,
+    mut pool: Vec<Prepared>,
+    top: usize,
+    simulated: &mut usize,
+) -> Result<Vec<Ranked>> {
+    pool.sort_by(|a, b| a.lower_bound.total_cmp(&b.lower_bound));
+    let mut best: Vec<Ranked> = Vec::new();
+    for p in pool {
+        if best.len() >= top && p.lower_bound >= best[top - 1].prediction.step_time_s {
+            break;
+        }
+        let candidate = p.candidate.clone();
+        *simulated += 1;
+        // Every prepared candidate passed the checks its schedule and boundary plans rely
+        // on, so a failure here is a planner bug, not a layout to skip.
+        let prediction = eval.finish(p)?;
+        best.push(Ranked { candidate, prediction });
+        best.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
+        best.truncate(top);
+    }
+    Ok(best)
+}
+
+/// Visits the non-colocated candidates of `wl` on `n` GPUs: encoder islands one after the
+/// other from rank 0, the LLM on the rest, for every microbatch count.
+///
+/// With `bound`, only those whose every island and LLM does at most `bound` of its own work
+/// ([`Evaluator::island_bound`], [`Evaluator::llm_bound`]: a candidate's lower bound is at
+/// least each), which includes every candidate whose step can be `bound` or less. Without,
+/// a subset to find such a bound: each encoder's power-of-two islands, each size with its
+/// layout of least own work.
+fn islands(
+    eval: &Evaluator<'_>,
+    wl: &Workload,
+    n: usize,
+    per_node: usize,
+    bound: Option<f64>,
+    visit: &mut dyn FnMut(Candidate),
+) {
+    for m in divisors(wl.global_batch) {
+        let mb = wl.global_batch / m;
+        let within = |t: f64| bound.is_none_or(|b| t <= b);
+        // The LLM's layouts on the ranks left after `used`, by `used`, computed as needed.
+        let mut llms: BTreeMap<usize, Vec<Choice>> = BTreeMap::new();
+        let mut llm_on = |used: usize| -> Vec<Choice> {
+            llms.entry(used)
+                .or_insert_with(|| {
+                    llm_choices(wl, used, n, Some(m))
+                        .into_iter()
+                        .map(|(c, _)| c)
+                        .filter(|c| within(eval.llm_bound(c, m)))
+                        .collect()
+                })
+                .clone()
+        };
+        // The most ranks the islands may take: the LLM needs some layout on the rest.
+        let Some(room) = (1..n).rev().find(|&used| bound.is_none() || !llm_on(used).is_empty())
+        else {
+            continue;
+        };
+        let options: Vec<Vec<Choice>> = (0..wl.encoders.len())
+            .map(|i| {
+                let all = island_options(wl, i, mb, n, per_node);
+                match bound {
+                    Some(_) => {
+                        all.into_iter().filter(|c| within(eval.island_bound(i, c, m))).collect()
+                    }
+                    None => least_work_per_size(eval, i, m, all),
+                }
+            })
+            .collect();
+        let mut prefix = Vec::with_capacity(options.len());
+        each_combination(&options, 0, room, &mut prefix, &mut |enc, used| {
+            for llm in llm_on(used) {
+                visit(Candidate {
+                    kind: Kind::NonColocated,
+                    llm,
+                    encoders: enc.to_vec(),
+                    microbatches: m,
+                });
+            }
+        });
+    }
+}
+
+/// Of encoder `i`'s island `options`, those of power-of-two size, one per size: the layout
+/// of least own work in a step of `m` microbatches.
+fn least_work_per_size(
+    eval: &Evaluator<'_>,
+    i: usize,
+    m: usize,
+    options: Vec<Choice>,
+) -> Vec<Choice> {
+    let mut best: BTreeMap<usize, (f64, Choice)> = BTreeMap::new();
+    for c in options.into_iter().filter(|c| c.ranks().is_power_of_two()) {
+        let t = eval.island_bound(i, &c, m);
+        if best.get(&c.ranks()).is_none_or(|(b, _)| t < *b) {
+            best.insert(c.ranks(), (t, c));
+        }
+    }
+    best.into_values().map(|(_, c)| c).collect()
+}
+
+/// Calls `visit` with every combination of one option per encoder from `options[i..]`
+/// after `prefix`, islands placed one after the other from rank `used` of the prefix and
+/// together at most `room` ranks, and the ranks they use.
+fn each_combination(
+    options: &[Vec<Choice>],
+    used: usize,
+    room: usize,
+    prefix: &mut Vec<Choice>,
+    visit: &mut dyn FnMut(&[Choice], usize),
+) {
+    let Some((first, rest)) = options.split_first() else {
+        visit(prefix, used);
+        return;
+    };
+    for o in first.iter().filter(|o| used + o.ranks() <= room) {
+        prefix.push(Choice { start: used, end: used + o.ranks(), ..*o });
+        each_combination(rest, used + o.ranks(), room, prefix, visit);
+        prefix.pop();
+    }
 }
 
 /// The workload's pins, as ` (llm pinned to tp 3 pp 2)` (empty without pins).
@@ -328,57 +448,108 @@ fn colocated_encoders(wl: &Workload, llm: &Choice) -> Vec<Vec<Choice>> {
 
 /// Island sizes worth trying for a block of `block` ranks (one replica's tp x cp x pp) out of
 /// `n`: every `dp` whose island is a power of two or a whole number of nodes, or divides the
-/// microbatch `mb` (islands of other sizes only split nodes unevenly).
-fn island_dps(block: usize, n: usize, mb: usize, per_node: usize) -> Vec<usize> {
+/// microbatch `mb` (islands of other sizes only split nodes unevenly). With several encoders
+/// (`several`) their sizes multiply, and whole nodes give thousands of near-equal splits
+/// on a large cluster: a power of two or three times one (each size within 1.5x of the
+/// next), or a `dp` dividing the microbatch.
+fn island_dps(block: usize, n: usize, mb: usize, per_node: usize, several: bool) -> Vec<usize> {
+    let geometric = |size: usize| {
+        size.is_power_of_two() || (size.is_multiple_of(3) && (size / 3).is_power_of_two())
+    };
     (1..n.div_ceil(block))
         .filter(|&dp| {
             let size = dp * block;
-            size.is_power_of_two() || size.is_multiple_of(per_node) || mb.is_multiple_of(dp)
+            let sized = if several { geometric(size) } else { size.is_multiple_of(per_node) };
+            size.is_power_of_two() || sized || mb.is_multiple_of(dp)
         })
         .collect()
 }
 
-/// Every combination of encoder islands (layout and size, one after the other from rank 0),
-/// with the ranks they use.
-fn island_encoders(
-    wl: &Workload,
-    mb: usize,
-    n: usize,
-    per_node: usize,
-) -> Vec<(Vec<Choice>, usize)> {
-    let mut combos: Vec<(Vec<Choice>, usize)> = vec![(Vec::new(), 0)];
-    for e in &wl.encoders {
-        let pin = e.pinned;
-        let mut next = Vec::new();
-        for (prefix, used) in &combos {
-            for tp in tried(pin.tp, &TP) {
-                for cp in enc_cp(e.seq, pin.cp) {
-                    for pp in tried(pin.pp, &ENC_PP).into_iter().filter(|&p| p <= e.shape.layers) {
-                        for dp in island_dps(tp * cp * pp, n, mb, per_node) {
-                            let size = dp * tp * cp * pp;
-                            if used + size >= n {
-                                break;
-                            }
-                            let c = Choice {
-                                start: *used,
-                                end: used + size,
-                                tp,
-                                cp,
-                                pp,
-                                vpp: 1,
-                                ep: 1,
-                                recompute: 0,
-                                offload: false,
-                            };
-                            let mut v = prefix.clone();
-                            v.push(c);
-                            next.push((v, used + size));
-                        }
-                    }
+/// Encoder `i`'s island layouts on up to `n - 1` ranks (placed from rank 0; the caller
+/// moves them): every tp, cp and pp with every island size [`island_dps`] keeps.
+fn island_options(wl: &Workload, i: usize, mb: usize, n: usize, per_node: usize) -> Vec<Choice> {
+    let e = &wl.encoders[i];
+    let pin = e.pinned;
+    let mut out = Vec::new();
+    for tp in tried(pin.tp, &TP) {
+        for cp in enc_cp(e.seq, pin.cp) {
+            for pp in tried(pin.pp, &ENC_PP).into_iter().filter(|&p| p <= e.shape.layers) {
+                let several = wl.encoders.len() > 1;
+                for dp in island_dps(tp * cp * pp, n, mb, per_node, several) {
+                    let size = dp * tp * cp * pp;
+                    out.push(Choice {
+                        start: 0,
+                        end: size,
+                        tp,
+                        cp,
+                        pp,
+                        vpp: 1,
+                        ep: 1,
+                        recompute: 0,
+                        offload: false,
+                    });
                 }
             }
         }
-        combos = next;
     }
-    combos
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hardware::builtin;
+    use crate::validation;
+
+    /// The non-colocated family's `top` best of every candidate, simulating them all, and
+    /// how many there are.
+    fn exhaustive(wl: &Workload, top: usize) -> (Vec<Ranked>, usize) {
+        let hw = builtin("h100").expect("h100");
+        let mut eval = Evaluator::new(wl, &hw);
+        let mut all = Vec::new();
+        islands(&eval, wl, wl.gpus, hw.gpus_per_node, Some(f64::INFINITY), &mut |c| {
+            for enc in [0, 4] {
+                if let Ok(Some(p)) = eval.least_recompute(c.clone(), enc) {
+                    all.push(p);
+                }
+            }
+        });
+        let mut ranked: Vec<Ranked> = all
+            .into_iter()
+            .map(|p| {
+                let candidate = p.candidate.clone();
+                Ranked { candidate, prediction: eval.finish(p).expect("simulates") }
+            })
+            .collect();
+        let count = ranked.len();
+        ranked.sort_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
+        ranked.truncate(top);
+        (ranked, count)
+    }
+
+    fn times(r: &[Ranked]) -> Vec<f64> {
+        r.iter().map(|r| r.prediction.step_time_s).collect()
+    }
+
+    #[test]
+    fn islands_bounded_by_a_first_pass_find_what_simulating_every_candidate_finds() {
+        let hw = builtin("h100").expect("h100");
+        // Fewer microbatch counts than the file's, so that simulating everything is quick.
+        let two = Workload {
+            global_batch: 16,
+            ..validation::workload("vision-audio-8b").expect("workload")
+        };
+        let mut one = two.clone();
+        one.encoders.truncate(1);
+        for (wl, gpus) in [(&two, 16), (&one, 24)] {
+            let wl = Workload { gpus, ..wl.clone() };
+            let top = 3;
+            let plan = search(&wl, &hw, top).expect("plan");
+            let found = &plan.best[&Kind::NonColocated];
+            let (every, count) = exhaustive(&wl, top);
+            let what = format!("{} encoders on {gpus} GPUs", wl.encoders.len());
+            assert_eq!(times(found), times(&every), "{what}");
+            assert!(plan.simulated * 4 < count, "{what}: {} of {count} simulated", plan.simulated);
+        }
+    }
 }

@@ -16,7 +16,7 @@ macro_rules! workload {
 }
 
 /// Every workload in `examples/workloads/`, by name.
-pub const WORKLOADS: [(&str, &str); 21] = [
+pub const WORKLOADS: [(&str, &str); 22] = [
     workload!("gpt-1.7b"),
     workload!("gpt-7.1b"),
     workload!("gpt-16b"),
@@ -38,6 +38,7 @@ pub const WORKLOADS: [(&str, &str); 21] = [
     workload!("mm-1b-7b-64k"),
     workload!("mm-6b-gptoss120b"),
     workload!("mm-12b-gptoss120b"),
+    workload!("vision-audio-8b"),
 ];
 
 /// A built-in workload by name.

@@ -1,5 +1,5 @@
-//! Search invariants: the lower bound never exceeds the simulated step (so pruning by it
-//! loses nothing), every answer is runnable and fits, emitted configs validate, and the
+//! Search invariants: the lower bound never exceeds the simulated step and a module's own
+//! work never exceeds the lower bound (so pruning by either loses nothing), every answer is runnable and fits, emitted configs validate, and the
 //! simulator reproduces the 1F1B bubble.
 
 use hetpar_layout::{Config, ModelGraph};
@@ -61,6 +61,14 @@ proptest! {
                 prop_assert!(cfg.is_ok(), "{:?}: {}", c, cfg.expect_err("checked"));
             }
             let bound = p.lower_bound;
+            // The search leaves out islands and LLM layouts by their own work, which no
+            // candidate's bound falls below, at any recomputation.
+            if kind == Kind::NonColocated {
+                let m = c.microbatches;
+                let island = ev.island_bound(0, &c.encoders[0], m);
+                let llm = ev.llm_bound(&c.llm, m);
+                prop_assert!(island <= bound && llm <= bound, "{island} {llm} > {bound}");
+            }
             let pred = ev.finish(p).expect("a valid candidate simulates");
             prop_assert!(bound <= pred.step_time_s * (1.0 + 1e-9), "bound {} > step {}", bound, pred.step_time_s);
         }
