@@ -364,6 +364,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if steps == 0 {
         bail!("--steps 0: nothing to train");
     }
+    // The learning-rate schedule runs over `steps`: the saved config names them, so that
+    // training it again runs the same schedule.
+    cfg.train.steps = steps;
     let timeout = timeout(a.timeout)?;
     if let Some(t) = a.peak_tflops
         && !(t.is_finite() && t > 0.0)
@@ -429,6 +432,18 @@ fn run_on(
                     dir.display()
                 );
             }
+            // A finished run submitted again (a requeued job) has nothing to do: it ends
+            // at once, successfully, writing nothing.
+            if m.step >= steps {
+                if lead {
+                    say(&format!(
+                        "{}: the checkpoint is at step {} and --steps is {steps}: nothing to train (a larger --steps goes on from it)",
+                        dir.display(),
+                        m.step
+                    ));
+                }
+                return Ok(());
+            }
             if lead {
                 say(&resumed_from(dir, &m, steps));
                 let changed = match &saved_cfg {
@@ -443,13 +458,6 @@ fn run_on(
                         changed.join("; ")
                     ));
                 }
-            }
-            if m.step >= steps {
-                bail!(
-                    "--resume {}: the checkpoint is at step {}, nothing left of --steps {steps}",
-                    dir.display(),
-                    m.step
-                );
             }
             m.step
         }
@@ -466,6 +474,12 @@ fn run_on(
         config: resolved.clone(),
         io_timeout: seconds("--io-timeout", a.io_timeout)?,
     });
+    if lead && graph.train.warmup > steps {
+        say(&format!(
+            "note: the learning rate warms up over {} steps, and this run has {steps}: it never reaches train.lr {}",
+            graph.train.warmup, graph.train.lr
+        ));
+    }
     if lead {
         say(&format!(
             "training {} on {} ranks ({} backend, {}, {}) for {steps} steps; metrics in {}",
@@ -773,6 +787,8 @@ fn saved_precision(
 
 /// The keys whose values `cfg` changes from the config a checkpoint was saved with
 /// (`saved`), each as `key old -> new` (`(unset)` where one side has none), in key order.
+/// `train.steps` is left to the resume's own line, which says how far the run goes and
+/// over how many steps each schedule runs ([`resumed_from`]).
 fn config_changes(saved: &toml::Value, cfg: &Config) -> anyhow::Result<Vec<String>> {
     let now = toml::Value::try_from(cfg).context("the resolved config does not serialize")?;
     let (mut was, mut is) = (Default::default(), Default::default());
@@ -782,7 +798,7 @@ fn config_changes(saved: &toml::Value, cfg: &Config) -> anyhow::Result<Vec<Strin
     let unset = || "(unset)".to_string();
     Ok(keys
         .into_iter()
-        .filter(|k| was.get(*k) != is.get(*k))
+        .filter(|k| *k != "train.steps" && was.get(*k) != is.get(*k))
         .map(|k| {
             let (a, b) = (was.get(k).cloned(), is.get(k).cloned());
             format!("{k} {} -> {}", a.unwrap_or_else(unset), b.unwrap_or_else(unset))

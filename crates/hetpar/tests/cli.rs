@@ -1130,6 +1130,35 @@ fn a_resume_names_the_config_keys_that_changed() {
     assert!(text.contains("resuming from ") && !text.contains("differs"), "{text}");
 }
 
+/// The saved config holds the steps the run was given (its learning-rate schedule ran over
+/// them), and a finished run submitted again has nothing to do: it says so, exits 0 and
+/// writes nothing.
+#[test]
+fn the_saved_config_holds_steps_and_a_finished_run_resumed_again_does_nothing() {
+    let tmp = temp("finished");
+    let out = tmp.path().to_str().expect("utf-8");
+    stdout(&hetpar(&["train", IN_MEMORY, "--steps", "2", "--out", out]));
+    let saved: toml::Value = toml::from_str(
+        &std::fs::read_to_string(tmp.path().join("config.toml")).expect("saved config"),
+    )
+    .expect("toml");
+    assert_eq!(saved["train"]["steps"].as_integer(), Some(2), "{saved}");
+    let metrics = || std::fs::read_to_string(tmp.path().join("metrics.jsonl")).expect("metrics");
+    let before = metrics();
+    for steps in ["2", "1"] {
+        let args = ["train", IN_MEMORY, "--steps", steps, "--out", out, "--resume", "auto"];
+        let text = stdout(&hetpar(&args));
+        assert!(
+            text.contains(&format!(
+                "the checkpoint is at step 2 and --steps is {steps}: nothing to train"
+            )),
+            "{text}"
+        );
+        assert!(!text.contains("training "), "{text}");
+    }
+    assert_eq!(metrics(), before);
+}
+
 /// A checkpoint resumes in the precision it was trained in: f64 tensors, or bf16 products
 /// on f32 tensors, refused under another `--dtype` (or none), naming the one to pass.
 #[test]
