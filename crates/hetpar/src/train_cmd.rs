@@ -791,19 +791,31 @@ fn saved_precision(
 /// over how many steps each schedule runs ([`resumed_from`]).
 fn config_changes(saved: &toml::Value, cfg: &Config) -> anyhow::Result<Vec<String>> {
     let now = toml::Value::try_from(cfg).context("the resolved config does not serialize")?;
-    let (mut was, mut is) = (Default::default(), Default::default());
-    flatten("", saved, &mut was);
-    flatten("", &now, &mut is);
-    let keys: std::collections::BTreeSet<&String> = was.keys().chain(is.keys()).collect();
-    let unset = || "(unset)".to_string();
-    Ok(keys
+    Ok(value_changes(saved, &now, &["train.steps"])
         .into_iter()
-        .filter(|k| *k != "train.steps" && was.get(*k) != is.get(*k))
-        .map(|k| {
-            let (a, b) = (was.get(k).cloned(), is.get(k).cloned());
-            format!("{k} {} -> {}", a.unwrap_or_else(unset), b.unwrap_or_else(unset))
-        })
+        .map(|(k, a, b)| format!("{k} {a} -> {b}"))
         .collect())
+}
+
+/// Every dotted key (but those in `skip`) whose value differs between `was` and `is`, with
+/// both values (`(unset)` where one side has none), in key order.
+pub(crate) fn value_changes(
+    was: &toml::Value,
+    is: &toml::Value,
+    skip: &[&str],
+) -> Vec<(String, String, String)> {
+    let (mut a, mut b) = (Default::default(), Default::default());
+    flatten("", was, &mut a);
+    flatten("", is, &mut b);
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let unset = || "(unset)".to_string();
+    keys.into_iter()
+        .filter(|k| !skip.contains(&k.as_str()) && a.get(*k) != b.get(*k))
+        .map(|k| {
+            let (x, y) = (a.get(k).cloned(), b.get(k).cloned());
+            (k.clone(), x.unwrap_or_else(unset), y.unwrap_or_else(unset))
+        })
+        .collect()
 }
 
 /// Every value under `v` by its dotted key (arrays of tables, such as `edges`, by index).

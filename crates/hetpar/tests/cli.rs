@@ -880,24 +880,48 @@ fn check_passes_every_example_in_f32_and_f64() {
 
 #[test]
 fn check_fails_past_the_tolerance_naming_the_differences() {
-    let dir_tmp = temp("check");
-    let dir = dir_tmp.path();
-    let cfg = std::fs::read_to_string(root().join("examples/colocated-fanin.toml")).expect("cfg");
-    let other = dir.join("other-seed.toml");
-    std::fs::write(&other, cfg.replacen("seed = 1234", "seed = 99", 1)).expect("write");
-    let out = hetpar(&[
-        "check",
-        "examples/colocated-fanin.toml",
-        "--reference",
-        other.to_str().expect("utf-8"),
-        "--steps",
-        "1",
-    ]);
+    // f32 rounding of another layout (a few 1e-9 here) is past a tolerance of 1e-12.
+    let out = hetpar(&["check", "examples/colocated-fanin.toml", "--steps", "1", "--tol", "1e-12"]);
     assert_eq!(out.status.code(), Some(1));
     let text = String::from_utf8(out.stdout).expect("utf-8");
     assert!(text.contains("FAIL: largest relative difference"), "{text}");
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.starts_with("error: parity fails: relative differences "), "{err}");
+}
+
+/// A reference must train the same model on the same data with the same settings (its
+/// layout aside): one with another seed or another model is refused, naming what differs,
+/// rather than compared into a failure that reads as a layout bug.
+#[test]
+fn check_refuses_a_reference_of_another_model_or_seed() {
+    let dir_tmp = temp("check-reference");
+    let dir = dir_tmp.path();
+    let cfg = std::fs::read_to_string(root().join("examples/colocated-fanin.toml")).expect("cfg");
+    let other = dir.join("other-seed.toml");
+    std::fs::write(&other, cfg.replacen("seed = 1234", "seed = 99", 1)).expect("write");
+    let check = |reference: &str| {
+        let out = hetpar(&["check", "examples/colocated-fanin.toml", "--reference", reference]);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+        String::from_utf8(out.stderr).expect("utf-8")
+    };
+    let err = check(other.to_str().expect("utf-8"));
+    assert!(err.contains("it differs in train.seed 1234 here, 99 in the reference\n"), "{err}");
+    let err = check("examples/demo.toml");
+    assert!(
+        err.contains(
+            "modules.audio only in the reference; modules.llm.ffn 256 here, 192 in the reference;"
+        ),
+        "{err}"
+    );
+    // Another layout of the same training, in one microbatch a step, is a reference.
+    let layout = dir.join("other-layout.toml");
+    let text =
+        cfg.replacen("microbatches = 2", "microbatches = 1", 1).replacen("tp = 8", "tp = 4", 1);
+    std::fs::write(&layout, text).expect("write");
+    let args = ["check", "examples/colocated-fanin.toml", "--steps", "1", "--reference"];
+    let out = hetpar(&[&args[..], &[layout.to_str().expect("utf-8")]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// `bench train` measures every rank and simulates the schedule with what it measured;
