@@ -25,5 +25,5 @@ pub use comm::{CommExt, Communicator, P2p};
 pub use counted::{Counted, Traffic};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
-pub use local::{LocalComm, LocalOptions, launch};
+pub use local::{LocalComm, LocalOptions, launch, launch_watched};
 pub use recording::{Log, OpKind, OpRecord, Recording};

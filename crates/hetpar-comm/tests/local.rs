@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use hetpar_comm::conformance::SUITE;
 use hetpar_comm::{
     CommError, CommExt, Communicator, LocalOptions, Log, OpKind, P2p, Recording, ReduceOp, launch,
+    launch_watched,
 };
 
 fn opts(secs: f64) -> LocalOptions {
@@ -254,6 +255,60 @@ fn a_panic_fails_every_rank_fast_with_its_rank() {
     .expect_err("a rank panicked");
     assert!(start.elapsed() < Duration::from_secs(5));
     assert_eq!(e.to_string(), "rank 3 failed: panicked: injected fault");
+}
+
+/// A rank stuck where no timeout reaches (its own compute here) while another has failed
+/// is reported `grace` after the failure, with the errors so far, rather than waited for;
+/// the ranks that fail through the timeout are among the errors. Without a failure nobody
+/// is reported, however long a rank computes.
+#[test]
+fn a_rank_stuck_after_a_failure_is_reported_after_the_grace() {
+    let start = Instant::now();
+    let called = std::sync::Mutex::new(None);
+    let out = launch_watched(
+        3,
+        opts(0.2),
+        Duration::from_millis(600),
+        |c| match c.rank() {
+            0 => Err("data error".to_string()),
+            1 => {
+                let mut x = [1.0f32];
+                c.all_reduce(&mut x, ReduceOp::Sum).map_err(|e| e.to_string())
+            }
+            _ => {
+                std::thread::sleep(Duration::from_secs(3));
+                Ok(())
+            }
+        },
+        |errors, stuck| {
+            let errors: Vec<(usize, String)> =
+                errors.iter().map(|(r, e)| (*r, e.to_string())).collect();
+            *called.lock().expect("lock") = Some((start.elapsed(), errors, stuck.to_vec()));
+        },
+    )
+    .expect("no panic");
+    let (when, errors, stuck) = called.lock().expect("lock").take().expect("abandon called");
+    assert!(when >= Duration::from_millis(600) && when < Duration::from_millis(2500), "{when:?}");
+    assert_eq!(stuck, [2]);
+    assert_eq!(errors[0], (0, "data error".to_string()));
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    // `abandon` returned, so the stuck rank was waited for.
+    assert!(start.elapsed() >= Duration::from_secs(3));
+    assert!(out[2].is_ok());
+    let quiet = launch_watched(
+        2,
+        opts(0.2),
+        Duration::from_millis(100),
+        |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            Ok::<(), String>(())
+        },
+        |_, _| panic!("nothing failed"),
+    )
+    .expect("no panic");
+    assert!(quiet.iter().all(Result::is_ok));
 }
 
 #[test]

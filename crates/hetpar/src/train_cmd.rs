@@ -115,18 +115,46 @@ fn threads_per_rank(mpi: bool, world: usize) -> String {
 /// The error that started a failure: a rank's own error (one naming a parameter or an edge
 /// first) rather than the others' reports of its failure.
 fn first_cause(errors: Vec<RuntimeError>) -> RuntimeError {
-    let rank = |e: &RuntimeError| {
-        let s = e.to_string();
-        match e {
-            RuntimeError::NonFinite { .. } => 0,
-            _ if s.contains(" failed: ") || s.contains("failed peer") => 3,
-            _ if s.contains("on another rank") => 2,
-            _ => 1,
-        }
-    };
     let mut errors = errors;
-    errors.sort_by_key(|e| rank(e));
+    errors.sort_by_key(cause_rank);
     errors.swap_remove(0)
+}
+
+/// How far from the first cause an error is likely to be: a non-finite value first, then
+/// a rank's own error, a note that another rank failed, and a failed peer's echo last.
+fn cause_rank(e: &RuntimeError) -> u8 {
+    let s = e.to_string();
+    match e {
+        RuntimeError::NonFinite { .. } => 0,
+        _ if s.contains(" failed: ") || s.contains("failed peer") => 3,
+        _ if s.contains("on another rank") => 2,
+        _ => 1,
+    }
+}
+
+/// Ends the process when a rank is still running `grace` after another failed (stuck
+/// where no communication timeout reaches it: its own compute, a read that never
+/// returns): prints the likeliest first cause and the stuck ranks, and exits 1 (a thread
+/// cannot be stopped).
+fn abandon_stuck(
+    timeout: Duration,
+    grace: Duration,
+) -> impl FnOnce(&[(usize, &RuntimeError)], &[usize]) {
+    move |errors, stuck| {
+        let cause = errors.iter().min_by_key(|(_, e)| cause_rank(e)).map_or_else(
+            || "a rank panicked".to_string(),
+            |(r, e)| format!("rank {r}: {}", with_timeout_hint(&e.to_string(), Some(timeout))),
+        );
+        let ranks: Vec<String> = stuck.iter().map(usize::to_string).collect();
+        crate::stderr_line(&format!(
+            "error: {cause}; rank{} {} still running {:.0} s after it (in its own compute or a read, where no timeout reaches), so the process exits without {}",
+            if stuck.len() == 1 { "" } else { "s" },
+            ranks.join(", "),
+            grace.as_secs_f64(),
+            if stuck.len() == 1 { "it" } else { "them" },
+        ));
+        std::process::exit(1);
+    }
 }
 
 /// A `--timeout` in seconds, checked.
@@ -1393,10 +1421,20 @@ fn local_ranks(
     let holds = Holds::Training(first.as_ref());
     fits_memory(graph, dtype, &(0..graph.world).collect::<Vec<_>>(), holds)?;
     let opts = hetpar_comm::LocalOptions { timeout };
-    let results = hetpar_comm::launch(graph.world, opts, |c| {
-        hetpar_nn::kernels::share_threads(graph.world);
-        rank_run(c, graph, run.data, (dtype, steps), run.hooks, run.evals, run.ckpt)
-    })?;
+    // Ranks computing when another fails notice at their next call; a rank still running
+    // past the timeout (and at least 10 s: a short timeout is no bound on compute) is
+    // stuck.
+    let grace = timeout.max(Duration::from_secs(10));
+    let results = hetpar_comm::launch_watched(
+        graph.world,
+        opts,
+        grace,
+        |c| {
+            hetpar_nn::kernels::share_threads(graph.world);
+            rank_run(c, graph, run.data, (dtype, steps), run.hooks, run.evals, run.ckpt)
+        },
+        abandon_stuck(timeout, grace),
+    )?;
     let (mut ok, mut errors) = (Vec::new(), Vec::new());
     for r in results {
         match r {

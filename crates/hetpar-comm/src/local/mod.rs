@@ -67,19 +67,7 @@ where
                 let (shared, f) = (shared.clone(), &f);
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
-                    .spawn_scoped(scope, move || {
-                        let comm = LocalComm::world(shared.clone(), rank, world);
-                        match catch_unwind(AssertUnwindSafe(|| f(&comm))) {
-                            Ok(v) => {
-                                shared.exit(rank, None);
-                                Some(v)
-                            }
-                            Err(payload) => {
-                                shared.exit(rank, Some(panic_message(payload.as_ref())));
-                                None
-                            }
-                        }
-                    })
+                    .spawn_scoped(scope, move || run_rank(&shared, rank, world, f))
                     .expect("spawning a rank thread")
             })
             .collect();
@@ -89,6 +77,115 @@ where
         return Err(CommError::PeerFailed { failed, message: format!("panicked: {message}") });
     }
     Ok(results.into_iter().map(|r| r.expect("no rank panicked")).collect())
+}
+
+/// As [`launch`], for ranks that return a `Result`, with a watch for ranks that never
+/// return. Once a rank has returned an error or panicked, the others normally fail within
+/// the communication timeout (their calls with it fail); a rank still running `grace`
+/// later is stuck where no timeout reaches (in its own compute, or a read that never
+/// returns). Then `abandon` is called with the errors so far (by rank) and the stuck ranks:
+/// a thread cannot be stopped, so it should end the process (the binary prints the first
+/// error and exits). If it returns, the ranks are waited for as by [`launch`].
+pub fn launch_watched<T, E, F, A>(
+    world: usize,
+    opts: LocalOptions,
+    grace: Duration,
+    f: F,
+    abandon: A,
+) -> Result<Vec<std::result::Result<T, E>>>
+where
+    T: Send,
+    E: Send,
+    F: Fn(&LocalComm) -> std::result::Result<T, E> + Sync,
+    A: FnOnce(&[(usize, &E)], &[usize]),
+{
+    assert!(world > 0, "a world needs at least one rank");
+    let shared = Arc::new(Shared::new(world, opts.timeout));
+    let (tx, rx) = std::sync::mpsc::channel::<(usize, bool)>();
+    let results: Vec<Option<std::result::Result<T, E>>> = std::thread::scope(|scope| {
+        let mut handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (shared, f, tx) = (shared.clone(), &f, tx.clone());
+                let h = std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .spawn_scoped(scope, move || {
+                        let r = run_rank(&shared, rank, world, f);
+                        // The watch may be gone (it stopped watching): nothing to tell.
+                        let _ = tx.send((rank, !matches!(r, Some(Ok(_)))));
+                        r
+                    })
+                    .expect("spawning a rank thread");
+                Some(h)
+            })
+            .collect();
+        drop(tx);
+        let mut results: Vec<Option<Option<std::result::Result<T, E>>>> =
+            (0..world).map(|_| None).collect();
+        let mut deadline: Option<std::time::Instant> = None;
+        let mut running = world;
+        while running > 0 {
+            let got = match deadline {
+                None => rx.recv().map_err(|_| std::sync::mpsc::RecvTimeoutError::Disconnected),
+                Some(d) => rx.recv_timeout(d.saturating_duration_since(std::time::Instant::now())),
+            };
+            match got {
+                Ok((rank, failed)) => {
+                    running -= 1;
+                    let h = handles[rank].take().expect("a rank reports once");
+                    results[rank] = Some(h.join().unwrap_or(None));
+                    if failed && deadline.is_none() {
+                        deadline = Some(std::time::Instant::now() + grace);
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    let stuck: Vec<usize> = (0..world).filter(|&r| handles[r].is_some()).collect();
+                    let errors: Vec<(usize, &E)> = results
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(r, v)| match v {
+                            Some(Some(Err(e))) => Some((r, e)),
+                            _ => None,
+                        })
+                        .collect();
+                    abandon(&errors, &stuck);
+                    break;
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        // What is left: ranks `abandon` gave back, or a rank whose report was lost.
+        for (rank, h) in handles.iter_mut().enumerate() {
+            if let Some(h) = h.take() {
+                results[rank] = Some(h.join().unwrap_or(None));
+            }
+        }
+        results.into_iter().map(|r| r.flatten()).collect()
+    });
+    if let Some((failed, message)) = shared.first_failure() {
+        return Err(CommError::PeerFailed { failed, message: format!("panicked: {message}") });
+    }
+    Ok(results.into_iter().map(|r| r.expect("no rank panicked")).collect())
+}
+
+/// Rank `rank`'s run of `f` on its world communicator; `None` if it panicked. Either way
+/// the rank leaves the world, so that ranks waiting on it fail at once.
+fn run_rank<R>(
+    shared: &Arc<Shared>,
+    rank: usize,
+    world: usize,
+    f: &(impl Fn(&LocalComm) -> R + Sync),
+) -> Option<R> {
+    let comm = LocalComm::world(shared.clone(), rank, world);
+    match catch_unwind(AssertUnwindSafe(|| f(&comm))) {
+        Ok(v) => {
+            shared.exit(rank, None);
+            Some(v)
+        }
+        Err(payload) => {
+            shared.exit(rank, Some(panic_message(payload.as_ref())));
+            None
+        }
+    }
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
