@@ -348,6 +348,9 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
             format!("must be a positive number (trainable = false freezes a module), got {lr}"),
         ));
     }
+    if let Some(lr) = m.lr {
+        fits_f32(&format!("{field}.lr"), lr)?;
+    }
     let p = &m.parallel;
     let span = Span::new(p.ranks[0], p.ranks[1]);
     let experts = match spec {
@@ -674,11 +677,27 @@ fn check_batch(train: &TrainConfig, modules: &[Module]) -> Result<()> {
     check_optimizer(train)
 }
 
+/// A learning rate f32 weights can take a step of: an update by one past f32's largest
+/// value makes every weight infinite, and the next step's activations NaN.
+fn fits_f32(field: &str, lr: f64) -> Result<()> {
+    if lr > f64::from(f32::MAX) {
+        return Err(ConfigError::new(
+            field,
+            format!(
+                "must be at most {:e}, f32's largest value (one update by more makes every f32 weight infinite), got {lr:e}",
+                f32::MAX
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn check_optimizer(t: &TrainConfig) -> Result<()> {
     let bad = |field: &str, m: String| Err(ConfigError::new(format!("train.{field}"), m));
     if !(t.lr.is_finite() && t.lr > 0.0) {
         return bad("lr", format!("must be a positive number, got {}", t.lr));
     }
+    fits_f32("train.lr", t.lr)?;
     if let Some(min) = t.min_lr
         && !(min.is_finite() && (0.0..=t.lr).contains(&min))
     {

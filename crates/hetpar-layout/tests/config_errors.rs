@@ -160,6 +160,10 @@ fn unknown_keys_anywhere() {
 fn optimizer_settings_out_of_range() {
     for (to, want) in [
         ("lr = 0.0", "train.lr: must be a positive number, got 0"),
+        (
+            "lr = 1e300",
+            "train.lr: must be at most 3.4028235e38, f32's largest value (one update by more makes every f32 weight infinite), got 1e300",
+        ),
         ("min_lr = 0.5", "train.min_lr: must be between 0 and lr(0.001), got 0.5"),
         ("weight_decay = -0.1", "train.weight_decay: must be 0 or more, got -0.1"),
         ("clip_grad = -1.0", "train.clip_grad: must be 0 (off) or more, got -1"),

@@ -534,18 +534,42 @@ pub fn committed(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
 /// moving `latest`, or while replacing a step), the newest committed one; `None` when
 /// there is none.
 pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
+    Ok(latest_noted(root)?.0)
+}
+
+/// [`latest`], with a note where `latest` names something else than the checkpoint taken:
+/// a directory that is not a committed checkpoint (a crash while committing, or a manifest
+/// removed since), or a path that is not a checkpoint's name in `root` (only a
+/// `step-NNNNNNNN` there is taken).
+pub fn latest_noted(root: &Path) -> Result<(Option<PathBuf>, Option<String>)> {
     let path = root.join("latest");
-    match std::fs::read_to_string(&path) {
+    let named = match std::fs::read_to_string(&path) {
         Ok(name) => {
-            let dir = root.join(name.trim());
-            if dir.join(MANIFEST_FILE).is_file() {
-                return Ok(Some(dir));
+            let name = name.trim().to_string();
+            let plain = name.starts_with("step-") && !name.contains(['/', '\\']);
+            let dir = root.join(&name);
+            if plain && dir.join(MANIFEST_FILE).is_file() {
+                return Ok((Some(dir), None));
             }
+            Some((name, plain))
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(io(&path, e)),
-    }
-    Ok(committed(root)?.pop().map(|c| c.1))
+    };
+    let newest = committed(root)?.pop().map(|c| c.1);
+    let note = named.map(|(name, plain)| {
+        let why = if plain {
+            "which is not a committed checkpoint (no manifest.json)"
+        } else {
+            "which is not the name of a checkpoint in this directory"
+        };
+        let then = match &newest {
+            Some(d) => format!("the newest committed one is {}", d.display()),
+            None => "and no other is committed".to_string(),
+        };
+        format!("{} names {name:?}, {why}; {then}", path.display())
+    });
+    Ok((newest, note))
 }
 
 /// Reads and checks `dir/manifest.json`: its format, its own checksum, that its counts,

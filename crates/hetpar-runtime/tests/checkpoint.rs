@@ -387,6 +387,26 @@ fn an_uncommitted_checkpoint_is_never_latest() {
     // committed checkpoint is taken.
     std::fs::write(root.join("latest"), "step-00000009").unwrap();
     assert_eq!(latest(root).unwrap(), Some(root.join("step-00000003")));
+    // Said where the pointer names something else: a step without a manifest, or a path
+    // out of the directory (another run's checkpoint is not this run's latest).
+    let (taken, note) = hetpar_runtime::checkpoint::latest_noted(root).unwrap();
+    assert_eq!(taken, Some(root.join("step-00000003")));
+    let note = note.expect("a note");
+    assert!(
+        note.ends_with(&format!(
+            "latest names \"step-00000009\", which is not a committed checkpoint (no manifest.json); the newest committed one is {}",
+            root.join("step-00000003").display()
+        )),
+        "{note}"
+    );
+    std::fs::write(root.join("latest"), "../other/checkpoints/step-00000001").unwrap();
+    let (taken, note) = hetpar_runtime::checkpoint::latest_noted(root).unwrap();
+    assert_eq!(taken, Some(root.join("step-00000003")));
+    assert!(
+        note.expect("a note").contains("which is not the name of a checkpoint in this directory")
+    );
+    std::fs::write(root.join("latest"), "step-00000003\n").unwrap();
+    assert_eq!(hetpar_runtime::checkpoint::latest_noted(root).unwrap().1, None);
     std::fs::remove_file(root.join("latest")).unwrap();
     assert_eq!(latest(root).unwrap(), Some(root.join("step-00000003")));
 }

@@ -767,7 +767,10 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
     match flag {
         None => Ok(None),
         Some("auto") => {
-            let latest = hetpar_runtime::checkpoint::latest(root)?;
+            let (latest, note) = hetpar_runtime::checkpoint::latest_noted(root)?;
+            if let Some(note) = note.filter(|_| lead) {
+                say(&format!("note: {note}"));
+            }
             if latest.is_none() && lead {
                 say(&format!(
                     "--resume auto: no committed checkpoint under {}, starting fresh",
