@@ -90,8 +90,27 @@ pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
         let value = value.trim();
         let value = match toml::from_str::<toml::Table>(&format!("v = {value}")) {
             Ok(mut t) => t.remove("v").expect("the key just parsed"),
+            // A bare word is a string; what opens an array, a table or a quoted string
+            // and does not parse is a mistake, not a string.
+            Err(e) if value.starts_with(['[', '{', '"', '\'']) => bail!(
+                "--set {s:?}: {value} is not a TOML value ({})",
+                e.message().trim_end_matches('\n')
+            ),
             Err(_) => toml::Value::String(value.to_string()),
         };
+        // A module's field set under a name the file has no module of is a misspelt
+        // module, not a new one (which needs its whole table).
+        if let [first, module, _, ..] = path.as_slice()
+            && *first == "modules"
+            && let Some(toml::Value::Table(modules)) = root.get("modules")
+            && !modules.contains_key(*module)
+        {
+            let names: Vec<&str> = modules.keys().map(String::as_str).collect();
+            bail!(
+                "--set {s:?}: the config has no module {module:?} (its modules: {}); a new module needs its table in the file",
+                names.join(", ")
+            );
+        }
         let (last, tables) = path.split_last().expect("at least one part");
         let mut at = &mut root;
         for (i, part) in tables.iter().enumerate() {
@@ -133,6 +152,16 @@ mod tests {
         assert!(unknown.contains("unknown field `lrr`"), "{unknown}");
         // The key the set adds is on no line of the file: the error names its table only.
         assert!(unknown.contains("with --set train.lrr=1: in [train]: unknown field"), "{unknown}");
+        // A misspelt module is named with the file's modules; a value that opens an array
+        // and does not close it is no string.
+        let typo = format!("{:#}", load(None, &["modules.llmm.parallel.tp=2".into()]).unwrap_err());
+        assert!(
+            typo.ends_with("the config has no module \"llmm\" (its modules: audio, llm, vision); a new module needs its table in the file"),
+            "{typo}"
+        );
+        let open =
+            format!("{:#}", load(None, &["modules.llm.parallel.ranks=[0,4".into()]).unwrap_err());
+        assert!(open.contains("[0,4 is not a TOML value (unclosed array"), "{open}");
     }
 
     /// A mistake of the file's own is reported at its line in the file, as without sets,

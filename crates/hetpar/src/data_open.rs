@@ -148,6 +148,14 @@ pub fn paths(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<Option<Pa
         }
         DataSource::Llava => {
             let path = PathBuf::from(data.path.as_deref().expect("validated: llava has a path"));
+            // Named before the files found next to it (the tokenizer, the held-out set),
+            // whose absence would otherwise be the first thing said.
+            if !path.exists() {
+                anyhow::bail!(
+                    "data.path {}: no such file or directory (a LLaVA records file, or a directory holding train.json)",
+                    path.display()
+                );
+            }
             if path.is_dir() {
                 let held = path.join("heldout.json");
                 (path.join("train.json"), held.is_file().then_some(held))

@@ -1183,6 +1183,23 @@ fn the_saved_config_holds_steps_and_a_finished_run_resumed_again_does_nothing() 
     assert_eq!(metrics(), before);
 }
 
+/// A records path that does not exist is named itself, not through the tokenizer or the
+/// held-out set looked for next to it.
+#[test]
+fn a_missing_data_path_is_named() {
+    let tmp = temp("no-data");
+    let out = tmp.path().to_str().expect("utf-8");
+    let args = ["train", "examples/demo.toml", "--steps", "1", "--out", out];
+    let sets = ["--set", "data.source=\"llava\"", "--set", "data.path=\"/nonexistent/x.json\""];
+    let run = hetpar(&[&args[..], &sets[..]].concat());
+    assert_eq!(run.status.code(), Some(1));
+    let err = String::from_utf8(run.stderr).expect("utf-8");
+    assert!(
+        err.ends_with("error: data.path /nonexistent/x.json: no such file or directory (a LLaVA records file, or a directory holding train.json)\n"),
+        "{err}"
+    );
+}
+
 /// A checkpoint resumes in the precision it was trained in: f64 tensors, or bf16 products
 /// on f32 tensors, refused under another `--dtype` (or none), naming the one to pass.
 #[test]
