@@ -201,8 +201,25 @@ pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {
             e => anyhow::anyhow!("data {e}"),
         })?;
         let skipped = ds.skipped();
+        // Records cut at seq_len (at the end, never through an item's rows): counted, so
+        // that answers shortened by it are not a surprise.
+        let cut: Vec<&hetpar_data::dataset::Entry> =
+            ds.entries().iter().filter(|e| e.encoded.truncated > 0).collect();
+        let cut = match cut.first() {
+            None => String::new(),
+            Some(first) => format!(
+                ", {} cut at seq_len {} ({} tokens past it; first: record {} id {:?}, {} of {} tokens kept)",
+                cut.len(),
+                graph.train.seq_len,
+                cut.iter().map(|e| e.encoded.truncated).sum::<usize>(),
+                first.index,
+                first.record.id,
+                first.encoded.length - first.encoded.truncated,
+                first.encoded.length
+            ),
+        };
         say(&format!(
-            "data {}: {} records{}",
+            "data {}: {} records{cut}{}",
             path.display(),
             ds.entries().len(),
             if skipped.is_empty() {

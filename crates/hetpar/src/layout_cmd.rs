@@ -45,20 +45,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `1.5 KiB`, `384 B`, `2.00 MiB`.
-fn human(bytes: usize) -> String {
-    let b = bytes as f64;
-    if bytes < 1024 {
-        format!("{bytes} B")
-    } else if b < 1024.0 * 1024.0 {
-        format!("{:.1} KiB", b / 1024.0)
-    } else if b < 1024.0 * 1024.0 * 1024.0 {
-        format!("{:.2} MiB", b / (1024.0 * 1024.0))
-    } else {
-        format!("{:.2} GiB", b / (1024.0 * 1024.0 * 1024.0))
-    }
-}
-
 fn plural(n: usize, word: &str) -> String {
     let suffix = match (n, word.ends_with('h')) {
         (1, _) => "",
@@ -117,7 +103,7 @@ fn traffic_line(name: &str, t: &StepTraffic, row_bytes: usize) -> String {
         format!(
             "; {} rows = {} cross the island boundary",
             t.crossing,
-            human(t.crossing * row_bytes)
+            crate::human(t.crossing * row_bytes)
         )
     } else {
         String::new()
@@ -125,9 +111,9 @@ fn traffic_line(name: &str, t: &StepTraffic, row_bytes: usize) -> String {
     format!(
         "  {name:<9} moves {} rows = {}, lower bound {} rows = {} ({ratio}){crossing}",
         moved,
-        human(moved * row_bytes),
+        crate::human(moved * row_bytes),
         bound,
-        human(bound * row_bytes)
+        crate::human(bound * row_bytes)
     )
 }
 
@@ -151,7 +137,7 @@ fn render_edge(out: &mut String, graph: &ModelGraph, r: &EdgeReport) {
         "  {} this step ({} without any), {} each",
         plural(r.rows, "row"),
         plural(r.empty_samples, "sample"),
-        human(r.row_bytes)
+        crate::human(r.row_bytes)
     )
     .expect("string");
     if let Some(leaders) = &r.leaders {
@@ -183,7 +169,7 @@ fn render_edge(out: &mut String, graph: &ModelGraph, r: &EdgeReport) {
         }
         let mut row = format!("  {rank:>6}");
         for c in cells {
-            write!(row, " {:>11}", human(c * r.row_bytes)).expect("string");
+            write!(row, " {:>11}", crate::human(c * r.row_bytes)).expect("string");
         }
         writeln!(out, "{row}").expect("string");
     }
@@ -194,16 +180,16 @@ fn render_edge(out: &mut String, graph: &ModelGraph, r: &EdgeReport) {
             let cross = if f.crossing + b.crossing > 0 {
                 format!(
                     " ({}/{} across)",
-                    human(f.crossing * r.row_bytes),
-                    human(b.crossing * r.row_bytes)
+                    crate::human(f.crossing * r.row_bytes),
+                    crate::human(b.crossing * r.row_bytes)
                 )
             } else {
                 String::new()
             };
             format!(
                 "{s} {}/{}{cross}",
-                human(f.total() * r.row_bytes),
-                human(b.total() * r.row_bytes)
+                crate::human(f.total() * r.row_bytes),
+                crate::human(b.total() * r.row_bytes)
             )
         })
         .collect();

@@ -194,6 +194,20 @@ fn bad_usage(e: &clap::Error) -> ExitCode {
     ExitCode::from(2)
 }
 
+/// `1.5 KiB`, `384 B`, `2.00 MiB`.
+pub(crate) fn human(bytes: usize) -> String {
+    let b = bytes as f64;
+    if bytes < 1024 {
+        format!("{bytes} B")
+    } else if b < 1024.0 * 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else if b < 1024.0 * 1024.0 * 1024.0 {
+        format!("{:.2} MiB", b / (1024.0 * 1024.0))
+    } else {
+        format!("{:.2} GiB", b / (1024.0 * 1024.0 * 1024.0))
+    }
+}
+
 /// Writes `line` and its newline to stderr in one write: ranks under mpirun share the
 /// stream, and a line written in pieces (as `eprintln!` writes its arguments) can take
 /// another rank's line inside it. Every error line of the binary goes through here.

@@ -106,14 +106,15 @@ fn fits_memory_of(
 ) -> anyhow::Result<()> {
     let Some(available) = crate::meminfo_bytes("MemAvailable") else { return Ok(()) };
     let states = states_bytes(graph, dtype, ranks);
-    let gib = |b: f64| b / (1u64 << 30) as f64;
+    // Sizes in their own unit: a machine short of memory may have well under a GiB.
+    let size = |b: f64| crate::human(b as usize);
     if states > available {
         bail!(
-            "{}: its weights, gradients and AdamW moments on {} rank(s) {at} need about {:.1} GiB, more than the {:.1} GiB this machine has available; use smaller sizes or more machines{how}",
+            "{}: its weights, gradients and AdamW moments on {} rank(s) {at} need about {}, more than the {} this machine has available; use smaller sizes or more machines{how}",
             graph.name,
             ranks.len(),
-            gib(states),
-            gib(available)
+            size(states),
+            size(available)
         );
     }
     let Holds::Training(manifest) = holds else { return Ok(()) };
@@ -166,14 +167,14 @@ fn fits_memory_of(
             ""
         };
         bail!(
-            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {:.1} GiB and the activations at least {:.1} GiB more (the most the step's schedule makes these ranks hold at once: rank {} then keeps {} forward passes for their backward{what}{rebuilds}), more than the {:.1} GiB this machine has available; use {recompute}a shorter seq_len, more microbatches, fewer pipeline stages, smaller sizes or more machines{how}",
+            "{}: on {} rank(s) {at} its weights, gradients and AdamW moments need about {} and the activations at least {} more (the most the step's schedule makes these ranks hold at once: rank {} then keeps {} forward passes for their backward{what}{rebuilds}), more than the {} this machine has available; use {recompute}a shorter seq_len, more microbatches, fewer pipeline stages, smaller sizes or more machines{how}",
             graph.name,
             ranks.len(),
-            gib(states),
-            gib(held.total),
+            size(states),
+            size(held.total),
             held.rank,
             pending.len(),
-            gib(available)
+            size(available)
         );
     }
     Ok(())

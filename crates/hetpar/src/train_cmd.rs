@@ -174,6 +174,8 @@ fn seconds(flag: &str, secs: f64) -> anyhow::Result<Duration> {
 struct Report {
     bar: Option<ProgressBar>,
     metrics: Mutex<std::fs::File>,
+    /// Where `metrics` is, for errors.
+    metrics_path: PathBuf,
     names: Vec<String>,
     steps: usize,
     start: Instant,
@@ -228,7 +230,8 @@ impl Report {
             line["nonfinite"] = serde_json::json!(["heldout.loss"]);
         }
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
+        writeln!(f, "{line}")
+            .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
         let scalars = [
             ("heldout/loss", e.loss),
             ("heldout/answer_accuracy", e.accuracy()),
@@ -269,7 +272,8 @@ impl Report {
             },
         });
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
+        writeln!(f, "{line}")
+            .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
         let text = format!(
             "checkpoint after step {done} committed: {} ({:.2} MiB in {} files, {seconds:.2} s)",
             saved.dir.display(),
@@ -356,7 +360,8 @@ impl Report {
         let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
         events.scalars(log.step, &scalars).context("cannot write the TensorBoard events")?;
         let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        writeln!(f, "{line}").context("cannot write metrics.jsonl")?;
+        writeln!(f, "{line}")
+            .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
         let skipped = if r.applied {
             String::new()
         } else {
@@ -943,6 +948,7 @@ impl Report {
         Ok(Report {
             bar,
             metrics: Mutex::new(metrics),
+            metrics_path: path.clone(),
             names: graph.modules.iter().map(|m| m.name.clone()).collect(),
             steps,
             start: Instant::now(),

@@ -1200,6 +1200,33 @@ fn a_missing_data_path_is_named() {
     );
 }
 
+/// A record longer than seq_len whose items fit is cut at its end, and the data line says
+/// how many were cut and by how much (RELIABILITY.md row 9: a count, not a silent cut).
+#[test]
+fn records_cut_at_seq_len_are_counted() {
+    let tmp = temp("cut");
+    let dir = tmp.path().join("data");
+    let d = dir.to_str().expect("utf-8");
+    stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "12"]));
+    let path = dir.join("train.json");
+    let mut records: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("records")).expect("json");
+    // The last answer, after every item: cutting it cuts no item's rows.
+    let turns = records[0]["conversations"].as_array_mut().expect("turns");
+    let answer = &mut turns.last_mut().expect("a turn")["value"];
+    *answer = Value::String(vec!["one blue square"; 200].join(" "));
+    std::fs::write(&path, records.to_string()).expect("write");
+    let out = tmp.path().join("run");
+    let args = ["train", "examples/demo.toml", "--steps", "1", "--eval-every", "0"];
+    let sets = ["--set", "data.source=\"llava\"", "--set", &format!("data.path={d:?}")];
+    let text =
+        stdout(&hetpar(&[&args[..], &sets[..], &["--out", out.to_str().expect("utf-8")]].concat()));
+    let line = text.lines().find(|l| l.starts_with(&format!("data {}", path.display())));
+    let line = line.unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains(" records, 1 cut at seq_len 160 ("), "{line}");
+    assert!(line.contains("first: record 0 id "), "{line}");
+}
+
 /// A checkpoint resumes in the precision it was trained in: f64 tensors, or bf16 products
 /// on f32 tensors, refused under another `--dtype` (or none), naming the one to pass.
 #[test]
