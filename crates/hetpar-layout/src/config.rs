@@ -492,13 +492,46 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
             Some(table) => format!("line {line}, in {table}"),
             None => format!("line {line}"),
         };
-        let message = e.message().trim().replace('\n', " ");
+        let message = in_words(&e.message().trim().replace('\n', " "));
         let message = match did_you_mean(&message) {
             Some(known) => format!("{message} (did you mean `{known}`?)"),
             None => message,
         };
         ConfigError::new(field, message)
     })
+}
+
+/// serde's Rust type names in a message in words: "expected usize" -> "expected a whole
+/// number", "expected struct TrainConfig" -> "expected a table".
+fn in_words(message: &str) -> String {
+    let whole = "a whole number";
+    let words = [
+        ("expected usize", whole),
+        ("expected u64", whole),
+        ("expected u32", whole),
+        ("expected u8", whole),
+        ("expected i64", "an integer"),
+        ("expected f64", "a number"),
+        ("expected f32", "a number"),
+    ];
+    let mut out = message.to_string();
+    for (rust, said) in words {
+        if let Some(i) = out.find(rust)
+            && !out[i + rust.len()..].starts_with(|c: char| c.is_alphanumeric())
+        {
+            out.replace_range(i..i + rust.len(), &format!("expected {said}"));
+        }
+    }
+    match out.find("expected struct ") {
+        Some(i) => {
+            let end = out[i + 16..]
+                .find(|c: char| !c.is_alphanumeric())
+                .map_or(out.len(), |e| i + 16 + e);
+            out.replace_range(i..end, "expected a table");
+            out
+        }
+        None => out,
+    }
 }
 
 /// For serde's "unknown field `x`, expected one of `a`, `b`" (or "expected `a` or `b`"), the

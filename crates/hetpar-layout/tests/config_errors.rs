@@ -453,3 +453,15 @@ fn sizes_past_the_largest_hetpar_takes() {
         "{msg}"
     );
 }
+
+/// A value of the wrong type is named in words, not by the Rust type it was read into.
+#[test]
+fn wrong_types_are_named_in_words() {
+    let msg = error_after("seq_len = 128", "seq_len = \"long\"");
+    assert!(msg.ends_with("invalid type: string \"long\", expected a whole number"), "{msg}");
+    let msg = error_after("seq_len = 128", "seq_len = 128\nlr = \"fast\"");
+    assert!(msg.ends_with("invalid type: string \"fast\", expected a number"), "{msg}");
+    let msg = validate(&GOOD.replacen("[train]\n", "train = 5\n[training]\n", 1))
+        .expect_err("train is a table");
+    assert!(!msg.contains("struct") && !msg.contains("usize"), "{msg}");
+}

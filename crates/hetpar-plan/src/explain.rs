@@ -183,7 +183,12 @@ pub fn explain(wl: &Workload, hw: &Hardware, plan: &Plan) -> Vec<String> {
                 .filter_map(|k| plan.best_of(k))
                 .min_by(|a, b| a.prediction.step_time_s.total_cmp(&b.prediction.step_time_s));
             let Some(r) = runner_up else {
-                out.push("homogeneous wins: no heterogeneous layout fits memory".into());
+                out.push(if wl.encoders.is_empty() {
+                    // Nothing to place apart: the LLM's best layout is the answer.
+                    "an LLM alone: its best layout is homogeneous by definition (heterogeneous placements need an encoder)".into()
+                } else {
+                    "homogeneous wins: no heterogeneous layout fits memory".into()
+                });
                 return out;
             };
             let why = differences(&ev, r, h);

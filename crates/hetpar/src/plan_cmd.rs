@@ -151,6 +151,16 @@ fn where_what(e: &str) -> (String, String) {
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&a.workload)
         .with_context(|| format!("cannot read workload {}", a.workload.display()))?;
+    // A training config given to plan: said as such, not as its first unknown table.
+    if let Ok(t) = toml::from_str::<toml::Table>(&text)
+        && t.contains_key("train")
+        && !t.contains_key("workload")
+    {
+        bail!(
+            "{}: a training config ([train]), where hetpar plan takes a workload: the same [modules.*] with [workload] seq_len, global_batch, vision_token_fraction, tokens_per_image and [cluster] gpus (examples/workloads/); train, check, layout and schedule take this file",
+            a.workload.display()
+        );
+    }
     let (mut wl, name) = crate::config_load::parse_with_sets(
         &text,
         &a.workload.display().to_string(),

@@ -516,12 +516,12 @@ fn plan_errors_are_one_line() {
     assert!(err.contains("no layout of mm-3b-70b-8k fits 2 GPUs"), "{err}");
     let out = hetpar(&["plan", "examples/colocated-fanin.toml"]);
     let err = String::from_utf8_lossy(&out.stderr).to_string();
-    // A training config is not a workload: the error names the first key that differs.
+    // A training config is not a workload: said so, with what a workload holds.
     assert!(
-        err.starts_with("error: examples/colocated-fanin.toml: ")
-            && err.contains("unknown field `train`"),
+        err.starts_with("error: examples/colocated-fanin.toml: a training config ([train]), where hetpar plan takes a workload: "),
         "{err}"
     );
+    assert_eq!(err.lines().count(), 1, "{err}");
 }
 
 #[test]
