@@ -161,7 +161,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Ok(())
         }
         "mpi" => run_mpi(&sizes, a.iters, &header),
-        other => bail!("--backend {other:?}: use local or mpi"),
+        other => bail!("{}", crate::unknown_backend(other)),
     }
 }
 

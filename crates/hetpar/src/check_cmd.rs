@@ -196,7 +196,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             // Ranks other than 0 are done: rank 0 compares and reports.
             None => return Ok(()),
         },
-        other => bail!("--backend {other:?}: use local or mpi"),
+        other => bail!("{}", crate::unknown_backend(other)),
     };
     // Rank 0 alone gets here under MPI.
     if a.dtype.is_none() && trains_in != "f32" {

@@ -135,7 +135,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 }
             }
         }
-        other => anyhow::bail!("--backend {other:?}: use local or mpi"),
+        other => anyhow::bail!("{}", crate::unknown_backend(other)),
     };
     #[allow(clippy::print_stdout)]
     if a.json {

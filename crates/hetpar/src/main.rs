@@ -194,6 +194,14 @@ fn bad_usage(e: &clap::Error) -> ExitCode {
     ExitCode::from(2)
 }
 
+/// The refusal of a `--backend` that training and its commands do not run on.
+pub(crate) fn unknown_backend(name: &str) -> String {
+    match name {
+        "nccl" => "--backend \"nccl\": the NCCL backend is built (feature nccl) and run by its GPU conformance check, not yet by training; use local or mpi".to_string(),
+        other => format!("--backend {other:?}: use local or mpi"),
+    }
+}
+
 /// `1.5 KiB`, `384 B`, `2.00 MiB`.
 pub(crate) fn human(bytes: usize) -> String {
     let b = bytes as f64;

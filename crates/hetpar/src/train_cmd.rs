@@ -413,7 +413,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             None
         }
         "mpi" => Some(open_mpi(timeout, &graph)?),
-        other => bail!("--backend {other:?}: use local or mpi"),
+        other => bail!("{}", crate::unknown_backend(other)),
     };
     let result = run_on(a, (cfg, graph), (dtype, steps, timeout), mpi.as_deref());
     match (result, &mpi) {

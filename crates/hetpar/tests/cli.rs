@@ -335,6 +335,11 @@ fn bench_comm_runs_a_small_case() {
         String::from_utf8_lossy(&out.stderr).trim(),
         "error: --backend \"tcp\": use local or mpi"
     );
+    // NCCL is built, but training does not run on it yet: said so.
+    let out = hetpar(&["train", "--backend", "nccl"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("the NCCL backend is built (feature nccl) and run by its GPU conformance check, not yet by training; use local or mpi"), "{err}");
 }
 
 /// `hetpar plan` text with the search's wall time masked.
