@@ -522,16 +522,13 @@ fn in_words(message: &str) -> String {
             out.replace_range(i..i + rust.len(), &format!("expected {said}"));
         }
     }
-    match out.find("expected struct ") {
-        Some(i) => {
-            let end = out[i + 16..]
-                .find(|c: char| !c.is_alphanumeric())
-                .map_or(out.len(), |e| i + 16 + e);
-            out.replace_range(i..end, "expected a table");
-            out
-        }
-        None => out,
+    let tag = "expected struct ";
+    if let Some(i) = out.find(tag) {
+        let name = i + tag.len();
+        let end = out[name..].find(|c: char| !c.is_alphanumeric()).map_or(out.len(), |e| name + e);
+        out.replace_range(i..end, "expected a table");
     }
+    out
 }
 
 /// For serde's "unknown field `x`, expected one of `a`, `b`" (or "expected `a` or `b`"), the

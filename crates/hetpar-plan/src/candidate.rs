@@ -68,6 +68,11 @@ impl Choice {
         self.ranks() / (self.tp * self.cp * self.pp)
     }
 
+    /// Samples per replica per microbatch of an LLM laid out so, with `microbatches` a step.
+    pub fn samples(&self, wl: &Workload, microbatches: usize) -> f64 {
+        wl.global_batch as f64 / (microbatches * self.dp()) as f64
+    }
+
     /// `tp/cp/dp/pp` with ep, vpp, recompute and offload when set.
     pub fn describe(&self) -> String {
         let mut s = format!("tp{} cp{} dp{} pp{}", self.tp, self.cp, self.dp(), self.pp);
@@ -105,7 +110,7 @@ pub struct Candidate {
 impl Candidate {
     /// LLM samples per replica per microbatch.
     pub fn llm_mbs(&self, wl: &Workload) -> f64 {
-        wl.global_batch as f64 / (self.microbatches * self.llm.dp()) as f64
+        self.llm.samples(wl, self.microbatches)
     }
 
     /// Whether hetpar's runtime accepts the candidate as a config: the LLM's `dp` divides

@@ -140,7 +140,6 @@ impl<'a> Evaluator<'a> {
 
     /// [`Self::llm_run`] of layout `l` with `microbatches` microbatches a step.
     fn llm_run_of(&self, l: &Choice, microbatches: usize) -> Run<'a> {
-        let mbs = self.wl.global_batch as f64 / (microbatches * l.dp()) as f64;
         Run {
             shape: &self.wl.llm,
             tp: l.tp,
@@ -150,7 +149,7 @@ impl<'a> Evaluator<'a> {
             vpp: l.vpp,
             ep: l.ep,
             recompute: f64::from(l.recompute) / 4.0,
-            tokens: mbs * self.wl.seq_len as f64,
+            tokens: l.samples(self.wl, microbatches) * self.wl.seq_len as f64,
             seq: self.wl.seq_len,
             rows: 0.0,
             cp_split: true,

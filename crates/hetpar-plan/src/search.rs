@@ -232,8 +232,8 @@ fn islands(
         let mb = wl.global_batch / m;
         let within = |t: f64| bound.is_none_or(|b| t <= b);
         // The LLM's layouts on the ranks left after `used`, by `used`, computed as needed.
-        let mut llms: BTreeMap<usize, Vec<Choice>> = BTreeMap::new();
-        let mut llm_on = |used: usize| -> Vec<Choice> {
+        let mut llms: BTreeMap<usize, std::rc::Rc<[Choice]>> = BTreeMap::new();
+        let mut llm_on = |used: usize| {
             llms.entry(used)
                 .or_insert_with(|| {
                     llm_choices(wl, used, n, Some(m))
@@ -262,7 +262,7 @@ fn islands(
             .collect();
         let mut prefix = Vec::with_capacity(options.len());
         each_combination(&options, 0, room, &mut prefix, &mut |enc, used| {
-            for llm in llm_on(used) {
+            for &llm in llm_on(used).iter() {
                 visit(Candidate {
                     kind: Kind::NonColocated,
                     llm,

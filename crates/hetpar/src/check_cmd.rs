@@ -210,12 +210,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let want = train_local(&reference, dt, a.steps, timeout, &tick)
         .with_context(|| format!("the reference on {} ranks", reference.world))?;
     bar.iter().for_each(ProgressBar::finish_and_clear);
-    // A NaN or infinity on either side is no match (a skipped step reports a NaN norm).
-    let rel = |x: f64, y: f64| match (x.is_finite() && y.is_finite(), x == y) {
-        (false, _) => f64::INFINITY,
-        (true, true) => 0.0,
-        (true, false) => (x - y).abs() / y.abs(),
-    };
     let rows: Vec<(usize, f64, f64, f64, f64)> = got
         .iter()
         .zip(&want)
@@ -286,6 +280,16 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The relative difference of `x` from the reference's `y`; a NaN or infinity on either
+/// side is no match (a skipped step reports a NaN norm).
+fn rel(x: f64, y: f64) -> f64 {
+    match (x.is_finite() && y.is_finite(), x == y) {
+        (false, _) => f64::INFINITY,
+        (true, true) => 0.0,
+        (true, false) => (x - y).abs() / y.abs(),
+    }
+}
+
 /// Where an f32 check agrees at its first step and fails later, a note that training
 /// amplifies rounding step by step (a step whose gradient norm jumps is sensitive to its
 /// parameters' last bits), and how to tell that from a layout bug: in f64 rounding is some
@@ -296,9 +300,8 @@ fn growth_hint(
     dtype: Dtype,
     (config, steps): (&std::path::Path, usize),
 ) -> Option<String> {
-    let rel = |x: f64, y: f64| if x == y { 0.0 } else { (x - y).abs() / y.abs() };
     let off = |r: &(usize, f64, f64, f64, f64)| rel(r.1, r.2).max(rel(r.3, r.4));
-    let first = rows.iter().position(|r| off(r).is_nan() || off(r) > tol)?;
+    let first = rows.iter().position(|r| off(r) > tol)?;
     if dtype != Dtype::F32 || first == 0 {
         return None;
     }

@@ -115,9 +115,7 @@ fn threads_per_rank(mpi: bool, world: usize) -> String {
 /// The error that started a failure: a rank's own error (one naming a parameter or an edge
 /// first) rather than the others' reports of its failure.
 fn first_cause(errors: Vec<RuntimeError>) -> RuntimeError {
-    let mut errors = errors;
-    errors.sort_by_key(cause_rank);
-    errors.swap_remove(0)
+    errors.into_iter().min_by_key(cause_rank).expect("at least one error")
 }
 
 /// How far from the first cause an error is likely to be: a non-finite value first, then
@@ -212,6 +210,13 @@ pub fn describe_eval(e: &EvalReport) -> String {
 }
 
 impl Report {
+    /// Appends `line` to `metrics.jsonl`.
+    fn metrics_line(&self, line: &serde_json::Value) -> anyhow::Result<()> {
+        let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        writeln!(f, "{line}")
+            .with_context(|| format!("cannot write {}", self.metrics_path.display()))
+    }
+
     /// Writes and prints an evaluation after `done` steps.
     fn eval(&self, done: usize, e: &EvalReport) -> anyhow::Result<()> {
         let kinds = serde_json::to_value(&e.answers).context("cannot write the evaluation")?;
@@ -229,9 +234,7 @@ impl Report {
         if !e.loss.is_finite() {
             line["nonfinite"] = serde_json::json!(["heldout.loss"]);
         }
-        let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        writeln!(f, "{line}")
-            .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
+        self.metrics_line(&line)?;
         let scalars = [
             ("heldout/loss", e.loss),
             ("heldout/answer_accuracy", e.accuracy()),
@@ -271,9 +274,7 @@ impl Report {
                 "seconds": seconds,
             },
         });
-        let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        writeln!(f, "{line}")
-            .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
+        self.metrics_line(&line)?;
         let text = format!(
             "checkpoint after step {done} committed: {} ({:.2} MiB in {} files, {seconds:.2} s)",
             saved.dir.display(),
@@ -359,9 +360,7 @@ impl Report {
         ];
         let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
         events.scalars(log.step, &scalars).context("cannot write the TensorBoard events")?;
-        let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        writeln!(f, "{line}")
-            .with_context(|| format!("cannot write {}", self.metrics_path.display()))?;
+        self.metrics_line(&line)?;
         let skipped = if r.applied {
             String::new()
         } else {
