@@ -1346,7 +1346,7 @@ fn adamw_in_place_gives_the_bits_of_the_element_wise_update() {
                 lr: 1e-2,
                 decay: 0.1,
             };
-            adamw_step(&w, &g, &m, &v, s).unwrap();
+            assert!(adamw_step(&w, &g, &m, &v, s).unwrap(), "a finite update");
             want = reference::adamw(&want.0, &g, &want.1, &want.2, &s).unwrap();
             let bits =
                 |t: &Tensor| flat(t).unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -1376,5 +1376,47 @@ fn adamw_in_place_gives_the_bits_of_the_element_wise_update() {
     for (g, m, v) in [(&w.ones_like().unwrap(), &m, &m), (&m, &m, &v), (&v, &m, &v)] {
         let e = adamw_step(&w, g, m, v, step).unwrap_err();
         assert!(e.to_string().contains("must not share storage"), "{e}");
+    }
+}
+
+/// A finite gradient whose update overflows is written and reported: a weight pushed past
+/// the type's range by the learning rate, a second moment by the gradient's square (which
+/// would otherwise freeze its weight silently), and a NaN weight; one element of many.
+#[test]
+fn adamw_reports_an_update_that_overflows() {
+    // The first step's constants (bias corrections 1 - 0.9 and 1 - 0.999).
+    let (beta1, beta2) = (0.9, 0.999);
+    let (bc1, bc2) = (1.0 - beta1, 1.0 - beta2);
+    let step = |lr: f64| AdamStep { beta1, beta2, eps: 1e-8, scale: 1.0, bc1, bc2, lr, decay: 0.0 };
+    for dtype in [DType::F32, DType::F64] {
+        let max = if dtype == DType::F32 { f32::MAX as f64 } else { f64::MAX };
+        let n = 37;
+        let at = |i: usize, x: f64| {
+            let mut v = vec![0.5; n];
+            v[i] = x;
+            Tensor::from_vec(v, n, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+        };
+        let fresh = || {
+            (
+                Tensor::zeros(n, dtype, &Device::Cpu).unwrap(),
+                Tensor::zeros(n, dtype, &Device::Cpu).unwrap(),
+            )
+        };
+        // The weight at the type's largest value, moved further by the learning rate.
+        let (m, v) = fresh();
+        let w = at(17, -max);
+        assert!(!adamw_step(&w, &at(17, 1.0), &m, &v, step(max)).unwrap(), "{dtype:?} weight");
+        // A gradient whose square overflows the second moment.
+        let (m, v) = fresh();
+        let w = at(0, 0.5);
+        let huge = max.sqrt() * 4.0;
+        assert!(!adamw_step(&w, &at(n - 1, huge), &m, &v, step(1e-3)).unwrap(), "{dtype:?} v");
+        // A weight already NaN.
+        let (m, v) = fresh();
+        let w = at(30, f64::NAN);
+        assert!(!adamw_step(&w, &at(0, 1.0), &m, &v, step(1e-3)).unwrap(), "{dtype:?} NaN");
+        // The same shapes with ordinary values stay finite.
+        let (m, v) = fresh();
+        assert!(adamw_step(&at(3, 2.0), &at(3, 1.0), &m, &v, step(1e-3)).unwrap(), "{dtype:?}");
     }
 }

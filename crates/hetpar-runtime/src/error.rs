@@ -23,6 +23,21 @@ pub enum RuntimeError {
         /// Parameter (HF name).
         param: String,
     },
+    /// An update from finite gradients left a weight or its second moment non-finite
+    /// (RELIABILITY.md row 6): the learning rate or weight decay pushed the weight past the
+    /// element type's range, or a gradient's square overflowed the second moment. The
+    /// update is written in place, so it cannot be skipped like a non-finite gradient.
+    #[error(
+        "the update of {module} parameter {param} at learning rate {lr} left it non-finite (its gradients were finite): train.lr or train.weight_decay is too large for the element type, or a gradient's square overflows; the run stops whatever train.on_nonfinite says, and this step is not saved"
+    )]
+    UpdateOverflow {
+        /// Module.
+        module: String,
+        /// Parameter (HF name).
+        param: String,
+        /// The step's learning rate, as written.
+        lr: String,
+    },
     /// The ranks of a job were started with different configs, data or checkpoints
     /// ([`crate::agree::agree`]); the message names the ranks and the keys that differ.
     #[error("{0}")]

@@ -436,7 +436,16 @@ impl Executor {
                         let i = self.index(*m)?;
                         let lr = self.opts.lr.get(m).map_or(0.0, |s| s.at(step));
                         let params = trained(self.stages[i].as_ref(), &self.opts);
-                        self.states[i].update(&self.opts.adam, &params, &grads[i], lr, clip)?;
+                        let state = &mut self.states[i];
+                        if let Some(j) =
+                            state.update(&self.opts.adam, &params, &grads[i], lr, clip)?
+                        {
+                            return Err(RuntimeError::UpdateOverflow {
+                                module: self.stages[i].ctx().layout.name().to_string(),
+                                param: params[j].name.clone(),
+                                lr: format!("{lr:e}"),
+                            });
+                        }
                     }
                 }
                 Action::Offload(m) => self.offload(*m, &mut grads, &stash)?,

@@ -89,7 +89,9 @@ impl AdamState {
 
     /// Applies one update to `params` from `grads` scaled by `scale` (the clip factor) at
     /// learning rate `lr`, in place: the moments and the parameters are written where they
-    /// lie (by the fused kernel, with the bits of the element-wise composition).
+    /// lie (by the fused kernel, with the bits of the element-wise composition). Returns the
+    /// index of the first parameter the update left with a non-finite weight or second
+    /// moment (every parameter is updated either way).
     pub fn update(
         &mut self,
         opt: &AdamW,
@@ -97,10 +99,11 @@ impl AdamState {
         grads: &Grads,
         lr: f64,
         scale: f64,
-    ) -> Result<()> {
+    ) -> Result<Option<usize>> {
         self.steps += 1;
         let t = self.steps as i32;
         let (bc1, bc2) = (1.0 - opt.beta1.powi(t), 1.0 - opt.beta2.powi(t));
+        let mut overflowed = None;
         for (i, p) in params.iter().enumerate() {
             let decay = if p.tensor().rank() >= 2 { opt.weight_decay } else { 0.0 };
             let step = AdamStep {
@@ -119,9 +122,10 @@ impl AdamState {
                     *t = t.copy()?;
                 }
             }
-            adamw_step(p.tensor(), &grads.tensors[i], &self.m[i], &self.v[i], step)?;
+            let finite = adamw_step(p.tensor(), &grads.tensors[i], &self.m[i], &self.v[i], step)?;
+            overflowed = overflowed.or((!finite).then_some(i));
         }
-        Ok(())
+        Ok(overflowed)
     }
 }
 
@@ -201,7 +205,7 @@ mod tests {
                         .collect(),
                 );
                 let (lr, scale) = (1e-2 * (step + 1) as f64, if step == 2 { 0.37 } else { 1.0 });
-                fused.update(&opt, &[&w1, &b1], &grads, lr, scale).unwrap();
+                assert_eq!(fused.update(&opt, &[&w1, &b1], &grads, lr, scale).unwrap(), None);
                 composed(&mut reference, &opt, &[&w2, &b2], &grads, (lr, scale));
                 for (got, want) in [(w1.tensor(), w2.tensor()), (b1.tensor(), b2.tensor())] {
                     assert_eq!(bits(got), bits(want), "{dtype:?} step {step}: parameters");
@@ -214,6 +218,28 @@ mod tests {
             // The parameters moved.
             assert_ne!(bits(w1.tensor()), bits(make("w", &[7, 13], 1).tensor()));
         }
+    }
+
+    /// A gradient whose square overflows f32 leaves its second moment infinite (which would
+    /// freeze the weight with no error): the update names that parameter, the first such.
+    #[test]
+    fn an_update_that_overflows_names_its_parameter() {
+        let make = |name: &str, shape: &[usize], seed| {
+            Param::new(name.into(), shape, None, vec![], Init::Normal(0.5), seed, DType::F32)
+                .unwrap()
+        };
+        let (a, b, c) = (make("a", &[3, 4], 1), make("b", &[5], 2), make("c", &[2, 2], 3));
+        let mut state = AdamState::new(&[&a, &b, &c]).unwrap();
+        let grad =
+            |p: &Param, x: f32| p.tensor().ones_like().unwrap().affine(x as f64, 0.0).unwrap();
+        let grads = |x: f32| Grads::new(vec![grad(&a, 1.0), grad(&b, x), grad(&c, x)]);
+        let opt = AdamW::default();
+        assert_eq!(state.update(&opt, &[&a, &b, &c], &grads(1.0), 1e-3, 1.0).unwrap(), None);
+        let huge = 1e20; // finite in f32, its square is not
+        assert_eq!(state.update(&opt, &[&a, &b, &c], &grads(huge), 1e-3, 1.0).unwrap(), Some(1));
+        // Every parameter was still updated: `c`'s second moment is infinite too.
+        assert!(!crate::step::finite(&state.v[2]).unwrap());
+        assert!(crate::step::finite(&state.v[0]).unwrap());
     }
 
     #[test]

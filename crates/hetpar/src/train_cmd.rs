@@ -123,7 +123,7 @@ fn first_cause(errors: Vec<RuntimeError>) -> RuntimeError {
 fn cause_rank(e: &RuntimeError) -> u8 {
     let s = e.to_string();
     match e {
-        RuntimeError::NonFinite { .. } => 0,
+        RuntimeError::NonFinite { .. } | RuntimeError::UpdateOverflow { .. } => 0,
         _ if s.contains(" failed: ") || s.contains("failed peer") => 3,
         _ if s.contains("on another rank") => 2,
         _ => 1,

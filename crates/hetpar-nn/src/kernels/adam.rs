@@ -5,7 +5,7 @@
 //! the same order as that composition (each scalar taken to the element type first, `x *
 //! c + 0` where candle's affine map adds zero), so the results are the same bits.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Error, InplaceOp1, InplaceOp2, Layout, Storage, Tensor};
@@ -35,13 +35,19 @@ pub struct AdamStep {
 /// AdamW on contiguous elements: for each, the scaled gradient `g`, then `m = beta1 m +
 /// (1 - beta1) g`, `v = beta2 v + (1 - beta2) g^2` and `w = (1 - lr decay) w - lr (m /
 /// bc1) / (sqrt(v / bc2) + eps)`, each step the operation of the tensor composition.
+/// Whether every weight and second moment written is finite: a finite gradient can still
+/// overflow them (a huge learning rate or weight decay, a gradient whose square overflows),
+/// and a second moment at infinity would freeze its weight with no error anywhere.
 #[inline(always)]
-fn update<T: Real>(s: &AdamStep, w: &mut [T], g: &[T], m: &mut [T], v: &mut [T]) {
+fn update<T: Real>(s: &AdamStep, w: &mut [T], g: &[T], m: &mut [T], v: &mut [T]) -> bool {
     let (scale, zero, one) = (T::from_f64(s.scale), T::ZERO, T::ONE);
     let (beta1, rest1) = (T::from_f64(s.beta1), T::from_f64(1.0 - s.beta1));
     let (beta2, rest2) = (T::from_f64(s.beta2), T::from_f64(1.0 - s.beta2));
     let (c1, c2, eps) = (T::from_f64(1.0 / s.bc1), T::from_f64(1.0 / s.bc2), T::from_f64(s.eps));
     let (keep, lr) = (T::from_f64(1.0 - s.lr * s.decay), T::from_f64(s.lr));
+    let (low, high) = (T::NEG_INF, -T::NEG_INF);
+    // Comparisons fail for NaN, so this stays true only for values strictly inside.
+    let mut finite = true;
     for (((w, &gr), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         let g = gr * scale + zero;
         *m = (*m * beta1 + zero) + (g * rest1 + zero);
@@ -49,7 +55,9 @@ fn update<T: Real>(s: &AdamStep, w: &mut [T], g: &[T], m: &mut [T], v: &mut [T])
         let denom = (*v * c2 + zero).sqrt() * one + eps;
         let step = (*m * c1 + zero) / denom;
         *w = (*w * keep + zero) - (step * lr + zero);
+        finite &= (*w > low) & (*w < high) & (*v < high);
     }
+    finite
 }
 
 /// A written tensor's storage, handed from the op that holds its lock to the one inside.
@@ -67,6 +75,7 @@ struct First<'a> {
     g: &'a Tensor,
     v: &'a Tensor,
     step: AdamStep,
+    finite: &'a Cell<bool>,
 }
 
 struct Second<'a, 'b> {
@@ -74,12 +83,15 @@ struct Second<'a, 'b> {
     g: &'a Tensor,
     step: AdamStep,
     m: Held<'b>,
+    finite: &'a Cell<bool>,
 }
 
 struct Weights<'b> {
     step: AdamStep,
     m: Held<'b>,
     v: Held<'b>,
+    /// Set by the pass: whether every weight and second moment it wrote is finite.
+    finite: &'b Cell<bool>,
 }
 
 impl InplaceOp1 for First<'_> {
@@ -88,8 +100,13 @@ impl InplaceOp1 for First<'_> {
     }
 
     fn cpu_fwd(&self, m: &mut CpuStorage, lm: &Layout) -> CResult<()> {
-        let inner =
-            Second { w: self.w, g: self.g, step: self.step, m: RefCell::new(Some((m, lm))) };
+        let inner = Second {
+            w: self.w,
+            g: self.g,
+            step: self.step,
+            m: RefCell::new(Some((m, lm))),
+            finite: self.finite,
+        };
         self.v.inplace_op1(&inner)
     }
 }
@@ -104,6 +121,7 @@ impl InplaceOp1 for Second<'_, '_> {
             step: self.step,
             m: RefCell::new(Some(take(&self.m)?)),
             v: RefCell::new(Some((v, lv))),
+            finite: self.finite,
         };
         self.w.inplace_op2(self.g, &inner)
     }
@@ -132,7 +150,7 @@ impl InplaceOp2 for Weights<'_> {
             lg: &Layout,
             m: &mut [T],
             v: &mut [T],
-        ) -> CResult<()> {
+        ) -> CResult<bool> {
             let g = slice::<T>(g, lg, "adamw")?;
             if g.len() != w.len() || m.len() != w.len() || v.len() != w.len() {
                 return Err(Error::Msg(format!(
@@ -143,11 +161,10 @@ impl InplaceOp2 for Weights<'_> {
                     w.len()
                 )));
             }
-            simd::fast!(update(s, w, g, m, v));
-            Ok(())
+            Ok(simd::fast!(update(s, w, g, m, v)))
         }
         let s = &self.step;
-        match (w, m, v) {
+        let finite = match (w, m, v) {
             (CpuStorage::F32(w), CpuStorage::F32(m), CpuStorage::F32(v)) => {
                 go(s, &mut w[rw], g, lg, &mut m[rm], &mut v[rv])
             }
@@ -160,14 +177,17 @@ impl InplaceOp2 for Weights<'_> {
                 m.dtype(),
                 v.dtype()
             ))),
-        }
+        }?;
+        self.finite.set(finite);
+        Ok(())
     }
 }
 
 /// One AdamW update of `w` from its gradient `g`, with its moments `m` and `v`, all in
 /// place (`m`, `v` and `w` are written; `g` is read). All four are contiguous, of one
-/// shape and one element type.
-pub fn adamw_step(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: AdamStep) -> CResult<()> {
+/// shape and one element type. Returns whether every weight and second moment written is
+/// finite (the update is written either way).
+pub fn adamw_step(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: AdamStep) -> CResult<bool> {
     for (name, t) in [("gradient", g), ("first moment", m), ("second moment", v)] {
         if t.shape() != w.shape() {
             return Err(Error::Msg(format!(
@@ -188,7 +208,9 @@ pub fn adamw_step(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, step: AdamStep
         ));
     }
     let g = g.contiguous()?;
-    m.inplace_op1(&First { w, g: &g, v, step })
+    let finite = Cell::new(false);
+    m.inplace_op1(&First { w, g: &g, v, step, finite: &finite })?;
+    Ok(finite.get())
 }
 
 /// The address of a tensor's storage (tensors sharing storage share it).
