@@ -506,6 +506,22 @@ fn run_on(
         config: resolved.clone(),
         io_timeout: seconds("--io-timeout", a.io_timeout)?,
     });
+    // The data first: a record it refuses is reported before the run's description (the
+    // resolved config is some 80 lines).
+    let opened = crate::data_open::open(&graph, &|l| {
+        if lead {
+            say(l)
+        }
+    });
+    let data = match (opened, mpi) {
+        (Ok(d), _) => d,
+        // One process failing to open the data ends the whole job at once.
+        (Err(e), Some(world)) => {
+            fail_job(world.rank(), RuntimeError::Data(format!("{e:#}")))?;
+            return Ok(());
+        }
+        (Err(e), None) => return Err(e),
+    };
     if lead && graph.train.warmup > steps {
         say(&format!(
             "note: the learning rate warms up over {} steps, and this run has {steps}: it never reaches train.lr {}",
@@ -558,20 +574,6 @@ fn run_on(
             say(&format!("frozen (trainable = false): {}", frozen.join(", ")));
         }
     }
-    let opened = crate::data_open::open(&graph, &|l| {
-        if lead {
-            say(l)
-        }
-    });
-    let data = match (opened, mpi) {
-        (Ok(d), _) => d,
-        // One process failing to open the data ends the whole job at once.
-        (Err(e), Some(world)) => {
-            fail_job(world.rank(), RuntimeError::Data(format!("{e:#}")))?;
-            return Ok(());
-        }
-        (Err(e), None) => return Err(e),
-    };
     if let Some(world) = mpi {
         // Before anything is written under --out: a refused job leaves an earlier run's
         // metrics as they were.

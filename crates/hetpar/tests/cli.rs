@@ -1189,7 +1189,8 @@ fn the_saved_config_holds_steps_and_a_finished_run_resumed_again_does_nothing() 
 }
 
 /// A records path that does not exist is named itself, not through the tokenizer or the
-/// held-out set looked for next to it.
+/// held-out set looked for next to it, and before the run's description (some 80 lines of
+/// resolved config the error would otherwise follow).
 #[test]
 fn a_missing_data_path_is_named() {
     let tmp = temp("no-data");
@@ -1203,6 +1204,8 @@ fn a_missing_data_path_is_named() {
         err.ends_with("error: data.path /nonexistent/x.json: no such file or directory (a LLaVA records file, or a directory holding train.json)\n"),
         "{err}"
     );
+    let said = String::from_utf8(run.stdout).expect("utf-8");
+    assert!(!said.contains("resolved config"), "{said}");
 }
 
 /// A record longer than seq_len whose items fit is cut at its end, and the data line says
