@@ -104,6 +104,57 @@ pub fn bf16_peak_gflops(iters: usize) -> f64 {
     bf16_matmul_gflops(512, iters).max(bf16_matmul_gflops(1024, iters))
 }
 
+/// GFLOP/s of `n x n` products on this thread alone (best of `iters`): in bf16 (f32
+/// operands rounded, f32 sums) or in `dtype`.
+fn one_thread_gflops(n: usize, iters: usize, dtype: DType, bf16: bool) -> Result<f64> {
+    use crate::kernels::Real;
+    use crate::kernels::gemm::{View, matmul_on};
+    fn best<T: Real>(n: usize, iters: usize, bf16: bool) -> Result<f64> {
+        let a: Vec<T> = (0..n * n).map(|i| T::from_f64((i as f64 * 0.37).sin())).collect();
+        let b: Vec<T> = (0..n * n).map(|i| T::from_f64((i as f64 * 0.11).cos())).collect();
+        let mut c = vec![T::ZERO; n * n];
+        let v = View::rows(0, n, n, n);
+        let mut best = f64::INFINITY;
+        for _ in 0..iters.max(1) + 1 {
+            let t = Instant::now();
+            if bf16 {
+                T::bf16_product_into(&mut c, v, &a, v, &b, v, false, T::ONE)?;
+            } else {
+                matmul_on(&mut c, v, &a, v, &b, v, false, T::ONE, 1);
+            }
+            std::hint::black_box(&c);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(2.0 * (n as f64).powi(3) / best / 1e9)
+    }
+    match dtype {
+        DType::F32 => best::<f32>(n, iters, bf16),
+        DType::F64 => best::<f64>(n, iters, bf16),
+        other => Err(NnError::Input(format!("no reference matmul rate in {other:?}"))),
+    }
+}
+
+/// The reference rate of a job whose ranks compute on `cores` cores at once: as many
+/// threads, each multiplying on its own at the same time (the best of `iters` 512^3 and
+/// 1024^3 products each), their rates summed, GFLOP/s. Unlike [`matmul_peak_gflops`] it
+/// does not follow candle's thread count, which the ranks' own threads do not use.
+pub fn peak_on_cores(cores: usize, iters: usize, dtype: DType, how: Matmul) -> Result<f64> {
+    let bf16 = how == Matmul::Bf16;
+    std::thread::scope(|s| {
+        let each: Vec<_> = (0..cores.max(1))
+            .map(|_| {
+                s.spawn(move || -> Result<f64> {
+                    Ok(one_thread_gflops(512, iters, dtype, bf16)?
+                        .max(one_thread_gflops(1024, iters, dtype, bf16)?))
+                })
+            })
+            .collect();
+        each.into_iter()
+            .map(|h| h.join().map_err(|_| NnError::Input("a matmul thread panicked".into()))?)
+            .sum()
+    })
+}
+
 /// Row counts at which `bench nn` times the linear layers' forward product: the MoE
 /// experts of the bench model see about 128 rows each, a small microbatch a few hundred.
 pub const LINEAR_ROWS: [usize; 5] = [32, 64, 128, 256, 512];
@@ -445,4 +496,26 @@ pub fn bench_adamw(n: usize, iters: usize, dtype: DType) -> Result<(f64, f64)> {
         Ok(())
     })?;
     Ok((fused, composed))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// The training's reference rate runs in each element type it is asked for, on several
+    /// threads at once, and refuses bf16 products of f64 and the other element types.
+    #[test]
+    fn the_reference_rate_covers_the_element_types_and_refuses_the_rest() {
+        for (dtype, how) in
+            [(DType::F32, Matmul::Native), (DType::F64, Matmul::Native), (DType::F32, Matmul::Bf16)]
+        {
+            let rate = peak_on_cores(2, 1, dtype, how).unwrap();
+            assert!(rate.is_finite() && rate > 0.0, "{dtype:?} {how:?}: {rate}");
+        }
+        assert!(peak_on_cores(1, 1, DType::F64, Matmul::Bf16).is_err());
+        let e = peak_on_cores(1, 1, DType::F16, Matmul::Native).unwrap_err();
+        assert!(e.to_string().contains("F16"), "{e}");
+    }
 }

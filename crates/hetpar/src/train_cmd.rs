@@ -61,7 +61,8 @@ pub struct Args {
     #[arg(long, value_name = "auto|DIR")]
     pub resume: Option<String>,
     /// Peak of the whole job in TFLOP/s, for MFU in metrics.jsonl (default: measured at
-    /// start, a matmul on all of this machine's cores; under MPI, that times the ranks).
+    /// start, a matmul on each core the ranks compute on; under MPI, rank 0's times the
+    /// ranks).
     #[arg(long, value_name = "TFLOPS")]
     pub peak_tflops: Option<f64>,
     /// Evaluate held-out loss and answer accuracy every N steps (0: only before the first
@@ -586,16 +587,26 @@ fn run_on(
         ];
         agree_mpi(world, (&cfg, &graph), (dtype, steps), &data, (&ckpt, &when))?;
     }
+    // The cores this process's ranks compute on: each rank's threads, together at most
+    // the machine's (the demo's three ranks share two cores).
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let peak_cores = match mpi {
+        None => graph.world * hetpar_nn::kernels::share_of(graph.world),
+        Some(_) => hetpar_nn::kernels::threads(),
+    }
+    .min(cores);
     let report = if lead {
         let peak = match a.peak_tflops {
             Some(t) => t * 1e12,
             None => {
-                // As `hetpar bench nn` measures it: a few 512^3 products alone moved the
-                // peak by a quarter run to run.
-                let one = match graph.train.dtype {
-                    Dtype::Bf16 => hetpar_nn::bench::bf16_peak_gflops(10),
-                    Dtype::F32 | Dtype::F64 => hetpar_nn::bench::matmul_peak_gflops(10, dtype)?,
-                } * 1e9;
+                // As `hetpar bench nn` measures it (a few 512^3 products alone moved the
+                // peak by a quarter run to run), on as many cores as the ranks here compute
+                // on, however many threads candle would use.
+                let how = match graph.train.dtype {
+                    Dtype::Bf16 => hetpar_nn::kernels::linear::Matmul::Bf16,
+                    Dtype::F32 | Dtype::F64 => hetpar_nn::kernels::linear::Matmul::Native,
+                };
+                let one = hetpar_nn::bench::peak_on_cores(peak_cores, 10, dtype, how)? * 1e9;
                 one * mpi.map_or(1, |w| w.size()) as f64
             }
         };
@@ -708,7 +719,18 @@ fn run_on(
         rate(flops / secs.max(1e-9)),
         100.0 * flops / secs.max(1e-9) / report.peak,
         rate(report.peak),
-        if a.peak_tflops.is_some() { " (--peak-tflops)" } else { " (matmul measured at start)" }
+        match (a.peak_tflops, mpi) {
+            (Some(_), _) => " (--peak-tflops)".to_string(),
+            (None, None) => format!(
+                " (matmul on {peak_cores} core{} measured at start)",
+                if peak_cores == 1 { "" } else { "s" }
+            ),
+            (None, Some(w)) => format!(
+                " (matmul on rank 0's {peak_cores} core{} measured at start, times {} ranks)",
+                if peak_cores == 1 { "" } else { "s" },
+                w.size()
+            ),
+        }
     ));
     if let Some(k) = &ckpt {
         let dir = k.root.join(hetpar_runtime::checkpoint::dir_name(done));
