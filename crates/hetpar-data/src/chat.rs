@@ -82,7 +82,11 @@ impl Vocab {
         Vocab::of(tokenizer, &path.display().to_string())
     }
 
-    fn of(tokenizer: Tokenizer, what: &str) -> Result<Vocab> {
+    fn of(mut tokenizer: Tokenizer, what: &str) -> Result<Vocab> {
+        // A record's text is text: a `<|end|>` or `<|user|>` written in it is tokenized as
+        // its characters, not as the template's marker (the template inserts its markers'
+        // ids itself), so a record cannot forge a turn boundary or padding.
+        tokenizer.set_encode_special_tokens(true);
         let mut special = [0; 7];
         for (id, s) in special.iter_mut().zip(SPECIAL) {
             *id = tokenizer.token_to_id(s).ok_or_else(|| {
@@ -119,7 +123,8 @@ impl Vocab {
         SPECIAL.iter().position(|t| *t == s).map(|i| self.special[i])
     }
 
-    /// The ids of `text`, no special tokens added.
+    /// The ids of `text`, no special tokens added, and none recognized in it: the markers'
+    /// spellings in `text` are tokenized as text.
     pub fn ids(&self, text: &str) -> Result<Vec<u32>> {
         let e = self
             .tokenizer

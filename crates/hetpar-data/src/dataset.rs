@@ -79,6 +79,9 @@ pub struct Skipped {
     pub reason: String,
 }
 
+/// How a record whose media file is not there is reported (its reason begins so).
+const MISSING: &str = "missing file";
+
 /// One usable record.
 #[derive(Clone, Debug)]
 pub struct Entry {
@@ -97,6 +100,17 @@ pub struct Payload {
     pub values: Vec<f32>,
     /// `[3, size, size]` or `[n_mels, frames]`.
     pub shape: Vec<usize>,
+}
+
+/// A payload decoded, with its file and what was cut to fit its encoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decoded {
+    /// The encoder's input.
+    pub payload: Payload,
+    /// The file it was read from.
+    pub file: PathBuf,
+    /// Samples of a clip past the audio encoder's frames, left out (0 for images).
+    pub cut: usize,
 }
 
 /// One assistant answer of a sample: the positions that predict its tokens (its text and
@@ -132,23 +146,30 @@ impl Dataset {
                 spec.vocab
             )));
         }
-        let records = llava::read(&spec.path)?;
+        let records = llava::read_each(&spec.path)?;
         let (image_rows, audio_rows) =
             (spec.fronts.image.map_or(0, |f| f.1), spec.fronts.audio.map_or(0, |f| f.2));
         let (mut entries, mut skipped) = (Vec::new(), Vec::new());
-        for (index, record) in records.into_iter().enumerate() {
-            let usable = Self::usable(&spec, &record)
-                .and_then(|()| chat::encode(&vocab, &record, image_rows, audio_rows, spec.seq_len));
+        for (index, read) in records.into_iter().enumerate() {
+            let usable = match read {
+                Err(u) => Err((u.id, u.message)),
+                Ok(record) => match Self::usable(&spec, &record).and_then(|()| {
+                    chat::encode(&vocab, &record, image_rows, audio_rows, spec.seq_len)
+                }) {
+                    Ok(encoded) => Ok((record, encoded)),
+                    Err(reason) => Err((record.id, reason)),
+                },
+            };
             match usable {
-                Ok(encoded) => entries.push(Entry { record, index, encoded }),
-                Err(reason) if spec.on_bad == BadData::Skip => {
-                    skipped.push(Skipped { id: record.id.clone(), index, reason });
+                Ok((record, encoded)) => entries.push(Entry { record, index, encoded }),
+                Err((id, reason)) if spec.on_bad == BadData::Skip => {
+                    skipped.push(Skipped { id, index, reason });
                 }
-                Err(message) => {
+                Err((id, message)) => {
                     return Err(DataError::Record {
                         path: spec.path.clone(),
                         index,
-                        id: record.id,
+                        id,
                         message: format!(
                             "{message} (data.on_bad = \"skip\" leaves such records out)"
                         ),
@@ -156,10 +177,31 @@ impl Dataset {
                 }
             }
         }
-        if entries.is_empty() {
+        // Every record with media gone for missing files, under `skip`, is a media root
+        // that points elsewhere, not a few bad records: training on the text alone would
+        // run and say little.
+        let missing = skipped.iter().find(|s| s.reason.starts_with(MISSING));
+        let with_media = |e: &Entry| !(e.record.image.is_empty() && e.record.audio.is_empty());
+        if let Some(first) = missing
+            && !entries.iter().any(with_media)
+        {
             return Err(DataError::Options(format!(
-                "{}: no usable record ({} left out)",
-                spec.path.display(),
+                "every record with media was left out, {} of them for missing files (the first, record {} (id {:?}): {}), leaving {} text-only records: is the media root {} right (data.image_root, default the records' directory)?",
+                skipped.iter().filter(|s| s.reason.starts_with(MISSING)).count(),
+                first.index,
+                first.id,
+                first.reason,
+                entries.len(),
+                spec.media_root.display()
+            )));
+        }
+        if entries.is_empty() {
+            let first = skipped.first().map_or_else(String::new, |s| {
+                format!("; the first, record {} (id {:?}): {}", s.index, s.id, s.reason)
+            });
+            // An option error: the caller names the file first.
+            return Err(DataError::Options(format!(
+                "no usable record ({} left out{first})",
                 skipped.len()
             )));
         }
@@ -181,7 +223,7 @@ impl Dataset {
             for p in media.paths() {
                 let file = spec.media_root.join(p);
                 if !file.is_file() {
-                    return Err(format!("missing file {}", file.display()));
+                    return Err(format!("{MISSING} {}", file.display()));
                 }
             }
         }
@@ -237,6 +279,12 @@ impl Dataset {
     /// clip's log-mel frames (the clip zero-padded or cut to the encoder's frames first,
     /// as Whisper pads or cuts to 30 s). An unreadable file is an error naming the record.
     pub fn payload(&self, e: usize, k: usize) -> Result<Payload> {
+        self.decode(e, k).map(|d| d.payload)
+    }
+
+    /// [`Self::payload`], with what the decoding found: the file, and the samples of a clip
+    /// past the audio encoder's frames, cut off.
+    pub fn decode(&self, e: usize, k: usize) -> Result<Decoded> {
         let entry = &self.entries[e];
         let item = entry.encoded.items.get(k).ok_or_else(|| {
             self.record_error(
@@ -251,16 +299,17 @@ impl Dataset {
                 let file = self.spec.media_root.join(entry.record.image.paths()[item.index]);
                 let values = pixels::load_image(&file, size).map_err(named)?;
                 let s = size as usize;
-                Ok(Payload { values, shape: vec![3, s, s] })
+                Ok(Decoded { payload: Payload { values, shape: vec![3, s, s] }, file, cut: 0 })
             }
             Kind::Audio => {
                 let (n_mels, frames, _) = self.spec.fronts.audio.expect("checked at open");
                 let file = self.spec.media_root.join(entry.record.audio.paths()[item.index]);
                 let mut clip = mel::read_wav(&file).map_err(named)?;
+                let cut = clip.len().saturating_sub(frames * mel::HOP);
                 clip.resize(frames * mel::HOP, 0.0);
                 let mel = self.mel.as_ref().expect("made at open");
                 let values = mel.compute(&clip).map_err(named)?;
-                Ok(Payload { values, shape: vec![n_mels, frames] })
+                Ok(Decoded { payload: Payload { values, shape: vec![n_mels, frames] }, file, cut })
             }
         }
     }

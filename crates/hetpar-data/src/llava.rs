@@ -5,8 +5,8 @@
 //!
 //! What [`load`] refuses, naming the file and the record (RELIABILITY.md row 9): a file that
 //! is not a list of such records; a record whose placeholders and media disagree in number;
-//! a placeholder in an assistant turn; an unknown placeholder (`<video>`: anything of the
-//! form `<lowercase_letters>` other than the two above); a record with no assistant turn.
+//! a placeholder in an assistant turn; a placeholder of media hetpar has no encoder for
+//! (`<video>`; any other `<word>` is text); a record with no assistant turn.
 //! [`check_files`] adds media files that do not exist.
 
 use std::path::{Path, PathBuf};
@@ -38,7 +38,7 @@ pub struct Record {
 
 /// One path or a list of paths, as LLaVA files write either.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a path or a list of paths")]
 pub enum Media {
     /// A single item.
     One(String),
@@ -147,21 +147,21 @@ impl Record {
     }
 }
 
-/// Every `<lowercase_letters>` in `text`, in order.
-fn placeholders(text: &str) -> Vec<&str> {
+/// The placeholders LLaVA-family files write for media: the two hetpar reads, and
+/// `<video>`, which it has no encoder for (refused by name). Any other `<word>` is text: an
+/// answer may well hold HTML (`<b>`, `<br>`), and a misspelt placeholder is caught by the
+/// count of placeholders against the files listed.
+const MEDIA: [&str; 3] = [IMAGE, AUDIO, "<video>"];
+
+/// Every media placeholder ([`MEDIA`]) in `text`, in order.
+fn placeholders(text: &str) -> Vec<&'static str> {
     let mut out = Vec::new();
     let mut rest = text;
-    while let Some(start) = rest.find('<') {
-        let tail = &rest[start..];
-        let Some(end) = tail[1..].find(|c: char| !(c.is_ascii_lowercase() || c == '_')) else {
-            break;
-        };
-        if end > 0 && tail[1 + end..].starts_with('>') {
-            out.push(&tail[..end + 2]);
-            rest = &tail[end + 2..];
-        } else {
-            rest = &tail[1..];
-        }
+    while let Some((at, p)) =
+        MEDIA.iter().filter_map(|p| rest.find(p).map(|at| (at, *p))).min_by_key(|(at, _)| *at)
+    {
+        out.push(p);
+        rest = &rest[at + p.len()..];
     }
     out
 }
@@ -189,13 +189,68 @@ pub fn load(path: &Path) -> Result<Vec<Record>> {
 }
 
 /// Reads a LLaVA JSON file without checking its records (a file that is not a list of
-/// records is still an error, with the parser's line and column).
+/// records is still an error, with the parser's line and column; an element that is not a
+/// record, the first such, names its index and id).
 pub fn read(path: &Path) -> Result<Vec<Record>> {
+    read_each(path)?
+        .into_iter()
+        .enumerate()
+        .map(|(index, r)| {
+            r.map_err(|u| DataError::Record {
+                path: path.to_path_buf(),
+                index,
+                id: u.id,
+                message: u.message,
+            })
+        })
+        .collect()
+}
+
+/// An element of a records file that is not a record: its `id` (empty where it has none)
+/// and what is wrong, the field's path first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unreadable {
+    /// The element's `id`, as text.
+    pub id: String,
+    /// Why it is not a record.
+    pub message: String,
+}
+
+/// Reads a LLaVA JSON file element by element: the file must be a JSON list (a UTF-8 byte
+/// order mark before it is allowed); each element is a record or, where it is not one
+/// (a field missing or of the wrong type, an unknown speaker), an [`Unreadable`], so that
+/// one bad record is named, or left out, rather than failing the file.
+pub fn read_each(path: &Path) -> Result<Vec<std::result::Result<Record, Unreadable>>> {
     let text = std::fs::read_to_string(path).map_err(io(path))?;
-    serde_json::from_str(&text).map_err(|e| DataError::Format {
-        path: path.to_path_buf(),
-        message: format!("not a LLaVA JSON list: {e}"),
-    })
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    let elements: Vec<serde_json::Value> = serde_json::from_str(text).map_err(|e| {
+        // JSON Lines (one record a line) reads as one object followed by more.
+        let hint = if text.trim_start().starts_with('{') {
+            " (the file holds an object; hetpar reads a JSON list of records, [ ... ], not JSON Lines)"
+        } else {
+            ""
+        };
+        DataError::Format { path: path.to_path_buf(), message: format!("not a LLaVA JSON list: {e}{hint}") }
+    })?;
+    Ok(elements
+        .into_iter()
+        .map(|v| {
+            let id = match v.get("id") {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(other) => other.to_string(),
+                None => String::new(),
+            };
+            serde_path_to_error::deserialize::<_, Record>(v).map_err(|e| {
+                let at = e.path().to_string();
+                let message = if at == "." {
+                    format!("not a LLaVA record: {}", e.inner())
+                } else {
+                    format!("not a LLaVA record: {at}: {}", e.inner())
+                };
+                Unreadable { id, message }
+            })
+        })
+        .collect())
 }
 
 /// Checks that every image exists under `image_root` and every clip under `audio_root`.
@@ -241,11 +296,12 @@ mod tests {
     }
 
     #[test]
-    fn placeholders_are_lowercase_words_in_angle_brackets() {
+    fn placeholders_are_the_media_words_and_other_tags_are_text() {
         assert_eq!(
-            placeholders("<image>\nIs <b>this</b> a <video>? a < b > c <x_y> <>"),
-            ["<image>", "<b>", "<video>", "<x_y>"]
+            placeholders("<image>\nIs <b>this</b> a <video>? a < b > c <x_y> <> <audio><image>"),
+            ["<image>", "<video>", "<audio>", "<image>"]
         );
+        assert!(placeholders("Use the <b> tag, then <br> and <Image>").is_empty());
     }
 
     #[test]

@@ -159,7 +159,8 @@ fn nonzero_span(row: &[f64]) -> std::ops::Range<usize> {
 }
 
 /// A WAV file's samples in [-1, 1], channels averaged. It must be 16 kHz (the features
-/// assume it; resample elsewhere), 16-bit integer or 32-bit float.
+/// assume it; resample elsewhere), 8-, 16-, 24- or 32-bit integer or 32-bit float, and hold
+/// at least one sample (an empty clip would train as silence).
 pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
     let bad = |message: String| DataError::Encode { path: path.to_path_buf(), message };
     let mut reader = hound::WavReader::open(path).map_err(|e| bad(e.to_string()))?;
@@ -175,6 +176,14 @@ pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
             .samples::<i16>()
             .map(|s| s.map(|v| f32::from(v) / 32768.0))
             .collect::<std::result::Result<_, _>>(),
+        (hound::SampleFormat::Int, bits @ (8 | 24 | 32)) => {
+            // Full scale is 2^(bits - 1), as 32768 is for 16 bits.
+            let scale = 1.0 / f64::from(1u32 << (bits - 1));
+            reader
+                .samples::<i32>()
+                .map(|s| s.map(|v| (f64::from(v) * scale) as f32))
+                .collect::<std::result::Result<_, _>>()
+        }
         (hound::SampleFormat::Float, 32) => {
             reader.samples::<f32>().collect::<std::result::Result<_, _>>()
         }
@@ -184,11 +193,17 @@ pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
                 hound::SampleFormat::Float => "float",
             };
             return Err(bad(format!(
-                "{bits}-bit {kind} samples; hetpar reads 16-bit integer or 32-bit float WAV"
+                "{bits}-bit {kind} samples; hetpar reads 8-, 16-, 24- or 32-bit integer or 32-bit float WAV"
             )));
         }
     }
     .map_err(|e| bad(e.to_string()))?;
+    if interleaved.is_empty() {
+        return Err(bad(
+            "holds no samples (an empty data chunk, or a header that says so): it would train as silence"
+                .into(),
+        ));
+    }
     let channels = usize::from(spec.channels.max(1));
     Ok(interleaved.chunks(channels).map(|c| c.iter().sum::<f32>() / channels as f32).collect())
 }

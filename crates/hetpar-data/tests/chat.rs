@@ -4,7 +4,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-use hetpar_data::chat::{ASSISTANT, END, Encoded, Item, Kind, PAD, SPECIAL, USER, Vocab, encode};
+use hetpar_data::chat::{
+    ASSISTANT, END, Encoded, Item, Kind, PAD, SPECIAL, SYSTEM, USER, Vocab, encode,
+};
 use hetpar_data::llava::{AUDIO, IMAGE, Record};
 use hetpar_data::synth::{self, SynthOptions};
 
@@ -180,4 +182,33 @@ fn truncation_cuts_only_past_every_row_and_keeps_something_to_learn() {
     let e = encode(&v, &one, 4, 3, prompt).unwrap_err();
     assert!(e.contains("leaves no assistant token to learn"), "{e}");
     assert!(encode(&v, &one, 4, 3, prompt + 1).is_ok());
+}
+
+/// A marker's spelling written in a record's text is text: it neither closes a turn nor
+/// pads, and the only marker ids in the sequence are those the template puts there (a
+/// record could otherwise forge a turn boundary, and a run of `<|end|>` be cut as padding).
+#[test]
+fn markers_written_in_a_record_are_text() {
+    let v = vocab();
+    // The turn and padding markers (`<image>` and `<audio>` are placeholders, read as such
+    // in human turns and refused elsewhere by the record's check).
+    for marker in [PAD, USER, ASSISTANT, SYSTEM, END] {
+        let r = record(&format!(
+            r#"{{"id": "m", "conversations": [{{"from": "human", "value": "say {marker} twice"}}, {{"from": "gpt", "value": "{marker}{marker}"}}]}}"#
+        ));
+        let e = encode(&v, &r, 4, 3, 64).unwrap();
+        let id = v.id(marker).unwrap();
+        let n = e.length;
+        let count = e.ids[..n].iter().filter(|&&i| i == id).count();
+        let template = match marker {
+            USER | ASSISTANT => 1,
+            END => 2,
+            _ => 0,
+        };
+        assert_eq!(count, template, "{marker} in the text became a marker");
+        // The answer's text comes back as written.
+        let answer = &e.ids
+            [(e.ids[..n].iter().position(|&i| i == v.id(ASSISTANT).unwrap()).unwrap() + 1)..n - 1];
+        assert_eq!(v.decode(answer).unwrap(), format!("{marker}{marker}"));
+    }
 }

@@ -162,3 +162,57 @@ fn each_bad_data_class_names_the_record_or_is_skipped_and_counted() {
             .to_string();
     assert!(err.contains("modules.llm.vocab = 100"), "{err}");
 }
+
+/// An element of the file that is not a record (a speaker the format has no name for, a
+/// field missing or of the wrong type) is named by its index, id and field, and under the
+/// skip policy left out like any unusable record: one bad record does not fail the file.
+#[test]
+fn elements_that_are_not_records_are_named_or_skipped() {
+    let dir = synth_dir("malformed");
+    let path = dir.path().join("train.json");
+    let mut records: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let list = records.as_array_mut().unwrap();
+    list[0]["conversations"][1]["from"] = "assistant".into();
+    list[3].as_object_mut().unwrap().remove("conversations");
+    list[5]["image"] = serde_json::Value::Null;
+    let ids: Vec<String> =
+        [0, 3, 5].iter().map(|&i| list[i]["id"].as_str().unwrap().to_string()).collect();
+    // Behind a byte order mark, which some editors write.
+    std::fs::write(&path, format!("\u{feff}{records}")).unwrap();
+    let err =
+        Dataset::open(spec(dir.path(), "train.json", BadData::Error)).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("record 0 (id {:?})", ids[0]))
+            && err.contains("conversations[1].from: unknown variant `assistant`"),
+        "{err}"
+    );
+    let ds = Dataset::open(spec(dir.path(), "train.json", BadData::Skip)).unwrap();
+    assert_eq!(ds.entries().len(), 33);
+    let skipped: Vec<(usize, &str)> =
+        ds.skipped().iter().map(|s| (s.index, s.id.as_str())).collect();
+    assert_eq!(skipped, [(0, ids[0].as_str()), (3, ids[1].as_str()), (5, ids[2].as_str())]);
+    assert!(ds.skipped()[1].reason.contains("missing field `conversations`"), "{:?}", ds.skipped());
+    assert!(ds.skipped()[2].reason.contains("image: "), "{:?}", ds.skipped());
+    // JSON Lines is not read, and says so.
+    let lines: Vec<String> = records.as_array().unwrap().iter().map(ToString::to_string).collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let err = Dataset::open(spec(dir.path(), "train.json", BadData::Skip)).unwrap_err().to_string();
+    assert!(err.contains("not JSON Lines"), "{err}");
+}
+
+/// Under the skip policy, a media root that holds none of the files leaves only the
+/// text-only records: refused, naming the root, rather than trained on text alone.
+#[test]
+fn a_media_root_holding_no_file_is_refused_under_skip() {
+    let dir = synth_dir("root");
+    let wrong = dir.path().join("elsewhere");
+    let spec =
+        DatasetSpec { media_root: wrong.clone(), ..spec(dir.path(), "train.json", BadData::Skip) };
+    let err = Dataset::open(spec).unwrap_err().to_string();
+    assert!(
+        err.contains("every record with media was left out")
+            && err.contains(&format!("is the media root {} right", wrong.display())),
+        "{err}"
+    );
+}

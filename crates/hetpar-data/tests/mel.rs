@@ -99,5 +99,27 @@ fn wav_files_read_as_16_khz_mono_and_others_are_refused() {
         e.contains("fast.wav: sampled at 44100 Hz; the audio encoder's features need 16000 Hz"),
         "{e}"
     );
+    // Other integer depths read at their full scale: half scale and the most negative
+    // value give 0.5 and -1 at every depth.
+    for bits in [8u16, 24, 32] {
+        let spec = hound::WavSpec {
+            channels: 1,
+            sample_rate: 16_000,
+            bits_per_sample: bits,
+            sample_format: hound::SampleFormat::Int,
+        };
+        let path = dir.join(format!("int{bits}.wav"));
+        let mut w = hound::WavWriter::create(&path, spec).unwrap();
+        let full = 1i64 << (bits - 1);
+        for v in [full / 2, -full] {
+            w.write_sample(i32::try_from(v).unwrap()).unwrap();
+        }
+        w.finalize().unwrap();
+        assert_eq!(read_wav(&path).unwrap(), [0.5, -1.0], "{bits}-bit");
+    }
+    // A clip with no samples would train as silence: refused.
+    let empty = write("empty.wav", 16_000, 1, &[]);
+    let e = read_wav(&empty).unwrap_err().to_string();
+    assert!(e.contains("empty.wav: holds no samples"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }

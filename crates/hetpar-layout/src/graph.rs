@@ -730,6 +730,29 @@ fn check_data(data: &DataConfig) -> Result<()> {
             "source = \"llava\" needs path = a LLaVA JSON file or a `hetpar data synth` directory",
         ));
     }
+    if data.source != DataSource::Llava {
+        let given = [
+            ("data.path", &data.path),
+            ("data.image_root", &data.image_root),
+            ("data.tokenizer", &data.tokenizer),
+            ("data.heldout", &data.heldout),
+        ];
+        if let Some((key, _)) = given.iter().find(|(_, v)| v.is_some()) {
+            let own = match data.source {
+                DataSource::Synth => {
+                    "generates its own set into the cache (to train on files, set source = \"llava\"; `hetpar data synth --out DIR` writes the synthetic set where you choose)"
+                }
+                _ => "draws its samples in memory (to train on files, set source = \"llava\")",
+            };
+            return Err(ConfigError::new(
+                *key,
+                format!(
+                    "applies to source = \"llava\" only; source \"{}\" {own}",
+                    data.source.name()
+                ),
+            ));
+        }
+    }
     if data.source == DataSource::Synth && data.samples < 2 {
         return Err(ConfigError::new(
             "data.samples",

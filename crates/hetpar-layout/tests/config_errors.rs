@@ -271,6 +271,15 @@ fn max_items_must_fit_and_apply() {
         validate(&with("source = \"synth\"\non_bad = \"skip\"")).expect("ok").data.samples,
         1000
     );
+    // The files' keys apply to llava only: elsewhere they would be silently ignored.
+    assert_eq!(
+        validate(&with("source = \"synth\"\npath = \"d\"")).expect_err("synth has no path"),
+        "data.path: applies to source = \"llava\" only; source \"synth\" generates its own set into the cache (to train on files, set source = \"llava\"; `hetpar data synth --out DIR` writes the synthetic set where you choose)"
+    );
+    assert_eq!(
+        validate(&with("image_root = \"d\"")).expect_err("synthetic has no files"),
+        "data.image_root: applies to source = \"llava\" only; source \"synthetic\" draws its samples in memory (to train on files, set source = \"llava\")"
+    );
 }
 
 #[test]

@@ -1,10 +1,15 @@
-//! `hetpar data synth`: writes the synthetic LLaVA-format dataset.
+//! `hetpar data synth`: writes the synthetic LLaVA-format dataset. `hetpar data check`:
+//! opens a config's data as training would and decodes every image and clip, so a file
+//! that would stop a run mid-way is found before it starts.
 
 #![allow(clippy::print_stdout)]
 
 use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::Context;
+use anyhow::{Context, bail};
+use hetpar_data::Dataset;
 use hetpar_data::SynthOptions;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -23,6 +28,25 @@ enum DataCommand {
         after_help = "Examples:\n  hetpar data synth --out /tmp/d\n  hetpar data synth --out /tmp/d --samples 200 --seed 7"
     )]
     Synth(SynthArgs),
+    /// Open a config's data as `hetpar train` does (records checked, encoded and counted,
+    /// the skip policy applied) and decode every image and clip of every usable record
+    /// into its encoder's input, on every core: a file that does not decode, which would
+    /// otherwise stop a run at the step that reads it, is listed with its record, and
+    /// clips longer than the audio encoder's frames (cut to them) are counted. Exits 1 if
+    /// any item does not decode.
+    #[command(
+        after_help = "Examples:\n  hetpar data check my-run.toml\n  hetpar data check --set data.source=llava --set data.path=/data/llava/train.json"
+    )]
+    Check(CheckArgs),
+}
+
+#[derive(clap::Args)]
+struct CheckArgs {
+    /// The training config (default: the built-in demo).
+    config: Option<PathBuf>,
+    /// Override a config value before validation (repeatable), as for `hetpar train`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -54,7 +78,105 @@ struct SynthArgs {
 pub(crate) fn run(args: &Args) -> anyhow::Result<()> {
     match &args.command {
         DataCommand::Synth(a) => synth(a),
+        DataCommand::Check(a) => check(a),
     }
+}
+
+/// How many failures are listed one by one.
+const LISTED: usize = 10;
+
+fn check(a: &CheckArgs) -> anyhow::Result<()> {
+    let (_, graph) = crate::config_load::load(a.config.as_deref(), &a.set)?;
+    let data = crate::data_open::open(&graph, &|l| println!("{l}"))?;
+    let crate::data_open::RunData::Files { train, heldout } = data else {
+        println!("source = \"synthetic\" draws its samples in memory: there are no files to check");
+        return Ok(());
+    };
+    let mut failed = 0;
+    for ds in std::iter::once(&train).chain(heldout.as_ref()) {
+        failed += decode_all(ds)?;
+    }
+    if failed > 0 {
+        bail!("{failed} item{} did not decode", if failed == 1 { "" } else { "s" });
+    }
+    Ok(())
+}
+
+/// Decodes every item of `ds`'s usable records on every core, prints what it found, and
+/// returns how many items failed.
+fn decode_all(ds: &Dataset) -> anyhow::Result<usize> {
+    let items: Vec<(usize, usize)> = ds
+        .entries()
+        .iter()
+        .enumerate()
+        .flat_map(|(e, entry)| (0..entry.encoded.items.len()).map(move |k| (e, k)))
+        .collect();
+    let path = ds.spec().path.display().to_string();
+    let bar = ProgressBar::new(items.len() as u64).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} items, {eta} left")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let start = std::time::Instant::now();
+    let next = AtomicUsize::new(0);
+    // (item index, error) and (item index, samples cut), each kept in item order below.
+    let errors = Mutex::new(Vec::new());
+    let cuts = Mutex::new(Vec::new());
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    std::thread::scope(|s| {
+        for _ in 0..cores.min(items.len()).max(1) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(e, k)) = items.get(i) else { break };
+                    match ds.decode(e, k) {
+                        Ok(d) if d.cut > 0 => {
+                            cuts.lock().unwrap_or_else(|p| p.into_inner()).push((i, d.cut))
+                        }
+                        Ok(_) => {}
+                        Err(err) => errors.lock().unwrap_or_else(|p| p.into_inner()).push((i, err)),
+                    }
+                    bar.inc(1);
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let mut errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
+    let mut cuts = cuts.into_inner().unwrap_or_else(|p| p.into_inner());
+    errors.sort_by_key(|(i, _)| *i);
+    cuts.sort_by_key(|(i, _)| *i);
+    let kinds = |kind: hetpar_data::chat::Kind| {
+        items.iter().filter(|&&(e, k)| ds.entries()[e].encoded.items[k].kind == kind).count()
+    };
+    println!(
+        "{path}: {} images and {} clips of {} records decoded in {:.1} s; {} did not",
+        kinds(hetpar_data::chat::Kind::Image),
+        kinds(hetpar_data::chat::Kind::Audio),
+        ds.entries().len(),
+        start.elapsed().as_secs_f64(),
+        errors.len()
+    );
+    for (_, err) in errors.iter().take(LISTED) {
+        println!("  {err}");
+    }
+    if errors.len() > LISTED {
+        println!("  ... and {} more", errors.len() - LISTED);
+    }
+    if let Some(&(i, first)) = cuts.first() {
+        let (e, _) = items[i];
+        let entry = &ds.entries()[e];
+        let rate = f64::from(hetpar_data::mel::SAMPLE_RATE);
+        println!(
+            "  {} clip{} longer than the audio encoder's input, cut to it ({:.1} s of audio left out in all; first: record {} id {:?}, {:.1} s cut)",
+            cuts.len(),
+            if cuts.len() == 1 { "" } else { "s" },
+            cuts.iter().map(|&(_, c)| c as f64).sum::<f64>() / rate,
+            entry.index,
+            entry.record.id,
+            first as f64 / rate
+        );
+    }
+    Ok(errors.len())
 }
 
 fn synth(a: &SynthArgs) -> anyhow::Result<()> {

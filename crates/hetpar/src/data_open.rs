@@ -81,14 +81,22 @@ pub fn cache_dir() -> PathBuf {
     }
 }
 
+/// Where the synth set of `samples` samples seeded by `seed` lies in the cache (generated
+/// or not).
+pub fn synth_dir(samples: usize, seed: u64) -> PathBuf {
+    cache_dir().join(format!(
+        "synth-{}-n{samples}-seed{seed}",
+        hetpar_data::synth::FORMAT.replace('/', "-")
+    ))
+}
+
 /// The synth set of `samples` samples seeded by `seed` under the cache, generated if it is
 /// not there yet (into a temporary directory renamed into place, so an interrupted or
 /// concurrent generation never leaves a half-written set). `say` reports what it did.
 pub fn synth_cache(samples: usize, seed: u64, say: &dyn Fn(&str)) -> anyhow::Result<PathBuf> {
     let root = cache_dir();
-    let name =
-        format!("synth-{}-n{samples}-seed{seed}", hetpar_data::synth::FORMAT.replace('/', "-"));
-    let dir = root.join(&name);
+    let dir = synth_dir(samples, seed);
+    let name = dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     if dir.join("synth.json").is_file() {
         return Ok(dir);
     }

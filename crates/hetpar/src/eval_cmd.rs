@@ -44,6 +44,21 @@ pub struct Args {
     pub backend: String,
 }
 
+/// The tokenizer the checkpoint's run read, where that file is still there to compare with
+/// (a synth set in this machine's cache, a records file's neighbour, `data.tokenizer`).
+fn trained_tokenizer(text: &str, config: &Path) -> Option<PathBuf> {
+    use hetpar_layout::config::DataSource;
+    let (_, trained) =
+        crate::config_load::load_text(text.to_string(), config.display().to_string(), &[]).ok()?;
+    let path = match trained.data.source {
+        DataSource::Synthetic => return None,
+        DataSource::Synth => crate::data_open::synth_dir(trained.data.samples, trained.train.seed)
+            .join("tokenizer.json"),
+        DataSource::Llava => crate::data_open::paths(&trained, &|_| {}).ok()??.tokenizer,
+    };
+    path.is_file().then_some(path)
+}
+
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let ckpt = checkpoint(&a.ckpt)?;
     let config = ckpt.join(CONFIG_FILE);
@@ -74,8 +89,21 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         "data.max_items=1".to_string(),
     ];
     sets.extend(a.set.iter().cloned());
+    let trained = trained_tokenizer(&text, &config);
     let (cfg, mut graph) =
         crate::config_load::load_text(text, config.display().to_string(), &sets)?;
+    if let (Some(trained), Some(used)) = (trained, graph.data.tokenizer.as_deref()) {
+        let digest = |p: &Path| hetpar_runtime::checkpoint::sha256(p).map(|(sha, _)| sha);
+        let used = Path::new(used);
+        if used.is_file() && digest(&trained)? != digest(used)? {
+            anyhow::bail!(
+                "--data {}: its tokenizer {} is not the one the checkpoint was trained with ({}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
+                a.data.display(),
+                used.display(),
+                trained.display()
+            );
+        }
+    }
     // The precision the checkpoint was trained in, so the numbers are the ones the run
     // found: f64 where its tensors are (checkpoints saved before a config could say
     // `dtype = "f64"` have f64 tensors under an "f32" config), else its config's.

@@ -1534,8 +1534,9 @@ mod tests {
             let (cfg, _) = load(None, &sets).unwrap();
             run_facts(&cfg, "f32", 3, &RunData::Synthetic, None).unwrap()
         };
-        let here = facts(&["data.path=\"/a/train.json\"", "data.image_root=\"/a\""]);
-        let there = facts(&["data.path=\"/b/train.json\"", "data.image_root=\"/b\""]);
+        let llava = "data.source=\"llava\"";
+        let here = facts(&[llava, "data.path=\"/a/train.json\"", "data.image_root=\"/a\""]);
+        let there = facts(&[llava, "data.path=\"/b/train.json\"", "data.image_root=\"/b\""]);
         assert_eq!(here, there);
         assert!(here.text().contains("train.lr = 0.001\n"), "{}", here.text());
         assert_ne!(here, facts(&["train.lr=1e-2"]));

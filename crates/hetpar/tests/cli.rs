@@ -641,6 +641,22 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     let missing = hetpar(&["eval", out, "--data", "/nonexistent/set"]);
     let err = String::from_utf8_lossy(&missing.stderr).to_string();
     assert!(!missing.status.success() && err.contains("/nonexistent/set"), "{err}");
+    // The same records next to another tokenizer: refused, naming both (its ids would not
+    // mean what the model learned).
+    let other = out_dir.join("other-tokenizer");
+    std::fs::create_dir_all(&other).expect("dir");
+    std::fs::copy(theirs.with_file_name("heldout.json"), other.join("heldout.json")).expect("copy");
+    let texts = ["another tokenizer's text".to_string()];
+    let vocab = hetpar_data::chat::Vocab::train(&texts, 300).expect("vocab");
+    vocab.save(&other.join("tokenizer.json")).expect("save");
+    let refused = hetpar(&["eval", out, "--data", other.to_str().expect("utf-8")]);
+    let err = String::from_utf8_lossy(&refused.stderr).to_string();
+    assert!(
+        !refused.status.success()
+            && err.contains("is not the one the checkpoint was trained with")
+            && err.contains(&theirs.display().to_string()),
+        "{err}"
+    );
 }
 
 /// An f64 run's checkpoint evaluates in f64, as the run evaluated its held-out set: the
@@ -1513,4 +1529,77 @@ fn a_model_too_large_for_the_machine_is_refused_before_allocating() {
     let err = refused_for_memory("too-large", &sets);
     assert!(err.starts_with("error: in-memory: its weights, gradients and AdamW moments on 3 rank(s) in this process need about "), "{err}");
     assert!(err.contains("GiB this machine has available"), "{err}");
+}
+
+/// A 16 kHz mono 16-bit WAV of `samples` samples of a tone (the header written by hand).
+fn wav(path: &Path, samples: usize) {
+    let data = (samples * 2) as u32;
+    let mut b = Vec::new();
+    b.extend_from_slice(b"RIFF");
+    b.extend_from_slice(&(36 + data).to_le_bytes());
+    b.extend_from_slice(b"WAVEfmt ");
+    b.extend_from_slice(&16u32.to_le_bytes());
+    b.extend_from_slice(&1u16.to_le_bytes()); // PCM
+    b.extend_from_slice(&1u16.to_le_bytes()); // mono
+    b.extend_from_slice(&16_000u32.to_le_bytes());
+    b.extend_from_slice(&32_000u32.to_le_bytes());
+    b.extend_from_slice(&2u16.to_le_bytes());
+    b.extend_from_slice(&16u16.to_le_bytes());
+    b.extend_from_slice(b"data");
+    b.extend_from_slice(&data.to_le_bytes());
+    for i in 0..samples {
+        let v = (8000.0 * (i as f64 / 10.0).sin()) as i16;
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(path, b).expect("wav");
+}
+
+/// `hetpar data check` decodes every item of a config's data before a run: a file that
+/// does not decode is listed with its record and the command exits 1, where training would
+/// have stopped at the step that reads it; a clip longer than the audio encoder's input is
+/// counted as cut.
+#[test]
+fn data_check_lists_what_does_not_decode_and_counts_cut_clips() {
+    let tmp = temp("data-check");
+    let dir = tmp.path().join("d");
+    let d = dir.to_str().expect("utf-8");
+    stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "12"]));
+    let path = format!("data.path={d:?}");
+    let args = ["data", "check", "examples/demo.toml", "--set", "data.source=\"llava\"", "--set"];
+    let check = || hetpar(&[&args[..], &[path.as_str()]].concat());
+    let text = stdout(&check());
+    assert!(text.contains("train.json: ") && text.contains("decoded in"), "{text}");
+    assert!(!text.contains("cut to it"), "{text}");
+    let records: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("train.json")).expect("json"))
+            .expect("records");
+    let list = records.as_array().expect("a list");
+    let first_with = |key: &str| {
+        list.iter()
+            .enumerate()
+            .find_map(|(i, r)| {
+                let p = r.get(key)?;
+                let p = p.as_str().or_else(|| p.as_array()?.first()?.as_str())?;
+                Some((i, r["id"].as_str().expect("id").to_string(), dir.join(p)))
+            })
+            .expect("a record with the item")
+    };
+    let (i, id, image) = first_with("image");
+    std::fs::write(&image, b"not an image").expect("write");
+    // 2 s against the demo's 128 frames of 10 ms: 0.72 s cut.
+    let (_, _, clip) = first_with("audio");
+    wav(&clip, 32_000);
+    let bad = check();
+    assert_eq!(bad.status.code(), Some(1));
+    let text = String::from_utf8(bad.stdout).expect("utf-8");
+    assert!(
+        text.contains(&format!("record {i} (id {id:?}): {}: unreadable image", image.display())),
+        "{text}"
+    );
+    assert!(
+        text.contains("1 clip longer than the audio encoder's input, cut to it (0.7 s"),
+        "{text}"
+    );
+    let err = String::from_utf8(bad.stderr).expect("utf-8");
+    assert!(err.ends_with("error: 1 item did not decode\n"), "{err}");
 }
