@@ -173,13 +173,20 @@ pub struct Item {
     pub rows: usize,
 }
 
-/// A record as the LLM sees it.
+/// A record as the LLM sees it. Held once per record for the whole run, so it keeps its
+/// tokens unpadded and its learned tokens as runs of positions (4 bytes a token, where the
+/// padded ids and targets took 12 bytes a position); [`Encoded::ids`] and
+/// [`Encoded::targets`] give the padded sequences.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Encoded {
-    /// Token ids, `seq_len` of them (padded).
-    pub ids: Vec<u32>,
-    /// What each position predicts (-1: nothing).
-    pub targets: Vec<i64>,
+    /// The kept token ids (at most `seq_len`), not padded.
+    tokens: Vec<u32>,
+    /// Positions of learned tokens, in runs.
+    spans: Vec<std::ops::Range<usize>>,
+    /// Positions in all.
+    seq_len: usize,
+    /// The id padding fills with.
+    pad: u32,
     /// Encoder rows' places, in sequence order.
     pub items: Vec<Item>,
     /// Tokens before padding or truncation.
@@ -259,11 +266,59 @@ pub fn encode(
         ids.truncate(seq_len);
         learned.truncate(seq_len);
     }
-    let kept = ids.len();
-    ids.resize(seq_len, sp(PAD));
-    learned.resize(seq_len, false);
-    let targets = (0..seq_len)
-        .map(|i| if i + 1 < kept && learned[i + 1] { i64::from(ids[i + 1]) } else { -1 })
-        .collect();
-    Ok(Encoded { ids, targets, items, length, truncated })
+    // The learned tokens as runs of positions (position 0 predicts nothing: no position
+    // before it).
+    let mut spans = Vec::new();
+    let mut j = 1;
+    while j < ids.len() {
+        if learned[j] {
+            let start = j;
+            while j < ids.len() && learned[j] {
+                j += 1;
+            }
+            spans.push(start..j);
+        } else {
+            j += 1;
+        }
+    }
+    ids.shrink_to_fit();
+    Ok(Encoded { tokens: ids, spans, seq_len, pad: sp(PAD), items, length, truncated })
+}
+
+impl Encoded {
+    /// The token ids, padded to `seq_len`.
+    pub fn ids(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.seq_len);
+        self.extend_ids(&mut out, self.seq_len);
+        out
+    }
+
+    /// What each of the `seq_len` positions predicts: the next token where that token is
+    /// learned (an assistant's text or its closing marker), else -1.
+    pub fn targets(&self) -> Vec<i64> {
+        let mut out = Vec::with_capacity(self.seq_len);
+        self.extend_targets(&mut out, self.seq_len);
+        out
+    }
+
+    /// Appends the first `n` (at most `seq_len`) of [`Self::ids`] to `out`.
+    pub fn extend_ids(&self, out: &mut Vec<u32>, n: usize) {
+        let n = n.min(self.seq_len);
+        let kept = self.tokens.len().min(n);
+        out.extend_from_slice(&self.tokens[..kept]);
+        out.extend(std::iter::repeat_n(self.pad, n - kept));
+    }
+
+    /// Appends the first `n` (at most `seq_len`) of [`Self::targets`] to `out`.
+    pub fn extend_targets(&self, out: &mut Vec<i64>, n: usize) {
+        let n = n.min(self.seq_len);
+        let base = out.len();
+        out.resize(base + n, -1);
+        for span in &self.spans {
+            // Token j is predicted at position j - 1.
+            for j in span.start..span.end.min(n + 1) {
+                out[base + j - 1] = i64::from(self.tokens[j]);
+            }
+        }
+    }
 }

@@ -317,15 +317,16 @@ impl Dataset {
     /// The answers of entry `e` (only those whose every position fits `seq_len`).
     pub fn answers(&self, e: usize) -> Vec<Answer> {
         let enc = &self.entries[e].encoded;
+        let targets = enc.targets();
         let mut out = Vec::new();
         let mut p = 0;
-        while p < enc.targets.len() {
-            if enc.targets[p] < 0 {
+        while p < targets.len() {
+            if targets[p] < 0 {
                 p += 1;
                 continue;
             }
             let start = p;
-            while p < enc.targets.len() && enc.targets[p] >= 0 {
+            while p < targets.len() && targets[p] >= 0 {
                 p += 1;
             }
             // The question is the user turn before the answer: its items sit between the
@@ -343,7 +344,7 @@ impl Dataset {
                 .unwrap_or("text");
             // An answer cut by truncation (no closing marker) would count as wrong for
             // tokens it never had.
-            if enc.targets[p - 1] == i64::from(self.end) {
+            if targets[p - 1] == i64::from(self.end) {
                 out.push(Answer { positions: start..p, kind });
             }
         }

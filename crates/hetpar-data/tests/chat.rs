@@ -92,12 +92,12 @@ fn single_image_multi_image_audio_and_text_only_records() {
         ],
         32,
     );
-    assert_eq!((e.ids.as_slice(), e.targets.as_slice()), (ids.as_slice(), targets.as_slice()));
+    assert_eq!((e.ids(), e.targets()), (ids, targets));
     assert_eq!(e.items, [Item { kind: Kind::Image, index: 0, position: 1, rows: 4 }]);
     assert_eq!(e.truncated, 0);
     // The last learned token is the closing <|end|>: the position before it predicts it.
-    let learned: Vec<usize> = (0..32).filter(|&i| e.targets[i] >= 0).collect();
-    assert_eq!(e.targets[*learned.last().unwrap()], i64::from(v.id(END).unwrap()));
+    let learned: Vec<usize> = (0..32).filter(|&i| e.targets()[i] >= 0).collect();
+    assert_eq!(e.targets()[*learned.last().unwrap()], i64::from(v.id(END).unwrap()));
     assert_eq!(learned.len(), t("two red circles").len() + 1);
 
     // Two images then a clip in a second turn: items in order, each with its rows.
@@ -127,7 +127,7 @@ fn single_image_multi_image_audio_and_text_only_records() {
         ],
         64,
     );
-    assert_eq!((e.ids, e.targets), (ids, targets));
+    assert_eq!((e.ids(), e.targets()), (ids, targets));
     let second = 1 + 4 + t("\n").len();
     let audio_at = e.items[2].position;
     assert_eq!(
@@ -158,7 +158,7 @@ fn single_image_multi_image_audio_and_text_only_records() {
         ],
         24,
     );
-    assert_eq!((e.ids, e.targets), (ids, targets));
+    assert_eq!((e.ids(), e.targets()), (ids, targets));
 }
 
 #[test]
@@ -171,9 +171,10 @@ fn truncation_cuts_only_past_every_row_and_keeps_something_to_learn() {
     // Cut two tokens off the end: the rest is unchanged, the cut counted.
     let cut = encode(&v, &one, 4, 3, full.length - 2).unwrap();
     assert_eq!((cut.length, cut.truncated), (full.length, 2));
-    assert_eq!(cut.ids[..], full.ids[..full.length - 2]);
-    assert_eq!(cut.targets[..cut.ids.len() - 1], full.targets[..cut.ids.len() - 1]);
-    assert_eq!(*cut.targets.last().unwrap(), -1, "the last position predicts nothing kept");
+    let (cut_ids, cut_targets, full_targets) = (cut.ids(), cut.targets(), full.targets());
+    assert_eq!(cut_ids[..], full.ids()[..full.length - 2]);
+    assert_eq!(cut_targets[..cut_ids.len() - 1], full_targets[..cut_ids.len() - 1]);
+    assert_eq!(*cut_targets.last().unwrap(), -1, "the last position predicts nothing kept");
     // An image's rows past the end: refused, naming the item.
     let e = encode(&v, &one, 40, 3, 30).unwrap_err();
     assert!(e.contains("do not fit seq_len 30: image 0 needs positions 1..41"), "{e}");
@@ -199,7 +200,8 @@ fn markers_written_in_a_record_are_text() {
         let e = encode(&v, &r, 4, 3, 64).unwrap();
         let id = v.id(marker).unwrap();
         let n = e.length;
-        let count = e.ids[..n].iter().filter(|&&i| i == id).count();
+        let ids = e.ids();
+        let count = ids[..n].iter().filter(|&&i| i == id).count();
         let template = match marker {
             USER | ASSISTANT => 1,
             END => 2,
@@ -207,8 +209,8 @@ fn markers_written_in_a_record_are_text() {
         };
         assert_eq!(count, template, "{marker} in the text became a marker");
         // The answer's text comes back as written.
-        let answer = &e.ids
-            [(e.ids[..n].iter().position(|&i| i == v.id(ASSISTANT).unwrap()).unwrap() + 1)..n - 1];
+        let answer = &ids
+            [(ids[..n].iter().position(|&i| i == v.id(ASSISTANT).unwrap()).unwrap() + 1)..n - 1];
         assert_eq!(v.decode(answer).unwrap(), format!("{marker}{marker}"));
     }
 }

@@ -85,7 +85,7 @@ fn records_load_and_every_kind_of_sample_occurs() {
     // Every training record goes through the template at the demo's sizes.
     for r in &train {
         let e = encode(&vocab, r, 4, 3, 128).unwrap();
-        assert!(e.targets.iter().any(|&t| t >= 0), "{}", r.id);
+        assert!(e.targets().iter().any(|&t| t >= 0), "{}", r.id);
     }
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -287,11 +287,11 @@ impl TextSource for FileData {
         let score = batch >= HELDOUT;
         for (&e, &scored) in drawn.entries.iter().zip(&drawn.scored) {
             let enc = &drawn.dataset.entries()[e].encoded;
-            tokens.extend_from_slice(&enc.ids[..seq]);
+            enc.extend_ids(&mut tokens, seq);
             if score && !scored {
                 targets.extend(std::iter::repeat_n(-1, seq));
             } else {
-                targets.extend_from_slice(&enc.targets[..seq]);
+                enc.extend_targets(&mut targets, seq);
             }
         }
         Ok(TextBatch { seq, tokens, targets, score })

@@ -206,8 +206,11 @@ fn filler_slots_of_the_last_heldout_batch_count_nothing() {
     let spec = DatasetSpec { path: file, ..heldout.spec().clone() };
     let small = Arc::new(Dataset::open(spec).unwrap());
     assert_eq!(small.eval_batches(g.train.global_batch), 1);
-    let want_targets: usize =
-        small.entries().iter().map(|e| e.encoded.targets.iter().filter(|&&t| t >= 0).count()).sum();
+    let want_targets: usize = small
+        .entries()
+        .iter()
+        .map(|e| e.encoded.targets().iter().filter(|&&t| t >= 0).count())
+        .sum();
     let want_answers: usize = (0..3).map(|e| small.answers(e).len()).sum();
     let out = launch(1, LocalOptions { timeout: Duration::from_secs(60) }, |c| {
         let sources = Sources::files(&g, 0, train.clone(), Some(small.clone()));
