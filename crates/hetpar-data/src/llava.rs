@@ -138,8 +138,11 @@ impl Record {
             [(IMAGE, images, self.image.paths().len()), (AUDIO, clips, self.audio.paths().len())]
         {
             if placed != listed {
+                let s = |n: usize| if n == 1 { "" } else { "s" };
                 return Err(format!(
-                    "{placed} {what} placeholders in the turns but {listed} files listed"
+                    "{placed} {what} placeholder{} in the turns but {listed} file{} listed",
+                    s(placed),
+                    s(listed)
                 ));
             }
         }
@@ -337,7 +340,7 @@ mod tests {
         let cases = [
             (
                 r#"{"id": "a", "image": ["x.png", "y.png"], "conversations": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "."}]}"#,
-                "1 <image> placeholders in the turns but 2 files listed",
+                "1 <image> placeholder in the turns but 2 files listed",
             ),
             (
                 r#"{"id": "b", "conversations": [{"from": "human", "value": "<video> what?"}, {"from": "gpt", "value": "."}]}"#,

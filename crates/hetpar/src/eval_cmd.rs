@@ -23,7 +23,8 @@ pub struct Args {
     /// `checkpoints/` (then the latest committed checkpoint).
     pub ckpt: PathBuf,
     /// The records to evaluate: a `hetpar data synth` directory (its heldout.json) or a
-    /// LLaVA JSON file, with its tokenizer.json next to it.
+    /// LLaVA JSON file, with its tokenizer.json next to it and media paths relative to it
+    /// (media elsewhere: `--set data.image_root=DIR`).
     #[arg(long, value_name = "DIR")]
     pub data: PathBuf,
     /// Override a value of the checkpoint's config (repeatable), e.g. `--set

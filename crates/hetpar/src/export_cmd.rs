@@ -35,8 +35,10 @@ pub fn checkpoint(path: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// The chat template of `hetpar-data` in the Jinja form HF tokenizers apply: a role marker,
-/// the text, `<|end|>` after each turn; `<|assistant|>` opens the reply to generate.
-const CHAT_TEMPLATE: &str = "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}";
+/// the text, `<|end|>` after each turn; `<|assistant|>` opens the reply to generate. The
+/// LLaVA files' own role names (`human`, `gpt`) are taken as `user` and `assistant`, as
+/// hetpar reads them.
+const CHAT_TEMPLATE: &str = "{% for m in messages %}{% set r = m['role'] %}{% if r == 'human' %}{% set r = 'user' %}{% elif r == 'gpt' %}{% set r = 'assistant' %}{% endif %}{{ '<|' + r + '|>' + m['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}";
 
 /// Copies the run's `tokenizer.json` next to the exported LLM with a `tokenizer_config.json`
 /// (special tokens, chat template, length) and a `special_tokens_map.json`; `None` when the
@@ -72,7 +74,31 @@ fn export_tokenizer(ckpt: &Path, hf: &Path) -> anyhow::Result<Option<PathBuf>> {
         "eos_token": hetpar_data::chat::END,
         "additional_special_tokens": special,
     });
-    for (name, v) in [("tokenizer_config.json", config), ("special_tokens_map.json", map)] {
+    // The ids generation stops at and pads with, in the model's config and its generation
+    // config: without them HF takes Llama's defaults (bos 1, eos 2), here `<|user|>` and
+    // `<|assistant|>`, and `generate` runs past every `<|end|>`.
+    let vocab = hetpar_data::chat::Vocab::load(&dst)?;
+    let id = |s: &str| vocab.id(s).context("the tokenizer lacks a template marker");
+    let (end, pad) = (id(hetpar_data::chat::END)?, id(hetpar_data::chat::PAD)?);
+    let model_config = llm.join("config.json");
+    let mut model: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&model_config)
+            .with_context(|| format!("cannot read {}", model_config.display()))?,
+    )?;
+    model["eos_token_id"] = end.into();
+    model["pad_token_id"] = pad.into();
+    model["bos_token_id"] = serde_json::Value::Null;
+    let generation = serde_json::json!({
+        "eos_token_id": end,
+        "pad_token_id": pad,
+        "bos_token_id": null,
+    });
+    for (name, v) in [
+        ("tokenizer_config.json", config),
+        ("special_tokens_map.json", map),
+        ("config.json", model),
+        ("generation_config.json", generation),
+    ] {
         let file = llm.join(name);
         std::fs::write(&file, serde_json::to_string_pretty(&v)? + "\n")
             .with_context(|| format!("cannot write {}", file.display()))?;
@@ -98,7 +124,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         match tokenizer {
             Some(t) => println!(
-                "  tokenizer: {} with tokenizer_config.json (chat template) and special_tokens_map.json",
+                "  tokenizer: {} with tokenizer_config.json (chat template), special_tokens_map.json and generation_config.json (generation stops at <|end|>)",
                 t.display()
             ),
             None => println!("  no tokenizer: the run trained on in-process synthetic tokens"),

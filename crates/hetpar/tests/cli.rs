@@ -636,7 +636,17 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     )
     .expect("json");
     assert_eq!(cfg["eos_token"], "<|end|>");
-    assert!(cfg["chat_template"].as_str().expect("template").contains("<|assistant|>"));
+    let template = cfg["chat_template"].as_str().expect("template");
+    assert!(template.contains("<|assistant|>") && template.contains("'gpt'"), "{template}");
+    // Generation stops at <|end|> and pads with <|pad|>: in the model's config and its
+    // generation config (HF's Llama defaults would name <|user|> and <|assistant|>).
+    for name in ["config.json", "generation_config.json"] {
+        let c: Value =
+            serde_json::from_str(&std::fs::read_to_string(hf.join("llm").join(name)).expect(name))
+                .expect("json");
+        assert_eq!((&c["eos_token_id"], &c["pad_token_id"]), (&Value::from(4), &Value::from(0)));
+        assert!(c["bos_token_id"].is_null(), "{name}: {c}");
+    }
     // A data directory that is not there is named.
     let missing = hetpar(&["eval", out, "--data", "/nonexistent/set"]);
     let err = String::from_utf8_lossy(&missing.stderr).to_string();
