@@ -15,8 +15,8 @@ tower as `WhisperEncoder` with the `audio_tower.` prefix mapped away, and the tw
 projectors are applied by hand. Each record goes through hetpar's chat template
 (`crates/hetpar-data/src/chat.rs`): a role marker, the text, `<|end|>` per turn, each
 placeholder expanded to its encoder's rows; the loss and accuracy are over the assistant
-text and its closing marker, position i predicting token i + 1. Pixels follow
-`pixels.rs` (bicubic resize to the square, `(x / 255 - 0.5) / 0.5`), log-mel features
+text and its closing marker, position i predicting token i + 1. Pixels come from the
+export's `preprocessor_config.json` through `AutoImageProcessor`; log-mel features follow
 `mel.rs` (Slaney filterbank, Whisper's log10 and clamping, the clip padded or cut to the
 encoder's frames). 16-bit WAV only, as the synthetic set writes.
 """
@@ -32,7 +32,7 @@ import torch
 import transformers
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, SiglipVisionModel
+from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer, SiglipVisionModel
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 F = torch.nn.functional
@@ -45,14 +45,6 @@ def projector(weights, prefix, h):
     w = lambda n: weights[f"{prefix}.{n}"]
     return F.linear(F.gelu(F.linear(h, w("linear_1.weight"), w("linear_1.bias"))),
                     w("linear_2.weight"), w("linear_2.bias"))
-
-
-def pixels(path, size):
-    img = Image.open(path).convert("RGB")
-    if img.size != (size, size):
-        img = img.resize((size, size), Image.BICUBIC)
-    arr = np.asarray(img).astype(np.float32)
-    return torch.from_numpy(((arr / 255.0 - 0.5) / 0.5).transpose(2, 0, 1).copy())
 
 
 def slaney_hz_to_mel(f):
@@ -107,6 +99,7 @@ def main():
     vision = audio = None
     try:
         vision = SiglipVisionModel.from_pretrained(f"{a.hf}/vision").eval()
+        processor = AutoImageProcessor.from_pretrained(f"{a.hf}/vision")
         vcfg = vision.config
         image_rows = (vcfg.image_size // vcfg.patch_size) ** 2
         vision_w = load_file(f"{a.hf}/vision/model.safetensors")
@@ -157,7 +150,8 @@ def main():
                 path = f"{a.data}/{media[kind][used[p]]}"
                 used[p] += 1
                 if p == "<image>":
-                    h = vision(pixel_values=pixels(path, vcfg.image_size)[None]).last_hidden_state
+                    pixels = processor(images=Image.open(path), return_tensors="pt").pixel_values
+                    h = vision(pixel_values=pixels).last_hidden_state
                     embeds[0, at:at + rows] = projector(vision_w, "multi_modal_projector", h)[0]
                 else:
                     mel = log_mel(path, acfg.num_mel_bins, 2 * acfg.max_source_positions)

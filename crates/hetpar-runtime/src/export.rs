@@ -31,6 +31,9 @@ pub struct Exported {
     pub tensors: usize,
     /// Bytes of `model.safetensors`.
     pub bytes: u64,
+    /// The JSON files written beside it (`config.json`, and a ViT's
+    /// `preprocessor_config.json`).
+    pub configs: Vec<&'static str>,
 }
 
 fn bad(path: &Path, e: impl std::fmt::Display) -> RuntimeError {
@@ -120,6 +123,24 @@ fn hf_config(m: &Module, seq_len: usize, dtype: &str) -> (String, serde_json::Va
     }
 }
 
+/// The HF image processor of a ViT of `size` pixels: what `hetpar-data`'s `pixels.rs`
+/// does, as SigLIP's processor says it (RGB, a bicubic resize to the square, `x / 255`,
+/// then `(x - 0.5) / 0.5` per channel), so `AutoImageProcessor` gives the encoder's input.
+fn image_processor(size: usize) -> serde_json::Value {
+    serde_json::json!({
+        "image_processor_type": "SiglipImageProcessor",
+        "do_convert_rgb": true,
+        "do_resize": true,
+        "size": {"height": size, "width": size},
+        "resample": 3,
+        "do_rescale": true,
+        "rescale_factor": 1.0 / 255.0,
+        "do_normalize": true,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    })
+}
+
 /// Exports checkpoint `ckpt` into `out/<module>/`.
 pub fn export_hf(ckpt: &Path, out: &Path) -> Result<Vec<Exported>> {
     let graph = checkpoint_graph(ckpt)?;
@@ -152,15 +173,23 @@ pub fn export_hf(ckpt: &Path, out: &Path) -> Result<Vec<Exported>> {
             from.iter().map(|(p, n)| (p.as_path(), n.as_str())).collect();
         let written = copy_tensors(&file, &pairs)?;
         let (architecture, config) = hf_config(m, graph.train.seq_len, &manifest.dtype);
-        let cpath = dir.join("config.json");
-        let text = serde_json::to_string_pretty(&config).map_err(|e| bad(&cpath, e))?;
-        std::fs::write(&cpath, text).map_err(|e| bad(&cpath, e))?;
+        let mut files = vec![("config.json", config)];
+        if let ModuleSpec::Vit { image_size, .. } = m.spec {
+            files.push(("preprocessor_config.json", image_processor(image_size)));
+        }
+        let configs = files.iter().map(|(name, _)| *name).collect();
+        for (name, value) in files {
+            let path = dir.join(name);
+            let text = serde_json::to_string_pretty(&value).map_err(|e| bad(&path, e))?;
+            std::fs::write(&path, text + "\n").map_err(|e| bad(&path, e))?;
+        }
         done.push(Exported {
             module: m.name.clone(),
             dir,
             architecture,
             tensors: written.tensors.len(),
             bytes: written.bytes,
+            configs,
         });
     }
     Ok(done)

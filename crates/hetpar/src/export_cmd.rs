@@ -115,11 +115,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         println!("exported {} to {}:", ckpt.display(), a.hf.display());
         for e in done {
             println!(
-                "  {}: {} ({} tensors, {:.2} MiB) and config.json",
+                "  {}: {} ({} tensors, {:.2} MiB) and {}",
                 e.module,
                 e.architecture,
                 e.tensors,
-                e.bytes as f64 / (1024.0 * 1024.0)
+                e.bytes as f64 / (1024.0 * 1024.0),
+                e.configs.join(", ")
             );
         }
         match tokenizer {

@@ -89,7 +89,8 @@ enum Command {
     Data(data_cmd::Args),
     /// Write a checkpoint as HF-format models: per module model.safetensors (HF names, no
     /// optimizer state) and config.json (Llama or Mixtral, SigLIP vision tower with its
-    /// LLaVA projector, Whisper encoder).
+    /// LLaVA projector and preprocessor_config.json, Whisper encoder); for a run on files,
+    /// the tokenizer with its chat template and the generation config beside the LLM.
     #[command(
         after_help = "Examples:\n  hetpar export runs/demo --hf /tmp/demo-hf\n  hetpar export runs/demo/checkpoints/step-00000100 --hf /tmp/demo-hf"
     )]

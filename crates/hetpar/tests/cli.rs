@@ -638,6 +638,17 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     assert_eq!(cfg["eos_token"], "<|end|>");
     let template = cfg["chat_template"].as_str().expect("template");
     assert!(template.contains("<|assistant|>") && template.contains("'gpt'"), "{template}");
+    // The vision tower's image processor: hetpar's pixels, as SigLIP's processor says them.
+    let processor: Value = serde_json::from_str(
+        &std::fs::read_to_string(hf.join("vision").join("preprocessor_config.json"))
+            .expect("preprocessor_config.json"),
+    )
+    .expect("json");
+    assert_eq!(processor["size"], serde_json::json!({"height": 32, "width": 32}));
+    assert_eq!(
+        (&processor["image_mean"], &processor["resample"]),
+        (&serde_json::json!([0.5, 0.5, 0.5]), &Value::from(3))
+    );
     // Generation stops at <|end|> and pads with <|pad|>: in the model's config and its
     // generation config (HF's Llama defaults would name <|user|> and <|assistant|>).
     for name in ["config.json", "generation_config.json"] {
