@@ -102,13 +102,11 @@ pub struct Payload {
     pub shape: Vec<usize>,
 }
 
-/// A payload decoded, with its file and what was cut to fit its encoder.
+/// A payload decoded, with what was cut to fit its encoder.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decoded {
     /// The encoder's input.
     pub payload: Payload,
-    /// The file it was read from.
-    pub file: PathBuf,
     /// Samples of a clip past the audio encoder's frames, left out (0 for images).
     pub cut: usize,
 }
@@ -282,8 +280,8 @@ impl Dataset {
         self.decode(e, k).map(|d| d.payload)
     }
 
-    /// [`Self::payload`], with what the decoding found: the file, and the samples of a clip
-    /// past the audio encoder's frames, cut off.
+    /// [`Self::payload`], with the samples of a clip past the audio encoder's frames, cut
+    /// off.
     pub fn decode(&self, e: usize, k: usize) -> Result<Decoded> {
         let entry = &self.entries[e];
         let item = entry.encoded.items.get(k).ok_or_else(|| {
@@ -299,7 +297,7 @@ impl Dataset {
                 let file = self.spec.media_root.join(entry.record.image.paths()[item.index]);
                 let values = pixels::load_image(&file, size).map_err(named)?;
                 let s = size as usize;
-                Ok(Decoded { payload: Payload { values, shape: vec![3, s, s] }, file, cut: 0 })
+                Ok(Decoded { payload: Payload { values, shape: vec![3, s, s] }, cut: 0 })
             }
             Kind::Audio => {
                 let (n_mels, frames, _) = self.spec.fronts.audio.expect("checked at open");
@@ -309,7 +307,7 @@ impl Dataset {
                 clip.resize(frames * mel::HOP, 0.0);
                 let mel = self.mel.as_ref().expect("made at open");
                 let values = mel.compute(&clip).map_err(named)?;
-                Ok(Decoded { payload: Payload { values, shape: vec![n_mels, frames] }, file, cut })
+                Ok(Decoded { payload: Payload { values, shape: vec![n_mels, frames] }, cut })
             }
         }
     }

@@ -83,17 +83,34 @@ pub fn matmul_peak_gflops(iters: usize, dtype: DType) -> Result<f64> {
 /// what the linear layers run under `dtype = "bf16"`), on as many threads as candle's
 /// matmuls, best of `iters`.
 pub fn bf16_matmul_gflops(n: usize, iters: usize) -> f64 {
+    bf16_square_gflops(n, iters, crate::kernels::threads())
+}
+
+/// [`bf16_matmul_gflops`] on `threads` threads.
+fn bf16_square_gflops(n: usize, iters: usize, threads: usize) -> f64 {
     use crate::kernels::{bf16, gemm::View};
-    let a: Vec<f32> = (0..n * n).map(|i| (i as f32 * 0.37).sin()).collect();
-    let b: Vec<f32> = (0..n * n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let (a, b) = square_operands::<f32>(n);
     let mut c = vec![0f32; n * n];
     let v = View::rows(0, n, n, n);
-    let threads = crate::kernels::threads();
+    best_rate(n, iters, || {
+        bf16::matmul_on(&mut c, v, &a, v, &b, v, false, 1.0, threads);
+        std::hint::black_box(&mut c);
+    })
+}
+
+/// Two `n x n` operands of smooth values.
+fn square_operands<T: crate::kernels::Real>(n: usize) -> (Vec<T>, Vec<T>) {
+    let a = (0..n * n).map(|i| T::from_f64((i as f64 * 0.37).sin())).collect();
+    let b = (0..n * n).map(|i| T::from_f64((i as f64 * 0.11).cos())).collect();
+    (a, b)
+}
+
+/// GFLOP/s of `product`, an `n x n` by `n x n` product, the best of `iters` after one more.
+fn best_rate(n: usize, iters: usize, mut product: impl FnMut()) -> f64 {
     let mut best = f64::INFINITY;
     for _ in 0..iters.max(1) + 1 {
         let t = Instant::now();
-        bf16::matmul_on(&mut c, v, &a, v, &b, v, false, 1.0, threads);
-        std::hint::black_box(&c);
+        product();
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (n as f64).powi(3) / best / 1e9
@@ -107,30 +124,24 @@ pub fn bf16_peak_gflops(iters: usize) -> f64 {
 /// GFLOP/s of `n x n` products on this thread alone (best of `iters`): in bf16 (f32
 /// operands rounded, f32 sums) or in `dtype`.
 fn one_thread_gflops(n: usize, iters: usize, dtype: DType, bf16: bool) -> Result<f64> {
-    use crate::kernels::Real;
-    use crate::kernels::gemm::{View, matmul_on};
-    fn best<T: Real>(n: usize, iters: usize, bf16: bool) -> Result<f64> {
-        let a: Vec<T> = (0..n * n).map(|i| T::from_f64((i as f64 * 0.37).sin())).collect();
-        let b: Vec<T> = (0..n * n).map(|i| T::from_f64((i as f64 * 0.11).cos())).collect();
+    fn native<T: crate::kernels::Real>(n: usize, iters: usize) -> f64 {
+        use crate::kernels::gemm::{View, matmul_on};
+        let (a, b) = square_operands::<T>(n);
         let mut c = vec![T::ZERO; n * n];
         let v = View::rows(0, n, n, n);
-        let mut best = f64::INFINITY;
-        for _ in 0..iters.max(1) + 1 {
-            let t = Instant::now();
-            if bf16 {
-                T::bf16_product_into(&mut c, v, &a, v, &b, v, false, T::ONE)?;
-            } else {
-                matmul_on(&mut c, v, &a, v, &b, v, false, T::ONE, 1);
-            }
-            std::hint::black_box(&c);
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-        Ok(2.0 * (n as f64).powi(3) / best / 1e9)
+        best_rate(n, iters, || {
+            matmul_on(&mut c, v, &a, v, &b, v, false, T::ONE, 1);
+            std::hint::black_box(&mut c);
+        })
     }
-    match dtype {
-        DType::F32 => best::<f32>(n, iters, bf16),
-        DType::F64 => best::<f64>(n, iters, bf16),
-        other => Err(NnError::Input(format!("no reference matmul rate in {other:?}"))),
+    match (dtype, bf16) {
+        (DType::F32, true) => Ok(bf16_square_gflops(n, iters, 1)),
+        (DType::F32, false) => Ok(native::<f32>(n, iters)),
+        (DType::F64, false) => Ok(native::<f64>(n, iters)),
+        (other, _) => Err(NnError::Input(format!(
+            "no reference matmul rate in {other:?}{}",
+            if bf16 { " with bf16 products" } else { "" }
+        ))),
     }
 }
 

@@ -31,8 +31,8 @@ pub struct Exported {
     pub tensors: usize,
     /// Bytes of `model.safetensors`.
     pub bytes: u64,
-    /// The JSON files written beside it (`config.json`, and a ViT's
-    /// `preprocessor_config.json`).
+    /// The JSON files written beside it (`config.json`; a ViT's
+    /// `preprocessor_config.json`; the LLM's `generation_config.json` given [`Tokens`]).
     pub configs: Vec<&'static str>,
 }
 
@@ -141,8 +141,20 @@ fn image_processor(size: usize) -> serde_json::Value {
     })
 }
 
-/// Exports checkpoint `ckpt` into `out/<module>/`.
-pub fn export_hf(ckpt: &Path, out: &Path) -> Result<Vec<Exported>> {
+/// The LLM's end and padding token ids, where the run had a tokenizer: written into its
+/// `config.json` and a `generation_config.json` (without them HF takes Llama's defaults,
+/// bos 1 and eos 2, which name other tokens here, and `generate` never stops).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tokens {
+    /// The token that ends a turn (`<|end|>`).
+    pub eos: u32,
+    /// The padding token (`<|pad|>`).
+    pub pad: u32,
+}
+
+/// Exports checkpoint `ckpt` into `out/<module>/`; `tokens` names the LLM's end and padding
+/// ids.
+pub fn export_hf(ckpt: &Path, out: &Path, tokens: Option<Tokens>) -> Result<Vec<Exported>> {
     let graph = checkpoint_graph(ckpt)?;
     let manifest = read_manifest(ckpt, &graph)?;
     for f in &manifest.files {
@@ -174,8 +186,18 @@ pub fn export_hf(ckpt: &Path, out: &Path) -> Result<Vec<Exported>> {
         let written = copy_tensors(&file, &pairs)?;
         let (architecture, config) = hf_config(m, graph.train.seq_len, &manifest.dtype);
         let mut files = vec![("config.json", config)];
-        if let ModuleSpec::Vit { image_size, .. } = m.spec {
-            files.push(("preprocessor_config.json", image_processor(image_size)));
+        match (&m.spec, tokens) {
+            (ModuleSpec::Vit { image_size, .. }, _) => {
+                files.push(("preprocessor_config.json", image_processor(*image_size)));
+            }
+            (ModuleSpec::Llama { .. }, Some(t)) => {
+                let ids = serde_json::json!({"eos_token_id": t.eos, "pad_token_id": t.pad, "bos_token_id": null});
+                if let (Some(c), Some(ids)) = (files[0].1.as_object_mut(), ids.as_object()) {
+                    c.extend(ids.clone());
+                }
+                files.push(("generation_config.json", ids));
+            }
+            _ => {}
         }
         let configs = files.iter().map(|(name, _)| *name).collect();
         for (name, value) in files {

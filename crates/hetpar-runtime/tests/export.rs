@@ -41,7 +41,7 @@ fn the_export_loads_in_candle_transformers_with_the_same_outputs() {
     .unwrap();
     let ckpt = root.join("step-00000002");
     let hf = dir.join("hf");
-    let done = export_hf(&ckpt, &hf).unwrap();
+    let done = export_hf(&ckpt, &hf, None).unwrap();
     let names: Vec<(&str, &str)> =
         done.iter().map(|e| (e.module.as_str(), e.architecture.as_str())).collect();
     assert_eq!(names, vec![("llm", "LlamaForCausalLM"), ("vision", "SiglipVisionModel")]);

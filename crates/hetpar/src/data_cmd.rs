@@ -5,7 +5,6 @@
 #![allow(clippy::print_stdout)]
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::{Context, bail};
@@ -118,31 +117,35 @@ fn decode_all(ds: &Dataset) -> anyhow::Result<usize> {
     );
     let start = std::time::Instant::now();
     let next = AtomicUsize::new(0);
-    // (item index, error) and (item index, samples cut), each kept in item order below.
-    let errors = Mutex::new(Vec::new());
-    let cuts = Mutex::new(Vec::new());
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    // Each thread's (item index, error) and (item index, samples cut), then in item order.
+    let (mut errors, mut cuts) = (Vec::new(), Vec::new());
     std::thread::scope(|s| {
-        for _ in 0..cores.min(items.len()).max(1) {
-            s.spawn(|| {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(e, k)) = items.get(i) else { break };
-                    match ds.decode(e, k) {
-                        Ok(d) if d.cut > 0 => {
-                            cuts.lock().unwrap_or_else(|p| p.into_inner()).push((i, d.cut))
+        let threads: Vec<_> = (0..cores.min(items.len()).max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    let (mut errors, mut cuts) = (Vec::new(), Vec::new());
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(e, k)) = items.get(i) else { break };
+                        match ds.decode(e, k) {
+                            Ok(d) if d.cut > 0 => cuts.push((i, d.cut)),
+                            Ok(_) => {}
+                            Err(err) => errors.push((i, err)),
                         }
-                        Ok(_) => {}
-                        Err(err) => errors.lock().unwrap_or_else(|p| p.into_inner()).push((i, err)),
+                        bar.inc(1);
                     }
-                    bar.inc(1);
-                }
-            });
+                    (errors, cuts)
+                })
+            })
+            .collect();
+        for t in threads {
+            let (e, c) = t.join().unwrap_or_default();
+            errors.extend(e);
+            cuts.extend(c);
         }
     });
     bar.finish_and_clear();
-    let mut errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
-    let mut cuts = cuts.into_inner().unwrap_or_else(|p| p.into_inner());
     errors.sort_by_key(|(i, _)| *i);
     cuts.sort_by_key(|(i, _)| *i);
     let kinds = |kind: hetpar_data::chat::Kind| {

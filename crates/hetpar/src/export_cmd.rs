@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use hetpar_runtime::checkpoint::latest;
-use hetpar_runtime::export::export_hf;
+use hetpar_runtime::export::{Tokens, export_hf};
 
 /// Arguments of `hetpar export`.
 #[derive(clap::Args)]
@@ -41,11 +41,9 @@ pub fn checkpoint(path: &Path) -> anyhow::Result<PathBuf> {
 const CHAT_TEMPLATE: &str = "{% for m in messages %}{% set r = m['role'] %}{% if r == 'human' %}{% set r = 'user' %}{% elif r == 'gpt' %}{% set r = 'assistant' %}{% endif %}{{ '<|' + r + '|>' + m['content'] + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}";
 
 /// Copies the run's `tokenizer.json` next to the exported LLM with a `tokenizer_config.json`
-/// (special tokens, chat template, length) and a `special_tokens_map.json`; `None` when the
-/// run trained on in-process synthetic tokens, which have no tokenizer.
-fn export_tokenizer(ckpt: &Path, hf: &Path) -> anyhow::Result<Option<PathBuf>> {
+/// (special tokens, chat template, length) and a `special_tokens_map.json`.
+fn export_tokenizer(ckpt: &Path, hf: &Path, tokenizer: &Path) -> anyhow::Result<PathBuf> {
     let graph = hetpar_runtime::export::checkpoint_graph(ckpt)?;
-    let Some(paths) = crate::data_open::paths(&graph, &|_| {})? else { return Ok(None) };
     let llm = graph
         .modules
         .iter()
@@ -53,12 +51,8 @@ fn export_tokenizer(ckpt: &Path, hf: &Path) -> anyhow::Result<Option<PathBuf>> {
         .map(|m| hf.join(&m.name))
         .context("the checkpoint's graph has no LLM")?;
     let dst = llm.join("tokenizer.json");
-    std::fs::copy(&paths.tokenizer, &dst).with_context(|| {
-        format!(
-            "cannot copy the run's tokenizer {} to {}",
-            paths.tokenizer.display(),
-            dst.display()
-        )
+    std::fs::copy(tokenizer, &dst).with_context(|| {
+        format!("cannot copy the run's tokenizer {} to {}", tokenizer.display(), dst.display())
     })?;
     let special: Vec<&str> = hetpar_data::chat::SPECIAL.to_vec();
     let config = serde_json::json!({
@@ -74,42 +68,33 @@ fn export_tokenizer(ckpt: &Path, hf: &Path) -> anyhow::Result<Option<PathBuf>> {
         "eos_token": hetpar_data::chat::END,
         "additional_special_tokens": special,
     });
-    // The ids generation stops at and pads with, in the model's config and its generation
-    // config: without them HF takes Llama's defaults (bos 1, eos 2), here `<|user|>` and
-    // `<|assistant|>`, and `generate` runs past every `<|end|>`.
-    let vocab = hetpar_data::chat::Vocab::load(&dst)?;
-    let id = |s: &str| vocab.id(s).context("the tokenizer lacks a template marker");
-    let (end, pad) = (id(hetpar_data::chat::END)?, id(hetpar_data::chat::PAD)?);
-    let model_config = llm.join("config.json");
-    let mut model: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&model_config)
-            .with_context(|| format!("cannot read {}", model_config.display()))?,
-    )?;
-    model["eos_token_id"] = end.into();
-    model["pad_token_id"] = pad.into();
-    model["bos_token_id"] = serde_json::Value::Null;
-    let generation = serde_json::json!({
-        "eos_token_id": end,
-        "pad_token_id": pad,
-        "bos_token_id": null,
-    });
-    for (name, v) in [
-        ("tokenizer_config.json", config),
-        ("special_tokens_map.json", map),
-        ("config.json", model),
-        ("generation_config.json", generation),
-    ] {
+    for (name, v) in [("tokenizer_config.json", config), ("special_tokens_map.json", map)] {
         let file = llm.join(name);
         std::fs::write(&file, serde_json::to_string_pretty(&v)? + "\n")
             .with_context(|| format!("cannot write {}", file.display()))?;
     }
-    Ok(Some(dst))
+    Ok(dst)
+}
+
+/// The run's tokenizer and its end and padding ids; `None` when the run trained on
+/// in-process synthetic tokens, which have no tokenizer.
+fn run_tokenizer(ckpt: &Path) -> anyhow::Result<Option<(PathBuf, Tokens)>> {
+    let graph = hetpar_runtime::export::checkpoint_graph(ckpt)?;
+    let Some(paths) = crate::data_open::paths(&graph, &|_| {})? else { return Ok(None) };
+    let vocab = hetpar_data::chat::Vocab::load(&paths.tokenizer)?;
+    let id = |s: &str| vocab.id(s).context("the tokenizer lacks a template marker");
+    let tokens = Tokens { eos: id(hetpar_data::chat::END)?, pad: id(hetpar_data::chat::PAD)? };
+    Ok(Some((paths.tokenizer, tokens)))
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let ckpt = checkpoint(&a.ckpt)?;
-    let done = export_hf(&ckpt, &a.hf)?;
-    let tokenizer = export_tokenizer(&ckpt, &a.hf)?;
+    let run = run_tokenizer(&ckpt)?;
+    let done = export_hf(&ckpt, &a.hf, run.as_ref().map(|r| r.1))?;
+    let tokenizer = match &run {
+        Some((path, _)) => Some(export_tokenizer(&ckpt, &a.hf, path)?),
+        None => None,
+    };
     #[allow(clippy::print_stdout)]
     {
         println!("exported {} to {}:", ckpt.display(), a.hf.display());
@@ -125,7 +110,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         match tokenizer {
             Some(t) => println!(
-                "  tokenizer: {} with tokenizer_config.json (chat template), special_tokens_map.json and generation_config.json (generation stops at <|end|>)",
+                "  tokenizer: {} with tokenizer_config.json (chat template) and special_tokens_map.json",
                 t.display()
             ),
             None => println!("  no tokenizer: the run trained on in-process synthetic tokens"),

@@ -1245,14 +1245,21 @@ fn a_missing_data_path_is_named() {
     assert!(!said.contains("resolved config"), "{said}");
 }
 
+/// A 12-sample synthetic set written by `hetpar data synth` under a directory of its own
+/// (removed with the returned guard).
+fn synth_set(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = temp(name);
+    let dir = tmp.path().join("data");
+    stdout(&hetpar(&["data", "synth", "--out", dir.to_str().expect("utf-8"), "--samples", "12"]));
+    (tmp, dir)
+}
+
 /// A record longer than seq_len whose items fit is cut at its end, and the data line says
 /// how many were cut and by how much (RELIABILITY.md row 9: a count, not a silent cut).
 #[test]
 fn records_cut_at_seq_len_are_counted() {
-    let tmp = temp("cut");
-    let dir = tmp.path().join("data");
+    let (tmp, dir) = synth_set("cut");
     let d = dir.to_str().expect("utf-8");
-    stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "12"]));
     let path = dir.join("train.json");
     let mut records: Value =
         serde_json::from_str(&std::fs::read_to_string(&path).expect("records")).expect("json");
@@ -1581,10 +1588,8 @@ fn wav(path: &Path, samples: usize) {
 /// counted as cut.
 #[test]
 fn data_check_lists_what_does_not_decode_and_counts_cut_clips() {
-    let tmp = temp("data-check");
-    let dir = tmp.path().join("d");
+    let (_tmp, dir) = synth_set("data-check");
     let d = dir.to_str().expect("utf-8");
-    stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "12"]));
     let path = format!("data.path={d:?}");
     let args = ["data", "check", "examples/demo.toml", "--set", "data.source=\"llava\"", "--set"];
     let check = || hetpar(&[&args[..], &[path.as_str()]].concat());
