@@ -10,20 +10,20 @@ Optional, never in CI (PyTorch, transformers and Pillow from PyPI):
     python scripts/hf-check/compare.py --hf /tmp/hf --data ~/.cache/hetpar/synth-... \
         --hetpar target/release/hetpar --ckpt /tmp/run
 
-The LLM loads as its exported class; the vision tower as `SiglipVisionModel`, the audio
-tower as `WhisperEncoder` with the `audio_tower.` prefix mapped away, and the two LLaVA
-projectors are applied by hand. Each record goes through hetpar's chat template
+The LLM loads as its exported class, the vision tower as `SiglipVisionModel` and the audio
+tower as `WhisperEncoder`, each from its own directory; the two LLaVA projectors are
+applied by hand. Each record goes through hetpar's chat template
 (`crates/hetpar-data/src/chat.rs`): a role marker, the text, `<|end|>` per turn, each
 placeholder expanded to its encoder's rows; the loss and accuracy are over the assistant
-text and its closing marker, position i predicting token i + 1. Pixels come from the
-export's `preprocessor_config.json` through `AutoImageProcessor`; log-mel features follow
-`mel.rs` (Slaney filterbank, Whisper's log10 and clamping, the clip padded or cut to the
-encoder's frames). 16-bit WAV only, as the synthetic set writes.
+text and its closing marker, position i predicting token i + 1. Pixels and log-mel
+features come from each tower's `preprocessor_config.json`, through `AutoImageProcessor`
+and `AutoFeatureExtractor` (given the export's `clip_samples` as `max_length`: the demo's
+clips are 1.28 s, which Whisper's `chunk_length` of whole seconds cannot say). 16-bit WAV
+only, as the synthetic set writes.
 """
 
 import argparse
 import json
-import math
 import subprocess
 import wave
 
@@ -32,7 +32,8 @@ import torch
 import transformers
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer, SiglipVisionModel
+from transformers import (AutoFeatureExtractor, AutoImageProcessor, AutoModelForCausalLM, AutoTokenizer,
+                          SiglipVisionModel)
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
 F = torch.nn.functional
@@ -47,41 +48,12 @@ def projector(weights, prefix, h):
                     w("linear_2.weight"), w("linear_2.bias"))
 
 
-def slaney_hz_to_mel(f):
-    return 15.0 + math.log(f / 1000.0) / (math.log(6.4) / 27.0) if f >= 1000.0 else f / (200.0 / 3.0)
-
-
-def slaney_mel_to_hz(m):
-    return 1000.0 * math.exp((math.log(6.4) / 27.0) * (m - 15.0)) if m >= 15.0 else (200.0 / 3.0) * m
-
-
-def filterbank(n_mels, n_fft=400, rate=16000):
-    bins = n_fft // 2 + 1
-    freqs = np.array([rate / 2 * k / (bins - 1) for k in range(bins)])
-    top = slaney_hz_to_mel(rate / 2)
-    edges = [slaney_mel_to_hz(top * i / (n_mels + 1)) for i in range(n_mels + 2)]
-    rows = []
-    for i in range(n_mels):
-        lo, mid, hi = edges[i], edges[i + 1], edges[i + 2]
-        tri = np.maximum(np.minimum((freqs - lo) / (mid - lo), (hi - freqs) / (hi - mid)), 0)
-        rows.append(tri * 2.0 / (hi - lo))
-    return np.array(rows)
-
-
-def log_mel(path, n_mels, frames, hop=160, n_fft=400):
+def read_wav(path):
+    """A 16-bit WAV's samples in [-1, 1], channels averaged (as hetpar reads them)."""
     with wave.open(path) as w:
         assert w.getframerate() == 16000 and w.getsampwidth() == 2, f"{path}: 16 kHz 16-bit only"
         x = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
-        x = x.reshape(-1, w.getnchannels()).mean(1)
-    n = frames * hop
-    x = np.concatenate([x[:n], np.zeros(max(0, n - len(x)), np.float32)]).astype(np.float64)
-    padded = np.pad(x, n_fft // 2, mode="reflect")
-    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)
-    power = np.stack([np.abs(np.fft.rfft(padded[t * hop:t * hop + n_fft] * window)) ** 2
-                      for t in range(n // hop)], 1)
-    mel = np.log10(np.maximum(filterbank(n_mels) @ power, 1e-10))
-    mel = np.maximum(mel, mel.max() - 8.0)
-    return torch.from_numpy(((mel + 4.0) / 4.0).astype(np.float32))
+        return x.reshape(-1, w.getnchannels()).mean(1)
 
 
 def main():
@@ -106,9 +78,9 @@ def main():
     except OSError:
         pass
     try:
-        audio = WhisperEncoder.from_pretrained(f"{a.hf}/audio", key_mapping={r"^audio_tower\.": ""}).eval()
-        acfg = audio.config
-        audio_rows = acfg.max_source_positions
+        audio = WhisperEncoder.from_pretrained(f"{a.hf}/audio").eval()
+        features = AutoFeatureExtractor.from_pretrained(f"{a.hf}/audio")
+        audio_rows = audio.config.max_source_positions
         audio_w = load_file(f"{a.hf}/audio/model.safetensors")
     except OSError:
         pass
@@ -154,8 +126,9 @@ def main():
                     h = vision(pixel_values=pixels).last_hidden_state
                     embeds[0, at:at + rows] = projector(vision_w, "multi_modal_projector", h)[0]
                 else:
-                    mel = log_mel(path, acfg.num_mel_bins, 2 * acfg.max_source_positions)
-                    h = audio(mel[None]).last_hidden_state
+                    mel = features(read_wav(path), sampling_rate=16000, return_tensors="pt",
+                                   max_length=features.clip_samples).input_features
+                    h = audio(mel).last_hidden_state
                     embeds[0, at:at + rows] = projector(audio_w, "audio_projector", h)[0]
             logits = llm(inputs_embeds=embeds).logits[0].double()
         logp = torch.log_softmax(logits, -1)

@@ -202,14 +202,18 @@ fn named(dtype: &str) -> Option<Dtype> {
     }
 }
 
+/// The safetensors type tensor `name` of `t` is saved as, in file `path`.
+fn saved_type(path: &Path, name: &str, t: &Tensor) -> Result<Dtype> {
+    named(&format!("{:?}", t.dtype()))
+        .ok_or_else(|| bad(path, format!("{name}: saving {:?} is not supported", t.dtype())))
+}
+
 /// Writes `tensors` (full; f32, f64 or bf16) to `path`, one at a time; on failure what was
 /// at `path` stays as it was.
 pub fn save(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<Written> {
     let mut plan = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        let dtype = named(&format!("{:?}", t.dtype()))
-            .ok_or_else(|| bad(path, format!("{name}: saving {:?} is not supported", t.dtype())))?;
-        plan.push((name.clone(), dtype, t.dims().to_vec()));
+        plan.push((name.clone(), saved_type(path, name, t)?, t.dims().to_vec()));
     }
     replace(path, |tmp| {
         let mut w = Writer::create(tmp, &plan)?;
@@ -247,31 +251,79 @@ fn replace(path: &Path, write: impl FnOnce(&Path) -> Result<Written>) -> Result<
     })
 }
 
+/// One tensor [`copy_tensors`] copies: tensor `name` of safetensors file `file`, written
+/// under the name `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Source<'a> {
+    /// The file holding it.
+    pub file: &'a Path,
+    /// Its name there.
+    pub name: &'a str,
+    /// Its name in the file written.
+    pub to: &'a str,
+}
+
+impl<'a> Source<'a> {
+    /// Tensor `name` of `file`, under the same name.
+    pub fn same(file: &'a Path, name: &'a str) -> Source<'a> {
+        Source { file, name, to: name }
+    }
+}
+
+/// Where a tensor [`copy_tensors`] writes comes from.
+enum Origin<'a> {
+    /// A byte range of a file.
+    File(&'a Path, u64, u64),
+    /// A tensor in memory.
+    Made(&'a Tensor),
+}
+
 /// Writes tensors of safetensors files into one file `out` by copying their bytes, a
-/// mebibyte at a time: `(file, tensor)` pairs, each file's header checked as
-/// [`read_header`] does. On failure what was at `out` stays as it was.
-pub fn copy_tensors(out: &Path, from: &[(&Path, &str)]) -> Result<Written> {
+/// mebibyte at a time (each file's header checked as [`read_header`] does), with the
+/// tensors of `made` (f32, f64 or bf16) beside them. On failure what was at `out` stays
+/// as it was.
+pub fn copy_tensors(
+    out: &Path,
+    from: &[Source<'_>],
+    made: &BTreeMap<String, Tensor>,
+) -> Result<Written> {
     let mut headers: BTreeMap<&Path, (u64, BTreeMap<String, Entry>)> = BTreeMap::new();
-    let mut plan = Vec::with_capacity(from.len());
-    let mut source: BTreeMap<&str, (&Path, u64, u64)> = BTreeMap::new();
-    for &(path, name) in from {
-        if !headers.contains_key(path) {
-            headers.insert(path, read_header(path)?);
+    let mut plan = Vec::with_capacity(from.len() + made.len());
+    let mut origin: BTreeMap<&str, Origin<'_>> = BTreeMap::new();
+    let twice = |name: &str| bad(out, format!("tensor {name} is asked for twice"));
+    for s in from {
+        if !headers.contains_key(s.file) {
+            headers.insert(s.file, read_header(s.file)?);
         }
-        let (start, entries) = &headers[path];
-        let e = entries.get(name).ok_or_else(|| bad(path, format!("no tensor named {name}")))?;
+        let (start, entries) = &headers[s.file];
+        let e = entries
+            .get(s.name)
+            .ok_or_else(|| bad(s.file, format!("no tensor named {}", s.name)))?;
         let dtype = named(&e.dtype).expect("read_header admits only named types");
-        if source.insert(name, (path, start + e.begin, e.end - e.begin)).is_some() {
-            return Err(bad(out, format!("tensor {name} is asked for twice")));
+        let at = Origin::File(s.file, start + e.begin, e.end - e.begin);
+        if origin.insert(s.to, at).is_some() {
+            return Err(twice(s.to));
         }
-        plan.push((name.to_string(), dtype, e.shape.clone()));
+        plan.push((s.to.to_string(), dtype, e.shape.clone()));
+    }
+    for (name, t) in made {
+        if origin.insert(name, Origin::Made(t)).is_some() {
+            return Err(twice(name));
+        }
+        plan.push((name.clone(), saved_type(out, name, t)?, t.dims().to_vec()));
     }
     replace(out, |tmp| {
         let mut w = Writer::create(tmp, &plan)?;
         plan.sort_by(file_order);
         let mut buf = vec![0u8; 1 << 20];
         for (name, _, _) in &plan {
-            let (path, at, mut left) = source[name.as_str()];
+            let (path, at, mut left) = match origin[name.as_str()] {
+                Origin::File(path, at, len) => (path, at, len),
+                Origin::Made(t) => {
+                    w.write(Host::of(t)?.bytes())?;
+                    continue;
+                }
+            };
             let mut f = File::open(path).map_err(|e| bad(path, e))?;
             f.seek(SeekFrom::Start(at)).map_err(|e| bad(path, e))?;
             while left > 0 {

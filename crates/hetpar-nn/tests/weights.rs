@@ -12,7 +12,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use hetpar_comm::{Communicator, Counted, LocalOptions, Traffic, launch};
 use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
-use hetpar_nn::io::{copy_tensors, gather_full, load_params, read_header, save, save_sharded};
+use hetpar_nn::io::{
+    Source, copy_tensors, gather_full, load_params, read_header, save, save_sharded,
+};
 use hetpar_nn::layers::attention::CpMode;
 use hetpar_nn::models::llama::{Llama, LlamaConfig};
 use hetpar_nn::{Build, HasParams, ParallelCtx, Param, ShardSpec, Split};
@@ -223,7 +225,9 @@ fn the_writer_makes_the_file_safetensors_makes() {
     assert_eq!(written.tensors, tensors.keys().cloned().collect::<Vec<_>>());
     // Two of the four, copied out.
     let part = d.join("part.safetensors");
-    let copied = copy_tensors(&part, &[(&path, "c.bf16"), (&path, "a.f64")]).unwrap();
+    let none = BTreeMap::new();
+    let pair = [Source::same(&path, "c.bf16"), Source::same(&path, "a.f64")];
+    let copied = copy_tensors(&part, &pair, &none).unwrap();
     let alone = d.join("alone.safetensors");
     let subset: BTreeMap<String, Tensor> = tensors
         .iter()
@@ -232,6 +236,23 @@ fn the_writer_makes_the_file_safetensors_makes() {
         .collect();
     assert_eq!(save(&alone, &subset).unwrap(), copied);
     assert_eq!(std::fs::read(&part).unwrap(), std::fs::read(&alone).unwrap());
+    // One renamed, with a tensor made in memory beside it: the file a save of the same
+    // tensors under those names writes.
+    let renamed = d.join("renamed.safetensors");
+    let made: BTreeMap<String, Tensor> =
+        [("m.f32".to_string(), Tensor::arange(0f32, 6.0, &Device::Cpu).unwrap())].into();
+    let from = [Source { file: &path, name: "b.f32", to: "x.f32" }];
+    let copied = copy_tensors(&renamed, &from, &made).unwrap();
+    let mut want = made.clone();
+    want.insert("x.f32".to_string(), tensors["b.f32"].clone());
+    let alone = d.join("alone-renamed.safetensors");
+    assert_eq!(save(&alone, &want).unwrap(), copied);
+    assert_eq!(std::fs::read(&renamed).unwrap(), std::fs::read(&alone).unwrap());
+    // A name given twice, by a copy and a made tensor, is refused and writes nothing.
+    let clash = [Source { file: &path, name: "b.f32", to: "m.f32" }];
+    let e = copy_tensors(&d.join("clash.safetensors"), &clash, &made).unwrap_err().to_string();
+    assert!(e.contains("tensor m.f32 is asked for twice"), "{e}");
+    assert!(!d.join("clash.safetensors").exists());
 }
 
 /// Streamed from tp 2 x dp 2 (column- and row-split weights), the file is the one a single

@@ -50,6 +50,10 @@ pub trait BatchSource: Send + Sync {
     fn decodes(&self) -> usize {
         0
     }
+    /// Of them, clips longer than their audio encoder's input, cut to it.
+    fn cuts(&self) -> usize {
+        0
+    }
 }
 
 /// Which records a batch holds.
@@ -75,6 +79,8 @@ struct Shared {
     ready: Mutex<BTreeMap<usize, Decoded>>,
     cond: Condvar,
     decodes: AtomicUsize,
+    /// Of them, clips cut to their encoder's input.
+    cuts: AtomicUsize,
 }
 
 impl Shared {
@@ -112,7 +118,11 @@ impl Shared {
         index: usize,
     ) -> Result<Payload, String> {
         self.decodes.fetch_add(1, Ordering::Relaxed);
-        drawn.dataset.payload(drawn.entries[sample], index).map_err(|e| e.to_string())
+        let d = drawn.dataset.decode(drawn.entries[sample], index).map_err(|e| e.to_string())?;
+        if d.cut > 0 {
+            self.cuts.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(d.payload)
     }
 }
 
@@ -162,6 +172,7 @@ impl FileData {
             ready: Mutex::new(BTreeMap::new()),
             cond: Condvar::new(),
             decodes: AtomicUsize::new(0),
+            cuts: AtomicUsize::new(0),
         });
         let (tx, rx) = channel();
         let worker = shared.clone();
@@ -273,6 +284,10 @@ impl BatchSource for FileData {
 
     fn decodes(&self) -> usize {
         self.shared.decodes.load(Ordering::Relaxed)
+    }
+
+    fn cuts(&self) -> usize {
+        self.shared.cuts.load(Ordering::Relaxed)
     }
 }
 

@@ -2,15 +2,22 @@
 //! parameters under their HF names, without optimizer state) and a `config.json` in the
 //! format of its HF model family: Llama (`LlamaForCausalLM`) or Mixtral
 //! (`MixtralForCausalLM`) for the LLM, a SigLIP vision tower with its LLaVA projector
-//! (`multi_modal_projector.*`), a Whisper encoder under `audio_tower.` with its projector.
+//! (`multi_modal_projector.*`), a Whisper encoder with its projector (`audio_projector.*`).
+//! Each tower's directory loads as its HF class on its own: the audio tower's tensors lose
+//! the `audio_tower.` prefix they carry inside hetpar (Qwen2-Audio's naming) and gain
+//! Whisper's fixed `embed_positions.weight`, and both towers get the
+//! `preprocessor_config.json` that gives their input from an image or a clip.
 //!
 //! The checkpoint's files are checked against their SHA-256 first; only JSON, TOML and
 //! safetensors are read.
 
 use std::path::{Path, PathBuf};
 
+use candle_core::DType;
+use hetpar_data::mel::{HOP, N_FFT, SAMPLE_RATE};
 use hetpar_layout::{Config, ModelGraph, Module, ModuleSpec};
-use hetpar_nn::io::{copy_tensors, read_header};
+use hetpar_nn::io::{Source, copy_tensors, read_header};
+use hetpar_nn::models::audio::sinusoids;
 
 use crate::assemble::MOE_AUX_COEF;
 use crate::checkpoint::{CONFIG_FILE, read_manifest, sha256};
@@ -114,7 +121,6 @@ fn hf_config(m: &Module, seq_len: usize, dtype: &str) -> (String, serde_json::Va
                 "num_mel_bins": n_mels,
                 "max_source_positions": frames.div_ceil(2),
                 "activation_function": "gelu",
-                "weights_prefix": "audio_tower.",
                 "torch_dtype": torch_dtype,
                 "projector": {"names": "audio_projector.linear_{1,2}", "hidden_act": "gelu"},
             });
@@ -138,6 +144,40 @@ fn image_processor(size: usize) -> serde_json::Value {
         "do_normalize": true,
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
+    })
+}
+
+/// The prefix of the audio tower's tensors inside hetpar, which its HF directory drops.
+const AUDIO_PREFIX: &str = "audio_tower.";
+
+/// Tensor `name`'s name in its module's HF directory: an audio tower's without
+/// [`AUDIO_PREFIX`].
+fn hf_name(audio: bool, name: &str) -> &str {
+    if audio { name.strip_prefix(AUDIO_PREFIX).unwrap_or(name) } else { name }
+}
+
+/// The HF feature extractor of a Whisper encoder over `frames` log-mel frames of `n_mels`
+/// bands: what `hetpar-data`'s `mel.rs` computes (16 kHz, a 400-sample periodic Hann
+/// window every 160 samples, a Slaney filterbank, `log10`, clamped to 8 below the maximum,
+/// `(x + 4) / 4`), the clip padded with silence or cut to `frames * 160` samples.
+/// `WhisperFeatureExtractor` takes its length as whole seconds (`chunk_length`); for a
+/// length that is not (the demo's 1.28 s), its `max_length` argument must give the samples
+/// (`clip_samples`, which the extractor keeps as an attribute), and `chunk_length` is the
+/// length rounded up (the encoder refuses that many frames, naming the number it expects).
+fn feature_extractor(n_mels: usize, frames: usize) -> serde_json::Value {
+    let rate = SAMPLE_RATE as usize;
+    serde_json::json!({
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": n_mels,
+        "sampling_rate": rate,
+        "hop_length": HOP,
+        "n_fft": N_FFT,
+        "chunk_length": (frames * HOP).div_ceil(rate),
+        "padding_value": 0.0,
+        "padding_side": "right",
+        "return_attention_mask": false,
+        "dither": 0.0,
+        "clip_samples": frames * HOP,
     })
 }
 
@@ -181,14 +221,24 @@ pub fn export_hf(ckpt: &Path, out: &Path, tokens: Option<Tokens>) -> Result<Vec<
         let dir = out.join(&m.name);
         std::fs::create_dir_all(&dir).map_err(|e| bad(&dir, e))?;
         let file = dir.join("model.safetensors");
-        let pairs: Vec<(&Path, &str)> =
-            from.iter().map(|(p, n)| (p.as_path(), n.as_str())).collect();
-        let written = copy_tensors(&file, &pairs)?;
+        let audio = matches!(m.spec, ModuleSpec::Audio { .. });
+        let sources: Vec<Source<'_>> =
+            from.iter().map(|(p, n)| Source { file: p, name: n, to: hf_name(audio, n) }).collect();
+        let mut made = std::collections::BTreeMap::new();
+        if let ModuleSpec::Audio { frames, .. } = m.spec {
+            let dtype = if manifest.dtype == "f64" { DType::F64 } else { DType::F32 };
+            let table = sinusoids(frames.div_ceil(2), m.dims.hidden, dtype)?;
+            made.insert("embed_positions.weight".to_string(), table);
+        }
+        let written = copy_tensors(&file, &sources, &made)?;
         let (architecture, config) = hf_config(m, graph.train.seq_len, &manifest.dtype);
         let mut files = vec![("config.json", config)];
         match (&m.spec, tokens) {
             (ModuleSpec::Vit { image_size, .. }, _) => {
                 files.push(("preprocessor_config.json", image_processor(*image_size)));
+            }
+            (ModuleSpec::Audio { n_mels, frames }, _) => {
+                files.push(("preprocessor_config.json", feature_extractor(*n_mels, *frames)));
             }
             (ModuleSpec::Llama { .. }, Some(t)) => {
                 let ids = serde_json::json!({"eos_token_id": t.eos, "pad_token_id": t.pad, "bos_token_id": null});

@@ -48,6 +48,9 @@ pub struct StepLog {
     /// its encoder replicas ran and those of the next step decoded ahead; zero on a rank
     /// that runs no encoder's first stage.
     pub decodes: Vec<u64>,
+    /// Of those, the clips longer than their audio encoder's input (`frames * 160`
+    /// samples), cut to it, by global rank.
+    pub cuts: Vec<u64>,
 }
 
 /// Held-out loss and answer accuracy, the same on every rank.
@@ -191,10 +194,14 @@ impl Trainer {
         }
         let seconds = start.elapsed().as_secs_f64();
         let data_wait = self.data.waited() - waited;
-        let mut decodes = vec![0.0f64; world.size()];
-        decodes[world.rank()] = self.data.decodes() as f64;
-        world.all_reduce(&mut decodes, ReduceOp::Max)?;
-        let decodes = decodes.into_iter().map(|d| d as u64).collect();
+        // Each rank's decodes, then its cut clips, in one reduction.
+        let n = world.size();
+        let mut counts = vec![0.0f64; 2 * n];
+        counts[world.rank()] = self.data.decodes() as f64;
+        counts[n + world.rank()] = self.data.cuts() as f64;
+        world.all_reduce(&mut counts, ReduceOp::Max)?;
+        let mut decodes: Vec<u64> = counts.into_iter().map(|d| d as u64).collect();
+        let cuts = decodes.split_off(n);
         Ok(StepLog {
             step,
             report,
@@ -205,6 +212,7 @@ impl Trainer {
             data_wait,
             manifest,
             decodes,
+            cuts,
         })
     }
 

@@ -84,12 +84,14 @@ enum Command {
         after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench nn --only layer\n  hetpar bench comm\n  hetpar bench train examples/colocated-fanin.toml"
     )]
     Bench(bench_cmd::Args),
-    /// Datasets: `hetpar data synth --out DIR` writes the synthetic LLaVA-format set.
+    /// Datasets: `hetpar data synth --out DIR` writes the synthetic LLaVA-format set;
+    /// `hetpar data check [CONFIG]` decodes every image and clip of a config's data.
     #[command(after_help = "Example:\n  hetpar data synth --out /tmp/d --samples 200")]
     Data(data_cmd::Args),
     /// Write a checkpoint as HF-format models: per module model.safetensors (HF names, no
     /// optimizer state) and config.json (Llama or Mixtral, SigLIP vision tower with its
-    /// LLaVA projector and preprocessor_config.json, Whisper encoder); for a run on files,
+    /// LLaVA projector and preprocessor_config.json, Whisper encoder with its feature
+    /// extractor's preprocessor_config.json); for a run on files,
     /// the tokenizer with its chat template and the generation config beside the LLM.
     #[command(
         after_help = "Examples:\n  hetpar export runs/demo --hf /tmp/demo-hf\n  hetpar export runs/demo/checkpoints/step-00000100 --hf /tmp/demo-hf"

@@ -187,6 +187,10 @@ struct Report {
     evals: Mutex<Vec<(usize, EvalReport)>>,
     /// The TensorBoard event file.
     events: Mutex<crate::tensorboard::Events>,
+    /// The audio encoders' input in seconds (one value where they agree).
+    clip_seconds: Option<f64>,
+    /// Whether the note that clips were cut was printed.
+    cut_noted: AtomicBool,
 }
 
 /// "loss 2.31, answers 41/100 right (image 20/60, audio 9/25, text 12/15), tokens 71.2%".
@@ -336,6 +340,7 @@ impl Report {
             "data_wait_s": log.data_wait,
             "rank_peak_bytes": r.rank_peaks,
             "decodes_per_rank": log.decodes,
+            "clips_cut_per_rank": log.cuts,
         });
         // JSON has no NaN: a non-finite value is written as null and named here.
         let mut line = line;
@@ -367,6 +372,16 @@ impl Report {
         } else {
             format!("  (skipped: non-finite in {})", r.nonfinite_at.join(", "))
         };
+        if log.cuts.iter().any(|&c| c > 0) && !self.cut_noted.swap(true, Ordering::Relaxed) {
+            let input = self.clip_seconds.map(|s| format!(" ({s:.2} s)")).unwrap_or_default();
+            let note = format!(
+                "note: some clips are longer than the audio encoder's input{input} and are cut to it; `hetpar data check` counts them (clips_cut_per_rank in metrics.jsonl)"
+            );
+            match &self.bar {
+                Some(b) => b.println(note),
+                None => say(&note),
+            }
+        }
         let text = format!(
             "loss {:.4}  grad norm {:.3}  lr {:.2e}  {:.0} tokens/s{skipped}",
             r.loss, r.grad_norm, log.lr, tps,
@@ -982,8 +997,22 @@ impl Report {
             events: Mutex::new(crate::tensorboard::Events::create(out).with_context(|| {
                 format!("cannot write a TensorBoard event file in {}", out.display())
             })?),
+            clip_seconds: clip_seconds(graph),
+            cut_noted: AtomicBool::new(false),
         })
     }
+}
+
+/// The length in seconds of the clips `graph`'s audio encoders take, where they all take
+/// the same.
+fn clip_seconds(graph: &ModelGraph) -> Option<f64> {
+    let mut frames = graph.modules.iter().filter_map(|m| match m.spec {
+        hetpar_layout::ModuleSpec::Audio { frames, .. } => Some(frames),
+        _ => None,
+    });
+    let first = frames.next()?;
+    let rate = f64::from(hetpar_data::mel::SAMPLE_RATE);
+    frames.all(|f| f == first).then(|| (first * hetpar_data::mel::HOP) as f64 / rate)
 }
 
 fn say(line: &str) {

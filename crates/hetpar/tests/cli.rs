@@ -649,6 +649,48 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
         (&processor["image_mean"], &processor["resample"]),
         (&serde_json::json!([0.5, 0.5, 0.5]), &Value::from(3))
     );
+    // The audio tower's directory loads as HF's WhisperEncoder on its own: the checkpoint's
+    // tensors bit for bit without their `audio_tower.` prefix (the projector's as they
+    // are), Whisper's fixed positions as hetpar's table, and a feature extractor for the
+    // encoder's 128 frames (1.28 s: `clip_samples`, `chunk_length` rounded up).
+    let audio = hf.join("audio");
+    let cpu = &candle_core::Device::Cpu;
+    let exported = candle_core::safetensors::load(audio.join("model.safetensors"), cpu)
+        .expect("the audio tower's weights");
+    let ckpt = out_dir.join("checkpoints").join("step-00000004");
+    let saved = candle_core::safetensors::load(ckpt.join("audio.stage0.safetensors"), cpu)
+        .expect("the checkpoint's audio tower");
+    assert_eq!(exported.len(), saved.keys().filter(|k| !k.contains(':')).count() + 1);
+    assert!(exported.contains_key("conv1.weight") && exported.contains_key("layer_norm.bias"));
+    let bits = |t: &candle_core::Tensor| {
+        let v: Vec<f32> = t.flatten_all().expect("flat").to_vec1().expect("f32");
+        v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    };
+    for (k, t) in &exported {
+        let want = match k.as_str() {
+            "embed_positions.weight" => {
+                let d = t.dims();
+                assert_eq!(d[0], 64, "{k}: one position per row of a clip");
+                hetpar_nn::models::audio::sinusoids(64, d[1], candle_core::DType::F32)
+                    .expect("table")
+            }
+            _ => saved
+                .get(&format!("audio_tower.{k}"))
+                .or_else(|| k.starts_with("audio_projector.").then(|| &saved[k]))
+                .unwrap_or_else(|| panic!("{k} is not the checkpoint's"))
+                .clone(),
+        };
+        assert_eq!(bits(t), bits(&want), "{k}");
+    }
+    let features: Value = serde_json::from_str(
+        &std::fs::read_to_string(audio.join("preprocessor_config.json")).expect("features"),
+    )
+    .expect("json");
+    assert_eq!(features["feature_extractor_type"], "WhisperFeatureExtractor");
+    assert_eq!(
+        [&features["clip_samples"], &features["chunk_length"], &features["feature_size"]],
+        [&Value::from(20480), &Value::from(2), &Value::from(16)]
+    );
     // Generation stops at <|end|> and pads with <|pad|>: in the model's config and its
     // generation config (HF's Llama defaults would name <|user|> and <|assistant|>).
     for name in ["config.json", "generation_config.json"] {
@@ -1277,6 +1319,38 @@ fn records_cut_at_seq_len_are_counted() {
     let line = line.unwrap_or_else(|| panic!("{text}"));
     assert!(line.contains(" records, 1 cut at seq_len 160 ("), "{line}");
     assert!(line.contains("first: record 0 id "), "{line}");
+}
+
+/// Clips longer than the audio encoder's input are cut to it in training, and not silently
+/// (RELIABILITY.md row 9 as for records): the first step that cuts one prints a note, and
+/// `metrics.jsonl` counts the cut clips by rank among its decodes.
+#[test]
+fn clips_cut_in_training_are_noted_and_counted() {
+    let (tmp, dir) = synth_set("cut-clips");
+    let d = dir.to_str().expect("utf-8");
+    // Every clip 2 s, against the demo's 128 frames of 10 ms.
+    for e in std::fs::read_dir(dir.join("audio")).expect("audio").flatten() {
+        wav(&e.path(), 32_000);
+    }
+    let out = tmp.path().join("run");
+    let args = ["train", "examples/demo.toml", "--steps", "2", "--eval-every", "0"];
+    let sets = ["--set", "data.source=\"llava\"", "--set", &format!("data.path={d:?}")];
+    let text =
+        stdout(&hetpar(&[&args[..], &sets[..], &["--out", out.to_str().expect("utf-8")]].concat()));
+    let note = "note: some clips are longer than the audio encoder's input (1.28 s) and are cut";
+    assert_eq!(text.matches(note).count(), 1, "{text}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics");
+    let last: Value = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("json"))
+        .rfind(|l| l.get("loss").is_some())
+        .expect("a step");
+    let counts = |key: &str| -> Vec<u64> {
+        last[key].as_array().expect(key).iter().map(|c| c.as_u64().expect("count")).collect()
+    };
+    let (cuts, decodes) = (counts("clips_cut_per_rank"), counts("decodes_per_rank"));
+    assert!(cuts.iter().sum::<u64>() > 0, "{last}");
+    assert!(cuts.iter().zip(&decodes).all(|(c, d)| c <= d), "{last}");
 }
 
 /// A checkpoint resumes in the precision it was trained in: f64 tensors, or bf16 products
