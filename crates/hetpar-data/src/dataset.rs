@@ -303,8 +303,8 @@ impl Dataset {
                 let (n_mels, frames, _) = self.spec.fronts.audio.expect("checked at open");
                 let file = self.spec.media_root.join(entry.record.audio.paths()[item.index]);
                 let mut clip = mel::read_wav(&file).map_err(named)?;
-                let cut = clip.len().saturating_sub(frames * mel::HOP);
-                clip.resize(frames * mel::HOP, 0.0);
+                let cut = clip.len().saturating_sub(mel::clip_samples(frames));
+                clip.resize(mel::clip_samples(frames), 0.0);
                 let mel = self.mel.as_ref().expect("made at open");
                 let values = mel.compute(&clip).map_err(named)?;
                 Ok(Decoded { payload: Payload { values, shape: vec![n_mels, frames] }, cut })

@@ -24,6 +24,12 @@ pub const N_FFT: usize = 400;
 /// Samples between frames.
 pub const HOP: usize = 160;
 
+/// The samples of a clip an encoder over `frames` log-mel frames takes (a clip is padded
+/// with silence or cut to them).
+pub fn clip_samples(frames: usize) -> usize {
+    frames * HOP
+}
+
 /// Hz to mel on the Slaney scale: linear below 1 kHz, logarithmic above.
 fn hz_to_mel(f: f64) -> f64 {
     let (f_sp, min_log_hz, min_log_mel) = (200.0 / 3.0, 1000.0, 15.0);

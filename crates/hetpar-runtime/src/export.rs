@@ -14,10 +14,10 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::DType;
-use hetpar_data::mel::{HOP, N_FFT, SAMPLE_RATE};
+use hetpar_data::mel::{HOP, N_FFT, SAMPLE_RATE, clip_samples};
 use hetpar_layout::{Config, ModelGraph, Module, ModuleSpec};
 use hetpar_nn::io::{Source, copy_tensors, read_header};
-use hetpar_nn::models::audio::sinusoids;
+use hetpar_nn::models::audio::{self, sinusoids};
 
 use crate::assemble::MOE_AUX_COEF;
 use crate::checkpoint::{CONFIG_FILE, read_manifest, sha256};
@@ -38,8 +38,9 @@ pub struct Exported {
     pub tensors: usize,
     /// Bytes of `model.safetensors`.
     pub bytes: u64,
-    /// The JSON files written beside it (`config.json`; a ViT's
-    /// `preprocessor_config.json`; the LLM's `generation_config.json` given [`Tokens`]).
+    /// The JSON files written beside it (`config.json`; a tower's
+    /// `preprocessor_config.json`, SigLIP's image processor or Whisper's feature extractor;
+    /// the LLM's `generation_config.json` given [`Tokens`]).
     pub configs: Vec<&'static str>,
 }
 
@@ -147,13 +148,11 @@ fn image_processor(size: usize) -> serde_json::Value {
     })
 }
 
-/// The prefix of the audio tower's tensors inside hetpar, which its HF directory drops.
-const AUDIO_PREFIX: &str = "audio_tower.";
-
-/// Tensor `name`'s name in its module's HF directory: an audio tower's without
-/// [`AUDIO_PREFIX`].
+/// Tensor `name`'s name in its module's HF directory: an audio tower's without the
+/// encoder's prefix ([`audio::PREFIX`], which HF's `WhisperEncoder` does not have).
 fn hf_name(audio: bool, name: &str) -> &str {
-    if audio { name.strip_prefix(AUDIO_PREFIX).unwrap_or(name) } else { name }
+    let bare = || name.strip_prefix(audio::PREFIX)?.strip_prefix('.');
+    if audio { bare().unwrap_or(name) } else { name }
 }
 
 /// The HF feature extractor of a Whisper encoder over `frames` log-mel frames of `n_mels`
@@ -172,12 +171,12 @@ fn feature_extractor(n_mels: usize, frames: usize) -> serde_json::Value {
         "sampling_rate": rate,
         "hop_length": HOP,
         "n_fft": N_FFT,
-        "chunk_length": (frames * HOP).div_ceil(rate),
+        "chunk_length": clip_samples(frames).div_ceil(rate),
         "padding_value": 0.0,
         "padding_side": "right",
         "return_attention_mask": false,
         "dither": 0.0,
-        "clip_samples": frames * HOP,
+        "clip_samples": clip_samples(frames),
     })
 }
 
@@ -207,13 +206,16 @@ pub fn export_hf(ckpt: &Path, out: &Path, tokens: Option<Tokens>) -> Result<Vec<
     let mut done = Vec::new();
     for m in &graph.modules {
         let mut from: Vec<(PathBuf, String)> = Vec::new();
+        // The parameters' element type, which a tensor made here takes.
+        let mut dtype = None;
         for f in manifest.files.iter().filter(|f| f.file.starts_with(&format!("{}.stage", m.name)))
         {
             let path = ckpt.join(&f.file);
             let (_, entries) = read_header(&path)?;
-            from.extend(
-                entries.into_keys().filter(|n| !n.contains(':')).map(|n| (path.clone(), n)),
-            );
+            for (name, e) in entries.into_iter().filter(|(n, _)| !n.contains(':')) {
+                dtype.get_or_insert(e.dtype);
+                from.push((path.clone(), name));
+            }
         }
         if from.is_empty() {
             return Err(bad(ckpt, format!("no tensors of module {} in the checkpoint", m.name)));
@@ -225,8 +227,8 @@ pub fn export_hf(ckpt: &Path, out: &Path, tokens: Option<Tokens>) -> Result<Vec<
         let sources: Vec<Source<'_>> =
             from.iter().map(|(p, n)| Source { file: p, name: n, to: hf_name(audio, n) }).collect();
         let mut made = std::collections::BTreeMap::new();
-        if let ModuleSpec::Audio { frames, .. } = m.spec {
-            let dtype = if manifest.dtype == "f64" { DType::F64 } else { DType::F32 };
+        if let (ModuleSpec::Audio { frames, .. }, Some(t)) = (&m.spec, &dtype) {
+            let dtype: DType = t.to_lowercase().parse().map_err(|e| bad(&file, e))?;
             let table = sinusoids(frames.div_ceil(2), m.dims.hidden, dtype)?;
             made.insert("embed_positions.weight".to_string(), table);
         }

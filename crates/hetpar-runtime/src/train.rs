@@ -44,9 +44,10 @@ pub struct StepLog {
     pub data_wait: f64,
     /// The step's manifest.
     pub manifest: BatchManifest,
-    /// Payloads (images, clips) each rank has decoded so far, by global rank: the items
-    /// its encoder replicas ran and those of the next step decoded ahead; zero on a rank
-    /// that runs no encoder's first stage.
+    /// Payloads (images, clips) each rank has decoded since the process started, by global
+    /// rank: the items its encoder replicas ran (in training steps and held-out batches)
+    /// and those of the next step decoded ahead; zero on a rank that runs no encoder's
+    /// first stage.
     pub decodes: Vec<u64>,
     /// Of those, the clips longer than their audio encoder's input (`frames * 160`
     /// samples), cut to it, by global rank.

@@ -2,7 +2,8 @@
 //! Llama, which computes the logits hetpar's LLM computes on the exported weights, and in
 //! its SigLIP vision tower, which with the exported LLaVA projector computes the rows
 //! hetpar's ViT gives the LLM; every exported tensor is bitwise the checkpoint's
-//! parameter, and no optimizer state leaks in.
+//! parameter, and no optimizer state leaks in. An audio tower split over pipeline stages
+//! exports as one Whisper encoder with HF's names.
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,9 +12,10 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use hetpar_comm::{LocalOptions, launch};
-use hetpar_layout::{LayoutSpec, ModuleLayout, Span};
+use hetpar_layout::{Config, LayoutSpec, ModelGraph, ModuleLayout, Span};
 use hetpar_nn::io::{load_params, read_header};
 use hetpar_nn::layers::attention::CpMode;
+use hetpar_nn::models::audio::sinusoids;
 use hetpar_nn::models::llama::{Llama, LlamaConfig};
 use hetpar_nn::models::vit::{Vit, VitConfig};
 use hetpar_nn::testing::{last_logits, rel_err};
@@ -195,4 +197,107 @@ fn the_export_loads_in_candle_transformers_with_the_same_outputs() {
 fn rel_err_f32(a: &[f32], b: &[f32]) -> f64 {
     let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
     rel_err(&wide(a), &wide(b))
+}
+
+/// An audio tower over two pipeline stages, trained in f64, exports as one HF Whisper
+/// encoder: each stage's tensors once, bit for bit, under their names without the
+/// encoder's `audio_tower.` prefix (the projector's as they are), Whisper's fixed position
+/// table once, in the weights' f64, as hetpar's, and a feature extractor for its frames.
+#[test]
+fn an_audio_tower_over_two_stages_exports_as_one_whisper_encoder() {
+    let tmp = tempfile::Builder::new().prefix("hetpar-export-audio-").tempdir().unwrap();
+    let dir = tmp.path();
+    let text = r#"
+name = "audio-stages"
+[train]
+steps = 1
+global_batch = 2
+microbatches = 1
+seq_len = 32
+dtype = "f64"
+[modules.audio]
+kind = "audio"
+n_mels = 8
+frames = 16
+hidden = 32
+layers = 2
+heads = 4
+ffn = 48
+[modules.audio.parallel]
+ranks = [0, 2]
+pp = 2
+[modules.llm]
+kind = "llama"
+vocab = 64
+hidden = 32
+layers = 1
+heads = 4
+kv_heads = 4
+ffn = 48
+[modules.llm.parallel]
+ranks = [2, 3]
+[[edges]]
+from = "audio"
+to = "llm"
+"#;
+    let g = ModelGraph::from_config(&Config::from_toml(text).unwrap()).unwrap();
+    let sources = Sources::synthetic(&g);
+    let root = dir.join("checkpoints");
+    launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let mut t = Trainer::new(c, &g, DType::F64, 1, &sources).unwrap();
+        t.set_config_text(text.to_string());
+        t.step(c, 0).unwrap();
+        t.save(c, 1, &root, 0).unwrap();
+    })
+    .unwrap();
+    let ckpt = root.join("step-00000001");
+    let hf = dir.join("hf");
+    let done = export_hf(&ckpt, &hf, None).unwrap();
+    let audio = done.iter().find(|e| e.module == "audio").unwrap();
+    assert_eq!(audio.architecture, "WhisperEncoder");
+    assert_eq!(audio.configs, ["config.json", "preprocessor_config.json"]);
+
+    let cpu = &Device::Cpu;
+    let exported = candle_core::safetensors::load(hf.join("audio").join("model.safetensors"), cpu);
+    let exported = exported.unwrap();
+    let mut saved = std::collections::BTreeMap::new();
+    for stage in 0..2 {
+        let file = ckpt.join(format!("audio.stage{stage}.safetensors"));
+        for (k, t) in candle_core::safetensors::load(file, cpu).unwrap() {
+            if !k.contains(':') {
+                assert!(saved.insert(k.clone(), t).is_none(), "{k} is in both stages");
+            }
+        }
+    }
+    assert!(saved.contains_key("audio_tower.layers.1.fc1.weight"), "{:?}", saved.keys());
+    assert_eq!(exported.len(), saved.len() + 1);
+    let bits = |t: &Tensor| -> Vec<u64> {
+        assert_eq!(t.dtype(), DType::F64);
+        t.flatten_all().unwrap().to_vec1::<f64>().unwrap().iter().map(|x| x.to_bits()).collect()
+    };
+    for (k, t) in &saved {
+        let name = k.strip_prefix("audio_tower.").unwrap_or(k);
+        assert!(!name.starts_with("audio_tower"), "{k}");
+        let theirs = exported.get(name).unwrap_or_else(|| panic!("{k} exported as {name}"));
+        assert_eq!(bits(theirs), bits(t), "{k}");
+    }
+    let table = sinusoids(8, 32, DType::F64).unwrap();
+    assert_eq!(bits(&exported["embed_positions.weight"]), bits(&table));
+
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(hf.join("audio").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (&config["max_source_positions"], &config["torch_dtype"]),
+        (&serde_json::json!(8), &serde_json::json!("float64"))
+    );
+    let features: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(hf.join("audio").join("preprocessor_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (&features["feature_size"], &features["clip_samples"], &features["chunk_length"]),
+        (&serde_json::json!(8), &serde_json::json!(2560), &serde_json::json!(1))
+    );
 }

@@ -1012,7 +1012,7 @@ fn clip_seconds(graph: &ModelGraph) -> Option<f64> {
     });
     let first = frames.next()?;
     let rate = f64::from(hetpar_data::mel::SAMPLE_RATE);
-    frames.all(|f| f == first).then(|| (first * hetpar_data::mel::HOP) as f64 / rate)
+    frames.all(|f| f == first).then(|| hetpar_data::mel::clip_samples(first) as f64 / rate)
 }
 
 fn say(line: &str) {

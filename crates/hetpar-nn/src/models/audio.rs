@@ -33,6 +33,9 @@ use crate::layers::linear::Build;
 use crate::models::encoder::{self, HeadNames, LayerNames, LayerShape, Trunk};
 use crate::params::{HasParams, Param};
 
+/// The prefix of the encoder's names (not of its projector's): Qwen2-Audio's.
+pub const PREFIX: &str = "audio_tower";
+
 /// Sizes and options of an audio encoder.
 #[derive(Clone, Copy, Debug)]
 pub struct AudioConfig {
@@ -178,7 +181,7 @@ impl AudioEncoder {
             fc1: "fc1",
             fc2: "fc2",
         };
-        let t = "audio_tower";
+        let t = PREFIX;
         let norm = format!("{t}.layer_norm");
         let head = HeadNames {
             norm: &norm,
