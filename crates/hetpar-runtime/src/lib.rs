@@ -34,4 +34,4 @@ pub use optim::{AdamState, AdamW, LrSchedule};
 pub use plans::StepPlans;
 pub use stage::{BoundaryIn, Forward, Scored, Stage};
 pub use step::Grads;
-pub use train::{EvalReport, StepLog, Tally, Trainer, train_options};
+pub use train::{Answered, EvalReport, StepLog, Tally, Trainer, train_options};

@@ -17,6 +17,11 @@ pub struct Scored {
     pub pos: usize,
     /// Whether the model's top token at `pos` is the target (greedy decoding would emit it).
     pub correct: bool,
+    /// The target token.
+    pub target: u32,
+    /// The model's top token at `pos`: the lowest id among the tokens whose logit is the
+    /// row's maximum over the whole vocabulary.
+    pub top: u32,
 }
 
 /// What a virtual stage's forward produced for one microbatch.

@@ -69,6 +69,38 @@ pub struct EvalReport {
     /// exactly when greedy decoding from the question reproduces it (a tie for the top
     /// logit counts as right; greedy decoding would break it one way).
     pub answers: BTreeMap<&'static str, Tally>,
+    /// Every answer, in held-out order, with the model's top tokens.
+    pub answered: Vec<Answered>,
+}
+
+/// One held-out answer: its tokens and the model's top token at each of their positions,
+/// given the reference before it. Up to the first token that differs, the model's are what
+/// greedy decoding from the question emits, and that token is the one it emits there; after
+/// it, greedy decoding would go its own way.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Answered {
+    /// "image", "audio" or "text": what the question was about.
+    pub kind: &'static str,
+    /// The answer's tokens, its closing marker included.
+    pub expected: Vec<u32>,
+    /// The model's top token at each of their positions.
+    pub model: Vec<u32>,
+    /// Whether it counts as right in [`EvalReport::answers`] (every token the top one, a
+    /// tie included).
+    pub right: bool,
+}
+
+impl Answered {
+    /// What greedy decoding from the question emits, as far as the reference shows it:
+    /// the whole answer where it is right, else the model's tokens up to and including the
+    /// first that is not the reference's.
+    pub fn greedy(&self) -> &[u32] {
+        let differs = self.expected.iter().zip(&self.model).position(|(e, m)| e != m);
+        match differs {
+            Some(i) if !self.right => &self.model[..=i],
+            _ => &self.expected,
+        }
+    }
 }
 
 /// Answers of one kind of question.
@@ -259,22 +291,34 @@ impl Trainer {
             let (n, seq) = (manifest.samples().len(), manifest.seq_len());
             let plans = StepPlans::new(&self.graph, manifest);
             let report = self.exec.step(world, actions, batch, &plans)?;
-            // Per position: [targets scored, of them correct], summed over the job (each
-            // target is scored by one rank).
-            let mut marks = vec![0.0f64; 2 * n * seq];
+            // Per position: [targets scored, of them correct, the target, the model's top
+            // token], summed over the job (each target is scored by one rank; token ids
+            // are exact in f64).
+            let at = |k: usize, s: &crate::Scored| k * n * seq + s.sample * seq + s.pos;
+            let mut marks = vec![0.0f64; 4 * n * seq];
             for s in &report.scored {
-                marks[s.sample * seq + s.pos] += 1.0;
-                marks[n * seq + s.sample * seq + s.pos] += f64::from(u8::from(s.correct));
+                marks[at(0, s)] += 1.0;
+                marks[at(1, s)] += f64::from(u8::from(s.correct));
+                marks[at(2, s)] += f64::from(s.target);
+                marks[at(3, s)] += f64::from(s.top);
             }
             world.all_reduce(&mut marks, ReduceOp::Sum)?;
-            let (scored, correct) = marks.split_at(n * seq);
+            let (scored, rest) = marks.split_at(n * seq);
+            let (correct, rest) = rest.split_at(n * seq);
+            let (target, top) = rest.split_at(n * seq);
             let targets = scored.iter().sum::<f64>() as usize;
             out.targets += targets;
             out.correct_tokens += correct.iter().sum::<f64>() as usize;
             *loss_sum += report.loss * targets as f64;
             for (s, answers) in self.data.answers(batch)?.iter().enumerate() {
                 for a in answers {
+                    let tokens = |of: &[f64]| -> Vec<u32> {
+                        a.positions.clone().map(|p| of[s * seq + p] as u32).collect()
+                    };
+                    let (expected, model) = (tokens(target), tokens(top));
                     let good = a.positions.clone().filter(|p| correct[s * seq + p] > 0.5).count();
+                    let right = good == a.positions.len();
+                    out.answered.push(Answered { kind: a.kind, expected, model, right });
                     let t = out.answers.entry(a.kind).or_default();
                     t.answers += 1;
                     t.right += usize::from(good == a.positions.len());

@@ -170,9 +170,10 @@ fn file_data_trains_and_evaluates_as_one_rank_under_both_placements() {
                 assert!(rel(*a, *b) < 1e-10, "{name} rank {rank} step {s}: {a} vs {b}");
             }
             assert!(rel(eval.loss, ref_eval.loss) < 1e-10, "{name}: {eval:?} vs {ref_eval:?}");
+            // The model's top tokens too: the vocabulary split over tp 2 picks the same.
             assert_eq!(
-                (eval.targets, eval.correct_tokens, &eval.answers),
-                (ref_eval.targets, ref_eval.correct_tokens, &ref_eval.answers),
+                (eval.targets, eval.correct_tokens, &eval.answers, &eval.answered),
+                (ref_eval.targets, ref_eval.correct_tokens, &ref_eval.answers, &ref_eval.answered),
                 "{name} rank {rank}"
             );
             // Decoded: the items this rank's encoder replicas own in the steps run, and
@@ -221,4 +222,26 @@ fn filler_slots_of_the_last_heldout_batch_count_nothing() {
     let eval = out.into_iter().next().unwrap().unwrap();
     assert_eq!(eval.targets, want_targets);
     assert_eq!(eval.answers.values().map(|t| t.answers).sum::<usize>(), want_answers);
+    // Each answer once, in order, with the records' own tokens; right exactly where the
+    // model's top tokens are the answer's (no ties in f64), its greedy prefix then whole.
+    let mut want = Vec::new();
+    for (e, entry) in small.entries().iter().enumerate() {
+        let targets = entry.encoded.targets();
+        for a in small.answers(e) {
+            want.push((a.kind, a.positions.map(|p| targets[p] as u32).collect::<Vec<_>>()));
+        }
+    }
+    let got: Vec<_> = eval.answered.iter().map(|a| (a.kind, a.expected.clone())).collect();
+    assert_eq!(got, want);
+    let right: usize = eval.answers.values().map(|t| t.right).sum();
+    assert_eq!(eval.answered.iter().filter(|a| a.right).count(), right);
+    for a in &eval.answered {
+        assert_eq!(a.right, a.model == a.expected, "{a:?}");
+        let g = a.greedy();
+        let first_miss = a.expected.iter().zip(&a.model).position(|(e, m)| e != m);
+        match first_miss {
+            None => assert_eq!(g, a.expected.as_slice()),
+            Some(i) => assert!(g.len() == i + 1 && g[..i] == a.expected[..i] && g[i] == a.model[i]),
+        }
+    }
 }

@@ -34,6 +34,11 @@ pub struct Args {
     /// One JSON object on stdout instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Also show the first N answers next to the model's: the reference, and what greedy
+    /// decoding from the question emits as far as it follows the reference (up to and
+    /// including its first different token). With --json, an `answers` list.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub show: usize,
     /// Seconds a rank waits in a communication call before the run fails naming it and what
     /// the ranks it waited for were doing (in which call, or computing: raise it for steps
     /// whose work takes longer).
@@ -166,10 +171,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         other => anyhow::bail!("{}", crate::unknown_backend(other)),
     };
+    // The shown answers' text, by the tokenizer the records were read with.
+    let shown = &report.answered[..a.show.min(report.answered.len())];
+    let vocab = match (shown.is_empty(), graph.data.tokenizer.as_deref()) {
+        (false, Some(t)) => Some(
+            hetpar_data::chat::Vocab::load(Path::new(t))
+                .with_context(|| format!("cannot read the tokenizer {t}"))?,
+        ),
+        _ => None,
+    };
+    let text = |ids: &[u32]| -> String {
+        vocab.as_ref().and_then(|v| v.decode(ids).ok()).unwrap_or_else(|| format!("{ids:?}"))
+    };
     #[allow(clippy::print_stdout)]
     if a.json {
         let kinds = serde_json::to_value(&report.answers)?;
-        let out = serde_json::json!({
+        let mut out = serde_json::json!({
             "checkpoint": ckpt.display().to_string(),
             "step": step,
             "loss": if report.loss.is_finite() { serde_json::json!(report.loss) } else { serde_json::Value::Null },
@@ -178,6 +195,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             "targets": report.targets,
             "by_kind": kinds,
         });
+        if a.show > 0 {
+            let answers: Vec<serde_json::Value> = shown
+                .iter()
+                .map(|x| {
+                    serde_json::json!({
+                        "kind": x.kind,
+                        "right": x.right,
+                        "expected": text(&x.expected),
+                        "greedy": text(x.greedy()),
+                        "expected_ids": x.expected,
+                        "top_ids": x.model,
+                    })
+                })
+                .collect();
+            out["answers"] = answers.into();
+        }
         println!("{out}");
     } else {
         println!(
@@ -186,6 +219,22 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             a.data.display(),
             describe_eval(&report)
         );
+        if !shown.is_empty() {
+            println!("the first {} of {} answers:", shown.len(), report.answered.len());
+        }
+        for (i, x) in shown.iter().enumerate() {
+            let expected = text(&x.expected);
+            if x.right {
+                println!("  {}. {}, right: {expected:?}", i + 1, x.kind);
+            } else {
+                let greedy = text(x.greedy());
+                println!(
+                    "  {}. {}, wrong: {expected:?}; greedy decoding begins {greedy:?}",
+                    i + 1,
+                    x.kind
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -100,7 +100,7 @@ enum Command {
     /// Held-out loss and answer accuracy of a checkpoint (greedy decoding of each answer,
     /// scored as exact match), on the layout it was saved under.
     #[command(
-        after_help = "Examples:\n  hetpar data synth --out /tmp/d --seed 1234 && hetpar eval runs/demo --data /tmp/d   (the demo's set)\n  hetpar eval runs/demo/checkpoints/step-00000100 --data /tmp/d/heldout.json --json\n  mpirun -n 3 hetpar eval runs/demo --data /tmp/d --backend mpi   (build with --features mpi)"
+        after_help = "Examples:\n  hetpar data synth --out /tmp/d --seed 1234 && hetpar eval runs/demo --data /tmp/d   (the demo's set)\n  hetpar eval runs/demo/checkpoints/step-00000100 --data /tmp/d/heldout.json --json\n  hetpar eval runs/demo --data /tmp/d --show 10   (the first 10 answers next to the model's)\n  mpirun -n 3 hetpar eval runs/demo --data /tmp/d --backend mpi   (build with --features mpi)"
     )]
     Eval(eval_cmd::Args),
 }

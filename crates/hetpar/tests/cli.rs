@@ -616,8 +616,23 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     assert!(events[0].metadata().expect("meta").len() > 100);
     assert!(text.contains("TensorBoard events: "), "{text}");
     // The same checkpoint, evaluated on its own: the same numbers.
-    let eval = hetpar(&["eval", out, "--data", generated, "--json"]);
+    let eval = hetpar(&["eval", out, "--data", generated, "--json", "--show", "2"]);
     let e: Value = serde_json::from_str(&stdout(&eval)).expect("json");
+    // The first two answers, as text and ids, with what greedy decoding emits.
+    let shown = e["answers"].as_array().expect("answers");
+    assert_eq!(shown.len(), 2, "{e}");
+    for x in shown {
+        let text = x["expected"].as_str().expect("text");
+        assert!(text.ends_with("<|end|>"), "{x}");
+        assert_eq!(
+            x["expected_ids"].as_array().map(Vec::len),
+            x["top_ids"].as_array().map(Vec::len)
+        );
+        assert!(x["greedy"].is_string() && x["right"].is_boolean(), "{x}");
+    }
+    let plain = stdout(&hetpar(&["eval", out, "--data", generated, "--show", "3"]));
+    assert!(plain.contains("\nthe first 3 of "), "{plain}");
+    assert_eq!(plain.lines().filter(|l| l.starts_with("  ") && l.contains("\"")).count(), 3);
     assert_eq!(e["step"], 4);
     for key in ["loss", "answer_accuracy", "token_accuracy", "targets", "by_kind"] {
         assert_eq!(e[key], last[key], "{key}: {e} vs {last}");

@@ -197,9 +197,10 @@ impl LlamaStage {
     /// Whether the top logit at each target position this rank holds the column of is the
     /// target: the row's maximum over the whole vocabulary (one max all-reduce over tp),
     /// compared with the target's logit by the tp rank holding it, so each target is
-    /// scored once. A tie counts as correct.
-    /// Only two values per row leave the logits (its maximum and the target's logit), so
-    /// scoring costs no copy of the vocabulary shard.
+    /// scored once. A tie counts as correct. With it, the row's top token: the lowest
+    /// column holding the maximum (one min all-reduce over tp of each shard's first).
+    /// Only three values per row leave the logits (its maximum, its first column holding
+    /// it and the target's logit), so scoring costs no copy of the vocabulary shard.
     fn score(&self, mb: usize, logits: &Tensor) -> Result<Vec<Scored>, RuntimeError> {
         let targets = self.local(mb, &self.step()?.0.targets)?;
         let logits = logits.detach();
@@ -207,11 +208,23 @@ impl LlamaStage {
         let host = |t: Tensor| -> Result<Vec<f64>, RuntimeError> {
             Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?)
         };
-        let mut max = host(logits.max_keepdim(1)?)?;
+        let local = host(logits.max_keepdim(1)?)?;
+        let mut max = local.clone();
         if let Some(c) = self.ctx.tp.comm() {
             c.all_reduce(&mut max, ReduceOp::Max)?;
         }
         let cols = self.ctx.tp.rank * width..(self.ctx.tp.rank + 1) * width;
+        // This shard's first column holding the row's maximum (none: past every column),
+        // then the lowest over tp. Token ids are exact in f64.
+        let first: Vec<u32> = logits.argmax_keepdim(1)?.flatten_all()?.to_vec1()?;
+        let mut top: Vec<f64> = (0..local.len())
+            .map(|r| {
+                if local[r] >= max[r] { (cols.start + first[r] as usize) as f64 } else { f64::MAX }
+            })
+            .collect();
+        if let Some(c) = self.ctx.tp.comm() {
+            c.all_reduce(&mut top, ReduceOp::Min)?;
+        }
         // The column of each row's target in this shard (0 where another rank holds it).
         let mine = |t: i64| usize::try_from(t).ok().filter(|t| cols.contains(t));
         let at: Vec<u32> =
@@ -221,11 +234,13 @@ impl LlamaStage {
         let (own, samples) = (self.positions.own(), self.samples(mb)?);
         let mut out = Vec::new();
         for (r, &t) in targets.iter().enumerate() {
-            if mine(t).is_some() {
+            if let Some(target) = mine(t) {
                 out.push(Scored {
                     sample: samples.start + r / own.len(),
                     pos: own[r % own.len()],
                     correct: picked[r] >= max[r],
+                    target: target as u32,
+                    top: top[r] as u32,
                 });
             }
         }
