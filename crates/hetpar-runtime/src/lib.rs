@@ -32,6 +32,6 @@ pub use executor::{Executor, OnNonFinite, StepReport, TrainOptions};
 pub use memory::{ActivationFloor, HostCopy, Resident, activations_held};
 pub use optim::{AdamState, AdamW, LrSchedule};
 pub use plans::StepPlans;
-pub use stage::{BoundaryIn, Forward, Scored, Stage};
+pub use stage::{BoundaryIn, Forward, NO_TOP, Scored, Stage};
 pub use step::Grads;
 pub use train::{Answered, EvalReport, StepLog, Tally, Trainer, train_options};

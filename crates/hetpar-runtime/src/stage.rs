@@ -19,10 +19,14 @@ pub struct Scored {
     pub correct: bool,
     /// The target token.
     pub target: u32,
-    /// The model's top token at `pos`: the lowest id among the tokens whose logit is the
-    /// row's maximum over the whole vocabulary.
+    /// The model's top token at `pos`: the target where its logit is the row's maximum
+    /// over the whole vocabulary (so `top == target` exactly when `correct`), else the
+    /// lowest id holding the maximum; [`NO_TOP`] where the row has none (a NaN logit).
     pub top: u32,
 }
+
+/// [`Scored::top`] of a row whose logits have no maximum (a NaN among them).
+pub const NO_TOP: u32 = u32::MAX;
 
 /// What a virtual stage's forward produced for one microbatch.
 #[derive(Debug, Default)]

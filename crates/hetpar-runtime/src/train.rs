@@ -74,31 +74,33 @@ pub struct EvalReport {
 }
 
 /// One held-out answer: its tokens and the model's top token at each of their positions,
-/// given the reference before it. Up to the first token that differs, the model's are what
-/// greedy decoding from the question emits, and that token is the one it emits there; after
-/// it, greedy decoding would go its own way.
+/// given the reference before it (the conversation, earlier answers as the record has
+/// them). Up to the first token that differs, the model's are what greedy decoding from
+/// that conversation emits, and that token is the one it emits there; after it, greedy
+/// decoding would go its own way. Where the answer's token ties for the top, it is the
+/// model's.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Answered {
     /// "image", "audio" or "text": what the question was about.
     pub kind: &'static str,
     /// The answer's tokens, its closing marker included.
     pub expected: Vec<u32>,
-    /// The model's top token at each of their positions.
+    /// The model's top token at each of their positions ([`crate::NO_TOP`] where the
+    /// logits have no maximum).
     pub model: Vec<u32>,
-    /// Whether it counts as right in [`EvalReport::answers`] (every token the top one, a
-    /// tie included).
+    /// Whether it counts as right in [`EvalReport::answers`]: every token the top one, a
+    /// tie included (then `model == expected`).
     pub right: bool,
 }
 
 impl Answered {
-    /// What greedy decoding from the question emits, as far as the reference shows it:
-    /// the whole answer where it is right, else the model's tokens up to and including the
-    /// first that is not the reference's.
+    /// What greedy decoding emits, as far as the reference shows it: the model's tokens up
+    /// to and including the first that is not the reference's (the whole answer where it
+    /// is right).
     pub fn greedy(&self) -> &[u32] {
-        let differs = self.expected.iter().zip(&self.model).position(|(e, m)| e != m);
-        match differs {
-            Some(i) if !self.right => &self.model[..=i],
-            _ => &self.expected,
+        match self.expected.iter().zip(&self.model).position(|(e, m)| e != m) {
+            Some(i) => &self.model[..=i],
+            None => &self.model,
         }
     }
 }

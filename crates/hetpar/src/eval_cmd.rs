@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use hetpar_comm::{CommExt, Communicator};
 use hetpar_runtime::checkpoint::CONFIG_FILE;
-use hetpar_runtime::{EvalReport, RuntimeError, Trainer};
+use hetpar_runtime::{EvalReport, NO_TOP, RuntimeError, Trainer};
 
 use crate::data_open::RunData;
 use crate::export_cmd::checkpoint;
@@ -35,8 +35,9 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     /// Also show the first N answers next to the model's: the reference, and what greedy
-    /// decoding from the question emits as far as it follows the reference (up to and
-    /// including its first different token). With --json, an `answers` list.
+    /// decoding from the conversation before it (earlier answers as the record has them)
+    /// emits, as far as it follows the reference (up to and including its first different
+    /// token). With --json, an `answers` list.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub show: usize,
     /// Seconds a rank waits in a communication call before the run fails naming it and what
@@ -63,6 +64,21 @@ fn trained_tokenizer(text: &str, config: &Path) -> Option<PathBuf> {
         DataSource::Llava => crate::data_open::paths(&trained, &|_| {}).ok()??.tokenizer,
     };
     path.is_file().then_some(path)
+}
+
+/// The text of `ids`, an id the tokenizer has no token for (the LLM's vocabulary may be
+/// larger) spelt `[id N]`, and [`NO_TOP`] `[no top token: NaN logits]`: the tokenizer
+/// would drop such ids without a word.
+fn spell(vocab: &hetpar_data::chat::Vocab, ids: &[u32]) -> String {
+    let mut out = String::new();
+    for run in ids.chunk_by(|a, b| (*a as usize) < vocab.len() && (*b as usize) < vocab.len()) {
+        match run {
+            [id] if *id == NO_TOP => out.push_str("[no top token: NaN logits]"),
+            [id] if *id as usize >= vocab.len() => out.push_str(&format!("[id {id}]")),
+            known => out.push_str(&vocab.decode(known).unwrap_or_else(|_| format!("{known:?}"))),
+        }
+    }
+    out
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
@@ -180,9 +196,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         ),
         _ => None,
     };
-    let text = |ids: &[u32]| -> String {
-        vocab.as_ref().and_then(|v| v.decode(ids).ok()).unwrap_or_else(|| format!("{ids:?}"))
-    };
+    let text = |ids: &[u32]| vocab.as_ref().map_or_else(|| format!("{ids:?}"), |v| spell(v, ids));
     #[allow(clippy::print_stdout)]
     if a.json {
         let kinds = serde_json::to_value(&report.answers)?;
@@ -237,4 +251,28 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use hetpar_data::chat::Vocab;
+    use hetpar_runtime::NO_TOP;
+
+    use super::spell;
+
+    /// Ids the tokenizer has tokens for read as their text; one it lacks (the LLM's
+    /// vocabulary may be larger) and a NaN row's are named, where the tokenizer would drop
+    /// them without a word.
+    #[test]
+    fn ids_without_a_token_are_named_not_dropped() {
+        let vocab = Vocab::train(&["two green circles".to_string()], 300).expect("vocab");
+        let ids = vocab.ids("two green").expect("ids");
+        assert_eq!(spell(&vocab, &ids), "two green");
+        let past = vocab.len() as u32 + 7;
+        let mut with = ids.clone();
+        with.push(past);
+        assert_eq!(spell(&vocab, &with), format!("two green[id {past}]"));
+        assert_eq!(spell(&vocab, &[NO_TOP]), "[no top token: NaN logits]");
+        assert_eq!(spell(&vocab, &[]), "");
+    }
 }

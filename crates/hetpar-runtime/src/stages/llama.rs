@@ -16,7 +16,7 @@ use hetpar_nn::models::llama::{Boundary, Llama, LlamaBatch, LlamaConfig};
 use hetpar_nn::{Build, HasParams, ParallelCtx, Param};
 
 use crate::error::RuntimeError;
-use crate::stage::{BoundaryIn, Forward, Scored, Stage};
+use crate::stage::{BoundaryIn, Forward, NO_TOP, Scored, Stage};
 
 /// The text of one step: every sample's token ids and next-token targets (negative where
 /// no loss is taken: padding, encoder rows and the positions before them), `seq` per
@@ -197,8 +197,9 @@ impl LlamaStage {
     /// Whether the top logit at each target position this rank holds the column of is the
     /// target: the row's maximum over the whole vocabulary (one max all-reduce over tp),
     /// compared with the target's logit by the tp rank holding it, so each target is
-    /// scored once. A tie counts as correct. With it, the row's top token: the lowest
-    /// column holding the maximum (one min all-reduce over tp of each shard's first).
+    /// scored once. A tie counts as correct. With it, the row's top token: the target where
+    /// it holds the maximum, else the lowest column holding it (one min all-reduce over tp
+    /// of each shard's first; none where the maximum is NaN).
     /// Only three values per row leave the logits (its maximum, its first column holding
     /// it and the target's logit), so scoring costs no copy of the vocabulary shard.
     fn score(&self, mb: usize, logits: &Tensor) -> Result<Vec<Scored>, RuntimeError> {
@@ -214,8 +215,8 @@ impl LlamaStage {
             c.all_reduce(&mut max, ReduceOp::Max)?;
         }
         let cols = self.ctx.tp.rank * width..(self.ctx.tp.rank + 1) * width;
-        // This shard's first column holding the row's maximum (none: past every column),
-        // then the lowest over tp. Token ids are exact in f64.
+        // This shard's first column holding the row's maximum (none: `f64::MAX`, which
+        // becomes `NO_TOP`), then the lowest over tp. Token ids are exact in f64.
         let first: Vec<u32> = logits.argmax_keepdim(1)?.flatten_all()?.to_vec1()?;
         let mut top: Vec<f64> = (0..local.len())
             .map(|r| {
@@ -235,12 +236,18 @@ impl LlamaStage {
         let mut out = Vec::new();
         for (r, &t) in targets.iter().enumerate() {
             if let Some(target) = mine(t) {
+                let correct = picked[r] >= max[r];
+                let top = match top[r] {
+                    _ if correct => target as u32,
+                    id if id < f64::from(NO_TOP) => id as u32,
+                    _ => NO_TOP,
+                };
                 out.push(Scored {
                     sample: samples.start + r / own.len(),
                     pos: own[r % own.len()],
-                    correct: picked[r] >= max[r],
+                    correct,
                     target: target as u32,
-                    top: top[r] as u32,
+                    top,
                 });
             }
         }
