@@ -15,14 +15,19 @@ pub struct Scored {
     pub sample: usize,
     /// The position whose next token it is.
     pub pos: usize,
-    /// Whether the model's top token at `pos` is the target (greedy decoding would emit it).
-    pub correct: bool,
     /// The target token.
     pub target: u32,
     /// The model's top token at `pos`: the target where its logit is the row's maximum
-    /// over the whole vocabulary (so `top == target` exactly when `correct`), else the
-    /// lowest id holding the maximum; [`NO_TOP`] where the row has none (a NaN logit).
+    /// over the whole vocabulary (a tie counts for the target), else the lowest id holding
+    /// the maximum; [`NO_TOP`] where the row has none (a NaN logit).
     pub top: u32,
+}
+
+impl Scored {
+    /// Whether the model's top token is the target (greedy decoding would emit it).
+    pub fn correct(&self) -> bool {
+        self.top == self.target
+    }
 }
 
 /// [`Scored::top`] of a row whose logits have no maximum (a NaN among them).

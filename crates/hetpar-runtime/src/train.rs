@@ -85,15 +85,17 @@ pub struct Answered {
     pub kind: &'static str,
     /// The answer's tokens, its closing marker included.
     pub expected: Vec<u32>,
-    /// The model's top token at each of their positions ([`crate::NO_TOP`] where the
-    /// logits have no maximum).
+    /// The model's top token at each of their positions (the expected one where it ties
+    /// for the top; [`crate::NO_TOP`] where the logits have no maximum).
     pub model: Vec<u32>,
-    /// Whether it counts as right in [`EvalReport::answers`]: every token the top one, a
-    /// tie included (then `model == expected`).
-    pub right: bool,
 }
 
 impl Answered {
+    /// Whether it counts as right in [`EvalReport::answers`]: every token the top one.
+    pub fn right(&self) -> bool {
+        self.model == self.expected
+    }
+
     /// What greedy decoding emits, as far as the reference shows it: the model's tokens up
     /// to and including the first that is not the reference's (the whole answer where it
     /// is right).
@@ -300,7 +302,7 @@ impl Trainer {
             let mut marks = vec![0.0f64; 4 * n * seq];
             for s in &report.scored {
                 marks[at(0, s)] += 1.0;
-                marks[at(1, s)] += f64::from(u8::from(s.correct));
+                marks[at(1, s)] += f64::from(u8::from(s.correct()));
                 marks[at(2, s)] += f64::from(s.target);
                 marks[at(3, s)] += f64::from(s.top);
             }
@@ -317,10 +319,9 @@ impl Trainer {
                     let tokens = |of: &[f64]| -> Vec<u32> {
                         a.positions.clone().map(|p| of[s * seq + p] as u32).collect()
                     };
-                    let (expected, model) = (tokens(target), tokens(top));
                     let good = a.positions.clone().filter(|p| correct[s * seq + p] > 0.5).count();
-                    let right = good == a.positions.len();
-                    out.answered.push(Answered { kind: a.kind, expected, model, right });
+                    let (expected, model) = (tokens(target), tokens(top));
+                    out.answered.push(Answered { kind: a.kind, expected, model });
                     let t = out.answers.entry(a.kind).or_default();
                     t.answers += 1;
                     t.right += usize::from(good == a.positions.len());

@@ -215,7 +215,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 .map(|x| {
                     serde_json::json!({
                         "kind": x.kind,
-                        "right": x.right,
+                        "right": x.right(),
                         "expected": text(&x.expected),
                         "greedy": text(x.greedy()),
                         "expected_ids": x.expected,
@@ -238,7 +238,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         for (i, x) in shown.iter().enumerate() {
             let expected = text(&x.expected);
-            if x.right {
+            if x.right() {
                 println!("  {}. {}, right: {expected:?}", i + 1, x.kind);
             } else {
                 let greedy = text(x.greedy());

@@ -82,7 +82,11 @@ fn run_tokenizer(ckpt: &Path) -> anyhow::Result<Option<(PathBuf, Tokens)>> {
     let graph = hetpar_runtime::export::checkpoint_graph(ckpt)?;
     let Some(paths) = crate::data_open::paths(&graph, &|_| {})? else { return Ok(None) };
     let vocab = hetpar_data::chat::Vocab::load(&paths.tokenizer)?;
-    let id = |s: &str| vocab.id(s).context("the tokenizer lacks a template marker");
+    let id = |s: &str| {
+        vocab.id(s).with_context(|| {
+            format!("the run's tokenizer {} has no {s} token", paths.tokenizer.display())
+        })
+    };
     let tokens = Tokens { eos: id(hetpar_data::chat::END)?, pad: id(hetpar_data::chat::PAD)? };
     Ok(Some((paths.tokenizer, tokens)))
 }

@@ -236,16 +236,14 @@ impl LlamaStage {
         let mut out = Vec::new();
         for (r, &t) in targets.iter().enumerate() {
             if let Some(target) = mine(t) {
-                let correct = picked[r] >= max[r];
                 let top = match top[r] {
-                    _ if correct => target as u32,
+                    _ if picked[r] >= max[r] => target as u32,
                     id if id < f64::from(NO_TOP) => id as u32,
                     _ => NO_TOP,
                 };
                 out.push(Scored {
                     sample: samples.start + r / own.len(),
                     pos: own[r % own.len()],
-                    correct,
                     target: target as u32,
                     top,
                 });
