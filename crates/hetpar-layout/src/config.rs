@@ -399,6 +399,7 @@ impl ModuleSizes {
 #[serde(deny_unknown_fields)]
 pub struct ParallelConfig {
     /// Placement span `[start, end)`.
+    #[serde(deserialize_with = "span")]
     pub ranks: [usize; 2],
     /// Tensor-parallel size.
     #[serde(default = "one")]
@@ -479,6 +480,17 @@ impl Config {
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a Config always serializes")
     }
+}
+
+/// A placement span: exactly two ranks (TOML's deserializer would drop a third).
+fn span<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<[usize; 2], D::Error> {
+    let v = Vec::<usize>::deserialize(d)?;
+    <[usize; 2]>::try_from(v.as_slice()).map_err(|_| {
+        serde::de::Error::custom(format!(
+            "ranks must be [start, end), two numbers; got {} of them",
+            v.len()
+        ))
+    })
 }
 
 /// Parses any TOML file format of hetpar (configs, planner workloads) with unknown keys

@@ -114,6 +114,14 @@ impl Strategy {
             Strategy::Leaders { .. } => "leaders",
         }
     }
+
+    /// Leader pairs per replica pair: `stripes` for leaders, 1 otherwise.
+    pub fn stripes(self) -> usize {
+        match self {
+            Strategy::Leaders { stripes } => stripes,
+            Strategy::Exact | Strategy::Gather => 1,
+        }
+    }
 }
 
 impl fmt::Display for Strategy {

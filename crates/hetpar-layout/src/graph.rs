@@ -148,6 +148,10 @@ impl ModelGraph {
                 "no modules defined: add a [modules.NAME] table",
             ));
         }
+        check_name("name", &cfg.name, ".")?;
+        for name in cfg.modules.keys() {
+            check_name(&format!("modules.{name:?}"), name, "")?;
+        }
         let modules: Vec<Module> = cfg
             .modules
             .iter()
@@ -282,9 +286,12 @@ impl ModuleSizes {
             ModuleKind::Llama => {
                 let vocab = need("vocab", m.vocab)?;
                 let kv_heads = m.kv_heads.unwrap_or(m.heads);
-                if vocab == 0 || kv_heads == 0 || !m.heads.is_multiple_of(kv_heads) {
+                if vocab == 0 {
+                    return err("vocab must be at least 1, got 0".to_string());
+                }
+                if kv_heads == 0 || !m.heads.is_multiple_of(kv_heads) {
                     return err(format!(
-                        "heads({}) must be a multiple of kv_heads({kv_heads}) and vocab({vocab}) positive",
+                        "heads({}) must be a multiple of kv_heads({kv_heads})",
                         m.heads
                     ));
                 }
@@ -327,6 +334,28 @@ pub fn at_most(field: &str, key: &str, v: usize, limit: usize) -> Result<()> {
     Ok(())
 }
 
+/// Longest run or module name.
+const MAX_NAME: usize = 64;
+
+/// A run or module name names files and directories (`runs/<name>`, a checkpoint's
+/// `<module>.stage<s>.safetensors`) and sits in dotted `--set` keys: ASCII letters, digits,
+/// `_` and `-`, plus the characters in `more`, starting with a letter or digit.
+fn check_name(field: &str, name: &str, more: &str) -> Result<()> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-' || more.contains(c);
+    let first_ok = name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());
+    if name.len() <= MAX_NAME && first_ok && name.chars().all(allowed) {
+        return Ok(());
+    }
+    let also = more.chars().map(|c| format!(", `{c}`")).collect::<String>();
+    Err(ConfigError::new(
+        field,
+        format!(
+            "{name:?} is not a name: use 1 to {MAX_NAME} ASCII letters, digits, `_`, `-`{also}, \
+             starting with a letter or digit (it names files and --set keys)"
+        ),
+    ))
+}
+
 fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Module> {
     let field = format!("modules.{name}");
     let kind = m.kind.name();
@@ -360,9 +389,13 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
     // Experts are whole on their ep rank (no expert tensor parallelism yet), so a MoE
     // module's expert view is etp 1 unless the config says otherwise (and then it is refused).
     let etp = if experts > 0 { Some(p.etp.unwrap_or(1)) } else { p.etp };
+    let perr = |message: String| Err(ConfigError::new(pfield.clone(), message));
+    // Before the grid's arithmetic, whose message would name the expert view's sizes.
+    if p.ep > 1 && experts == 0 {
+        return perr(format!("ep({}) needs a MoE module (experts > 0)", p.ep));
+    }
     let layout_spec = LayoutSpec { tp: p.tp, cp: p.cp, pp: p.pp, ep: p.ep, etp, sp: p.sp };
     let layout = ModuleLayout::new(name, span, layout_spec)?;
-    let perr = |message: String| Err(ConfigError::new(pfield.clone(), message));
     let tp = layout.tp();
     let mut divides = vec![("heads", m.heads), ("ffn", m.ffn)];
     if let ModuleSpec::Llama { vocab, kv_heads, .. } = spec {
@@ -408,9 +441,6 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
             "offload applies to encoders (during the LLM phase), not to the llama module"
                 .to_string(),
         );
-    }
-    if layout.ep() > 1 && experts == 0 {
-        return perr(format!("ep({}) needs a MoE module (experts > 0)", layout.ep()));
     }
     if experts > 0 && experts % layout.ep() != 0 {
         return perr(format!("ep({}) does not divide experts({experts})", layout.ep()));

@@ -129,6 +129,19 @@ fn ep_must_divide_experts() {
         validate(&text).expect_err("6 % 4"),
         "modules.llm.parallel: ep(4) does not divide experts(6)"
     );
+    // A dense module is told it has no experts, not about the expert view's arithmetic.
+    assert_eq!(
+        error_after("sp = true", "sp = true\nep = 2"),
+        "modules.llm.parallel: ep(2) needs a MoE module (experts > 0)"
+    );
+    assert_eq!(
+        error_after("kv_heads = 4", "kv_heads = 3"),
+        "modules.llm: heads(8) must be a multiple of kv_heads(3)"
+    );
+    assert_eq!(
+        error_after("vocab = 512", "vocab = 0"),
+        "modules.llm: vocab must be at least 1, got 0"
+    );
 }
 
 #[test]
@@ -229,6 +242,26 @@ fn missing_modules() {
     assert_eq!(
         error_after("patch_size = 8\n", ""),
         "modules.vision: kind \"vit\" needs `patch_size`"
+    );
+}
+
+#[test]
+fn names_that_would_name_files_outside_the_run() {
+    for bad in ["../../evil", "", "a b/c", ".hidden", "x.y"] {
+        let text = GOOD
+            .replacen("[modules.audio]", &format!("[modules.{bad:?}]"), 1)
+            .replacen("[modules.audio.parallel]", &format!("[modules.{bad:?}.parallel]"), 1)
+            .replacen("from = \"audio\"", &format!("from = {bad:?}"), 1);
+        let msg = validate(&text).expect_err(bad);
+        assert!(msg.starts_with(&format!("modules.{bad:?}: {bad:?} is not a name")), "{msg}");
+    }
+    assert!(error_after("name = \"t\"", "name = \"../t\"").starts_with(
+        "name: \"../t\" is not a name: use 1 to 64 ASCII letters, digits, `_`, `-`, `.`,"
+    ));
+    assert!(validate(&GOOD.replacen("name = \"t\"", "name = \"llava-1.5_b\"", 1)).is_ok());
+    assert_eq!(
+        error_after("ranks = [8, 10]", "ranks = [8, 10, 12]"),
+        "line 42, in [modules.audio.parallel]: ranks must be [start, end), two numbers; got 3 of them"
     );
 }
 

@@ -263,6 +263,19 @@ impl WorkloadFile {
             at_most(field, "", v, limit)
                 .map_err(|e| PlanError(format!("{}: {}", e.field, e.message)))?;
         }
+        let tokens = w.seq_len * w.global_batch;
+        if tokens > hetpar_layout::graph::MAX_STEP_TOKENS {
+            return err(
+                "workload.global_batch",
+                format!(
+                    "global_batch({}) x seq_len({}) = {tokens} tokens a step is more than {}, \
+                     the most hetpar takes",
+                    w.global_batch,
+                    w.seq_len,
+                    hetpar_layout::graph::MAX_STEP_TOKENS
+                ),
+            );
+        }
         if self.cluster.gpus_per_node == Some(0) {
             return err("cluster.gpus_per_node", "must be at least 1, got 0".into());
         }
@@ -326,7 +339,11 @@ impl WorkloadFile {
             if rows_per_item == 0 || rows_per_item >= w.seq_len {
                 return err(
                     "workload.tokens_per_image",
-                    format!("{rows_per_item} rows per item do not fit seq_len({})", w.seq_len),
+                    format!(
+                        "an item's rows must be at least 1 and fewer than seq_len({}), got \
+                         {rows_per_item}",
+                        w.seq_len
+                    ),
                 );
             }
             let items_per_sample = fraction * w.seq_len as f64 / rows_per_item as f64;

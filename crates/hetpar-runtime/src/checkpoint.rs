@@ -572,9 +572,9 @@ pub fn latest_noted(root: &Path) -> Result<(Option<PathBuf>, Option<String>)> {
     Ok((newest, note))
 }
 
-/// Reads and checks `dir/manifest.json`: its format, its own checksum, that its counts,
-/// modules and file names are consistent, and that it describes `graph`'s model.
-pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
+/// Reads `dir/manifest.json` and checks what it says of itself: its format, its own
+/// checksum, its counts and that its file names stay inside the checkpoint.
+fn parse_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
     let text = std::fs::read(&path).map_err(|e| io(&path, e))?;
     let m: Manifest = serde_json::from_slice(&text)
@@ -607,6 +607,40 @@ pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
             ));
         }
     }
+    Ok(m)
+}
+
+/// The run's config as checkpoint `dir` saved it (TOML text), checked against the
+/// manifest's SHA-256 before anything reads it: an edited or damaged config would otherwise
+/// train, evaluate or export another model's settings under the checkpoint's name.
+/// `None` where the checkpoint holds no config and its manifest lists none.
+pub fn saved_config(dir: &Path) -> Result<Option<String>> {
+    let m = parse_manifest(dir)?;
+    let path = dir.join(CONFIG_FILE);
+    let Some(entry) = m.files.iter().find(|f| f.file == CONFIG_FILE) else {
+        // A manifest that lists no config (an older checkpoint's): the file as it is.
+        return match std::fs::read_to_string(&path) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io(&path, e)),
+        };
+    };
+    let (hash, bytes) = sha256(&path)?;
+    let differs = if bytes != entry.bytes {
+        format!("{bytes} bytes where the manifest says {}", entry.bytes)
+    } else if hash != entry.sha256 {
+        format!("SHA-256 {hash} where the manifest says {}", entry.sha256)
+    } else {
+        return std::fs::read_to_string(&path).map(Some).map_err(|e| io(&path, e));
+    };
+    Err(io(&path, format!("{differs}: it was edited or is corrupt")))
+}
+
+/// Reads and checks `dir/manifest.json`: its format, its own checksum, that its counts,
+/// modules and file names are consistent, and that it describes `graph`'s model.
+pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
+    let m = parse_manifest(dir)?;
+    let path = dir.join(MANIFEST_FILE);
     let saved: Vec<&str> = m.modules.iter().map(|s| s.module.as_str()).collect();
     let mut config: Vec<&str> = graph.modules.iter().map(|g| g.name.as_str()).collect();
     let mut sorted = saved.clone();

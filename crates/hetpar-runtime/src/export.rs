@@ -20,7 +20,7 @@ use hetpar_nn::io::{Source, copy_tensors, read_header};
 use hetpar_nn::models::audio::{self, sinusoids};
 
 use crate::assemble::MOE_AUX_COEF;
-use crate::checkpoint::{CONFIG_FILE, read_manifest, sha256};
+use crate::checkpoint::{CONFIG_FILE, read_manifest, saved_config, sha256};
 use crate::error::RuntimeError;
 
 type Result<T> = std::result::Result<T, RuntimeError>;
@@ -51,7 +51,7 @@ fn bad(path: &Path, e: impl std::fmt::Display) -> RuntimeError {
 /// The run's graph from the config a checkpoint carries.
 pub fn checkpoint_graph(ckpt: &Path) -> Result<ModelGraph> {
     let path = ckpt.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(&path, e))?;
+    let text = saved_config(ckpt)?.ok_or_else(|| bad(&path, "the checkpoint holds no config"))?;
     let cfg = Config::from_toml(&text).map_err(|e| bad(&path, e))?;
     ModelGraph::from_config(&cfg).map_err(|e| bad(&path, e))
 }

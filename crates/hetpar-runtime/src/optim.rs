@@ -253,5 +253,8 @@ mod tests {
         assert!(lr[4..15].windows(2).all(|w| w[1] < w[0]));
         let flat = LrSchedule { peak: 0.5, min: 0.0, warmup: 0, total: 1 };
         assert_eq!(flat.at(0), 0.5);
+        // A run shorter than its warmup rises by a tenth of the peak a step, never reaching it.
+        let short = LrSchedule { peak: 1.0, min: 0.1, warmup: 10, total: 3 };
+        assert_eq!((0..3).map(|i| short.at(i)).collect::<Vec<_>>(), [0.1, 0.2, 0.3]);
     }
 }

@@ -131,13 +131,14 @@ impl EvalReport {
 
 /// The optimizer options `[train]` and the modules ask for, with `steps` steps. A module's
 /// `lr` replaces `train.lr` as its peak; its floor keeps the ratio `train.min_lr / train.lr`
-/// (a tenth by default).
+/// (a tenth by default). The warmup is the config's even where the run is shorter: its
+/// rates are then the first of a longer run's, and never reach the peak.
 pub fn train_options(graph: &ModelGraph, steps: usize) -> TrainOptions {
     let t = &graph.train;
     let floor = if t.lr > 0.0 { t.min_lr.map_or(0.1, |m| m / t.lr) } else { 0.0 };
     let lr = |m: &hetpar_layout::Module| {
         let peak = m.lr.unwrap_or(t.lr);
-        LrSchedule { peak, min: peak * floor, warmup: t.warmup.min(steps), total: steps }
+        LrSchedule { peak, min: peak * floor, warmup: t.warmup, total: steps }
     };
     let pipe = PipelineGraph::from_model(graph);
     let modules = || 0..graph.modules.len();
@@ -209,7 +210,8 @@ impl Trainer {
         })
     }
 
-    /// Runs step `step` on this rank.
+    /// Runs step `step` on this rank (a skipped step too: [`Trainer::within_skips`] says
+    /// whether skipping may go on).
     pub fn step(&mut self, world: &dyn Communicator, step: usize) -> Result<StepLog, RuntimeError> {
         let start = Instant::now();
         let waited = self.data.waited();
@@ -222,13 +224,6 @@ impl Trainer {
             RuntimeError::Model(format!("rank {rank} has no place in the schedule"))
         })?;
         let report = self.exec.step(world, actions, step, &plans)?;
-        let max = self.graph.train.max_skips;
-        if self.exec.skipped() > max {
-            return Err(RuntimeError::Model(format!(
-                "{} steps were skipped for non-finite gradients, more than train.max_skips({max})",
-                self.exec.skipped()
-            )));
-        }
         let seconds = start.elapsed().as_secs_f64();
         let data_wait = self.data.waited() - waited;
         // Each rank's decodes, then its cut clips, in one reduction.
@@ -251,6 +246,20 @@ impl Trainer {
             decodes,
             cuts,
         })
+    }
+
+    /// An error once more steps were skipped for non-finite gradients than
+    /// `train.max_skips` allows: a training loop checks it after each step it has recorded
+    /// (so the step that crosses the limit is logged too) and stops.
+    pub fn within_skips(&self) -> Result<(), RuntimeError> {
+        let max = self.graph.train.max_skips;
+        if self.exec.skipped() > max {
+            return Err(RuntimeError::Model(format!(
+                "{} steps were skipped for non-finite gradients, more than train.max_skips({max})",
+                self.exec.skipped()
+            )));
+        }
+        Ok(())
     }
 
     /// Whether the data has a held-out split to evaluate.
@@ -442,5 +451,19 @@ mod tests {
         assert!((v.min / v.peak - l.min / l.peak).abs() < 1e-15);
         assert!(o.frozen.contains(&vision) && o.forward_only.contains(&vision));
         assert!(!o.frozen.contains(&llm) && !o.forward_only.contains(&llm));
+    }
+
+    #[test]
+    fn a_run_shorter_than_its_warmup_takes_the_warmups_first_rates() {
+        let g = ModelGraph::from_config(
+            &Config::from_toml(include_str!("../../../examples/demo.toml")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(g.train.warmup, 10);
+        let (short, long) = (train_options(&g, 4), train_options(&g, 500));
+        let llm = g.module_id("llm").unwrap();
+        let rates = |o: &super::TrainOptions| (0..4).map(|i| o.lr[&llm].at(i)).collect::<Vec<_>>();
+        assert_eq!(rates(&short), rates(&long));
+        assert!((short.lr[&llm].at(3) - g.train.lr * 0.4).abs() < 1e-15);
     }
 }

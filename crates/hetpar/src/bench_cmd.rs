@@ -115,6 +115,25 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             a.sizes_mib
         );
     }
+    if a.ranks.contains(&0) {
+        bail!("--ranks must be at least 1 (got {:?})", a.ranks);
+    }
+    // Each rank holds a message and a result buffer (the local backend's ranks all in this
+    // process, an MPI rank its own): refused where they cannot fit, before anything runs.
+    let (most_mib, most_ranks) =
+        (*a.sizes_mib.iter().max().expect("not empty"), *a.ranks.iter().max().unwrap_or(&1));
+    let ranks_here = if a.backend == "local" { most_ranks } else { 1 };
+    let need = 2.0 * most_mib as f64 * ranks_here as f64 * (1u64 << 20) as f64;
+    if let Some(available) = crate::meminfo_bytes("MemAvailable")
+        && need > available
+    {
+        bail!(
+            "--sizes-mib {most_mib} on {ranks_here} rank(s) in this process needs {:.1} GiB \
+             (a message and a result buffer each), {:.1} GiB are available",
+            need / (1u64 << 30) as f64,
+            available / (1u64 << 30) as f64
+        );
+    }
     let sizes: Vec<usize> = a.sizes_mib.iter().map(|m| m << 20).collect();
     let header = format!(
         "{:<7} {:<13} {:>5} {:>10} {:>14} {:>10} {:>10}",
@@ -141,9 +160,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             }
             say(&header);
             for &n in &a.ranks {
-                if n == 0 {
-                    bail!("--ranks must be at least 1");
-                }
                 let opts = LocalOptions { timeout: Duration::from_secs(600) };
                 for &size in &sizes {
                     for op in BenchOp::ALL {

@@ -90,12 +90,19 @@ pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
         let value = value.trim();
         let value = match toml::from_str::<toml::Table>(&format!("v = {value}")) {
             Ok(mut t) => t.remove("v").expect("the key just parsed"),
-            // A bare word is a string; what opens an array, a table or a quoted string
-            // and does not parse is a mistake, not a string.
-            Err(e) if value.starts_with(['[', '{', '"', '\'']) => bail!(
-                "--set {s:?}: {value} is not a TOML value ({})",
-                e.message().trim_end_matches('\n')
-            ),
+            // A bare word is a string; what opens an array, a table or a quoted string,
+            // or is written as a number (one too large for TOML, say), and does not parse
+            // is a mistake, not a string.
+            Err(e)
+                if value.starts_with(['[', '{', '"', '\''])
+                    || (value.bytes().any(|c| c.is_ascii_digit())
+                        && value.bytes().all(|c| c.is_ascii_digit() || b"+-._eE".contains(&c))) =>
+            {
+                bail!(
+                    "--set {s:?}: {value} is not a TOML value ({})",
+                    e.message().trim_end_matches('\n')
+                )
+            }
             Err(_) => toml::Value::String(value.to_string()),
         };
         // A module's field set under a name the file has no module of is a misspelt
@@ -162,6 +169,16 @@ mod tests {
         let open =
             format!("{:#}", load(None, &["modules.llm.parallel.ranks=[0,4".into()]).unwrap_err());
         assert!(open.contains("[0,4 is not a TOML value (unclosed array"), "{open}");
+        // Nor is a number too large for TOML; a path that starts with a digit is a string.
+        let big = "train.steps=9223372036854775808".to_string();
+        let big = format!("{:#}", load(None, &[big]).unwrap_err());
+        assert!(
+            big.ends_with("9223372036854775808 is not a TOML value (u64 value was too large)"),
+            "{big}"
+        );
+        let path = "data.path=2026/train.json".to_string();
+        let path = format!("{:#}", load(None, &[path]).unwrap_err());
+        assert!(!path.contains("is not a TOML value"), "{path}");
     }
 
     /// A mistake of the file's own is reported at its line in the file, as without sets,

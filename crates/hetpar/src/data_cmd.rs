@@ -151,13 +151,16 @@ fn decode_all(ds: &Dataset) -> anyhow::Result<usize> {
     let kinds = |kind: hetpar_data::chat::Kind| {
         items.iter().filter(|&&(e, k)| ds.entries()[e].encoded.items[k].kind == kind).count()
     };
+    let outcome = match errors.len() {
+        0 => "every one decoded".to_string(),
+        n => format!("{} decoded, {n} did not", items.len() - n),
+    };
     println!(
-        "{path}: {} images and {} clips of {} records decoded in {:.1} s; {} did not",
+        "{path}: {} images and {} clips of {} records read in {:.1} s; {outcome}",
         kinds(hetpar_data::chat::Kind::Image),
         kinds(hetpar_data::chat::Kind::Audio),
         ds.entries().len(),
         start.elapsed().as_secs_f64(),
-        errors.len()
     );
     for (_, err) in errors.iter().take(LISTED) {
         println!("  {err}");

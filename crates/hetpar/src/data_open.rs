@@ -144,6 +144,37 @@ pub struct Paths {
     pub media_root: PathBuf,
 }
 
+/// The tokenizer file `graph`'s data reads, where it is there (`None` for the in-process
+/// source); nothing is generated.
+fn tokenizer_file(graph: &ModelGraph) -> Option<PathBuf> {
+    let path = match graph.data.source {
+        DataSource::Synthetic => return None,
+        DataSource::Synth => synth_dir(graph.data.samples, graph.train.seed).join("tokenizer.json"),
+        DataSource::Llava => paths(graph, &|_| {}).ok()??.tokenizer,
+    };
+    path.is_file().then_some(path)
+}
+
+/// Where `graph`'s tokenizer holds other bytes than the one the run of a checkpoint read
+/// (its saved config `saved`, read from `name`): `(trained, used)`, whose token ids do not
+/// mean the same. `None` where they are the same or either is unknown (in-process tokens,
+/// a file no longer there).
+pub fn changed_tokenizer(
+    saved: &str,
+    name: &str,
+    graph: &ModelGraph,
+) -> anyhow::Result<Option<(PathBuf, PathBuf)>> {
+    let Ok((_, trained)) = crate::config_load::load_text(saved.to_string(), name.into(), &[])
+    else {
+        return Ok(None);
+    };
+    let (Some(trained), Some(used)) = (tokenizer_file(&trained), tokenizer_file(graph)) else {
+        return Ok(None);
+    };
+    let digest = |p: &Path| hetpar_runtime::checkpoint::sha256(p).map(|(sha, _)| sha);
+    Ok((digest(&trained)? != digest(&used)?).then_some((trained, used)))
+}
+
 /// The files `graph`'s data reads (`None` for the in-process source); the synth set is
 /// generated into the cache if it is not there.
 pub fn paths(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<Option<Paths>> {

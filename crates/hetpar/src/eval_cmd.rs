@@ -51,21 +51,6 @@ pub struct Args {
     pub backend: String,
 }
 
-/// The tokenizer the checkpoint's run read, where that file is still there to compare with
-/// (a synth set in this machine's cache, a records file's neighbour, `data.tokenizer`).
-fn trained_tokenizer(text: &str, config: &Path) -> Option<PathBuf> {
-    use hetpar_layout::config::DataSource;
-    let (_, trained) =
-        crate::config_load::load_text(text.to_string(), config.display().to_string(), &[]).ok()?;
-    let path = match trained.data.source {
-        DataSource::Synthetic => return None,
-        DataSource::Synth => crate::data_open::synth_dir(trained.data.samples, trained.train.seed)
-            .join("tokenizer.json"),
-        DataSource::Llava => crate::data_open::paths(&trained, &|_| {}).ok()??.tokenizer,
-    };
-    path.is_file().then_some(path)
-}
-
 /// The text of `ids`, an id the tokenizer has no token for (the LLM's vocabulary may be
 /// larger) spelt `[id N]`, and [`NO_TOP`] `[no top token: NaN logits]`: the tokenizer
 /// would drop such ids without a word.
@@ -84,7 +69,7 @@ fn spell(vocab: &hetpar_data::chat::Vocab, ids: &[u32]) -> String {
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let ckpt = checkpoint(&a.ckpt)?;
     let config = ckpt.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&config)
+    let text = hetpar_runtime::checkpoint::saved_config(&ckpt)?
         .with_context(|| format!("{}: the checkpoint holds no config", config.display()))?;
     // The records to evaluate: a directory's heldout.json, or the file itself, with the
     // tokenizer next to them and media relative to them; the checkpoint's own data keys
@@ -101,7 +86,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // Each path as a TOML string (Rust's `{:?}` escapes other characters than TOML does).
     let quoted = |p: &Path| toml::Value::String(p.display().to_string()).to_string();
     let (f, d, tok) = (quoted(&file), quoted(&dir), quoted(&dir.join("tokenizer.json")));
-    let mut sets = vec![
+    let ours = [
         "data.source=\"llava\"".to_string(),
         format!("data.path={f}"),
         format!("data.heldout={f}"),
@@ -110,21 +95,18 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         // Items come from the records: the synthetic source's item count does not apply.
         "data.max_items=1".to_string(),
     ];
-    sets.extend(a.set.iter().cloned());
-    let trained = trained_tokenizer(&text, &config);
-    let (cfg, mut graph) =
-        crate::config_load::load_text(text, config.display().to_string(), &sets)?;
-    if let (Some(trained), Some(used)) = (trained, graph.data.tokenizer.as_deref()) {
-        let digest = |p: &Path| hetpar_runtime::checkpoint::sha256(p).map(|(sha, _)| sha);
-        let used = Path::new(used);
-        if used.is_file() && digest(&trained)? != digest(used)? {
-            anyhow::bail!(
-                "--data {}: its tokenizer {} is not the one the checkpoint was trained with ({}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
-                a.data.display(),
-                used.display(),
-                trained.display()
-            );
-        }
+    // The data keys are written into the text first, so an error names only the sets the
+    // user gave.
+    let name = config.display().to_string();
+    let data_text = crate::config_load::apply(&text, &ours).with_context(|| name.clone())?;
+    let (cfg, mut graph) = crate::config_load::load_text(data_text, name.clone(), &a.set)?;
+    if let Some((trained, used)) = crate::data_open::changed_tokenizer(&text, &name, &graph)? {
+        anyhow::bail!(
+            "--data {}: its tokenizer {} is not the one the checkpoint was trained with ({}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
+            a.data.display(),
+            used.display(),
+            trained.display()
+        );
     }
     // The precision the checkpoint was trained in, so the numbers are the ones the run
     // found: f64 where its tensors are (checkpoints saved before a config could say

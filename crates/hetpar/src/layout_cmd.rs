@@ -321,7 +321,7 @@ fn to_json(graph: &ModelGraph, reports: &[EdgeReport]) -> serde_json::Value {
                 .iter()
                 .map(|(s, f, bw)| {
                     json!({
-                        "strategy": s.to_string(),
+                        "strategy": s.name(), "stripes": s.stripes(),
                         "bytes_fwd": f.total() * b, "bytes_bwd": bw.total() * b,
                         "bytes_fwd_cross": f.crossing * b, "bytes_bwd_cross": bw.crossing * b,
                     })
@@ -340,7 +340,7 @@ fn to_json(graph: &ModelGraph, reports: &[EdgeReport]) -> serde_json::Value {
             json!({
                 "src": r.src, "dst": r.dst,
                 "items": items,
-                "mode": r.mode.name(), "relation": r.relation.name(), "strategy": r.strategy.to_string(),
+                "mode": r.mode.name(), "relation": r.relation.name(), "strategy": r.strategy.name(), "stripes": r.strategy.stripes(),
                 "rows": r.rows, "row_bytes": b,
                 "bytes_fwd": r.forward.total() * b, "bytes_bwd": r.backward.total() * b,
                 "bytes_fwd_min": r.forward.total_lower_bound() * b, "bytes_bwd_min": r.backward.total_lower_bound() * b,

@@ -183,8 +183,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         bail!("--top must be at least 1");
     }
     let mut hw = hardware(&wl.hardware)?;
-    if let Some(g) = wl.gpus_per_node {
+    if let Some(g) = wl.gpus_per_node
+        && g != hw.gpus_per_node
+    {
         hw.gpus_per_node = g;
+        hw.description = format!("{}; here {g} per node, as the workload says", hw.description);
     }
     let start = Instant::now();
     let plan = search(&wl, &hw, a.top).with_context(|| name.clone())?;

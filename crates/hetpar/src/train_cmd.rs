@@ -410,7 +410,8 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     cfg.train.dtype = graph.train.dtype;
     let steps = a.steps.unwrap_or(graph.train.steps);
     if steps == 0 {
-        bail!("--steps 0: nothing to train");
+        let from = if a.steps.is_some() { "--steps 0" } else { "train.steps = 0" };
+        bail!("{from}: nothing to train");
     }
     // The learning-rate schedule runs over `steps`: the saved config names them, so that
     // training it again runs the same schedule.
@@ -468,9 +469,10 @@ fn run_on(
         Some(dir) => {
             let m = hetpar_runtime::checkpoint::read_manifest(dir, &graph)
                 .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
-            let saved_cfg = saved_config(dir)?;
+            let saved_text = saved_config(dir)?;
+            let saved_cfg = saved_text.as_ref().map(|(_, v)| v);
             let ran = graph.train.dtype.name();
-            if let Some(saved) = saved_precision(&m, saved_cfg.as_ref())
+            if let Some(saved) = saved_precision(&m, saved_cfg)
                 && saved != ran
             {
                 bail!(
@@ -478,6 +480,20 @@ fn run_on(
                      {ran}; continue it with --dtype {saved} (in another precision it would \
                      not go on as it ran)",
                     dir.display()
+                );
+            }
+            let name = dir.join(hetpar_runtime::checkpoint::CONFIG_FILE).display().to_string();
+            if let Some((text, _)) = &saved_text
+                && let Some((trained, used)) =
+                    crate::data_open::changed_tokenizer(text, &name, &graph)?
+            {
+                bail!(
+                    "--resume {}: this run's tokenizer {} is not the one the checkpoint was \
+                     trained with ({}): the token ids would not mean what the model learned \
+                     (go on with data tokenized as before, or start a new run)",
+                    dir.display(),
+                    used.display(),
+                    trained.display()
                 );
             }
             // A finished run submitted again (a requeued job) has nothing to do: it ends
@@ -494,7 +510,7 @@ fn run_on(
             }
             if lead {
                 say(&resumed_from(dir, &m, steps));
-                let changed = match &saved_cfg {
+                let changed = match saved_cfg {
                     Some(saved) => config_changes(saved, &cfg)?,
                     None => Vec::new(),
                 };
@@ -835,13 +851,18 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
     }
 }
 
-/// The config checkpoint `dir` was saved with, as TOML; `None` where it holds none.
-fn saved_config(dir: &Path) -> anyhow::Result<Option<toml::Value>> {
+/// The config checkpoint `dir` was saved with, its text and as TOML; `None` where it holds
+/// none.
+fn saved_config(dir: &Path) -> anyhow::Result<Option<(String, toml::Value)>> {
     let path = dir.join(hetpar_runtime::checkpoint::CONFIG_FILE);
-    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
+    let Some(text) = hetpar_runtime::checkpoint::saved_config(dir)
+        .map_err(|e| anyhow::anyhow!("--resume: {e}"))?
+    else {
+        return Ok(None);
+    };
     let config = toml::from_str(&text)
         .with_context(|| format!("--resume: {} is not a config", path.display()))?;
-    Ok(Some(config))
+    Ok(Some((text, config)))
 }
 
 /// The precision a checkpoint (manifest `m`, config `saved`) was trained in, as `--dtype`
@@ -1224,6 +1245,7 @@ fn rank_run(
             (hooks.on_step)(&log).map_err(|e| RuntimeError::Model(format!("{e:#}")))?;
         }
         logs.push(log);
+        trainer.within_skips()?;
         if let Some(k) = ckpt {
             let done = step + 1;
             // A signal reaches ranks at different moments: they agree after each step.

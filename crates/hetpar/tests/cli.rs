@@ -114,6 +114,13 @@ fn layout_json_has_the_interface_fields_and_exact_meets_the_bound() {
             ] {
                 assert!(e.get(key).is_some(), "{example}: edge lacks {key}");
             }
+            // The strategy is its config spelling, whatever the stripes (scripts match it).
+            for s in std::iter::once(e).chain(e["strategies"].as_array().expect("strategies")) {
+                let name = s["strategy"].as_str().expect("a strategy name");
+                assert!(["exact", "gather", "leaders"].contains(&name), "{example}: {name}");
+                let stripes = s["stripes"].as_u64().expect("stripes");
+                assert!(stripes == 1 || (name == "leaders" && stripes > 1), "{example}: {s}");
+            }
             let exact = e["strategies"]
                 .as_array()
                 .expect("strategies")
@@ -124,6 +131,10 @@ fn layout_json_has_the_interface_fields_and_exact_meets_the_bound() {
             assert_eq!(exact["bytes_bwd"], e["bytes_bwd_min"], "{example}: exact backward");
             assert!(e["bytes_fwd"].as_u64() >= e["bytes_fwd_min"].as_u64());
             assert!(e["bytes_fwd_min"].as_u64() > Some(0), "{example}: nothing to move?");
+        }
+        if example == "examples/two-encoders-islands.toml" {
+            // Its vision edge spreads each replica pair over two leader pairs.
+            assert!(edges.iter().any(|e| e["strategy"] == "leaders" && e["stripes"] == 2));
         }
     }
 }
@@ -327,6 +338,18 @@ fn bench_comm_runs_a_small_case() {
         assert!(
             text.lines().any(|l| l.starts_with("local") && l.contains(op) && l.contains(" 2 ")),
             "{op}:\n{text}"
+        );
+    }
+    // Sizes past the machine's memory and zero ranks are refused before anything runs.
+    for (args, want) in [
+        (["--ranks", "2", "--sizes-mib", "100000000"], "--sizes-mib 100000000 on 2 rank(s)"),
+        (["--ranks", "0", "--sizes-mib", "1"], "--ranks must be at least 1"),
+    ] {
+        let out = hetpar(&[&["bench", "comm"][..], &args].concat());
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(
+            out.status.code() == Some(1) && err.contains(want) && out.stdout.is_empty(),
+            "{err}"
         );
     }
     let out = hetpar(&["bench", "comm", "--backend", "tcp"]);
@@ -735,6 +758,40 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
             && err.contains(&theirs.display().to_string()),
         "{err}"
     );
+    // Training on from the checkpoint with that tokenizer is refused the same way.
+    std::fs::copy(theirs.with_file_name("train.json"), other.join("train.json")).expect("copy");
+    let path = format!("data.path={:?}", other.join("train.json").display().to_string());
+    let args = ["train", "--steps", "5", "--out", out, "--resume", "auto"];
+    let resumed =
+        hetpar(&[&args[..], &["--set", "data.source=\"llava\"", "--set", &path]].concat());
+    let err = String::from_utf8_lossy(&resumed.stderr).to_string();
+    assert!(
+        resumed.status.code() == Some(1)
+            && err.contains("this run's tokenizer")
+            && err.contains("is not the one the checkpoint was trained with"),
+        "{err}"
+    );
+    // The checkpoint's config, edited: eval, export and a resume all refuse it by name (it
+    // would train, score or export another model's settings under the checkpoint's name).
+    let config = ckpt.join("config.toml");
+    let text = std::fs::read_to_string(&config).expect("config");
+    std::fs::write(&config, text.replacen("seq_len = ", "seq_len = 1", 1)).expect("edit");
+    let hf2 = out_dir.join("hf2");
+    for args in [
+        vec!["eval", out, "--data", generated],
+        vec!["export", out, "--hf", hf2.to_str().expect("utf-8")],
+        vec!["train", "--steps", "5", "--out", out, "--resume", "auto"],
+    ] {
+        let refused = hetpar(&args);
+        let err = String::from_utf8_lossy(&refused.stderr).to_string();
+        assert!(
+            refused.status.code() == Some(1)
+                && err.contains("config.toml: ")
+                && err.contains("bytes where the manifest says")
+                && err.trim_end().ends_with("it was edited or is corrupt"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 /// An f64 run's checkpoint evaluates in f64, as the run evaluated its held-out set: the
@@ -1560,6 +1617,15 @@ fn a_skipped_step_names_where_it_went_non_finite() {
         err.contains("2 steps were skipped for non-finite gradients, more than train.max_skips(1)"),
         "{err}"
     );
+    // The step that crossed the limit is in the record and on the terminal too.
+    assert_eq!(err.matches("(skipped: non-finite in ").count(), 2, "{err}");
+    let metrics =
+        std::fs::read_to_string(dir.join("stopped").join("metrics.jsonl")).expect("metrics");
+    let applied: Vec<Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("json")["applied"].clone())
+        .collect();
+    assert_eq!(applied, [true, false, false].map(Value::Bool), "{metrics}");
 }
 
 /// A `--timeout` shorter than a step's work: the run stops with an error naming what the
@@ -1683,7 +1749,7 @@ fn data_check_lists_what_does_not_decode_and_counts_cut_clips() {
     let args = ["data", "check", "examples/demo.toml", "--set", "data.source=\"llava\"", "--set"];
     let check = || hetpar(&[&args[..], &[path.as_str()]].concat());
     let text = stdout(&check());
-    assert!(text.contains("train.json: ") && text.contains("decoded in"), "{text}");
+    assert!(text.contains("train.json: ") && text.contains("; every one decoded\n"), "{text}");
     assert!(!text.contains("cut to it"), "{text}");
     let records: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("train.json")).expect("json"))
@@ -1711,6 +1777,15 @@ fn data_check_lists_what_does_not_decode_and_counts_cut_clips() {
         text.contains(&format!("record {i} (id {id:?}): {}: unreadable image", image.display())),
         "{text}"
     );
+    let items = text
+        .lines()
+        .find_map(|l| l.split_once("/train.json: ")?.1.split_once(" images and "))
+        .map(|(images, rest)| {
+            let clips = rest.split_once(" clips").expect("clips").0;
+            images.parse::<usize>().expect("n") + clips.parse::<usize>().expect("n")
+        })
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(text.contains(&format!("; {} decoded, 1 did not\n", items - 1)), "{text}");
     assert!(
         text.contains("1 clip longer than the audio encoder's input, cut to it (0.7 s"),
         "{text}"

@@ -32,19 +32,29 @@ pub(super) fn plan(mv: &Movement<'_>) -> Program {
             missing.push((t, slot, row));
         }
     }
-    // Rows each component must circulate.
-    let mut comp_rows: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
-    for &(t, _, row) in &missing {
-        let c = find(&mut parent, index[&t]);
-        comp_rows.entry(c).or_default().insert(row);
+    // Each rank's component, the members of each (in rank order) and what each target
+    // lacks, each found in one pass: at thousands of ranks and millions of rows, a scan of
+    // every rank or row per member would be quadratic.
+    let comp: Vec<usize> = (0..ranks.len()).map(|i| find(&mut parent, i)).collect();
+    let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, &r) in ranks.iter().enumerate() {
+        members.entry(comp[i]).or_default().push(r);
     }
-    for (&c, rows) in &comp_rows {
-        let group: Vec<usize> =
-            ranks.iter().copied().filter(|&r| find(&mut parent, index[&r]) == c).collect();
-        let contributions: Vec<Vec<usize>> = group
-            .iter()
-            .map(|&m| rows.iter().copied().filter(|&row| mv.contributor(row) == m).collect())
-            .collect();
+    // Rows each component must circulate, and what each target lacks (in `missing`'s order).
+    let mut comp_rows: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
+    let mut lacks: BTreeMap<usize, Vec<(usize, usize)>> = BTreeMap::new();
+    for &(t, slot, row) in &missing {
+        comp_rows.entry(comp[index[&t]]).or_default().insert(row);
+        lacks.entry(t).or_default().push((slot, row));
+    }
+    for (c, rows) in &comp_rows {
+        let group = &members[c];
+        let mut by_contributor: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for &row in rows {
+            by_contributor.entry(mv.contributor(row)).or_default().push(row);
+        }
+        let contributions: Vec<Vec<usize>> =
+            group.iter().map(|m| by_contributor.remove(m).unwrap_or_default()).collect();
         let counts: Vec<usize> = contributions.iter().map(Vec::len).collect();
         let total: usize = counts.iter().sum();
         // Offset of each row in the gathered concatenation.
@@ -65,8 +75,7 @@ pub(super) fn plan(mv: &Movement<'_>) -> Program {
                 Op::AllGatherV { group: group.clone(), send, counts: counts.clone(), into },
             );
             let (mut from, mut to) = (Segs::default(), Segs::default());
-            for &(t, slot, row) in missing.iter().filter(|(t, _, _)| t == m) {
-                debug_assert_eq!(t, *m);
+            for &(slot, row) in lacks.get(m).map_or(&[][..], Vec::as_slice) {
                 from.push(Buf::Stage, base + offset[&row]);
                 to.push(mv.target_buf(), slot);
             }
