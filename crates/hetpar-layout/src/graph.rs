@@ -289,7 +289,10 @@ impl ModuleSizes {
                 if vocab == 0 {
                     return err("vocab must be at least 1, got 0".to_string());
                 }
-                if kv_heads == 0 || !m.heads.is_multiple_of(kv_heads) {
+                if kv_heads == 0 {
+                    return err("kv_heads must be at least 1, got 0".to_string());
+                }
+                if !m.heads.is_multiple_of(kv_heads) {
                     return err(format!(
                         "heads({}) must be a multiple of kv_heads({kv_heads})",
                         m.heads
@@ -335,12 +338,12 @@ pub fn at_most(field: &str, key: &str, v: usize, limit: usize) -> Result<()> {
 }
 
 /// Longest run or module name.
-const MAX_NAME: usize = 64;
+pub const MAX_NAME: usize = 64;
 
 /// A run or module name names files and directories (`runs/<name>`, a checkpoint's
 /// `<module>.stage<s>.safetensors`) and sits in dotted `--set` keys: ASCII letters, digits,
 /// `_` and `-`, plus the characters in `more`, starting with a letter or digit.
-fn check_name(field: &str, name: &str, more: &str) -> Result<()> {
+pub fn check_name(field: &str, name: &str, more: &str) -> Result<()> {
     let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-' || more.contains(c);
     let first_ok = name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());
     if name.len() <= MAX_NAME && first_ok && name.chars().all(allowed) {

@@ -7,5 +7,13 @@ use thiserror::Error;
 #[error("{0}")]
 pub struct PlanError(pub String);
 
+/// A config check's error (`field: message`), from the layout crate's validation that
+/// workloads share.
+impl From<hetpar_layout::ConfigError> for PlanError {
+    fn from(e: hetpar_layout::ConfigError) -> Self {
+        PlanError(format!("{}: {}", e.field, e.message))
+    }
+}
+
 /// Shorthand.
 pub type Result<T, E = PlanError> = std::result::Result<T, E>;

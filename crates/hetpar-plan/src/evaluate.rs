@@ -392,7 +392,7 @@ impl<'a> Evaluator<'a> {
                 Span::new(mc.start, mc.start + n),
                 LayoutSpec { pp: mc.pp, ..LayoutSpec::default() },
             )
-            .map_err(|e| PlanError(format!("{}: {}", e.field, e.message)))
+            .map_err(PlanError::from)
         };
         let llm_mc = modules.last().expect("the LLM");
         let mut pipe = Vec::new();

@@ -206,8 +206,7 @@ impl Workload {
 
     /// Parses and validates a workload file. Errors name the field and say what to write.
     pub fn from_toml(text: &str) -> Result<Workload> {
-        let file: WorkloadFile =
-            parse_toml(text).map_err(|e| PlanError(format!("{}: {}", e.field, e.message)))?;
+        let file: WorkloadFile = parse_toml(text).map_err(PlanError::from)?;
         file.validate()
     }
 
@@ -253,15 +252,30 @@ impl WorkloadFile {
         if w.seq_len == 0 || w.global_batch == 0 {
             return err("workload", "seq_len and global_batch must be at least 1".into());
         }
-        use hetpar_layout::graph::{MAX_RANKS, MAX_SIZE, at_most};
+        use hetpar_layout::graph::{MAX_NAME, MAX_RANKS, MAX_SIZE, at_most, check_name};
+        // Names go into the config `--emit-config` writes, the run's name with its
+        // placement after it (`-non-colocated` the longest): checked here, before the search.
+        check_name("name", &self.name, ".")?;
+        let room = MAX_NAME - "-non-colocated".len();
+        if self.name.len() > room {
+            return err(
+                "name",
+                format!(
+                    "{} characters, more than {room} (an emitted config's name adds its placement)",
+                    self.name.len()
+                ),
+            );
+        }
+        for name in self.modules.keys() {
+            check_name(&format!("modules.{name:?}"), name, "")?;
+        }
         for (field, v, limit) in [
             ("workload.seq_len", w.seq_len, MAX_SIZE),
             ("workload.global_batch", w.global_batch, MAX_SIZE),
             ("cluster.gpus", self.cluster.gpus, MAX_RANKS),
             ("cluster.gpus_per_node", self.cluster.gpus_per_node.unwrap_or(1), MAX_RANKS),
         ] {
-            at_most(field, "", v, limit)
-                .map_err(|e| PlanError(format!("{}: {}", e.field, e.message)))?;
+            at_most(field, "", v, limit)?;
         }
         let tokens = w.seq_len * w.global_batch;
         if tokens > hetpar_layout::graph::MAX_STEP_TOKENS {
@@ -389,8 +403,7 @@ impl WorkloadFile {
 
 /// The planner's shape of a module, after the checks a config's module gets.
 fn shape(name: &str, m: &ModuleFile, out_hidden: usize) -> Result<(ModuleShape, ModuleSpec)> {
-    let (spec, dims) =
-        m.sizes().validate(name).map_err(|e| PlanError(format!("{}: {}", e.field, e.message)))?;
+    let (spec, dims) = m.sizes().validate(name).map_err(PlanError::from)?;
     let (vocab, kv_heads, experts, top_k) = match spec {
         ModuleSpec::Llama { vocab, kv_heads, experts, top_k } => (vocab, kv_heads, experts, top_k),
         _ => (0, dims.heads, 0, 0),

@@ -625,13 +625,15 @@ pub fn saved_config(dir: &Path) -> Result<Option<String>> {
             Err(e) => Err(io(&path, e)),
         };
     };
-    let (hash, bytes) = sha256(&path)?;
-    let differs = if bytes != entry.bytes {
-        format!("{bytes} bytes where the manifest says {}", entry.bytes)
+    // Read once: the text returned is the text hashed.
+    let text = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    let hash = hex(&Sha256::digest(&text));
+    let differs = if text.len() as u64 != entry.bytes {
+        format!("{} bytes where the manifest says {}", text.len(), entry.bytes)
     } else if hash != entry.sha256 {
         format!("SHA-256 {hash} where the manifest says {}", entry.sha256)
     } else {
-        return std::fs::read_to_string(&path).map(Some).map_err(|e| io(&path, e));
+        return String::from_utf8(text).map(Some).map_err(|e| io(&path, e));
     };
     Err(io(&path, format!("{differs}: it was edited or is corrupt")))
 }

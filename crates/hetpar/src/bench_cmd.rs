@@ -115,14 +115,16 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             a.sizes_mib
         );
     }
-    if a.ranks.contains(&0) {
+    let local = a.backend == "local";
+    if local && a.ranks.contains(&0) {
         bail!("--ranks must be at least 1 (got {:?})", a.ranks);
     }
     // Each rank holds a message and a result buffer (the local backend's ranks all in this
-    // process, an MPI rank its own): refused where they cannot fit, before anything runs.
+    // process, and its copy measurements two threads' worth; an MPI rank its own): refused
+    // where they cannot fit, before anything runs.
     let (most_mib, most_ranks) =
         (*a.sizes_mib.iter().max().expect("not empty"), *a.ranks.iter().max().unwrap_or(&1));
-    let ranks_here = if a.backend == "local" { most_ranks } else { 1 };
+    let ranks_here = if local { most_ranks.max(2) } else { 1 };
     let need = 2.0 * most_mib as f64 * ranks_here as f64 * (1u64 << 20) as f64;
     if let Some(available) = crate::meminfo_bytes("MemAvailable")
         && need > available

@@ -77,6 +77,22 @@ fn without_line(at: &str) -> &str {
 /// `modules.llm.parallel.tp`), `VALUE` a TOML value (`1e-4`, `true`, `[0, 4]`, `"skip"`)
 /// or, when it does not parse as one, a string (`skip`). Configs and planner workloads
 /// alike.
+/// Whether `value` is written as a TOML number: a sign, digits (with `_`), then a fraction
+/// and an exponent, each optional. `2024-05` or `1.2.3` are not (they are strings).
+fn looks_like_a_number(value: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit() || c == b'_');
+    let unsigned = value.strip_prefix(['+', '-']).unwrap_or(value);
+    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
+        Some((m, e)) => (m, Some(e.strip_prefix(['+', '-']).unwrap_or(e))),
+        None => (unsigned, None),
+    };
+    let whole = match mantissa.split_once('.') {
+        Some((i, f)) => digits(i) && digits(f),
+        None => digits(mantissa),
+    };
+    whole && exponent.is_none_or(digits)
+}
+
 pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
     let mut root: toml::Table = toml::from_str(text).context("not valid TOML")?;
     for s in sets {
@@ -93,11 +109,7 @@ pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
             // A bare word is a string; what opens an array, a table or a quoted string,
             // or is written as a number (one too large for TOML, say), and does not parse
             // is a mistake, not a string.
-            Err(e)
-                if value.starts_with(['[', '{', '"', '\''])
-                    || (value.bytes().any(|c| c.is_ascii_digit())
-                        && value.bytes().all(|c| c.is_ascii_digit() || b"+-._eE".contains(&c))) =>
-            {
+            Err(e) if value.starts_with(['[', '{', '"', '\'']) || looks_like_a_number(value) => {
                 bail!(
                     "--set {s:?}: {value} is not a TOML value ({})",
                     e.message().trim_end_matches('\n')
@@ -176,9 +188,16 @@ mod tests {
             big.ends_with("9223372036854775808 is not a TOML value (u64 value was too large)"),
             "{big}"
         );
-        let path = "data.path=2026/train.json".to_string();
-        let path = format!("{:#}", load(None, &[path]).unwrap_err());
-        assert!(!path.contains("is not a TOML value"), "{path}");
+        for string in ["data.path=2026/train.json", "name=2024-05", "name=1.2.3"] {
+            let text = match load(None, &[string.to_string()]) {
+                Ok(_) => String::new(),
+                Err(e) => format!("{e:#}"),
+            };
+            assert!(!text.contains("is not a TOML value"), "{string}: {text}");
+        }
+        for number in ["1_0", "-2.5e-3", "+7", "3E4"] {
+            assert!(super::looks_like_a_number(number), "{number}");
+        }
     }
 
     /// A mistake of the file's own is reported at its line in the file, as without sets,

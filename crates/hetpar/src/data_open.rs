@@ -55,6 +55,14 @@ impl RunData {
         Ok(())
     }
 
+    /// The tokenizer the records were read with (`None` for the in-process source).
+    pub fn tokenizer(&self) -> Option<&Path> {
+        match self {
+            RunData::Files { train, .. } => Some(&train.spec().tokenizer),
+            RunData::Synthetic => None,
+        }
+    }
+
     /// Rank `rank`'s sources.
     pub fn sources(&self, graph: &ModelGraph, rank: usize) -> Sources {
         match self {
@@ -146,7 +154,7 @@ pub struct Paths {
 
 /// The tokenizer file `graph`'s data reads, where it is there (`None` for the in-process
 /// source); nothing is generated.
-fn tokenizer_file(graph: &ModelGraph) -> Option<PathBuf> {
+pub fn tokenizer_file(graph: &ModelGraph) -> Option<PathBuf> {
     let path = match graph.data.source {
         DataSource::Synthetic => return None,
         DataSource::Synth => synth_dir(graph.data.samples, graph.train.seed).join("tokenizer.json"),
@@ -155,24 +163,23 @@ fn tokenizer_file(graph: &ModelGraph) -> Option<PathBuf> {
     path.is_file().then_some(path)
 }
 
-/// Where `graph`'s tokenizer holds other bytes than the one the run of a checkpoint read
-/// (its saved config `saved`, read from `name`): `(trained, used)`, whose token ids do not
-/// mean the same. `None` where they are the same or either is unknown (in-process tokens,
-/// a file no longer there).
+/// Where the tokenizer `used` holds other bytes than the one the run of a checkpoint read
+/// (found from its saved config `saved`): `(trained, used)`, whose token ids do not mean
+/// the same. `None` where they are the same or either is unknown (in-process tokens, a file
+/// no longer there, a saved config this build cannot read).
 pub fn changed_tokenizer(
     saved: &str,
-    name: &str,
-    graph: &ModelGraph,
+    used: Option<&Path>,
 ) -> anyhow::Result<Option<(PathBuf, PathBuf)>> {
-    let Ok((_, trained)) = crate::config_load::load_text(saved.to_string(), name.into(), &[])
+    let Ok((_, trained)) = crate::config_load::load_text(saved.to_string(), String::new(), &[])
     else {
         return Ok(None);
     };
-    let (Some(trained), Some(used)) = (tokenizer_file(&trained), tokenizer_file(graph)) else {
+    let (Some(trained), Some(used)) = (tokenizer_file(&trained), used) else {
         return Ok(None);
     };
     let digest = |p: &Path| hetpar_runtime::checkpoint::sha256(p).map(|(sha, _)| sha);
-    Ok((digest(&trained)? != digest(&used)?).then_some((trained, used)))
+    Ok((digest(&trained)? != digest(used)?).then(|| (trained, used.to_path_buf())))
 }
 
 /// The files `graph`'s data reads (`None` for the in-process source); the synth set is

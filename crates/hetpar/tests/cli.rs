@@ -420,6 +420,10 @@ fn a_workloads_gpus_per_node_replaces_the_hardwares() {
         assert_eq!(kind, other);
         assert!(slow > fast, "{kind}: {slow} s on one-GPU nodes against {fast} s on H100 nodes");
     }
+    // The table's header says the nodes the plan assumed, not only the hardware's.
+    let text = stdout(&hetpar(&["plan", path.to_str().expect("utf-8")]));
+    let header = text.lines().next().unwrap_or_default();
+    assert!(header.contains("; here 1 per node, as the workload says)"), "{header}");
 }
 
 /// `plan --set` edits a workload as an edited file does (the same candidates), and a value
@@ -449,6 +453,23 @@ fn plan_set_overrides_a_workload_as_an_edited_file_does() {
         err.starts_with(&format!("error: {workload} with --set workload.seq_len=0: ")),
         "{err}"
     );
+    // Refused before the search: a step past 2^32 tokens, and names an emitted config could
+    // not carry.
+    for (set, want) in [
+        (
+            "workload.global_batch=1048576",
+            "workload.global_batch: global_batch(1048576) x seq_len(8192) = 8589934592 tokens a step is more than 4294967296",
+        ),
+        ("name=\"../up\"", "name: \"../up\" is not a name"),
+        (
+            "name=\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\"",
+            "name: 51 characters, more than 50",
+        ),
+    ] {
+        let out = hetpar(&["plan", workload, "--set", set]);
+        let err = String::from_utf8(out.stderr).expect("utf-8");
+        assert!(out.status.code() == Some(1) && err.contains(want), "{set}: {err}");
+    }
 }
 
 #[test]
@@ -771,10 +792,36 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
             && err.contains("is not the one the checkpoint was trained with"),
         "{err}"
     );
+    // An eval --set the checkpoint's config refuses is named alone (not with the data keys
+    // eval sets itself).
+    let bad = hetpar(&["eval", out, "--data", generated, "--set", "train.global_batch=3"]);
+    let err = String::from_utf8_lossy(&bad.stderr).to_string();
+    assert!(
+        err.contains("config.toml with --set train.global_batch=3: train.global_batch: "),
+        "{err}"
+    );
+    // So is a synth set of another seed, which the resume generates before it checks.
+    let args = ["train", "--steps", "5", "--out", out, "--resume", "auto", "--set"];
+    let resumed = hetpar(&[&args[..], &["data.samples=60", "--set", "train.seed=7"]].concat());
+    let err = String::from_utf8_lossy(&resumed.stderr).to_string();
+    assert!(
+        resumed.status.code() == Some(1)
+            && err.contains("-n60-seed7/tokenizer.json is not the one the checkpoint was trained"),
+        "{err}"
+    );
     // The checkpoint's config, edited: eval, export and a resume all refuse it by name (it
-    // would train, score or export another model's settings under the checkpoint's name).
+    // would train, score or export another model's settings under the checkpoint's name);
+    // an edit of the same length by its SHA-256, a longer one by its length.
     let config = ckpt.join("config.toml");
     let text = std::fs::read_to_string(&config).expect("config");
+    assert_eq!(text.matches("dtype = \"f32\"").count(), 1, "{text}");
+    std::fs::write(&config, text.replacen("dtype = \"f32\"", "dtype = \"f64\"", 1)).expect("edit");
+    let refused = hetpar(&["eval", out, "--data", generated]);
+    let err = String::from_utf8_lossy(&refused.stderr).to_string();
+    assert!(
+        err.contains("config.toml: SHA-256 ") && err.contains(" where the manifest says "),
+        "{err}"
+    );
     std::fs::write(&config, text.replacen("seq_len = ", "seq_len = 1", 1)).expect("edit");
     let hf2 = out_dir.join("hf2");
     for args in [
