@@ -164,18 +164,14 @@ pub fn tokenizer_file(graph: &ModelGraph) -> Option<PathBuf> {
 }
 
 /// Where the tokenizer `used` holds other bytes than the one the run of a checkpoint read
-/// (found from its saved config `saved`): `(trained, used)`, whose token ids do not mean
-/// the same. `None` where they are the same or either is unknown (in-process tokens, a file
-/// no longer there, a saved config this build cannot read).
+/// (`trained`, from its saved config): `(trained, used)`, whose token ids do not mean the
+/// same. `None` where they are the same or either is unknown (in-process tokens, a file no
+/// longer there).
 pub fn changed_tokenizer(
-    saved: &str,
+    trained: &ModelGraph,
     used: Option<&Path>,
 ) -> anyhow::Result<Option<(PathBuf, PathBuf)>> {
-    let Ok((_, trained)) = crate::config_load::load_text(saved.to_string(), String::new(), &[])
-    else {
-        return Ok(None);
-    };
-    let (Some(trained), Some(used)) = (tokenizer_file(&trained), used) else {
+    let (Some(trained), Some(used)) = (tokenizer_file(trained), used) else {
         return Ok(None);
     };
     let digest = |p: &Path| hetpar_runtime::checkpoint::sha256(p).map(|(sha, _)| sha);

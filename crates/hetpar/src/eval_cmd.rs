@@ -99,11 +99,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // user gave.
     let name = config.display().to_string();
     // The saved config's own mistakes (a key an older build wrote, say) at its own lines.
-    crate::config_load::load_text(text.clone(), name.clone(), &[])?;
+    let (_, trained) = crate::config_load::load_text(text.clone(), name.clone(), &[])?;
     let data_text = crate::config_load::apply(&text, &ours).with_context(|| name.clone())?;
     let (cfg, mut graph) = crate::config_load::load_text(data_text, name.clone(), &a.set)?;
     let used = crate::data_open::tokenizer_file(&graph);
-    if let Some((trained, used)) = crate::data_open::changed_tokenizer(&text, used.as_deref())? {
+    if let Some((trained, used)) = crate::data_open::changed_tokenizer(&trained, used.as_deref())? {
         anyhow::bail!(
             "--data {}: its tokenizer {} is not the one the checkpoint was trained with ({}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
             a.data.display(),
