@@ -5,7 +5,7 @@
 //! read this; it is the single derivation of "who has what" that plans, lower bounds and
 //! tests share.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use crate::edge::EdgeId;
@@ -51,19 +51,34 @@ pub struct Row {
     pub canonical: usize,
 }
 
-/// Who holds and who needs each row of one edge in one microbatch.
+/// Who holds and who needs each row of one edge in one microbatch: every row and every
+/// rank ([`EdgeGeometry::new`]), or one rank's view ([`EdgeGeometry::for_rank`]: the rows
+/// of that rank's replicas), which is all a rank's own programs read and costs its
+/// replicas' rows rather than the whole step's.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EdgeGeometry {
-    /// Rows sorted by `(sample, token)`.
+    /// Rows sorted by `(sample, token)`: every row, or in one rank's view the rows of its
+    /// replicas.
     pub rows: Vec<Row>,
-    /// Per rank of either module, the indices into `rows` it holds, in its buffer order.
+    /// Per rank of either module, the indices into `rows` it holds, in its buffer order. In
+    /// a rank's view: that rank and the other boundary ranks of its replicas, each with the
+    /// rows of those replicas only (whole for the viewing rank, and for the others on the
+    /// side they share with it).
     pub held: BTreeMap<usize, Vec<usize>>,
-    /// Per rank of either module, the indices into `rows` it needs, in its buffer order.
+    /// Per rank of either module, the indices into `rows` it needs, in its buffer order (in
+    /// a rank's view, as `held`).
     pub needed: BTreeMap<usize, Vec<usize>>,
     /// Source layout.
     pub src: ModuleLayout,
     /// Destination layout.
     pub dst: ModuleLayout,
+    /// The rank whose view this is; `None` for every rank's.
+    pub rank: Option<usize>,
+    /// Whether some rank needs a row it does not hold (a forward moves rows), and whether
+    /// some rank holds a row it did not consume (a backward moves gradients): properties of
+    /// the whole microbatch, the same in every rank's view, so each rank knows whether a
+    /// collective every member joins takes place.
+    pub moves: [bool; 2],
 }
 
 impl EdgeGeometry {
@@ -75,8 +90,50 @@ impl EdgeGeometry {
         edge: EdgeId,
         k: usize,
     ) -> EdgeGeometry {
+        Self::build(src, dst, manifest, (edge, k), None)
+    }
+
+    /// Rank `rank`'s view of [`EdgeGeometry::new`]: the rows of its replicas (the source
+    /// replica whose last stage it is in, the destination replica whose first stage it is
+    /// in), in the same order, so its buffers and slots are the same, with the buffers of
+    /// the ranks of those stages. Only those replicas' items are cut into rows, so a view
+    /// costs the rank's share of the step.
+    pub fn for_rank(
+        src: &ModuleLayout,
+        dst: &ModuleLayout,
+        manifest: &BatchManifest,
+        (edge, k): (EdgeId, usize),
+        rank: usize,
+    ) -> EdgeGeometry {
+        Self::build(src, dst, manifest, (edge, k), Some(rank))
+    }
+
+    fn build(
+        src: &ModuleLayout,
+        dst: &ModuleLayout,
+        manifest: &BatchManifest,
+        (edge, k): (EdgeId, usize),
+        only: Option<usize>,
+    ) -> EdgeGeometry {
         let split = SeqSplit::new(manifest.seq_len(), dst);
         let items = manifest.microbatch_items(edge, k);
+        // The replicas whose rows the viewing rank can hold (as the source's last stage)
+        // or need (as the destination's first stage).
+        let side = |l: &ModuleLayout, stage: usize| {
+            only.and_then(|r| l.coords(r)).filter(|c| c.pp_idx == stage).map(|c| c.dp_idx)
+        };
+        let (src_d, dst_d) = (side(src, src.pp() - 1), side(dst, 0));
+        // The ranks whose buffers are kept: every rank of either module, or in a rank's
+        // view the rank and the other ranks of its replicas' boundary stages.
+        let kept: Option<BTreeSet<usize>> = only.map(|me| {
+            let stage = |l: &ModuleLayout, d: Option<usize>, p: usize| {
+                d.map(|d| l.stage_ranks(d, p)).unwrap_or_default()
+            };
+            let (a, b) = (stage(src, src_d, src.pp() - 1), stage(dst, dst_d, 0));
+            a.into_iter().chain(b).chain([me]).collect()
+        });
+        let keeps = |r: usize| kept.as_ref().is_none_or(|k| k.contains(&r));
+        let mut moves = Moves::default();
         let mut rows = Vec::new();
         // Rows count per sample across its items on this edge.
         let mut token = 0;
@@ -87,10 +144,28 @@ impl EdgeGeometry {
             let (sample, item) = (r.sample, manifest.item(r));
             let src_replica = item_replica(items.len(), src.dp(), j);
             let dst_replica = manifest.replica_of(dst.dp(), sample);
+            let touches =
+                only.is_none() || src_d == Some(src_replica) || dst_d == Some(dst_replica);
+            if !touches && moves.found == [true, true] {
+                token += item.rows;
+                continue;
+            }
             for u in 0..item.rows {
                 let pos = item.pos + u;
+                let owners = (item_owner(src, item.rows, u), src_replica);
+                let users = (split.cp_owner(pos), split.tp_owner(pos), dst_replica);
+                moves.see(owners, users, || {
+                    (
+                        holders_of(src, src_replica, item.rows, u),
+                        needers_of(dst, &split, dst_replica, pos),
+                    )
+                });
+                if !touches {
+                    continue;
+                }
                 let holders = holders_of(src, src_replica, item.rows, u);
                 let needers = needers_of(dst, &split, dst_replica, pos);
+                let id = RowId { sample, token: token + u };
                 let canonical = *needers
                     .iter()
                     .min_by_key(|&&r| {
@@ -98,7 +173,6 @@ impl EdgeGeometry {
                         (c.tp_idx, c.cp_idx)
                     })
                     .expect("every row has a needer");
-                let id = RowId { sample, token };
                 rows.push(Row {
                     id,
                     pos,
@@ -109,24 +183,25 @@ impl EdgeGeometry {
                     needers,
                     canonical,
                 });
-                token += 1;
             }
+            token += item.rows;
         }
         let mut held: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         let mut needed: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for r in src.span().ranks().chain(dst.span().ranks()) {
+        for r in src.span().ranks().chain(dst.span().ranks()).filter(|&r| keeps(r)) {
             held.entry(r).or_default();
             needed.entry(r).or_default();
         }
         for (i, row) in rows.iter().enumerate() {
-            for &h in &row.holders {
+            for &h in row.holders.iter().filter(|&&h| keeps(h)) {
                 held.entry(h).or_default().push(i);
             }
-            for &n in &row.needers {
+            for &n in row.needers.iter().filter(|&&n| keeps(n)) {
                 needed.entry(n).or_default().push(i);
             }
         }
-        EdgeGeometry { rows, held, needed, src: src.clone(), dst: dst.clone() }
+        let (src, dst) = (src.clone(), dst.clone());
+        EdgeGeometry { rows, held, needed, src, dst, rank: only, moves: moves.found }
     }
 
     /// Slot of row `row` in `rank`'s held buffer, if it holds it.
@@ -139,12 +214,14 @@ impl EdgeGeometry {
         self.needed.get(&rank).and_then(|v| v.binary_search(&row).ok())
     }
 
-    /// Every rank of either module, ascending.
+    /// Every rank of either module (in a rank's view, the ranks whose buffers it keeps),
+    /// ascending.
     pub fn ranks(&self) -> impl Iterator<Item = usize> + '_ {
         self.held.keys().copied()
     }
 
-    /// Rows each rank needs but does not hold, summed: the least a forward can move.
+    /// Rows each rank needs but does not hold, summed: the least a forward can move (of the
+    /// whole geometry; a rank's view gives only the viewing rank's whole count).
     pub fn forward_lower_bound(&self) -> BTreeMap<usize, usize> {
         self.needed
             .iter()
@@ -152,7 +229,8 @@ impl EdgeGeometry {
             .collect()
     }
 
-    /// Rows each rank holds but did not consume, summed: the least a backward can move.
+    /// Rows each rank holds but did not consume, summed: the least a backward can move (as
+    /// the forward's, whole only for the viewing rank in a view).
     pub fn backward_lower_bound(&self) -> BTreeMap<usize, usize> {
         self.held
             .iter()
@@ -160,6 +238,37 @@ impl EdgeGeometry {
                 (r, rows.iter().filter(|&&i| self.needed_slot(r, i).is_none()).count())
             })
             .collect()
+    }
+}
+
+/// Whether any row moves in either direction, found by a scan that works out a row's
+/// holders and needers only where the owning parts change (at most a few times an item):
+/// within an item, holders follow the item's CP/SP part and needers the position's.
+#[derive(Default)]
+struct Moves {
+    found: [bool; 2],
+    last: Option<(OwnerKey, UserKey)>,
+}
+
+/// A row's source replica and part: `((cp, sp tp), replica)`.
+type OwnerKey = ((usize, Option<usize>), usize);
+/// A row's destination part and replica: `(cp, sp tp, replica)`.
+type UserKey = (usize, Option<usize>, usize);
+
+impl Moves {
+    fn see(
+        &mut self,
+        owners: OwnerKey,
+        users: UserKey,
+        sets: impl FnOnce() -> (Vec<usize>, Vec<usize>),
+    ) {
+        if self.found == [true, true] || self.last == Some((owners, users)) {
+            return;
+        }
+        self.last = Some((owners, users));
+        let (holders, needers) = sets();
+        self.found[0] |= needers.iter().any(|n| !holders.contains(n));
+        self.found[1] |= holders.iter().any(|h| !needers.contains(h));
     }
 }
 

@@ -4,9 +4,11 @@
 //! microbatches holding fewer items than an encoder has replicas) satisfies the boundary
 //! contract under the symbolic executor, in both directions.
 
-use hetpar_layout::EdgePlan;
+use std::collections::BTreeMap;
+
 use hetpar_layout::manifest::item_replica;
 use hetpar_layout::testing::{arb_world, check_plan};
+use hetpar_layout::{Direction, EdgeGeometry, EdgePlan, Strategy};
 use proptest::prelude::*;
 
 proptest! {
@@ -61,5 +63,48 @@ proptest! {
         let mut broken = plan.clone();
         let dropped = broken.forward.ops.get_mut(&rank).expect("rank").remove(i);
         prop_assert!(check_plan(&broken).is_err(), "dropping rank {rank} op {i} ({dropped}) went unnoticed");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// A rank's view of the geometry names the rows it holds and needs in the same order as
+    /// the whole geometry, with the same flags, and the plan built from it (`exact`,
+    /// `leaders` with one stripe and with the most) is that rank's part of the whole plan, op for op
+    /// and stage row for stage row, in both directions.
+    #[test]
+    fn a_ranks_view_plans_its_part_of_the_whole(world in arb_world(6)) {
+        for edge in 0..world.layouts.len() - 1 {
+            let (src, dst) = (&world.layouts[edge + 1], &world.layouts[0]);
+            let strategies: Vec<Strategy> =
+                world.strategies(edge).into_iter().filter(|&s| s != Strategy::Gather).collect();
+            let outside = src.span().end.max(dst.span().end);
+            for k in 0..world.manifest.n_microbatches() {
+                let g = world.geometry(edge, k);
+                let wholes: Vec<EdgePlan> =
+                    strategies.iter().map(|&s| EdgePlan::new(g.clone(), s)).collect();
+                let ranks = src.span().ranks().chain(dst.span().ranks());
+                for rank in ranks.chain([outside]) {
+                    let view = EdgeGeometry::for_rank(src, dst, &world.manifest, (edge, k), rank);
+                    prop_assert_eq!(view.moves, g.moves);
+                    prop_assert_eq!(view.rank, Some(rank));
+                    let rows = |geo: &EdgeGeometry, map: &BTreeMap<usize, Vec<usize>>| {
+                        map.get(&rank).map(|v| v.iter().map(|&i| geo.rows[i].clone()).collect::<Vec<_>>())
+                    };
+                    prop_assert_eq!(rows(&view, &view.held), rows(&g, &g.held), "held of {}", rank);
+                    prop_assert_eq!(rows(&view, &view.needed), rows(&g, &g.needed), "needed of {}", rank);
+                    for (whole, &s) in wholes.iter().zip(&strategies) {
+                        let part = EdgePlan::new(view.clone(), s);
+                        for dir in [Direction::Forward, Direction::Backward] {
+                            let (w, p) = (whole.program(dir), part.program(dir));
+                            prop_assert_eq!(p.ops.get(&rank), w.ops.get(&rank), "{} {:?} ops of {}", s, dir, rank);
+                            prop_assert!(p.ops.keys().chain(p.stage_rows.keys()).all(|&r| r == rank));
+                            prop_assert_eq!(p.stage_rows.get(&rank), w.stage_rows.get(&rank));
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -3,12 +3,15 @@
 //! that calls the same stage directly (forward, autograd, accumulate, norm, clip, AdamW).
 //! Both start from the same initialization and must compute the same losses and norms,
 //! bit for bit; the difference in time is the executor's.
+//!
+//! And what a step's boundary plans cost: every rank's, as tools build them, against one
+//! rank's share, as each rank of a run builds its own ([`plans_cost`]).
 
 use std::time::Instant;
 
 use candle_core::DType;
 use hetpar_comm::{LocalOptions, launch};
-use hetpar_layout::{BatchManifest, ModelGraph};
+use hetpar_layout::{BatchManifest, Direction, ModelGraph};
 use hetpar_schedule::{Options, PipelineGraph, Schedule};
 
 use crate::assemble::{Sources, build_stages};
@@ -101,4 +104,71 @@ pub fn executor_overhead(
         })
     })?;
     out.swap_remove(0)
+}
+
+/// What one step's boundary plans cost ([`plans_cost`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlansCost {
+    /// The synthetic manifest's step.
+    pub step: u64,
+    /// Boundary rows of the step, over edges and microbatches.
+    pub rows: usize,
+    /// Seconds to build every rank's plans ([`StepPlans::new`]).
+    pub whole_s: f64,
+    /// Seconds to build each measured rank's share ([`StepPlans::for_rank`]), by rank.
+    pub ranks: Vec<(usize, f64)>,
+}
+
+/// Times the boundary plans of the synthetic manifests of `steps`: every rank's at once,
+/// then each of `ranks` alone, and checks that each rank's share is its part of every
+/// rank's plans, op for op (an error names the first that is not).
+pub fn plans_cost(
+    graph: &ModelGraph,
+    steps: std::ops::Range<u64>,
+    ranks: &[usize],
+) -> Result<Vec<PlansCost>, RuntimeError> {
+    steps
+        .map(|step| {
+            let manifest = BatchManifest::synthetic(graph, step);
+            let start = Instant::now();
+            let whole = StepPlans::new(graph, manifest.clone());
+            let whole_s = start.elapsed().as_secs_f64();
+            let rows = whole.all().map(|p| p.geometry.rows.len()).sum();
+            let mut times = Vec::with_capacity(ranks.len());
+            for &rank in ranks {
+                let start = Instant::now();
+                let share = StepPlans::for_rank(graph, manifest.clone(), rank);
+                times.push((rank, start.elapsed().as_secs_f64()));
+                same_part(&whole, &share, rank)
+                    .map_err(|e| RuntimeError::Model(format!("step {step}, rank {rank}: {e}")))?;
+            }
+            Ok(PlansCost { step, rows, whole_s, ranks: times })
+        })
+        .collect()
+}
+
+/// Whether `share` holds `rank`'s programs of `whole`, edge by edge and microbatch by
+/// microbatch, and no other rank's.
+fn same_part(whole: &StepPlans, share: &StepPlans, rank: usize) -> Result<(), String> {
+    for e in 0..whole.edges.len() {
+        for k in 0..whole.manifest.n_microbatches() {
+            let (w, s) = (whole.plan(e, k), share.plan(e, k));
+            let (w, s) = w.and_then(|w| Ok((w, s?))).map_err(|err| err.to_string())?;
+            for (dir, name) in [(Direction::Forward, "forward"), (Direction::Backward, "backward")]
+            {
+                let (wp, sp) = (w.program(dir), s.program(dir));
+                let others = sp.ops.keys().any(|&r| r != rank) && s.geometry.rank.is_some();
+                if wp.ops.get(&rank) != sp.ops.get(&rank)
+                    || wp.stage_rows.get(&rank) != sp.stage_rows.get(&rank)
+                    || others
+                {
+                    return Err(format!(
+                        "the {name} program of edge {} in microbatch {k} is not its part of every rank's",
+                        whole.edge_name(e)
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }

@@ -33,9 +33,12 @@ impl Groups {
         Groups::default()
     }
 
-    /// Creates every group of `programs` that this rank belongs to and does not have yet.
-    /// Every rank sees every rank's program, so all walk the same sorted list and create
-    /// shared groups in the same order (no deadlock on collective creation).
+    /// Creates every group of `programs` that this rank belongs to and does not have yet,
+    /// in ascending order of their rank lists. A collective sits in the program of every
+    /// member, so each member of a group finds it in the same step from its own share of
+    /// the plans (or every rank's), and members create the groups they share in one global
+    /// order: creation only involves a group's members, and a wait for the least group
+    /// still unmade cannot block (no deadlock on collective creation).
     pub fn prepare<'p>(
         &mut self,
         world: &dyn Communicator,

@@ -1,5 +1,6 @@
 //! The routing plans of one step: per edge and microbatch, the edge plan every rank derives
-//! from the model graph and the step's manifest (no shape handshake).
+//! from the model graph and the step's manifest (no shape handshake). A training rank
+//! builds its own share ([`StepPlans::for_rank`]); tools and tests build every rank's.
 
 use std::collections::BTreeMap;
 
@@ -28,6 +29,24 @@ impl StepPlans {
             for k in 0..manifest.n_microbatches() {
                 let geo = EdgeGeometry::new(src, dst, &manifest, e, k);
                 plans.insert((e, k), EdgePlan::new(geo, edge.strategy));
+            }
+        }
+        StepPlans {
+            manifest,
+            edges: graph.edges.iter().map(|e| (e.src, e.dst)).collect(),
+            names: graph.modules.iter().map(|m| m.name.clone()).collect(),
+            plans,
+        }
+    }
+
+    /// Rank `rank`'s plans ([`EdgePlan::for_rank`]): what one rank of a run builds each
+    /// step. Under `exact` each holds the rows the rank holds or needs and its programs
+    /// alone, so the cost stays the rank's share of the step as the world grows.
+    pub fn for_rank(graph: &ModelGraph, manifest: BatchManifest, rank: usize) -> StepPlans {
+        let mut plans = BTreeMap::new();
+        for e in 0..graph.edges.len() {
+            for k in 0..manifest.n_microbatches() {
+                plans.insert((e, k), EdgePlan::for_rank(graph, e, &manifest, k, rank));
             }
         }
         StepPlans {

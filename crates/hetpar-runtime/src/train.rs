@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator, ReduceOp};
-use hetpar_layout::{BatchManifest, ModelGraph};
+use hetpar_layout::{BatchManifest, Direction, ModelGraph};
 use hetpar_schedule::{Options, PipelineGraph, Schedule};
 
 use crate::assemble::{Sources, build_stages};
@@ -217,21 +217,26 @@ impl Trainer {
         let waited = self.data.waited();
         let manifest = self.data.manifest(step)?;
         let tokens = manifest.samples().iter().map(|s| s.len).sum();
-        let plans = StepPlans::new(&self.graph, manifest.clone());
-        let boundary_bytes = self.boundary_bytes(&plans);
         let rank = world.global_rank();
+        let plans = StepPlans::for_rank(&self.graph, manifest.clone(), rank);
+        let received = self.boundary_rows(&plans, rank);
         let actions = self.schedule.ranks.get(&rank).ok_or_else(|| {
             RuntimeError::Model(format!("rank {rank} has no place in the schedule"))
         })?;
         let report = self.exec.step(world, actions, step, &plans)?;
         let seconds = start.elapsed().as_secs_f64();
         let data_wait = self.data.waited() - waited;
-        // Each rank's decodes, then its cut clips, in one reduction.
+        // Each rank's decodes and its cut clips (in its own entries), then the boundary rows
+        // it received per edge and direction, summed over ranks in one reduction: each rank
+        // planned its own share of the moves, and the sum is the step's.
         let n = world.size();
         let mut counts = vec![0.0f64; 2 * n];
         counts[world.rank()] = self.data.decodes() as f64;
         counts[n + world.rank()] = self.data.cuts() as f64;
-        world.all_reduce(&mut counts, ReduceOp::Max)?;
+        counts.extend(received.iter().flat_map(|&(f, b)| [f as f64, b as f64]));
+        world.all_reduce(&mut counts, ReduceOp::Sum)?;
+        let rows = counts.split_off(2 * n);
+        let boundary_bytes = self.boundary_bytes(&plans, &rows);
         let mut decodes: Vec<u64> = counts.into_iter().map(|d| d as u64).collect();
         let cuts = decodes.split_off(n);
         Ok(StepLog {
@@ -302,7 +307,7 @@ impl Trainer {
             let batch = HELDOUT + h;
             let manifest = self.data.manifest(batch)?;
             let (n, seq) = (manifest.samples().len(), manifest.seq_len());
-            let plans = StepPlans::new(&self.graph, manifest);
+            let plans = StepPlans::for_rank(&self.graph, manifest, world.global_rank());
             let report = self.exec.step(world, actions, batch, &plans)?;
             // Per position: [targets scored, of them correct, the target, the model's top
             // token], summed over the job (each target is scored by one rank; token ids
@@ -342,22 +347,37 @@ impl Trainer {
         Ok(())
     }
 
-    /// Bytes each edge moves in a step: rows of its programs times the row width (the
-    /// destination's hidden size) times the element size.
-    fn boundary_bytes(&self, plans: &StepPlans) -> Vec<(String, u64, u64)> {
+    /// Rows this rank's programs receive per edge, `(forward, backward)` over the step's
+    /// microbatches: its share of what the edge moves (no backward out of a module that runs
+    /// forwards only).
+    fn boundary_rows(&self, plans: &StepPlans, rank: usize) -> Vec<(u64, u64)> {
+        (0..plans.edges.len())
+            .map(|e| {
+                let back = self.schedule.backward[plans.edges[e].0];
+                let mut moved = (0u64, 0u64);
+                for mb in 0..plans.manifest.n_microbatches() {
+                    if let Ok(p) = plans.plan(e, mb) {
+                        let mine = |dir| {
+                            p.program(dir).traffic().received.get(&rank).map_or(0, |&r| r as u64)
+                        };
+                        moved.0 += mine(Direction::Forward);
+                        moved.1 += if back { mine(Direction::Backward) } else { 0 };
+                    }
+                }
+                moved
+            })
+            .collect()
+    }
+
+    /// Bytes each edge moves in a step: `rows` (the step's forward and backward rows of
+    /// each edge in turn, summed over ranks) times the row width (the destination's hidden
+    /// size) times the element size.
+    fn boundary_bytes(&self, plans: &StepPlans, rows: &[f64]) -> Vec<(String, u64, u64)> {
         let elem = if self.dtype == DType::F64 { 8 } else { 4 };
         (0..plans.edges.len())
             .map(|e| {
                 let width = self.graph.modules[plans.edges[e].1].dims.hidden as u64;
-                // An edge out of a module that runs forwards only carries no gradients.
-                let back = self.schedule.backward[plans.edges[e].0];
-                let (mut f, mut b) = (0u64, 0u64);
-                for mb in 0..plans.manifest.n_microbatches() {
-                    if let Ok(p) = plans.plan(e, mb) {
-                        f += p.forward.traffic().total() as u64;
-                        b += if back { p.backward.traffic().total() as u64 } else { 0 };
-                    }
-                }
+                let (f, b) = (rows[2 * e] as u64, rows[2 * e + 1] as u64);
                 (plans.edge_name(e), f * width * elem, b * width * elem)
             })
             .collect()

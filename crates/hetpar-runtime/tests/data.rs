@@ -1,7 +1,8 @@
 //! Training on files (the synthetic LLaVA-format set): a colocated and a non-colocated
 //! layout match one rank step for step (f64, 1e-10), and so do their held-out loss and
 //! answer counts; each payload is decoded only by the ranks that run its item (a rank of the
-//! LLM alone decodes nothing), ahead of its step on the loader thread.
+//! LLM alone decodes nothing), ahead of its step on the loader thread. Each rank plans its
+//! own share of the boundaries, and the bytes a step reports are every rank's plans' total.
 
 #![allow(clippy::unwrap_used)]
 
@@ -14,8 +15,8 @@ use hetpar_comm::{Communicator, LocalOptions, launch};
 use hetpar_data::dataset::{BadData, Fronts};
 use hetpar_data::synth::{self, SynthOptions};
 use hetpar_data::{Dataset, DatasetSpec};
-use hetpar_layout::{Config, ModelGraph};
-use hetpar_runtime::{EvalReport, Sources, Trainer};
+use hetpar_layout::{BatchManifest, Config, Direction, ModelGraph};
+use hetpar_runtime::{EvalReport, Sources, StepPlans, Trainer};
 
 const STEPS: usize = 3;
 
@@ -123,7 +124,11 @@ fn train(g: &ModelGraph) -> Run {
         let sources = Sources::files(g, rank, train.clone(), Some(heldout.clone()));
         let mut t = Trainer::new(c, g, DType::F64, STEPS, &sources)?;
         let losses = (0..STEPS)
-            .map(|s| Ok(t.step(c, s)?.report.loss))
+            .map(|s| {
+                let log = t.step(c, s)?;
+                assert_eq!(log.boundary_bytes, whole_plans_bytes(g, &log.manifest), "step {s}");
+                Ok(log.report.loss)
+            })
             .collect::<Result<_, hetpar_runtime::RuntimeError>>()?;
         c.barrier()?;
         let before = sources.batches.decodes();
@@ -132,6 +137,27 @@ fn train(g: &ModelGraph) -> Run {
     })
     .unwrap();
     out.into_iter().map(Result::unwrap).collect()
+}
+
+/// What each edge moves in a step of `manifest` by every rank's plans (f64 rows, every
+/// module training): the bytes a step's log reports, from each rank's own plans summed.
+fn whole_plans_bytes(g: &ModelGraph, manifest: &BatchManifest) -> Vec<(String, u64, u64)> {
+    let plans = StepPlans::new(g, manifest.clone());
+    (0..g.edges.len())
+        .map(|e| {
+            let width = 8 * g.modules[g.edges[e].dst].dims.hidden as u64;
+            let rows = |dir| -> u64 {
+                (0..manifest.n_microbatches())
+                    .map(|k| plans.plan(e, k).unwrap().program(dir).traffic().total() as u64)
+                    .sum()
+            };
+            (
+                plans.edge_name(e),
+                rows(Direction::Forward) * width,
+                rows(Direction::Backward) * width,
+            )
+        })
+        .collect()
 }
 
 fn rel(a: f64, b: f64) -> f64 {

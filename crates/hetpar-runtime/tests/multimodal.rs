@@ -140,7 +140,9 @@ fn run(graph: &ModelGraph, dtype: DType) -> Run {
         let actions = &schedule.ranks[&rank];
         let reports: Vec<StepReport> = (0..STEPS)
             .map(|s| {
-                let plans = StepPlans::new(graph, BatchManifest::synthetic(graph, s as u64));
+                // Each rank's own share of the plans, as a training rank builds them.
+                let manifest = BatchManifest::synthetic(graph, s as u64);
+                let plans = StepPlans::for_rank(graph, manifest, rank);
                 let r =
                     exec.step(c, actions, s, &plans).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                 assert_eq!(&r.executed, actions, "rank {rank} ran another order");

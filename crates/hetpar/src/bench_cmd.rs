@@ -1,5 +1,6 @@
 //! `hetpar bench comm`: bus bandwidth of the collectives next to this machine's memcpy;
-//! `hetpar bench nn`: layer and model throughput; `hetpar bench train` (in `bench_train`).
+//! `hetpar bench nn`: layer and model throughput; `hetpar bench train`, `executor` and
+//! `plans` (in `bench_train`).
 
 use std::time::Duration;
 
@@ -34,6 +35,12 @@ enum What {
     /// The executor's own cost: one module through it against a plain loop.
     #[command(after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench executor")]
     Executor(crate::bench_train::ExecutorArgs),
+    /// What a step's boundary plans cost: every rank's, and one rank's own share (what each
+    /// rank of a run builds), checked to be its part of every rank's.
+    #[command(
+        after_help = "Examples:\n  hetpar bench plans\n  hetpar bench plans examples/colocated-fanin.toml --steps 5\n  hetpar bench plans big.toml --ranks 0,1,1000"
+    )]
+    Plans(crate::bench_train::PlansArgs),
 }
 
 #[derive(clap::Args)]
@@ -107,6 +114,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         What::Nn(a) => return run_nn(a),
         What::Train(a) => return crate::bench_train::run_train(a),
         What::Executor(a) => return crate::bench_train::run_executor(a),
+        What::Plans(a) => return crate::bench_train::run_plans(a),
     };
     if a.iters == 0 || a.sizes_mib.is_empty() || a.sizes_mib.contains(&0) {
         bail!(

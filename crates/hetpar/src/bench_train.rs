@@ -1,12 +1,14 @@
 //! `hetpar bench train CONFIG`: a training step measured per rank by kind of action, each
 //! rank's measured idle fraction next to the one the schedule predicts when simulated with
-//! the measured compute durations; and `hetpar bench executor`: the executor's own cost
-//! against a plain loop over the same stage.
+//! the measured compute durations; `hetpar bench executor`: the executor's own cost
+//! against a plain loop over the same stage; and `hetpar bench plans`: what a step's
+//! boundary plans cost every rank at once and one rank alone.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use anyhow::bail;
+use hetpar_layout::Strategy;
 use hetpar_runtime::StepLog;
 use hetpar_schedule::{Action, Durations, MsgId, Options, PipelineGraph, Schedule, simulate};
 
@@ -234,6 +236,83 @@ pub fn run_executor(a: &ExecutorArgs) -> anyhow::Result<()> {
         o.executor_s * 1e3,
         o.plain_s * 1e3,
         o.fraction() * 100.0
+    ));
+    Ok(())
+}
+
+/// Arguments of `hetpar bench plans`.
+#[derive(clap::Args)]
+pub struct PlansArgs {
+    /// The config (default: the built-in demo).
+    pub config: Option<PathBuf>,
+    /// Steps whose synthetic manifests are planned (row counts vary per step).
+    #[arg(long, default_value_t = 3)]
+    pub steps: u64,
+    /// Ranks whose own share is timed (comma-separated; default: every rank up to 16, else
+    /// 16 spread over the world, the last included).
+    #[arg(long, value_delimiter = ',')]
+    pub ranks: Vec<usize>,
+    /// Override a config value before validation (repeatable): a dotted key and a TOML
+    /// value, e.g. `--set train.global_batch=64`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+/// Ranks `bench plans` times by default: all up to 16, else 16 spread evenly with the last.
+fn spread_ranks(world: usize) -> Vec<usize> {
+    const MOST: usize = 16;
+    if world <= MOST {
+        return (0..world).collect();
+    }
+    let mut ranks: Vec<usize> = (0..MOST - 1).map(|i| i * world / (MOST - 1)).collect();
+    ranks.push(world - 1);
+    ranks
+}
+
+pub fn run_plans(a: &PlansArgs) -> anyhow::Result<()> {
+    let (_, graph) = load(a.config.as_ref(), &a.set)?;
+    if a.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let ranks = if a.ranks.is_empty() { spread_ranks(graph.world) } else { a.ranks.clone() };
+    if let Some(r) = ranks.iter().find(|&&r| r >= graph.world) {
+        bail!("--ranks: rank {r} is outside the config's world of {} ranks", graph.world);
+    }
+    let strategies: Vec<String> = graph
+        .edges
+        .iter()
+        .map(|e| {
+            let (s, d) = (&graph.modules[e.src].name, &graph.modules[e.dst].name);
+            // `gather` finds its groups across every rank's rows: its share is the whole.
+            let whole = if e.strategy == Strategy::Gather { " (whole plan)" } else { "" };
+            format!("{s} -> {d} {}{whole}", e.strategy)
+        })
+        .collect();
+    say(&format!(
+        "boundary plans of {} ({} ranks; {}), synthetic steps 0-{}; one rank's share timed on {} ranks",
+        graph.name,
+        graph.world,
+        if strategies.is_empty() { "no edges".into() } else { strategies.join(", ") },
+        a.steps - 1,
+        ranks.len()
+    ));
+    say("step        rows   every rank's (ms)   one rank's share (ms: fastest / median / slowest)");
+    let costs = hetpar_runtime::bench::plans_cost(&graph, 0..a.steps, &ranks)?;
+    for c in &costs {
+        let mut t: Vec<f64> = c.ranks.iter().map(|&(_, s)| s * 1e3).collect();
+        t.sort_by(f64::total_cmp);
+        let (lo, mid, hi) = (t[0], t[t.len() / 2], t[t.len() - 1]);
+        say(&format!(
+            "{:>4} {:>11} {:>19.3}   {lo:.3} / {mid:.3} / {hi:.3}",
+            c.step,
+            c.rows,
+            c.whole_s * 1e3
+        ));
+    }
+    say(&format!(
+        "each rank's share is its part of every rank's plans, op for op ({} ranks x {} steps)",
+        ranks.len(),
+        a.steps
     ));
     Ok(())
 }

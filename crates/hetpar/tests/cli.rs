@@ -1149,6 +1149,23 @@ fn bench_train_and_executor_report_what_they_measure() {
     assert!(stdout(&out).contains("losses and norms bitwise equal"), "{}", stdout(&out));
 }
 
+/// `bench plans` times every rank's plans and each rank's share on the demo (both
+/// strategies of its edges) and checks each share; ranks outside the world are refused.
+#[test]
+fn bench_plans_times_and_checks_each_ranks_share() {
+    let out = hetpar(&["bench", "plans", "--steps", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = stdout(&out);
+    assert!(text.contains("vision -> llm exact, audio -> llm leaders"), "{text}");
+    assert!(text.contains("op for op (3 ranks x 2 steps)"), "{text}");
+    let steps: Vec<&str> = text.lines().filter(|l| l.starts_with("   ")).collect();
+    assert_eq!(steps.len(), 2, "{text}");
+    let out = hetpar(&["bench", "plans", "--ranks", "0,3"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rank 3 is outside the config's world of 3 ranks"), "{err}");
+}
+
 /// `--set` overrides a config value before validation on train, check, layout and
 /// schedule; a bad one is a one-line error naming it.
 #[test]

@@ -12,38 +12,57 @@ use crate::edge::PlacementMode;
 
 pub(super) fn plan(mv: &Movement<'_>, mode: PlacementMode) -> Program {
     let mut prog = mv.empty_program();
-    let ranks: Vec<usize> = prog.ops.keys().copied().collect();
+    // The ranks whose programs are built: every rank, or the viewing rank. Each
+    // message is found from both ends, the receiver's slots from the rows it lacks and the
+    // sender's from the rows it holds that a lacking target picks it for; both walk rows in
+    // ascending order, so the two lists of a message name the same rows in the same order.
+    let ranks: Vec<usize> =
+        prog.ops.keys().copied().filter(|&r| mv.geo.rank.is_none_or(|me| me == r)).collect();
     // (source, target) -> (rows read on the source, slots written on the target)
     let mut msgs: BTreeMap<(usize, usize), (Segs, Segs)> = BTreeMap::new();
     for &t in &ranks {
         for (slot, row) in mv.copy_local(&mut prog, t) {
-            let s = mv.pick(row, t);
-            let m = msgs.entry((s, t)).or_default();
-            m.0.push(mv.source_buf(), mv.source_slot(s, row).expect("picked source has the row"));
-            m.1.push(mv.target_buf(), slot);
+            msgs.entry((mv.pick(row, t), t)).or_default().1.push(mv.target_buf(), slot);
         }
     }
-    if msgs.is_empty() {
+    for &s in &ranks {
+        for (slot, &row) in mv.source_rows(s).iter().enumerate() {
+            let sources = mv.sources(row);
+            for &t in mv.row_targets(row) {
+                if !sources.contains(&t) && mv.pick(row, t) == s {
+                    msgs.entry((s, t)).or_default().0.push(mv.source_buf(), slot);
+                }
+            }
+        }
+    }
+    debug_assert!(mv.geo.rank.is_some() || msgs.is_empty() != mv.moves(), "moves flag");
+    if !mv.moves() {
         return prog;
     }
     match mode {
         PlacementMode::Colocated => {
-            // Every member's per-peer lists, filled from the messages in one pass (a
+            // Each built member's per-peer lists, filled from the messages in one pass (a
             // lookup per member pair is quadratic in map probes on wide spans).
             let span = mv.geo.src.span();
             let group: Vec<usize> = span.ranks().collect();
             let n = group.len();
-            let mut send = vec![vec![Segs::default(); n]; n];
-            let mut recv = vec![vec![Segs::default(); n]; n];
+            let mut lists: BTreeMap<usize, (Vec<Segs>, Vec<Segs>)> = ranks
+                .iter()
+                .map(|&r| (r, (vec![Segs::default(); n], vec![Segs::default(); n])))
+                .collect();
             for ((s, t), (from, to)) in msgs {
-                let (si, ti) = (s - span.start, t - span.start);
-                send[si][ti] = from;
-                recv[ti][si] = to;
+                if let Some(l) = lists.get_mut(&s) {
+                    l.0[t - span.start] = from;
+                }
+                if let Some(l) = lists.get_mut(&t) {
+                    l.1[s - span.start] = to;
+                }
             }
-            for ((&r, send), recv) in group.iter().zip(send).zip(recv) {
+            for (r, (send, recv)) in lists {
                 prog.push(r, Op::AllToAllV { group: group.clone(), send, recv });
             }
         }
+        // In a rank's view the other ends are empty and dropped with the view's other ranks.
         PlacementMode::NonColocated => prog.push_messages(&msgs),
     }
     prog

@@ -26,6 +26,15 @@ pub(super) fn plan(mv: &Movement<'_>, stripes: usize) -> Program {
     let (to_layout, to_stage) = mv.target_side();
     let from_leaders = leader_ranks(from_layout, from_stage, stripes);
     let to_leaders = leader_ranks(to_layout, to_stage, stripes);
+    // In a rank's view, only the phases of its own replicas (its rows are theirs): a
+    // replica pair's crossing is planned where either end is the rank's, its sends only
+    // where the from-replica is (the view holds no other replica's collected rows).
+    let replica = |l: &crate::layout::ModuleLayout, stage: usize| {
+        mv.geo.rank.map(|me| l.coords(me).filter(|c| c.pp_idx == stage).map(|c| c.dp_idx))
+    };
+    let (from_d, to_d) = (replica(from_layout, from_stage), replica(to_layout, to_stage));
+    let from_wanted = |a: usize| from_d.is_none_or(|d| d == Some(a));
+    let to_wanted = |b: usize| to_d.is_none_or(|d| d == Some(b));
 
     // Rows per (from replica, to replica), ascending; part j of a pair goes over stripe j.
     let mut pairs: BTreeMap<(usize, usize), Vec<usize>> = BTreeMap::new();
@@ -40,7 +49,7 @@ pub(super) fn plan(mv: &Movement<'_>, stripes: usize) -> Program {
     // Phase 1: collect each stripe's rows at its from-leader.
     let mut at_from: HashMap<(usize, usize), (Buf, usize)> = HashMap::new();
     for j in 0..stripes {
-        for (a, leaders) in from_leaders.iter().enumerate() {
+        for (a, leaders) in from_leaders.iter().enumerate().filter(|&(a, _)| from_wanted(a)) {
             let leader = leaders[j];
             let mut rows: Vec<usize> =
                 pairs.range((a, 0)..(a + 1, 0)).flat_map(|(_, rs)| part(rs, j)).collect();
@@ -74,7 +83,7 @@ pub(super) fn plan(mv: &Movement<'_>, stripes: usize) -> Program {
     // Phase 2: cross the island boundary, leader to leader.
     let mut at_to: HashMap<(usize, usize), (Buf, usize)> = HashMap::new();
     let mut msgs: BTreeMap<(usize, usize), (Segs, Segs)> = BTreeMap::new();
-    for (&(a, b), rows) in &pairs {
+    for (&(a, b), rows) in pairs.iter().filter(|&(&(a, b), _)| from_wanted(a) || to_wanted(b)) {
         for j in 0..stripes {
             let rows = part(rows, j);
             if rows.is_empty() {
@@ -85,8 +94,10 @@ pub(super) fn plan(mv: &Movement<'_>, stripes: usize) -> Program {
             let mut next = prog.alloc_stage(t, spare);
             let (mut send, mut recv) = (Segs::default(), Segs::default());
             for row in rows {
-                let (buf, slot) = at_from[&(f, row)];
-                send.push(buf, slot);
+                if from_wanted(a) {
+                    let (buf, slot) = at_from[&(f, row)];
+                    send.push(buf, slot);
+                }
                 let dest = match mv.target_slot(t, row) {
                     Some(slot) => (mv.target_buf(), slot),
                     None => {
@@ -104,7 +115,7 @@ pub(super) fn plan(mv: &Movement<'_>, stripes: usize) -> Program {
 
     // Phase 3: each to-leader hands its replica's stage what it wants.
     for j in 0..stripes {
-        for (b, leaders) in to_leaders.iter().enumerate() {
+        for (b, leaders) in to_leaders.iter().enumerate().filter(|&(b, _)| to_wanted(b)) {
             let leader = leaders[j];
             let mut rows: Vec<usize> = pairs
                 .iter()

@@ -57,6 +57,33 @@ impl<'a> Movement<'a> {
         map.get(&rank).map_or(&[], Vec::as_slice)
     }
 
+    /// Rows `rank` has in its from-buffer, in buffer order.
+    pub fn source_rows(&self, rank: usize) -> &'a [usize] {
+        let map = match self.dir {
+            Direction::Forward => &self.geo.held,
+            Direction::Backward => &self.geo.needed,
+        };
+        map.get(&rank).map_or(&[], Vec::as_slice)
+    }
+
+    /// Ranks that want `row` in their to-buffer.
+    pub fn row_targets(&self, row: usize) -> &'a [usize] {
+        let r = &self.geo.rows[row];
+        match self.dir {
+            Direction::Forward => &r.needers,
+            Direction::Backward => &r.holders,
+        }
+    }
+
+    /// Whether some rank wants a row its from-buffer lacks, anywhere in the microbatch
+    /// (the same in every rank's view of the geometry).
+    pub fn moves(&self) -> bool {
+        self.geo.moves[match self.dir {
+            Direction::Forward => 0,
+            Direction::Backward => 1,
+        }]
+    }
+
     /// Ranks that have `row` in their from-buffer.
     pub fn sources(&self, row: usize) -> &'a [usize] {
         let r = &self.geo.rows[row];
@@ -177,7 +204,13 @@ pub struct EdgePlan {
 impl EdgePlan {
     /// Plans `geometry` with `strategy`. Panics when the strategy does not fit the placement
     /// (gather across islands, leaders on shared ranks): config validation rules that out.
+    /// A rank's view of the geometry ([`EdgeGeometry::for_rank`]) gives that rank's programs
+    /// alone, under `exact` and `leaders` (`gather` panics: see [`EdgePlan::for_rank`]).
     pub fn new(geometry: EdgeGeometry, strategy: Strategy) -> EdgePlan {
+        assert!(
+            geometry.rank.is_none() || strategy != Strategy::Gather,
+            "strategy {strategy} plans from every rank's rows, not one rank's view"
+        );
         let mode = if geometry.src.span() == geometry.dst.span() {
             PlacementMode::Colocated
         } else {
@@ -198,7 +231,15 @@ impl EdgePlan {
                 _ => panic!("strategy {strategy} does not apply to {} edges", mode.name()),
             }
         };
-        let (forward, backward) = (build(Direction::Forward), build(Direction::Backward));
+        let (mut forward, mut backward) = (build(Direction::Forward), build(Direction::Backward));
+        // A view's other ranks see their rows of the viewing rank's replicas only: their
+        // programs would be partial, so only the viewing rank's are kept.
+        if let Some(me) = geometry.rank {
+            for p in [&mut forward, &mut backward] {
+                p.ops.retain(|&r, _| r == me);
+                p.stage_rows.retain(|&r, _| r == me);
+            }
+        }
         EdgePlan { strategy, mode, geometry, forward, backward }
     }
 
@@ -211,6 +252,26 @@ impl EdgePlan {
     ) -> EdgePlan {
         let e = &graph.edges[edge];
         Self::with_strategy(graph, edge, manifest, k, e.strategy)
+    }
+
+    /// Rank `rank`'s share of [`EdgePlan::for_edge`], what a rank builds to run a step: under
+    /// `exact` and `leaders`, planned from the rank's view of the geometry, so it holds the
+    /// rows of the rank's replicas and its programs alone, at the cost of those rows (not
+    /// every rank's at every rank, which grows with the world). `gather` finds its groups
+    /// across every rank's rows, so its plan is the whole one.
+    pub fn for_rank(
+        graph: &ModelGraph,
+        edge: EdgeId,
+        manifest: &BatchManifest,
+        k: usize,
+        rank: usize,
+    ) -> EdgePlan {
+        let e = &graph.edges[edge];
+        if e.strategy == Strategy::Gather {
+            return Self::for_edge(graph, edge, manifest, k);
+        }
+        let (src, dst) = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
+        EdgePlan::new(EdgeGeometry::for_rank(src, dst, manifest, (edge, k), rank), e.strategy)
     }
 
     /// The plan of `edge` in microbatch `k` with another strategy (for comparisons).
