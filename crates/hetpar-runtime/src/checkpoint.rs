@@ -106,6 +106,11 @@ pub struct Manifest {
     pub model: BTreeMap<String, String>,
     /// The files.
     pub files: Vec<FileEntry>,
+    /// SHA-256 of the tokenizer file the run's data read, hex: a resume or an evaluation
+    /// with another tokenizer is refused even where the file at the same path was
+    /// replaced. Absent for in-process tokens and in checkpoints saved before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_sha256: Option<String>,
     /// SHA-256 of this manifest as `save_checkpoint` writes it (pretty JSON) with this field
     /// empty, hex: an edit to the manifest, not only to the files it lists, is refused.
     #[serde(default)]
@@ -309,6 +314,8 @@ pub struct SaveAt<'a> {
     pub keep: usize,
     /// The run's resolved config (TOML), saved as [`CONFIG_FILE`].
     pub config: Option<&'a str>,
+    /// SHA-256 of the tokenizer the run's data read ([`Manifest::tokenizer_sha256`]).
+    pub tokenizer_sha256: Option<&'a str>,
 }
 
 /// A committed checkpoint, as every rank learns of it.
@@ -477,6 +484,7 @@ fn commit(
             .collect(),
         model: model_of(graph),
         files,
+        tokenizer_sha256: at.tokenizer_sha256.map(str::to_owned),
         sha256: String::new(),
     };
     let path = tmp.join(MANIFEST_FILE);
@@ -608,6 +616,12 @@ fn parse_manifest(dir: &Path) -> Result<Manifest> {
         }
     }
     Ok(m)
+}
+
+/// The SHA-256 of the tokenizer checkpoint `dir`'s run read, as its manifest recorded it
+/// (checked first); `None` where it recorded none.
+pub fn saved_tokenizer_sha256(dir: &Path) -> Result<Option<String>> {
+    Ok(parse_manifest(dir)?.tokenizer_sha256)
 }
 
 /// The run's config as checkpoint `dir` saved it (TOML text), checked against the

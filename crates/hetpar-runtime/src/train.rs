@@ -167,6 +167,7 @@ pub struct Trainer {
     exec: Executor,
     lr: LrSchedule,
     config_text: Option<String>,
+    tokenizer_sha256: Option<String>,
     io_timeout: std::time::Duration,
     machine: String,
 }
@@ -205,6 +206,7 @@ impl Trainer {
             exec,
             lr,
             config_text: None,
+            tokenizer_sha256: None,
             io_timeout: DEFAULT_IO_TIMEOUT,
             machine: String::new(),
         })
@@ -394,6 +396,12 @@ impl Trainer {
         self.config_text = Some(text);
     }
 
+    /// Keeps the SHA-256 of the tokenizer the run's data read, recorded in each checkpoint's
+    /// manifest so a later run with another tokenizer is refused.
+    pub fn set_tokenizer_sha256(&mut self, sha256: Option<String>) {
+        self.tokenizer_sha256 = sha256;
+    }
+
     /// How long ranks wait for one another while a checkpoint is saved or loaded
     /// ([`DEFAULT_IO_TIMEOUT`] unless set): the communicator's timeout is for
     /// communication, and writing, hashing and reading a large model's files takes longer.
@@ -429,6 +437,7 @@ impl Trainer {
             schedule_steps: self.lr.total,
             keep,
             config: self.config_text.as_deref(),
+            tokenizer_sha256: self.tokenizer_sha256.as_deref(),
         };
         world.with_timeout(self.io_timeout, || {
             crate::checkpoint::save_checkpoint(world, &self.graph, &self.exec, at)

@@ -163,19 +163,35 @@ pub fn tokenizer_file(graph: &ModelGraph) -> Option<PathBuf> {
     path.is_file().then_some(path)
 }
 
-/// Where the tokenizer `used` holds other bytes than the one the run of a checkpoint read
-/// (`trained`, from its saved config): `(trained, used)`, whose token ids do not mean the
-/// same. `None` where they are the same or either is unknown (in-process tokens, a file no
-/// longer there).
+/// Where the tokenizer `used` holds other bytes than the one the run of checkpoint `dir`
+/// read, whose token ids do not mean the same: what the checkpoint's was (the file its saved
+/// config `trained` names, with the SHA-256 its manifest recorded where it recorded one), to
+/// name in the refusal. The recorded SHA-256 catches a tokenizer replaced at the same path;
+/// a checkpoint saved before it was kept is compared with the file its config names. `None`
+/// where they are the same or either is unknown (in-process tokens, an older checkpoint
+/// whose file is no longer there).
 pub fn changed_tokenizer(
+    dir: &Path,
     trained: &ModelGraph,
     used: Option<&Path>,
-) -> anyhow::Result<Option<(PathBuf, PathBuf)>> {
-    let (Some(trained), Some(used)) = (tokenizer_file(trained), used) else {
-        return Ok(None);
-    };
+) -> anyhow::Result<Option<String>> {
+    let Some(used) = used else { return Ok(None) };
     let digest = |p: &Path| hetpar_runtime::checkpoint::sha256(p).map(|(sha, _)| sha);
-    Ok((digest(&trained)? != digest(used)?).then(|| (trained, used.to_path_buf())))
+    let named = tokenizer_file(trained);
+    if let Some(saved) = hetpar_runtime::checkpoint::saved_tokenizer_sha256(dir)? {
+        let now = digest(used)?;
+        let file = named.map_or_else(|| "its data's tokenizer".into(), |p| p.display().to_string());
+        let short = |sha: &str| sha.chars().take(16).collect::<String>();
+        return Ok((now != saved).then(|| {
+            format!(
+                "{file}, SHA-256 {}... when saved; this one's is {}...",
+                short(&saved),
+                short(&now)
+            )
+        }));
+    }
+    let Some(named) = named else { return Ok(None) };
+    Ok((digest(&named)? != digest(used)?).then(|| named.display().to_string()))
 }
 
 /// The files `graph`'s data reads (`None` for the in-process source); the synth set is

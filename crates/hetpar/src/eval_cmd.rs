@@ -103,12 +103,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let data_text = crate::config_load::apply(&text, &ours).with_context(|| name.clone())?;
     let (cfg, mut graph) = crate::config_load::load_text(data_text, name.clone(), &a.set)?;
     let used = crate::data_open::tokenizer_file(&graph);
-    if let Some((trained, used)) = crate::data_open::changed_tokenizer(&trained, used.as_deref())? {
+    let changed = crate::data_open::changed_tokenizer(&ckpt, &trained, used.as_deref())?;
+    if let (Some(trained), Some(used)) = (changed, used) {
         anyhow::bail!(
-            "--data {}: its tokenizer {} is not the one the checkpoint was trained with ({}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
+            "--data {}: its tokenizer {} is not the one the checkpoint was trained with ({trained}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
             a.data.display(),
             used.display(),
-            trained.display()
         );
     }
     // The precision the checkpoint was trained in, so the numbers are the ones the run

@@ -522,7 +522,7 @@ fn run_on(
         None => 0,
     };
     let resolved = toml::to_string(&cfg).context("cannot write the resolved config")?;
-    let ckpt = Some(Checkpoints {
+    let mut ckpt = Some(Checkpoints {
         root,
         every: a.save_every.unwrap_or(0),
         keep: a.keep,
@@ -530,6 +530,7 @@ fn run_on(
         start,
         stop: stop_on_signals()?,
         config: resolved.clone(),
+        tokenizer_sha256: None,
         io_timeout: seconds("--io-timeout", a.io_timeout)?,
     });
     // A tokenizer other than the checkpoint's is named before its records are read (they
@@ -555,6 +556,13 @@ fn run_on(
     // A synth set not yet generated had no tokenizer to compare: it has one now.
     if tokenizer.is_none() {
         same_tokenizer(resumed_config.as_ref(), data.tokenizer())?;
+    }
+    // Each checkpoint records the tokenizer's bytes, for a later resume or evaluation to
+    // check (a tokenizer replaced at the same path changes no config).
+    if let (Some(k), Some(tok)) = (ckpt.as_mut(), data.tokenizer()) {
+        let (sha, _) = hetpar_runtime::checkpoint::sha256(tok)
+            .with_context(|| format!("cannot read the tokenizer {}", tok.display()))?;
+        k.tokenizer_sha256 = Some(sha);
     }
     if lead && graph.train.warmup > steps {
         say(&format!(
@@ -794,6 +802,9 @@ pub struct Checkpoints {
     pub stop: Arc<AtomicBool>,
     /// The resolved config, saved in each checkpoint.
     pub config: String,
+    /// SHA-256 of the tokenizer the run's data read, recorded in each checkpoint (set once
+    /// the data is open).
+    pub tokenizer_sha256: Option<String>,
     /// How long ranks wait for one another's checkpoint files (`--io-timeout`).
     pub io_timeout: Duration,
 }
@@ -860,14 +871,14 @@ fn same_tokenizer(
     used: Option<&Path>,
 ) -> anyhow::Result<()> {
     let Some((dir, trained)) = resumed else { return Ok(()) };
-    if let Some((trained, used)) = crate::data_open::changed_tokenizer(trained, used)? {
+    let changed = crate::data_open::changed_tokenizer(dir, trained, used)?;
+    if let (Some(trained), Some(used)) = (changed, used) {
         bail!(
             "--resume {}: this run's tokenizer {} is not the one the checkpoint was trained \
-             with ({}): the token ids would not mean what the model learned (go on with data \
-             tokenized as before, or start a new run)",
+             with ({trained}): the token ids would not mean what the model learned (go on \
+             with data tokenized as before, or start a new run)",
             dir.display(),
             used.display(),
-            trained.display()
         );
     }
     Ok(())
@@ -1241,6 +1252,7 @@ fn rank_run(
     let mut start = 0;
     if let Some(k) = ckpt {
         trainer.set_config_text(k.config.clone());
+        trainer.set_tokenizer_sha256(k.tokenizer_sha256.clone());
         trainer.set_io_timeout(k.io_timeout);
         trainer.set_machine(files_view());
         if let Some(dir) = &k.resume {

@@ -605,6 +605,47 @@ fn temp(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(&format!("hetpar-cli-{name}-")).tempdir().expect("temp dir")
 }
 
+/// A tokenizer replaced at the same path (the config unchanged) is refused by a resume and
+/// by eval: each checkpoint records the SHA-256 of the tokenizer its run read.
+#[test]
+fn a_tokenizer_replaced_at_the_same_path_is_refused() {
+    let dir = temp("tokenizer-in-place");
+    let (set, out) = (dir.path().join("set"), dir.path().join("out"));
+    let (set_s, out_s) = (set.to_str().expect("utf-8"), out.to_str().expect("utf-8"));
+    let made = hetpar(&["data", "synth", "--out", set_s, "--samples", "40"]);
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let path = format!("data.path={:?}", set.join("train.json").display().to_string());
+    let data = ["--set", "data.source=\"llava\"", "--set", &path];
+    let run = hetpar(&[&["train", "--steps", "2", "--out", out_s][..], &data].concat());
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let manifest: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("checkpoints/step-00000002/manifest.json"))
+            .expect("manifest"),
+    )
+    .expect("json");
+    let tokenizer = set.join("tokenizer.json");
+    let (sha, _) = hetpar_runtime::checkpoint::sha256(&tokenizer).expect("sha");
+    assert_eq!(manifest["tokenizer_sha256"], Value::from(sha.clone()), "{manifest}");
+    // The same file name, other bytes.
+    let vocab = hetpar_data::chat::Vocab::train(&["another text".to_string()], 300).expect("bpe");
+    vocab.save(&tokenizer).expect("save");
+    let resume = ["train", "--steps", "3", "--out", out_s, "--resume", "auto"];
+    let resumed = hetpar(&[&resume[..], &data].concat());
+    let err = String::from_utf8_lossy(&resumed.stderr).to_string();
+    assert!(
+        resumed.status.code() == Some(1)
+            && err.contains("is not the one the checkpoint was trained with")
+            && err.contains(&format!("SHA-256 {}... when saved", &sha[..16])),
+        "{err}"
+    );
+    let eval = hetpar(&["eval", out_s, "--data", set_s]);
+    let err = String::from_utf8_lossy(&eval.stderr).to_string();
+    assert!(
+        !eval.status.success() && err.contains(&format!("SHA-256 {}... when saved", &sha[..16])),
+        "{err}"
+    );
+}
+
 /// The bare `hetpar train` trains on files: the synth set generated once into the cache, held-out loss and
 /// answer accuracy before the first step, every --eval-every steps and after the last, the
 /// data wait of each step, the two pictures; `hetpar eval` of the checkpoint finds what
