@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use hetpar_layout::manifest::item_replica;
 use hetpar_layout::testing::{arb_world, check_plan};
-use hetpar_layout::{Direction, EdgeGeometry, EdgePlan, Strategy};
+use hetpar_layout::{Direction, EdgeGeometry, EdgePlan};
 use proptest::prelude::*;
 
 proptest! {
@@ -71,14 +71,13 @@ proptest! {
 
     /// A rank's view of the geometry names the rows it holds and needs in the same order as
     /// the whole geometry, with the same flags, and the plan built from it (`exact`,
-    /// `leaders` with one stripe and with the most) is that rank's part of the whole plan, op for op
+    /// `leaders` with one stripe and with the most, `gather` through its group's views) is that rank's part of the whole plan, op for op
     /// and stage row for stage row, in both directions.
     #[test]
     fn a_ranks_view_plans_its_part_of_the_whole(world in arb_world(6)) {
         for edge in 0..world.layouts.len() - 1 {
             let (src, dst) = (&world.layouts[edge + 1], &world.layouts[0]);
-            let strategies: Vec<Strategy> =
-                world.strategies(edge).into_iter().filter(|&s| s != Strategy::Gather).collect();
+            let strategies = world.strategies(edge);
             let outside = src.span().end.max(dst.span().end);
             for k in 0..world.manifest.n_microbatches() {
                 let g = world.geometry(edge, k);
@@ -95,7 +94,8 @@ proptest! {
                     prop_assert_eq!(rows(&view, &view.held), rows(&g, &g.held), "held of {}", rank);
                     prop_assert_eq!(rows(&view, &view.needed), rows(&g, &g.needed), "needed of {}", rank);
                     for (whole, &s) in wholes.iter().zip(&strategies) {
-                        let part = EdgePlan::new(view.clone(), s);
+                        let part = EdgePlan::of_rank((src, dst), &world.manifest, (edge, k), s, rank);
+                        prop_assert_eq!(&part.geometry, &view);
                         for dir in [Direction::Forward, Direction::Backward] {
                             let (w, p) = (whole.program(dir), part.program(dir));
                             prop_assert_eq!(p.ops.get(&rank), w.ops.get(&rank), "{} {:?} ops of {}", s, dir, rank);

@@ -40,8 +40,8 @@ impl StepPlans {
     }
 
     /// Rank `rank`'s plans ([`EdgePlan::for_rank`]): what one rank of a run builds each
-    /// step. Under `exact` each holds the rows the rank holds or needs and its programs
-    /// alone, so the cost stays the rank's share of the step as the world grows.
+    /// step. Each holds the rows of the rank's replicas and its programs alone, so the cost
+    /// stays the rank's share of the step as the world grows.
     pub fn for_rank(graph: &ModelGraph, manifest: BatchManifest, rank: usize) -> StepPlans {
         let mut plans = BTreeMap::new();
         for e in 0..graph.edges.len() {

@@ -8,7 +8,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use anyhow::bail;
-use hetpar_layout::Strategy;
 use hetpar_runtime::StepLog;
 use hetpar_schedule::{Action, Durations, MsgId, Options, PipelineGraph, Schedule, simulate};
 
@@ -283,9 +282,7 @@ pub fn run_plans(a: &PlansArgs) -> anyhow::Result<()> {
         .iter()
         .map(|e| {
             let (s, d) = (&graph.modules[e.src].name, &graph.modules[e.dst].name);
-            // `gather` finds its groups across every rank's rows: its share is the whole.
-            let whole = if e.strategy == Strategy::Gather { " (whole plan)" } else { "" };
-            format!("{s} -> {d} {}{whole}", e.strategy)
+            format!("{s} -> {d} {}", e.strategy)
         })
         .collect();
     say(&format!(

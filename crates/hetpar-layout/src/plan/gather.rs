@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Buf, Movement, Op, Program, Seg, Segs};
+use crate::geometry::{EdgeGeometry, RowId};
 
 pub(super) fn plan(mv: &Movement<'_>) -> Program {
     let mut prog = mv.empty_program();
@@ -83,6 +84,89 @@ pub(super) fn plan(mv: &Movement<'_>) -> Program {
                 prog.push(*m, Op::Copy { from, to });
             }
         }
+    }
+    prog
+}
+
+/// The viewing rank's programs of [`plan`] from its view (`mv`) and the views of the
+/// members of its group (`view(r)`): the group is the connected component of the links
+/// from the rank, found by walking them (a rank links to the contributor of each row it
+/// lacks, and each lacking target of a row it contributes links to it), each member's view
+/// giving its own links. The rows the group circulates are the rows its members lack, named
+/// by [`RowId`] across views (whose order is the whole geometry's row order), so the
+/// counts, the concatenation and the offsets are the whole plan's.
+pub(super) fn plan_for(mv: &Movement<'_>, view: &dyn Fn(usize) -> EdgeGeometry) -> Program {
+    let me = mv.geo.rank.expect("planned from a rank's view");
+    let mut prog = mv.empty_program();
+    if !prog.ops.contains_key(&me) {
+        return prog;
+    }
+    let lacking = mv.copy_local(&mut prog, me);
+    // Each circulated row and its contributor, and the members found.
+    let mut circulated: BTreeMap<RowId, usize> = BTreeMap::new();
+    let mut members = BTreeSet::from([me]);
+    let mut walk = vec![me];
+    while let Some(x) = walk.pop() {
+        let theirs;
+        let geo = if x == me {
+            mv.geo
+        } else {
+            theirs = view(x);
+            &theirs
+        };
+        let mx = Movement { geo, dir: mv.dir };
+        let mut link = |row: usize, other: usize, contributor: usize| {
+            circulated.insert(geo.rows[row].id, contributor);
+            if members.insert(other) {
+                walk.push(other);
+            }
+        };
+        for &row in mx.targets(x) {
+            if mx.source_slot(x, row).is_none() {
+                let c = mx.contributor(row);
+                link(row, c, c);
+            }
+        }
+        for &row in mx.source_rows(x) {
+            if mx.contributor(row) != x {
+                continue;
+            }
+            let sources = mx.sources(row);
+            for &t in mx.row_targets(row).iter().filter(|t| !sources.contains(t)) {
+                link(row, t, x);
+            }
+        }
+    }
+    if circulated.is_empty() {
+        return prog;
+    }
+    let group: Vec<usize> = members.into_iter().collect();
+    // The concatenation: each member's contributions in member order, rows ascending.
+    let mut order: Vec<(usize, RowId)> = circulated.iter().map(|(&id, &c)| (c, id)).collect();
+    order.sort_unstable();
+    let mut per: BTreeMap<usize, usize> = BTreeMap::new();
+    for &(c, _) in &order {
+        *per.entry(c).or_default() += 1;
+    }
+    let counts: Vec<usize> = group.iter().map(|m| per.get(m).copied().unwrap_or(0)).collect();
+    let offset: BTreeMap<RowId, usize> =
+        order.iter().enumerate().map(|(i, &(_, id))| (id, i)).collect();
+    let base = prog.alloc_stage(me, order.len());
+    let mut send = Segs::default();
+    for (slot, &row) in mv.source_rows(me).iter().enumerate() {
+        if circulated.get(&mv.geo.rows[row].id) == Some(&me) {
+            send.push(mv.source_buf(), slot);
+        }
+    }
+    let into = Seg { buf: Buf::Stage, start: base, len: order.len() };
+    prog.push(me, Op::AllGatherV { group, send, counts, into });
+    let (mut from, mut to) = (Segs::default(), Segs::default());
+    for (slot, row) in lacking {
+        from.push(Buf::Stage, base + offset[&mv.geo.rows[row].id]);
+        to.push(mv.target_buf(), slot);
+    }
+    if !from.is_empty() {
+        prog.push(me, Op::Copy { from, to });
     }
     prog
 }

@@ -205,21 +205,14 @@ impl EdgePlan {
     /// Plans `geometry` with `strategy`. Panics when the strategy does not fit the placement
     /// (gather across islands, leaders on shared ranks): config validation rules that out.
     /// A rank's view of the geometry ([`EdgeGeometry::for_rank`]) gives that rank's programs
-    /// alone, under `exact` and `leaders` (`gather` panics: see [`EdgePlan::for_rank`]).
+    /// alone, under `exact` and `leaders`; `gather` walks its group through other ranks'
+    /// views, which [`EdgePlan::of_rank`] builds (here it panics on a view).
     pub fn new(geometry: EdgeGeometry, strategy: Strategy) -> EdgePlan {
         assert!(
             geometry.rank.is_none() || strategy != Strategy::Gather,
-            "strategy {strategy} plans from every rank's rows, not one rank's view"
+            "strategy {strategy} walks other ranks' views: plan a view with EdgePlan::of_rank"
         );
-        let mode = if geometry.src.span() == geometry.dst.span() {
-            PlacementMode::Colocated
-        } else {
-            assert!(
-                !geometry.src.span().overlaps(&geometry.dst.span()),
-                "spans overlap partly: rejected by validation"
-            );
-            PlacementMode::NonColocated
-        };
+        let mode = Self::mode(&geometry);
         let build = |dir| {
             let mv = Movement { geo: &geometry, dir };
             match (strategy, mode) {
@@ -231,16 +224,60 @@ impl EdgePlan {
                 _ => panic!("strategy {strategy} does not apply to {} edges", mode.name()),
             }
         };
-        let (mut forward, mut backward) = (build(Direction::Forward), build(Direction::Backward));
-        // A view's other ranks see their rows of the viewing rank's replicas only: their
-        // programs would be partial, so only the viewing rank's are kept.
+        let programs = (build(Direction::Forward), build(Direction::Backward));
+        Self::with_programs(geometry, strategy, programs)
+    }
+
+    /// Colocated (one span) or not (disjoint spans; validation rejects a partial overlap).
+    fn mode(geometry: &EdgeGeometry) -> PlacementMode {
+        if geometry.src.span() == geometry.dst.span() {
+            PlacementMode::Colocated
+        } else {
+            assert!(
+                !geometry.src.span().overlaps(&geometry.dst.span()),
+                "spans overlap partly: rejected by validation"
+            );
+            PlacementMode::NonColocated
+        }
+    }
+
+    /// The plan of `geometry` with its programs; of a view, the viewing rank's alone (its
+    /// other ranks see their rows of the viewing rank's replicas only, so their programs
+    /// would be partial).
+    fn with_programs(
+        geometry: EdgeGeometry,
+        strategy: Strategy,
+        (mut forward, mut backward): (Program, Program),
+    ) -> EdgePlan {
         if let Some(me) = geometry.rank {
             for p in [&mut forward, &mut backward] {
                 p.ops.retain(|&r, _| r == me);
                 p.stage_rows.retain(|&r, _| r == me);
             }
         }
+        let mode = Self::mode(&geometry);
         EdgePlan { strategy, mode, geometry, forward, backward }
+    }
+
+    /// Rank `rank`'s part of the plan of `strategy` for `edge` in microbatch `k` from `src`
+    /// to `dst`, planned from its view of the geometry ([`EdgeGeometry::for_rank`]): under
+    /// `exact` and `leaders` from that view alone; under `gather` from the views of the
+    /// members of its group too, found by walking the group's links from the rank.
+    pub fn of_rank(
+        (src, dst): (&ModuleLayout, &ModuleLayout),
+        manifest: &BatchManifest,
+        (edge, k): (EdgeId, usize),
+        strategy: Strategy,
+        rank: usize,
+    ) -> EdgePlan {
+        let view = |r| EdgeGeometry::for_rank(src, dst, manifest, (edge, k), r);
+        let geometry = view(rank);
+        if strategy != Strategy::Gather {
+            return EdgePlan::new(geometry, strategy);
+        }
+        let build = |dir| gather::plan_for(&Movement { geo: &geometry, dir }, &view);
+        let programs = (build(Direction::Forward), build(Direction::Backward));
+        Self::with_programs(geometry, strategy, programs)
     }
 
     /// The plan of `edge` in microbatch `k`, with the edge's configured strategy.
@@ -254,11 +291,10 @@ impl EdgePlan {
         Self::with_strategy(graph, edge, manifest, k, e.strategy)
     }
 
-    /// Rank `rank`'s share of [`EdgePlan::for_edge`], what a rank builds to run a step: under
-    /// `exact` and `leaders`, planned from the rank's view of the geometry, so it holds the
-    /// rows of the rank's replicas and its programs alone, at the cost of those rows (not
-    /// every rank's at every rank, which grows with the world). `gather` finds its groups
-    /// across every rank's rows, so its plan is the whole one.
+    /// Rank `rank`'s share of [`EdgePlan::for_edge`], what a rank builds to run a step
+    /// ([`EdgePlan::of_rank`]): it holds the rows of the rank's replicas and its programs
+    /// alone, at the cost of those rows (not every rank's at every rank, which grows with
+    /// the world); under `gather`, of the rows of its group's members' replicas.
     pub fn for_rank(
         graph: &ModelGraph,
         edge: EdgeId,
@@ -267,11 +303,8 @@ impl EdgePlan {
         rank: usize,
     ) -> EdgePlan {
         let e = &graph.edges[edge];
-        if e.strategy == Strategy::Gather {
-            return Self::for_edge(graph, edge, manifest, k);
-        }
-        let (src, dst) = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
-        EdgePlan::new(EdgeGeometry::for_rank(src, dst, manifest, (edge, k), rank), e.strategy)
+        let layouts = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
+        EdgePlan::of_rank(layouts, manifest, (edge, k), e.strategy, rank)
     }
 
     /// The plan of `edge` in microbatch `k` with another strategy (for comparisons).
