@@ -618,12 +618,6 @@ fn parse_manifest(dir: &Path) -> Result<Manifest> {
     Ok(m)
 }
 
-/// The SHA-256 of the tokenizer checkpoint `dir`'s run read, as its manifest recorded it
-/// (checked first); `None` where it recorded none.
-pub fn saved_tokenizer_sha256(dir: &Path) -> Result<Option<String>> {
-    Ok(parse_manifest(dir)?.tokenizer_sha256)
-}
-
 /// The run's config as checkpoint `dir` saved it (TOML text), checked against the
 /// manifest's SHA-256 before anything reads it: an edited or damaged config would otherwise
 /// train, evaluate or export another model's settings under the checkpoint's name.

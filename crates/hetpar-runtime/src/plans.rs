@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use hetpar_layout::{BatchManifest, EdgeGeometry, EdgeId, EdgePlan, ModelGraph, ModuleId};
+use hetpar_layout::{BatchManifest, EdgeId, EdgePlan, ModelGraph, ModuleId};
 
 use crate::error::RuntimeError;
 
@@ -23,30 +23,26 @@ pub struct StepPlans {
 impl StepPlans {
     /// Every edge's plan for every microbatch of `manifest`.
     pub fn new(graph: &ModelGraph, manifest: BatchManifest) -> StepPlans {
-        let mut plans = BTreeMap::new();
-        for (e, edge) in graph.edges.iter().enumerate() {
-            let (src, dst) = (&graph.modules[edge.src].layout, &graph.modules[edge.dst].layout);
-            for k in 0..manifest.n_microbatches() {
-                let geo = EdgeGeometry::new(src, dst, &manifest, e, k);
-                plans.insert((e, k), EdgePlan::new(geo, edge.strategy));
-            }
-        }
-        StepPlans {
-            manifest,
-            edges: graph.edges.iter().map(|e| (e.src, e.dst)).collect(),
-            names: graph.modules.iter().map(|m| m.name.clone()).collect(),
-            plans,
-        }
+        Self::build(graph, manifest, |e, m, k| EdgePlan::for_edge(graph, e, m, k))
     }
 
     /// Rank `rank`'s plans ([`EdgePlan::for_rank`]): what one rank of a run builds each
     /// step. Each holds the rows of the rank's replicas and its programs alone, so the cost
     /// stays the rank's share of the step as the world grows.
     pub fn for_rank(graph: &ModelGraph, manifest: BatchManifest, rank: usize) -> StepPlans {
+        Self::build(graph, manifest, |e, m, k| EdgePlan::for_rank(graph, e, m, k, rank))
+    }
+
+    /// Every edge's plan for every microbatch of `manifest`, each from `plan`.
+    fn build(
+        graph: &ModelGraph,
+        manifest: BatchManifest,
+        plan: impl Fn(EdgeId, &BatchManifest, usize) -> EdgePlan,
+    ) -> StepPlans {
         let mut plans = BTreeMap::new();
         for e in 0..graph.edges.len() {
             for k in 0..manifest.n_microbatches() {
-                plans.insert((e, k), EdgePlan::for_rank(graph, e, &manifest, k, rank));
+                plans.insert((e, k), plan(e, &manifest, k));
             }
         }
         StepPlans {

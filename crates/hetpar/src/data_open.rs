@@ -163,29 +163,29 @@ pub fn tokenizer_file(graph: &ModelGraph) -> Option<PathBuf> {
     path.is_file().then_some(path)
 }
 
-/// Where the tokenizer `used` holds other bytes than the one the run of checkpoint `dir`
-/// read, whose token ids do not mean the same: what the checkpoint's was (the file its saved
-/// config `trained` names, with the SHA-256 its manifest recorded where it recorded one), to
-/// name in the refusal. The recorded SHA-256 catches a tokenizer replaced at the same path;
-/// a checkpoint saved before it was kept is compared with the file its config names. `None`
+/// Where the tokenizer `used` holds other bytes than the one a checkpoint's run read, whose
+/// token ids do not mean the same: what the checkpoint's was (the file its saved config
+/// `trained` names, with the SHA-256 its manifest `recorded` where it recorded one), to name
+/// in the refusal. The recorded SHA-256 catches a tokenizer replaced at the same path; a
+/// checkpoint saved before it was kept is compared with the file its config names. `None`
 /// where they are the same or either is unknown (in-process tokens, an older checkpoint
 /// whose file is no longer there).
 pub fn changed_tokenizer(
-    dir: &Path,
+    recorded: Option<&str>,
     trained: &ModelGraph,
     used: Option<&Path>,
 ) -> anyhow::Result<Option<String>> {
     let Some(used) = used else { return Ok(None) };
     let digest = |p: &Path| hetpar_runtime::checkpoint::sha256(p).map(|(sha, _)| sha);
     let named = tokenizer_file(trained);
-    if let Some(saved) = hetpar_runtime::checkpoint::saved_tokenizer_sha256(dir)? {
+    if let Some(saved) = recorded {
         let now = digest(used)?;
         let file = named.map_or_else(|| "its data's tokenizer".into(), |p| p.display().to_string());
         let short = |sha: &str| sha.chars().take(16).collect::<String>();
         return Ok((now != saved).then(|| {
             format!(
                 "{file}, SHA-256 {}... when saved; this one's is {}...",
-                short(&saved),
+                short(saved),
                 short(&now)
             )
         }));

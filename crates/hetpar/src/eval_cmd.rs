@@ -102,8 +102,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let (_, trained) = crate::config_load::load_text(text.clone(), name.clone(), &[])?;
     let data_text = crate::config_load::apply(&text, &ours).with_context(|| name.clone())?;
     let (cfg, mut graph) = crate::config_load::load_text(data_text, name.clone(), &a.set)?;
+    let manifest = hetpar_runtime::checkpoint::read_manifest(&ckpt, &graph)?;
     let used = crate::data_open::tokenizer_file(&graph);
-    let changed = crate::data_open::changed_tokenizer(&ckpt, &trained, used.as_deref())?;
+    let recorded = manifest.tokenizer_sha256.as_deref();
+    let changed = crate::data_open::changed_tokenizer(recorded, &trained, used.as_deref())?;
     if let (Some(trained), Some(used)) = (changed, used) {
         anyhow::bail!(
             "--data {}: its tokenizer {} is not the one the checkpoint was trained with ({trained}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
@@ -114,7 +116,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // The precision the checkpoint was trained in, so the numbers are the ones the run
     // found: f64 where its tensors are (checkpoints saved before a config could say
     // `dtype = "f64"` have f64 tensors under an "f32" config), else its config's.
-    let manifest = hetpar_runtime::checkpoint::read_manifest(&ckpt, &graph)?;
     let dt = dtype((manifest.dtype == "f64").then_some("f64"), &mut graph)?;
     let timeout = timeout(a.timeout)?;
     // This rank's part: the checkpoint's slices, then the held-out batches.

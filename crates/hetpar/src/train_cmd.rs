@@ -465,7 +465,8 @@ fn run_on(
                 .map_or_else(|| old.display().to_string(), |n| n.to_string_lossy().into_owned())
         ));
     }
-    // The config of the checkpoint resumed from, with its directory.
+    // The checkpoint resumed from: its directory, its config's model and the SHA-256 of
+    // the tokenizer its run read.
     let mut resumed_config = None;
     let start = match &resume {
         Some(dir) => {
@@ -476,7 +477,11 @@ fn run_on(
             resumed_config = saved_text.as_ref().and_then(|(text, _)| {
                 let (_, g) =
                     crate::config_load::load_text(text.clone(), String::new(), &[]).ok()?;
-                Some((dir.clone(), g))
+                Some(Resumed {
+                    dir: dir.clone(),
+                    trained: g,
+                    tokenizer: m.tokenizer_sha256.clone(),
+                })
             });
             let saved_cfg = saved_text.as_ref().map(|(_, v)| v);
             let ran = graph.train.dtype.name();
@@ -864,14 +869,21 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
     }
 }
 
-/// Refuses a resume (from the checkpoint at `dir`, whose run's model is `trained`) whose
-/// tokenizer `used` holds other bytes than the one the checkpoint's run read.
-fn same_tokenizer(
-    resumed: Option<&(PathBuf, ModelGraph)>,
-    used: Option<&Path>,
-) -> anyhow::Result<()> {
-    let Some((dir, trained)) = resumed else { return Ok(()) };
-    let changed = crate::data_open::changed_tokenizer(dir, trained, used)?;
+/// The checkpoint a run resumes from, as its tokenizer check reads it.
+struct Resumed {
+    /// Its directory.
+    dir: PathBuf,
+    /// Its saved config's model.
+    trained: ModelGraph,
+    /// The SHA-256 of the tokenizer its run read, where its manifest recorded one.
+    tokenizer: Option<String>,
+}
+
+/// Refuses a resume whose tokenizer `used` holds other bytes than the one the checkpoint's
+/// run read.
+fn same_tokenizer(resumed: Option<&Resumed>, used: Option<&Path>) -> anyhow::Result<()> {
+    let Some(Resumed { dir, trained, tokenizer }) = resumed else { return Ok(()) };
+    let changed = crate::data_open::changed_tokenizer(tokenizer.as_deref(), trained, used)?;
     if let (Some(trained), Some(used)) = (changed, used) {
         bail!(
             "--resume {}: this run's tokenizer {} is not the one the checkpoint was trained \
