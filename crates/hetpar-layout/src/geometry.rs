@@ -188,7 +188,16 @@ impl EdgeGeometry {
         }
         let mut held: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         let mut needed: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        for r in src.span().ranks().chain(dst.span().ranks()).filter(|&r| keeps(r)) {
+        // Every rank of either module has a buffer (in a view, of those kept): a view lists
+        // its kept ranks rather than filtering the whole world's.
+        let listed: Vec<usize> = match &kept {
+            Some(k) => {
+                let in_either = |r: &usize| src.span().contains(*r) || dst.span().contains(*r);
+                k.iter().copied().filter(in_either).collect()
+            }
+            None => src.span().ranks().chain(dst.span().ranks()).collect(),
+        };
+        for r in listed {
             held.entry(r).or_default();
             needed.entry(r).or_default();
         }

@@ -2,14 +2,15 @@
 //! per rank and in total, next to the lower bound and the other applicable strategies.
 //! `hetpar layout` prints this; the planner reads the same numbers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use crate::edge::{DpRelation, EdgeId, PlacementMode, Strategy};
+use crate::geometry::EdgeGeometry;
 use crate::graph::ModelGraph;
-use crate::layout::Span;
+use crate::layout::{ModuleLayout, Span};
 use crate::manifest::{BatchManifest, item_range};
-use crate::plan::{EdgePlan, Op, Program, leader_ranks};
+use crate::plan::{EdgePlan, Op, Program, all_gather_traffic, leader_ranks};
 
 /// Rows moved by one direction of an edge over a step, per rank.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -25,26 +26,33 @@ pub struct StepTraffic {
 }
 
 impl StepTraffic {
-    fn add(&mut self, prog: &Program, src: Span, lower: &BTreeMap<usize, usize>) {
-        let t = prog.traffic();
-        for (&rank, ops) in &prog.ops {
-            for op in ops {
-                if let Op::Send { peer, rows } = op
-                    && src.contains(rank) != src.contains(*peer)
-                {
-                    self.crossing += rows.rows();
-                }
-            }
+    /// An entry of zero rows for every rank of `ranks`.
+    fn over(ranks: &[usize]) -> StepTraffic {
+        let zeros: BTreeMap<usize, usize> = ranks.iter().map(|&r| (r, 0)).collect();
+        StepTraffic {
+            sent: zeros.clone(),
+            received: zeros.clone(),
+            lower_bound: zeros,
+            crossing: 0,
         }
-        for (map, src) in [
-            (&mut self.sent, &t.sent),
-            (&mut self.received, &t.received),
-            (&mut self.lower_bound, lower),
-        ] {
-            for (&r, &n) in src {
-                *map.entry(r).or_insert(0) += n;
+    }
+
+    /// Adds `rank`'s own operations in `prog` (a rank's share, or any program: only
+    /// `rank`'s list is read).
+    fn add_rank(&mut self, prog: &Program, rank: usize, src: Span) {
+        for op in prog.ops.get(&rank).map_or(&[][..], Vec::as_slice) {
+            if let Op::Send { peer, rows } = op
+                && src.contains(rank) != src.contains(*peer)
+            {
+                self.crossing += rows.rows();
             }
+            self.add_moved(rank, op.traffic(rank));
         }
+    }
+
+    fn add_moved(&mut self, rank: usize, (sent, received): (usize, usize)) {
+        *self.sent.entry(rank).or_insert(0) += sent;
+        *self.received.entry(rank).or_insert(0) += received;
     }
 
     /// Rows moved in total.
@@ -111,31 +119,47 @@ pub struct EdgeReport {
 }
 
 impl EdgeReport {
-    /// Sums the plans of every microbatch of `manifest` for `edge`.
-    pub fn new(graph: &ModelGraph, edge: EdgeId, manifest: &BatchManifest) -> EdgeReport {
+    /// The strategies a report of `edge` compares: every one that applies, and the
+    /// configured one.
+    fn strategies(graph: &ModelGraph, edge: EdgeId) -> Vec<Strategy> {
         let e = graph.edges[edge];
-        let (src, dst) = (&graph.modules[e.src], &graph.modules[e.dst]);
-        let max_stripes = src.layout.stage_width().min(dst.layout.stage_width());
-        let mut strategies = Strategy::all_for(e.mode, max_stripes);
+        let (src, dst) = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
+        let mut strategies = Strategy::all_for(e.mode, src.stage_width().min(dst.stage_width()));
         if !strategies.contains(&e.strategy) {
             strategies.push(e.strategy);
         }
-        let mut alternatives = Vec::new();
-        let mut rows = 0;
-        for &s in &strategies {
-            let (mut fwd, mut bwd) = (StepTraffic::default(), StepTraffic::default());
-            for k in 0..manifest.n_microbatches() {
-                let plan = EdgePlan::with_strategy(graph, edge, manifest, k, s);
-                let geo = &plan.geometry;
-                let span = src.layout.span();
-                fwd.add(&plan.forward, span, &geo.forward_lower_bound());
-                bwd.add(&plan.backward, span, &geo.backward_lower_bound());
-                if s == e.strategy {
-                    rows += geo.rows.len();
-                }
-            }
-            alternatives.push((s, fwd, bwd));
-        }
+        strategies
+    }
+
+    /// The units of work [`EdgeReport::new`] reports to its `progress`: one per rank of
+    /// either module per microbatch, twice under `gather` (its groups are walked apart).
+    pub fn work(graph: &ModelGraph, edge: EdgeId, manifest: &BatchManifest) -> usize {
+        let e = graph.edges[edge];
+        let (src, dst) = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
+        let ranks = src.span().ranks().chain(dst.span().ranks());
+        let distinct = ranks.collect::<BTreeSet<usize>>().len();
+        let passes = 1 + usize::from(Self::strategies(graph, edge).contains(&Strategy::Gather));
+        manifest.n_microbatches() * distinct * passes
+    }
+
+    /// Sums the plans of every microbatch of `manifest` for `edge`, each rank's share at a
+    /// time ([`step_traffic`]), telling `progress` how many of [`EdgeReport::work`]'s units
+    /// each stretch of it did (seconds at thousands of ranks).
+    pub fn new(
+        graph: &ModelGraph,
+        edge: EdgeId,
+        manifest: &BatchManifest,
+        progress: &dyn Fn(usize),
+    ) -> EdgeReport {
+        let e = graph.edges[edge];
+        let (src, dst) = (&graph.modules[e.src], &graph.modules[e.dst]);
+        let strategies = Self::strategies(graph, edge);
+        let layouts = (&src.layout, &dst.layout);
+        let alternatives = step_traffic(layouts, manifest, edge, &strategies, progress);
+        let rows = (0..manifest.n_microbatches())
+            .flat_map(|k| manifest.microbatch_items(edge, k))
+            .map(|i| manifest.item(i).rows)
+            .sum();
         let (_, forward, backward) = alternatives
             .iter()
             .find(|(s, _, _)| *s == e.strategy)
@@ -174,6 +198,102 @@ impl EdgeReport {
             forward,
             backward,
             alternatives,
+        }
+    }
+}
+
+/// What each of `strategies` moves over the step on edge `edge` from `src` to `dst`:
+/// `(strategy, forward, backward)`, every microbatch of `manifest` summed, with every
+/// rank's lower bounds. Built from each rank's share ([`EdgePlan::of_rank`]), one rank at a
+/// time, so it holds one rank's rows and programs, where the whole plans hold every row and
+/// every rank's collective lists at once (one entry per member of the shared span under
+/// `exact`: the square of the world, out of memory at 16,384 ranks).
+///
+/// `progress` hears of each rank's shares as they are summed, and under `gather` of the ranks
+/// whose group's walk completed them: [`EdgeReport::work`] units in all.
+pub fn step_traffic(
+    (src, dst): (&ModuleLayout, &ModuleLayout),
+    manifest: &BatchManifest,
+    edge: EdgeId,
+    strategies: &[Strategy],
+    progress: &dyn Fn(usize),
+) -> Vec<(Strategy, StepTraffic, StepTraffic)> {
+    let span = src.span();
+    let mut ranks: Vec<usize> = span.ranks().chain(dst.span().ranks()).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let mut traffic: Vec<[StepTraffic; 2]> =
+        strategies.iter().map(|_| [StepTraffic::over(&ranks), StepTraffic::over(&ranks)]).collect();
+    for k in 0..manifest.n_microbatches() {
+        for &r in &ranks {
+            let view = EdgeGeometry::for_rank(src, dst, manifest, (edge, k), r);
+            // A view's lower bounds are whole for the viewing rank alone.
+            let own = |bound: BTreeMap<usize, usize>| bound.get(&r).copied().unwrap_or(0);
+            let bounds = [own(view.forward_lower_bound()), own(view.backward_lower_bound())];
+            for (&s, t) in strategies.iter().zip(&mut traffic) {
+                for (t, bound) in t.iter_mut().zip(bounds) {
+                    *t.lower_bound.entry(r).or_insert(0) += bound;
+                }
+                if s != Strategy::Gather {
+                    let plan = EdgePlan::new(view.clone(), s);
+                    t[0].add_rank(&plan.forward, r, span);
+                    t[1].add_rank(&plan.backward, r, span);
+                }
+            }
+            progress(1);
+        }
+        if let Some(i) = strategies.iter().position(|&s| s == Strategy::Gather) {
+            add_gather(&mut traffic[i], (src, dst), manifest, (edge, k), &ranks, progress);
+        }
+    }
+    strategies.iter().zip(traffic).map(|(&s, [f, b])| (s, f, b)).collect()
+}
+
+/// Adds `gather`'s traffic in microbatch `k` to `[forward, backward]`. A rank's share walks
+/// its whole group, and its all-gather-v lists every member's contribution, so one share per
+/// group gives every member's traffic: the group is walked once, not once per member.
+/// `progress` hears of each rank once both directions have counted it.
+fn add_gather(
+    traffic: &mut [StepTraffic; 2],
+    layouts: (&ModuleLayout, &ModuleLayout),
+    manifest: &BatchManifest,
+    (edge, k): (EdgeId, usize),
+    ranks: &[usize],
+    progress: &dyn Fn(usize),
+) {
+    let mut done: [BTreeSet<usize>; 2] = Default::default();
+    for &r in ranks {
+        if done.iter().all(|d| d.contains(&r)) {
+            continue;
+        }
+        let plan = EdgePlan::of_rank(layouts, manifest, (edge, k), Strategy::Gather, r);
+        for (d, prog) in [&plan.forward, &plan.backward].into_iter().enumerate() {
+            if done[d].contains(&r) {
+                continue;
+            }
+            let ops = prog.ops.get(&r).map_or(&[][..], Vec::as_slice);
+            let gathered = ops.iter().find_map(|op| match op {
+                Op::AllGatherV { group, counts, .. } => Some((group, counts)),
+                _ => None,
+            });
+            let mut finish = |m: usize| {
+                // A rank is complete once both directions have counted it.
+                if done[d].insert(m) && done[1 - d].contains(&m) {
+                    progress(1);
+                }
+            };
+            match gathered {
+                Some((group, counts)) => {
+                    for (i, &m) in group.iter().enumerate() {
+                        traffic[d].add_moved(m, all_gather_traffic(counts, i));
+                        finish(m);
+                    }
+                }
+                None => {
+                    traffic[d].add_rank(prog, r, layouts.0.span());
+                    finish(r);
+                }
+            }
         }
     }
 }

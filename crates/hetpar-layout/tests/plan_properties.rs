@@ -7,8 +7,9 @@
 use std::collections::BTreeMap;
 
 use hetpar_layout::manifest::item_replica;
+use hetpar_layout::plan::Op;
 use hetpar_layout::testing::{arb_world, check_plan};
-use hetpar_layout::{Direction, EdgeGeometry, EdgePlan};
+use hetpar_layout::{Direction, EdgeGeometry, EdgePlan, StepTraffic, Strategy, step_traffic};
 use proptest::prelude::*;
 
 proptest! {
@@ -104,6 +105,58 @@ proptest! {
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// What `hetpar layout` reports, summed from each rank's share one rank at a time (under
+    /// `gather` one share per group), is what the whole plans move: rows sent and received
+    /// per rank, rows crossing between islands, and each rank's lower bound, every strategy,
+    /// both directions, every microbatch summed.
+    #[test]
+    fn the_step_traffic_of_the_shares_is_the_whole_plans(world in arb_world(6)) {
+        for edge in 0..world.layouts.len() - 1 {
+            let (src, dst) = (&world.layouts[edge + 1], &world.layouts[0]);
+            let strategies = world.strategies(edge);
+            let ticks = std::cell::Cell::new(0);
+            let got = step_traffic((src, dst), &world.manifest, edge, &strategies, &|n| ticks.set(ticks.get() + n));
+            // Progress hears of every rank of either module once per microbatch, once more
+            // under `gather`.
+            let ranks: std::collections::BTreeSet<usize> = src.span().ranks().chain(dst.span().ranks()).collect();
+            let passes = 1 + usize::from(strategies.contains(&Strategy::Gather));
+            prop_assert_eq!(ticks.get(), world.manifest.n_microbatches() * ranks.len() * passes);
+            for (s, fwd, bwd) in got {
+                let mut want = [StepTraffic::default(), StepTraffic::default()];
+                for k in 0..world.manifest.n_microbatches() {
+                    let plan = EdgePlan::new(world.geometry(edge, k), s);
+                    let geo = &plan.geometry;
+                    let bounds = [geo.forward_lower_bound(), geo.backward_lower_bound()];
+                    for ((w, dir), bound) in want.iter_mut().zip([Direction::Forward, Direction::Backward]).zip(bounds) {
+                        let prog = plan.program(dir);
+                        let t = prog.traffic();
+                        for (map, by_rank) in [(&mut w.sent, &t.sent), (&mut w.received, &t.received), (&mut w.lower_bound, &bound)] {
+                            for (&r, &n) in by_rank {
+                                *map.entry(r).or_insert(0) += n;
+                            }
+                        }
+                        for (&r, ops) in &prog.ops {
+                            for op in ops {
+                                if let Op::Send { peer, rows } = op
+                                    && src.span().contains(r) != src.span().contains(*peer)
+                                {
+                                    w.crossing += rows.rows();
+                                }
+                            }
+                        }
+                    }
+                }
+                let [wf, wb] = want;
+                prop_assert_eq!(&fwd, &wf, "{} forward", s);
+                prop_assert_eq!(&bwd, &wb, "{} backward", s);
             }
         }
     }

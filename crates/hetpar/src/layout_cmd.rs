@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use hetpar_layout::Direction;
 use hetpar_layout::plan::rank_list;
 use hetpar_layout::{BatchManifest, EdgePlan, EdgeReport, ModelGraph, Module, StepTraffic};
+use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
 /// Arguments of `hetpar layout`.
@@ -31,8 +32,16 @@ pub struct Args {
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let graph = crate::load_graph(&args.config, &args.set)?;
     let manifest = BatchManifest::synthetic(&graph, args.step);
+    // Seconds to minutes at thousands of ranks: a bar on a terminal, nothing elsewhere.
+    let work: usize = (0..graph.edges.len()).map(|e| EdgeReport::work(&graph, e, &manifest)).sum();
+    let bar = ProgressBar::new(work as u64).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} rank shares planned, {eta} left")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let tick = |n: usize| bar.inc(n as u64);
     let reports: Vec<EdgeReport> =
-        (0..graph.edges.len()).map(|e| EdgeReport::new(&graph, e, &manifest)).collect();
+        (0..graph.edges.len()).map(|e| EdgeReport::new(&graph, e, &manifest, &tick)).collect();
+    bar.finish_and_clear();
     let out = if args.json {
         serde_json::to_string_pretty(&to_json(&graph, &reports))? + "\n"
     } else {

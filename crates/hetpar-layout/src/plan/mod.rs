@@ -18,7 +18,7 @@ mod gather;
 mod leaders;
 mod program;
 
-pub use program::{Buf, Op, Program, Seg, Segs, Traffic, rank_list};
+pub use program::{Buf, Op, Program, Seg, Segs, Traffic, all_gather_traffic, rank_list};
 
 use crate::edge::{Direction, EdgeId, PlacementMode, Strategy};
 use crate::geometry::EdgeGeometry;

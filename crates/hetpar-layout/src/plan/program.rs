@@ -170,9 +170,9 @@ impl Op {
             Op::AllToAllV { send, recv, .. } => {
                 (send.iter().map(Segs::rows).sum(), recv.iter().map(Segs::rows).sum())
             }
-            Op::AllGatherV { group, counts, send, .. } => {
-                let own = send.rows();
-                (own * (group.len() - 1), counts.iter().sum::<usize>() - own)
+            Op::AllGatherV { group, counts, .. } => {
+                let me = group.iter().position(|&m| m == rank).expect("a member's own op");
+                all_gather_traffic(counts, me)
             }
             Op::Broadcast { group, root, rows } if *root == rank => {
                 (rows.rows() * (group.len() - 1), 0)
@@ -180,6 +180,13 @@ impl Op {
             Op::Broadcast { rows, .. } => (0, rows.rows()),
         }
     }
+}
+
+/// `(sent, received)` rows of member `i` of an all-gather-v of `counts`: it sends its
+/// contribution to every other member and receives every other member's.
+pub fn all_gather_traffic(counts: &[usize], i: usize) -> (usize, usize) {
+    let own = counts[i];
+    (own * (counts.len() - 1), counts.iter().sum::<usize>() - own)
 }
 
 /// Compact rank list: `0-7`, `0,2,4`, `8-9,12`.
