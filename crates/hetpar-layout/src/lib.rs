@@ -32,4 +32,4 @@ pub use graph::{Edge, ModelGraph, Module, ModuleSpec};
 pub use layout::{Coords, ExpertCoords, LayoutSpec, ModuleLayout, Span};
 pub use manifest::{BatchManifest, Item, ItemRef, Sample};
 pub use plan::EdgePlan;
-pub use report::{EdgeReport, Leaders, MicrobatchItems, StepTraffic, step_traffic};
+pub use report::{EdgeReport, Leaders, MicrobatchItems, StepTraffic, step_traffic, step_work};

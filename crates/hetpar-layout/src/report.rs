@@ -1,11 +1,11 @@
 //! What one step's boundaries move: per edge, plans of every microbatch summed into bytes
 //! per rank and in total, next to the lower bound and the other applicable strategies.
-//! `hetpar layout` prints this; the planner reads the same numbers.
+//! `hetpar layout` prints this.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
-use crate::edge::{DpRelation, EdgeId, PlacementMode, Strategy};
+use crate::edge::{Direction, DpRelation, EdgeId, PlacementMode, Strategy};
 use crate::geometry::EdgeGeometry;
 use crate::graph::ModelGraph;
 use crate::layout::{ModuleLayout, Span};
@@ -131,15 +131,11 @@ impl EdgeReport {
         strategies
     }
 
-    /// The units of work [`EdgeReport::new`] reports to its `progress`: one per rank of
-    /// either module per microbatch, twice under `gather` (its groups are walked apart).
+    /// The units of work [`EdgeReport::new`] reports to its `progress` ([`step_work`]).
     pub fn work(graph: &ModelGraph, edge: EdgeId, manifest: &BatchManifest) -> usize {
         let e = graph.edges[edge];
-        let (src, dst) = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
-        let ranks = src.span().ranks().chain(dst.span().ranks());
-        let distinct = ranks.collect::<BTreeSet<usize>>().len();
-        let passes = 1 + usize::from(Self::strategies(graph, edge).contains(&Strategy::Gather));
-        manifest.n_microbatches() * distinct * passes
+        let layouts = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
+        step_work(layouts, manifest, &Self::strategies(graph, edge))
     }
 
     /// Sums the plans of every microbatch of `manifest` for `edge`, each rank's share at a
@@ -202,15 +198,37 @@ impl EdgeReport {
     }
 }
 
+/// Every rank of either module, ascending.
+fn ranks_of((src, dst): (&ModuleLayout, &ModuleLayout)) -> Vec<usize> {
+    let mut ranks: Vec<usize> = src.span().ranks().chain(dst.span().ranks()).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+}
+
+/// The units of work [`step_traffic`] reports to its `progress`: one per rank of either
+/// module and microbatch, and where `strategies` hold `gather` (every colocated edge's
+/// report compares it) one more per direction, whose groups are walked apart.
+pub fn step_work(
+    layouts: (&ModuleLayout, &ModuleLayout),
+    manifest: &BatchManifest,
+    strategies: &[Strategy],
+) -> usize {
+    let passes = 1 + 2 * usize::from(strategies.contains(&Strategy::Gather));
+    manifest.n_microbatches() * ranks_of(layouts).len() * passes
+}
+
 /// What each of `strategies` moves over the step on edge `edge` from `src` to `dst`:
 /// `(strategy, forward, backward)`, every microbatch of `manifest` summed, with every
-/// rank's lower bounds. Built from each rank's share ([`EdgePlan::of_rank`]), one rank at a
-/// time, so it holds one rank's rows and programs, where the whole plans hold every row and
-/// every rank's collective lists at once (one entry per member of the shared span under
-/// `exact`: the square of the world, out of memory at 16,384 ranks).
+/// rank's lower bounds. Summed from each rank's share, one rank at a time: under `exact`
+/// and `leaders` the programs planned from the rank's view ([`EdgeGeometry::for_rank`]),
+/// under `gather` one share per group and direction ([`EdgePlan::gather_of_rank`]). So it
+/// holds one rank's rows and programs (under `gather`, one group's circulated rows), where
+/// the whole plans hold every row and every rank's collective lists at once (one entry per
+/// member of the shared span under `exact`: the square of the world, out of memory at
+/// 16,384 ranks).
 ///
-/// `progress` hears of each rank's shares as they are summed, and under `gather` of the ranks
-/// whose group's walk completed them: [`EdgeReport::work`] units in all.
+/// `progress` hears of the [`step_work`] units as they are done.
 pub fn step_traffic(
     (src, dst): (&ModuleLayout, &ModuleLayout),
     manifest: &BatchManifest,
@@ -219,9 +237,7 @@ pub fn step_traffic(
     progress: &dyn Fn(usize),
 ) -> Vec<(Strategy, StepTraffic, StepTraffic)> {
     let span = src.span();
-    let mut ranks: Vec<usize> = span.ranks().chain(dst.span().ranks()).collect();
-    ranks.sort_unstable();
-    ranks.dedup();
+    let ranks = ranks_of((src, dst));
     let mut traffic: Vec<[StepTraffic; 2]> =
         strategies.iter().map(|_| [StepTraffic::over(&ranks), StepTraffic::over(&ranks)]).collect();
     for k in 0..manifest.n_microbatches() {
@@ -230,12 +246,16 @@ pub fn step_traffic(
             // A view's lower bounds are whole for the viewing rank alone.
             let own = |bound: BTreeMap<usize, usize>| bound.get(&r).copied().unwrap_or(0);
             let bounds = [own(view.forward_lower_bound()), own(view.backward_lower_bound())];
-            for (&s, t) in strategies.iter().zip(&mut traffic) {
+            let mut view = Some(view);
+            for (i, (&s, t)) in strategies.iter().zip(&mut traffic).enumerate() {
                 for (t, bound) in t.iter_mut().zip(bounds) {
                     *t.lower_bound.entry(r).or_insert(0) += bound;
                 }
                 if s != Strategy::Gather {
-                    let plan = EdgePlan::new(view.clone(), s);
+                    // The last strategy planned takes the view itself.
+                    let last = strategies[i + 1..].iter().all(|&s| s == Strategy::Gather);
+                    let geo = if last { view.take() } else { view.clone() };
+                    let plan = EdgePlan::new(geo.expect("the view, until the last plan"), s);
                     t[0].add_rank(&plan.forward, r, span);
                     t[1].add_rank(&plan.backward, r, span);
                 }
@@ -249,10 +269,11 @@ pub fn step_traffic(
     strategies.iter().zip(traffic).map(|(&s, [f, b])| (s, f, b)).collect()
 }
 
-/// Adds `gather`'s traffic in microbatch `k` to `[forward, backward]`. A rank's share walks
-/// its whole group, and its all-gather-v lists every member's contribution, so one share per
-/// group gives every member's traffic: the group is walked once, not once per member.
-/// `progress` hears of each rank once both directions have counted it.
+/// Adds `gather`'s traffic in microbatch `k` to `[forward, backward]`. A rank's share of a
+/// direction walks that direction's whole group, and its all-gather-v lists every member's
+/// contribution, so one share per group and direction gives every member's traffic: each
+/// group is walked once, not once per member. `progress` hears of each rank once per
+/// direction.
 fn add_gather(
     traffic: &mut [StepTraffic; 2],
     layouts: (&ModuleLayout, &ModuleLayout),
@@ -261,38 +282,36 @@ fn add_gather(
     ranks: &[usize],
     progress: &dyn Fn(usize),
 ) {
-    let mut done: [BTreeSet<usize>; 2] = Default::default();
-    for &r in ranks {
-        if done.iter().all(|d| d.contains(&r)) {
-            continue;
-        }
-        let plan = EdgePlan::of_rank(layouts, manifest, (edge, k), Strategy::Gather, r);
-        for (d, prog) in [&plan.forward, &plan.backward].into_iter().enumerate() {
-            if done[d].contains(&r) {
+    for (t, dir) in traffic.iter_mut().zip([Direction::Forward, Direction::Backward]) {
+        let mut done = BTreeSet::new();
+        for &r in ranks {
+            if done.contains(&r) {
                 continue;
             }
+            let prog = EdgePlan::gather_of_rank(layouts, manifest, (edge, k), dir, r);
             let ops = prog.ops.get(&r).map_or(&[][..], Vec::as_slice);
+            // The all-gather-v is the only operation of a `gather` program that moves rows
+            // (the rest are local copies).
             let gathered = ops.iter().find_map(|op| match op {
                 Op::AllGatherV { group, counts, .. } => Some((group, counts)),
                 _ => None,
             });
-            let mut finish = |m: usize| {
-                // A rank is complete once both directions have counted it.
-                if done[d].insert(m) && done[1 - d].contains(&m) {
-                    progress(1);
-                }
-            };
-            match gathered {
+            let members = match gathered {
                 Some((group, counts)) => {
                     for (i, &m) in group.iter().enumerate() {
-                        traffic[d].add_moved(m, all_gather_traffic(counts, i));
-                        finish(m);
+                        t.add_moved(m, all_gather_traffic(counts, i));
                     }
+                    group.clone()
                 }
                 None => {
-                    traffic[d].add_rank(prog, r, layouts.0.span());
-                    finish(r);
+                    t.add_rank(&prog, r, layouts.0.span());
+                    vec![r]
                 }
+            };
+            progress(members.len());
+            for m in members {
+                let fresh = done.insert(m);
+                debug_assert!(fresh, "rank {m} in two {dir:?} gather groups");
             }
         }
     }

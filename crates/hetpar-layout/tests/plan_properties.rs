@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use hetpar_layout::manifest::item_replica;
 use hetpar_layout::plan::Op;
 use hetpar_layout::testing::{arb_world, check_plan};
-use hetpar_layout::{Direction, EdgeGeometry, EdgePlan, StepTraffic, Strategy, step_traffic};
+use hetpar_layout::{Direction, EdgeGeometry, EdgePlan, StepTraffic, step_traffic, step_work};
 use proptest::prelude::*;
 
 proptest! {
@@ -124,11 +124,8 @@ proptest! {
             let strategies = world.strategies(edge);
             let ticks = std::cell::Cell::new(0);
             let got = step_traffic((src, dst), &world.manifest, edge, &strategies, &|n| ticks.set(ticks.get() + n));
-            // Progress hears of every rank of either module once per microbatch, once more
-            // under `gather`.
-            let ranks: std::collections::BTreeSet<usize> = src.span().ranks().chain(dst.span().ranks()).collect();
-            let passes = 1 + usize::from(strategies.contains(&Strategy::Gather));
-            prop_assert_eq!(ticks.get(), world.manifest.n_microbatches() * ranks.len() * passes);
+            // Progress hears of every unit of work it was told of, no more.
+            prop_assert_eq!(ticks.get(), step_work((src, dst), &world.manifest, &strategies));
             for (s, fwd, bwd) in got {
                 let mut want = [StepTraffic::default(), StepTraffic::default()];
                 for k in 0..world.manifest.n_microbatches() {

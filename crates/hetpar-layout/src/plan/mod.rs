@@ -250,10 +250,8 @@ impl EdgePlan {
         (mut forward, mut backward): (Program, Program),
     ) -> EdgePlan {
         if let Some(me) = geometry.rank {
-            for p in [&mut forward, &mut backward] {
-                p.ops.retain(|&r, _| r == me);
-                p.stage_rows.retain(|&r, _| r == me);
-            }
+            forward.keep_only(me);
+            backward.keep_only(me);
         }
         let mode = Self::mode(&geometry);
         EdgePlan { strategy, mode, geometry, forward, backward }
@@ -278,6 +276,23 @@ impl EdgePlan {
         let build = |dir| gather::plan_for(&Movement { geo: &geometry, dir }, &view);
         let programs = (build(Direction::Forward), build(Direction::Backward));
         Self::with_programs(geometry, strategy, programs)
+    }
+
+    /// Rank `rank`'s `gather` program of `dir` alone, as [`EdgePlan::of_rank`] plans it:
+    /// each direction walks its own group, so a caller that needs one direction (a report
+    /// summing each group once) walks only that one.
+    pub fn gather_of_rank(
+        (src, dst): (&ModuleLayout, &ModuleLayout),
+        manifest: &BatchManifest,
+        (edge, k): (EdgeId, usize),
+        dir: Direction,
+        rank: usize,
+    ) -> Program {
+        let view = |r| EdgeGeometry::for_rank(src, dst, manifest, (edge, k), r);
+        let geometry = view(rank);
+        let mut program = gather::plan_for(&Movement { geo: &geometry, dir }, &view);
+        program.keep_only(rank);
+        program
     }
 
     /// The plan of `edge` in microbatch `k`, with the edge's configured strategy.

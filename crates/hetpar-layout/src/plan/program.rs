@@ -257,6 +257,13 @@ pub struct Program {
 }
 
 impl Program {
+    /// Keeps `rank`'s operations and stage rows alone (a share planned from a view, whose
+    /// other ranks' lists would be partial).
+    pub(crate) fn keep_only(&mut self, rank: usize) {
+        self.ops.retain(|&r, _| r == rank);
+        self.stage_rows.retain(|&r, _| r == rank);
+    }
+
     /// An empty program for `ranks`.
     pub fn for_ranks(ranks: impl Iterator<Item = usize>) -> Program {
         let ops: BTreeMap<usize, Vec<Op>> = ranks.map(|r| (r, Vec::new())).collect();
