@@ -13,6 +13,7 @@
 //! and the expert view of the same span is
 //! `local = etp_idx + etp*(ep_idx + ep*(edp_idx + edp*pp_idx))`.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 
@@ -307,6 +308,27 @@ impl ModuleLayout {
     /// to one view (dense or expert; `pp` fits both). Panics on a rank outside the span or on
     /// mixed views: both are programming errors.
     pub fn group(&self, axes: &[Axis], rank: usize) -> Vec<usize> {
+        let fixed = Self::fixed_axes(axes);
+        let key = self.group_key(&fixed, rank);
+        self.span.ranks().filter(|&r| self.group_key(&fixed, r) == key).collect()
+    }
+
+    /// The span cut into its [`ModuleLayout::group`]s along `axes`, each ascending, in
+    /// order of their lowest rank: one pass over the span, where asking each rank's group
+    /// in turn is one pass per rank.
+    pub fn groups(&self, axes: &[Axis]) -> Vec<Vec<usize>> {
+        let fixed = Self::fixed_axes(axes);
+        let mut by_key: BTreeMap<Vec<usize>, Vec<usize>> = BTreeMap::new();
+        for r in self.span.ranks() {
+            by_key.entry(self.group_key(&fixed, r)).or_default().push(r);
+        }
+        let mut groups: Vec<Vec<usize>> = by_key.into_values().collect();
+        groups.sort_unstable_by_key(|g| g[0]);
+        groups
+    }
+
+    /// The axes a group along `axes` holds fixed: the other axes of their view.
+    fn fixed_axes(axes: &[Axis]) -> Vec<Axis> {
         let view = if axes.iter().all(|a| a.in_view(View::Dense)) {
             View::Dense
         } else if axes.iter().all(|a| a.in_view(View::Expert)) {
@@ -314,18 +336,18 @@ impl ModuleLayout {
         } else {
             panic!("axes {axes:?} mix the dense and expert views");
         };
-        let fixed: Vec<Axis> = match view {
+        match view {
             View::Dense => Axis::DENSE.to_vec(),
             View::Expert => Axis::EXPERT.to_vec(),
         }
         .into_iter()
         .filter(|a| !axes.contains(a))
-        .collect();
-        let key: Vec<usize> = fixed.iter().map(|&a| self.view_index(rank, a)).collect();
-        self.span
-            .ranks()
-            .filter(|&r| fixed.iter().zip(&key).all(|(&a, &k)| self.view_index(r, a) == k))
-            .collect()
+        .collect()
+    }
+
+    /// `rank`'s index along each of the `fixed` axes: equal for the members of one group.
+    fn group_key(&self, fixed: &[Axis], rank: usize) -> Vec<usize> {
+        fixed.iter().map(|&a| self.view_index(rank, a)).collect()
     }
 
     /// The ranks of replica `dp_idx` at stage `pp_idx`, in local order (tp fastest, then cp).
@@ -408,6 +430,42 @@ mod tests {
             e.to_string(),
             "modules.llm.parallel: etp(2) * ep(3) = 6 does not divide tp(2) * cp(1) * dp(4) = 8"
         );
+    }
+
+    /// `groups` cuts the span into exactly the groups `group` gives each rank, for every set
+    /// of axes of either view, on offset spans with every axis above 1 somewhere.
+    #[test]
+    fn groups_are_each_ranks_group_once() {
+        // Every nonempty set of one view's axes.
+        let subsets: Vec<Vec<Axis>> = [Axis::DENSE, Axis::EXPERT]
+            .iter()
+            .flat_map(|view| {
+                (1..16u32).map(move |bits| {
+                    let mine = view.iter().enumerate().filter(move |(i, _)| bits >> i & 1 == 1);
+                    mine.map(|(_, &a)| a).collect()
+                })
+            })
+            .collect();
+        let specs = [
+            (Span::new(8, 32), LayoutSpec { tp: 2, cp: 3, pp: 2, ..LayoutSpec::default() }),
+            (Span::new(3, 19), LayoutSpec { tp: 2, cp: 2, pp: 2, ..LayoutSpec::default() }),
+            (Span::new(0, 16), LayoutSpec { tp: 2, cp: 1, pp: 2, ep: 2, etp: Some(1), sp: false }),
+        ];
+        for (span, spec) in specs {
+            let l = ModuleLayout::new("m", span, spec).expect("valid");
+            for axes in &subsets {
+                let want: std::collections::BTreeSet<Vec<usize>> =
+                    span.ranks().map(|r| l.group(axes, r)).collect();
+                let got = l.groups(axes);
+                assert_eq!(got.len(), want.len(), "{axes:?} on {span}");
+                assert!(got.windows(2).all(|w| w[0][0] < w[1][0]), "{axes:?}: by lowest rank");
+                assert_eq!(
+                    got.into_iter().collect::<std::collections::BTreeSet<_>>(),
+                    want,
+                    "{axes:?}"
+                );
+            }
+        }
     }
 
     #[test]

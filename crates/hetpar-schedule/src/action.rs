@@ -7,6 +7,8 @@
 //! or a collective). Every message names its participants, so posts can be matched and a
 //! missing one named.
 
+use std::sync::Arc;
+
 use hetpar_layout::{Direction, EdgeId, ModuleId};
 
 /// Forward or backward pass of a stage.
@@ -98,8 +100,10 @@ pub struct Post {
     pub msg: MsgId,
     /// This rank's side.
     pub role: Role,
-    /// Every participant, ascending (this rank included).
-    pub participants: Vec<usize>,
+    /// Every participant, ascending (this rank included). One list shared by every
+    /// participant's post: a boundary transform or a reduction over thousands of ranks
+    /// would otherwise hold the square of them.
+    pub participants: Arc<[usize]>,
 }
 
 /// One step of a rank's schedule.

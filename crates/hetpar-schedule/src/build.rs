@@ -11,6 +11,7 @@
 //! pieces in an order derived from the schedule itself (`one_transform_per_action`).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use hetpar_layout::{Direction, ModuleId};
 
@@ -108,11 +109,17 @@ impl Schedule {
 struct Builder<'g> {
     g: &'g PipelineGraph,
     out: BTreeMap<usize, Vec<Action>>,
+    /// Each edge's boundary participants, worked out once and shared by every post.
+    boundary: Vec<Arc<[usize]>>,
 }
 
 impl<'g> Builder<'g> {
     fn new(g: &'g PipelineGraph) -> Self {
-        Builder { g, out: g.ranks().into_iter().map(|r| (r, Vec::new())).collect() }
+        Builder {
+            g,
+            out: g.ranks().into_iter().map(|r| (r, Vec::new())).collect(),
+            boundary: (0..g.edges().len()).map(|e| g.boundary_participants(e).into()).collect(),
+        }
     }
 
     fn push(&mut self, rank: usize, a: Action) {
@@ -123,7 +130,7 @@ impl<'g> Builder<'g> {
         Post {
             msg: MsgId::Boundary { edge, mb, dir },
             role,
-            participants: self.g.boundary_participants(edge),
+            participants: Arc::clone(&self.boundary[edge]),
         }
     }
 
@@ -256,7 +263,7 @@ impl<'g> Builder<'g> {
                 continue;
             }
             for mb in 0..self.g.microbatches() {
-                for rank in self.g.boundary_participants(e) {
+                for &rank in self.boundary[e].clone().iter() {
                     let (src, _) = self.g.edges()[e];
                     let on_src = self.g.modules()[src].layout.span().contains(rank);
                     let role = match (dir, on_src) {
@@ -360,8 +367,13 @@ impl<'g> Builder<'g> {
             .filter(|&m| self.g.modules()[m].trainable)
             .collect();
         for &m in &order {
-            for r in self.g.modules()[m].layout.span().ranks() {
-                let participants = self.g.reduce_group(m, r);
+            // Each group's list once, shared by its members' posts, each rank's in rank order.
+            let mut of_rank: BTreeMap<usize, Arc<[usize]>> = BTreeMap::new();
+            for group in self.g.reduce_groups(m) {
+                let shared: Arc<[usize]> = group.into();
+                of_rank.extend(shared.iter().map(|&r| (r, Arc::clone(&shared))));
+            }
+            for (r, participants) in of_rank {
                 let msg = MsgId::Reduce { module: m, group: participants[0] };
                 self.push(r, Action::Reduce(Post { msg, role: Role::Member, participants }));
             }
@@ -410,13 +422,20 @@ fn one_transform_per_action(out: &mut BTreeMap<usize, Vec<Action>>) {
                 progress = true;
             }
         }
-        let offers = |q: usize, m: &MsgId| open.get(&q).is_some_and(|v| v.contains(m));
+        // A message completes once every participant is at an action posting it: as many
+        // ranks offer it as it has participants (each posts it once; the validator names a
+        // rank that posts a message it is not a participant of). Counted once per message,
+        // not per participant pair: boundary transforms span thousands of ranks.
+        let mut offered: HashMap<MsgId, usize> = HashMap::new();
+        for m in open.values().flatten() {
+            *offered.entry(*m).or_insert(0) += 1;
+        }
         let mut done: Vec<(usize, MsgId)> = Vec::new();
         for (&r, msgs) in &open {
             let a = &out[&r][at[&r]];
             for m in msgs {
                 let p = a.posts().iter().find(|p| p.msg == *m).expect("posted");
-                if p.participants.iter().all(|&q| q == r || offers(q, m)) {
+                if offered[m] == p.participants.len() {
                     done.push((r, *m));
                 }
             }
@@ -452,6 +471,6 @@ fn one_transform_per_action(out: &mut BTreeMap<usize, Vec<Action>>) {
     }
 }
 
-fn sorted(a: usize, b: usize) -> Vec<usize> {
-    if a < b { vec![a, b] } else { vec![b, a] }
+fn sorted(a: usize, b: usize) -> Arc<[usize]> {
+    Arc::new(if a < b { [a, b] } else { [b, a] })
 }

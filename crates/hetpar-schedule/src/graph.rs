@@ -197,10 +197,10 @@ impl PipelineGraph {
         v
     }
 
-    /// The gradient-reduction group of `rank` in `module`: its data- and context-parallel
-    /// peers.
-    pub fn reduce_group(&self, module: ModuleId, rank: usize) -> Vec<usize> {
-        self.modules[module].layout.group(&[Axis::Dp, Axis::Cp], rank)
+    /// Every gradient-reduction group of `module` (each rank with its data- and
+    /// context-parallel peers), in order of their lowest rank.
+    pub fn reduce_groups(&self, module: ModuleId) -> Vec<Vec<usize>> {
+        self.modules[module].layout.groups(&[Axis::Dp, Axis::Cp])
     }
 
     /// Names for printing.

@@ -176,3 +176,26 @@ fn one_f_one_b_holds_its_warmup_per_stage() {
     assert_eq!((all.total, all.rank, all.after), (7.0, 0, 8));
     assert_eq!(all.per_rank.values().copied().collect::<Vec<_>>(), [4.0, 2.0, 1.0, 0.0]);
 }
+
+/// A participant list out of order is named, even when every participant lists it alike:
+/// membership is looked up by binary search, which needs the order.
+#[test]
+fn participants_out_of_order_are_named() {
+    let g = graph(&format!(
+        "name = \"t\"\n[train]\nglobal_batch = 4\nmicrobatches = 1\nseq_len = 32\n{VISION}[modules.vision.parallel]\nranks = [0, 4]\n{LLM}[modules.llm.parallel]\nranks = [0, 4]\ntp = 2\n[[edges]]\nfrom = \"vision\"\nto = \"llm\"\n"
+    ));
+    let mut s = Schedule::build(&g, Options::default()).expect("builds");
+    let reversed: std::sync::Arc<[usize]> = [3, 2, 1, 0].into();
+    for actions in s.ranks.values_mut() {
+        for a in actions.iter_mut() {
+            if let Action::Boundary(p) = a {
+                p.participants = reversed.clone();
+            }
+        }
+    }
+    let err = validate(&s, &UnitDurations).expect_err("unsorted").to_string();
+    assert!(
+        err.contains("lists participants [3, 2, 1, 0] for") && err.ends_with("not ascending"),
+        "{err}"
+    );
+}

@@ -27,6 +27,22 @@ proptest! {
         }
     }
 
+    /// Every post of a boundary transform or a reduction shares one participant list, so
+    /// a schedule over thousands of ranks holds each list once, not once per participant.
+    #[test]
+    fn the_posts_of_a_collective_share_one_list(g in arb_graph()) {
+        let s = Schedule::build(&g, Options::default()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut first: BTreeMap<MsgId, std::sync::Arc<[usize]>> = BTreeMap::new();
+        for actions in s.ranks.values() {
+            for p in actions.iter().flat_map(Action::posts) {
+                if matches!(p.msg, MsgId::Boundary { .. } | MsgId::Reduce { .. }) {
+                    let list = first.entry(p.msg).or_insert_with(|| p.participants.clone());
+                    prop_assert!(std::sync::Arc::ptr_eq(list, &p.participants), "{:?}", p.msg);
+                }
+            }
+        }
+    }
+
     /// The forward half (evaluation) of every built schedule validates, keeps every forward
     /// in its order, and holds no backward, gradient, reduction or optimizer step.
     #[test]
