@@ -235,8 +235,8 @@ impl Clocks {
                 }
             }
         }
-        // The sites an action's completion waits for: a receive's send, a reduction's
-        // other members, the same pass on the ranks it runs in lockstep with.
+        // The sites an action's completion waits for besides its reductions: a receive's
+        // send, the same pass on the ranks it runs in lockstep with.
         let waits = |r: usize, a: &Action| -> Vec<(usize, usize)> {
             let mut out = Vec::new();
             if let Action::Compute(c) = a {
@@ -249,25 +249,28 @@ impl Clocks {
                 );
             }
             for p in a.posts() {
-                let from = match (p.msg, p.role) {
-                    (MsgId::Act { .. } | MsgId::Grad { .. }, Role::Recv) => Some(Role::Send),
-                    (MsgId::Reduce { .. }, Role::Member) => Some(Role::Member),
-                    _ => None,
-                };
-                if let Some(role) = from {
-                    out.extend(
-                        sites[&p.msg]
-                            .iter()
-                            .filter(|x| x.0 != r && x.2 == role)
-                            .map(|x| (x.0, x.1)),
-                    );
+                if let (MsgId::Act { .. } | MsgId::Grad { .. }, Role::Recv) = (p.msg, p.role) {
+                    let sends = sites[&p.msg].iter().filter(|x| x.0 != r && x.2 == Role::Send);
+                    out.extend(sends.map(|x| (x.0, x.1)));
                 }
             }
             out
         };
+        // A reduction completes for every member at once, after every member posted it: its
+        // members' clocks merged once, when the last arrives, and shared. (Merged member by
+        // member, a reduction over thousands of ranks costs the square of them.)
+        let reductions = |a: &Action| -> Vec<MsgId> {
+            let members = a.posts().iter().filter(|p| p.role == Role::Member);
+            members.map(|p| p.msg).filter(|m| matches!(m, MsgId::Reduce { .. })).collect()
+        };
         let n = set.len();
         let mut at: BTreeMap<usize, Vec<Vec<u32>>> =
             s.ranks.iter().map(|(&r, a)| (r, Vec::with_capacity(a.len()))).collect();
+        // Members that posted each reduction so far, each rank's actions counted (the index
+        // below which its reductions are), and each completed reduction's merged clock.
+        let mut arrived: HashMap<MsgId, usize> = HashMap::new();
+        let mut counted: BTreeMap<usize, usize> = s.ranks.keys().map(|&r| (r, 0)).collect();
+        let mut merged: HashMap<MsgId, Vec<u32>> = HashMap::new();
         // Actions in an order where what each waits for comes first; a schedule that
         // deadlocks leaves its stuck actions without the order they would have had.
         let mut stuck = false;
@@ -277,12 +280,21 @@ impl Clocks {
             for (&r, actions) in &s.ranks {
                 while at[&r].len() < actions.len() {
                     let i = at[&r].len();
+                    if counted[&r] == i {
+                        for m in reductions(&actions[i]) {
+                            *arrived.entry(m).or_insert(0) += 1;
+                        }
+                        counted.insert(r, i + 1);
+                    }
                     let sources = if stuck { Vec::new() } else { waits(r, &actions[i]) };
-                    if sources.iter().any(|&(o, j)| o != r && at[&o].len() < j) {
+                    let joined = if stuck { Vec::new() } else { reductions(&actions[i]) };
+                    if sources.iter().any(|&(o, j)| o != r && at[&o].len() < j)
+                        || joined.iter().any(|m| arrived[m] < sites[m].len())
+                    {
                         break;
                     }
                     let mut clock = at[&r].last().cloned().unwrap_or_else(|| vec![0; n]);
-                    for (o, j) in sources {
+                    let merge = |clock: &mut Vec<u32>, o: usize, j: usize| {
                         // `o` has completed its first `j` actions and posted action `j`.
                         if j > 0 {
                             for (c, &v) in clock.iter_mut().zip(&at[&o][j - 1]) {
@@ -292,6 +304,21 @@ impl Clocks {
                         if let Some(&x) = position.get(&o) {
                             clock[x] = clock[x].max(j as u32);
                         }
+                    };
+                    for m in joined {
+                        let all = merged.entry(m).or_insert_with(|| {
+                            let mut all = vec![0; n];
+                            for &(o, j, _) in &sites[&m] {
+                                merge(&mut all, o, j);
+                            }
+                            all
+                        });
+                        for (c, &v) in clock.iter_mut().zip(all.iter()) {
+                            *c = (*c).max(v);
+                        }
+                    }
+                    for (o, j) in sources {
+                        merge(&mut clock, o, j);
                     }
                     if let Some(&x) = position.get(&r) {
                         clock[x] = (i + 1) as u32;
