@@ -144,7 +144,10 @@ pub fn check(s: &Schedule) -> Result<(), ScheduleError> {
                 MsgId::Act { from, .. } | MsgId::Grad { from, .. } => {
                     Some(if rank == from { Role::Send } else { Role::Recv })
                 }
-                _ => None,
+                // Every member of a reduction takes part alike (the activation floor's clocks
+                // count its members).
+                MsgId::Reduce { .. } => Some(Role::Member),
+                MsgId::Boundary { .. } => None,
             };
             if expected.is_some_and(|e| e != role) {
                 return Err(invalid(

@@ -199,3 +199,21 @@ fn participants_out_of_order_are_named() {
         "{err}"
     );
 }
+
+/// A gradient reduction posted as a send rather than as a member is named.
+#[test]
+fn a_reduction_posted_as_a_send_is_named() {
+    let mut s = Schedule::build(&llm_only(2, 2), Options::default()).expect("builds");
+    let post = s
+        .ranks
+        .values_mut()
+        .flatten()
+        .find_map(|a| match a {
+            Action::Reduce(p) => Some(p),
+            _ => None,
+        })
+        .expect("a reduction");
+    post.role = hetpar_schedule::Role::Send;
+    let err = validate(&s, &UnitDurations).expect_err("wrong side").to_string();
+    assert!(err.contains("has the wrong side of gradient reduction"), "{err}");
+}
