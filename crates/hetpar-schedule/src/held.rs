@@ -354,3 +354,49 @@ impl Clocks {
         self.at[&o].partition_point(|c| (c[x] as usize) <= i)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use hetpar_layout::{Config, ModelGraph};
+
+    use super::*;
+    use crate::{Options, PipelineGraph};
+
+    struct Nothing;
+
+    impl Keeps for Nothing {
+        fn kept(&self, _: usize, _: &Compute) -> f64 {
+            0.0
+        }
+    }
+
+    /// A gradient reduction orders its members: once a member completes it, its clock
+    /// knows that every other member had posted it. An LLM at dp 3 on its own exchanges
+    /// nothing else, so the reduction is all that orders its ranks.
+    #[test]
+    fn a_reduction_tells_each_member_the_others_posted_it() {
+        let toml = "name = \"t\"\n[train]\nglobal_batch = 6\nmicrobatches = 2\nseq_len = 16\n\
+            [modules.llm]\nkind = \"llama\"\nvocab = 32\nhidden = 16\nlayers = 2\nheads = 2\n\
+            ffn = 32\n[modules.llm.parallel]\nranks = [0, 3]\n";
+        let graph =
+            ModelGraph::from_config(&Config::from_toml(toml).expect("parses")).expect("valid");
+        let s = Schedule::build(&PipelineGraph::from_model(&graph), Options::default())
+            .expect("builds");
+        let set = [0, 1, 2];
+        let clocks = Clocks::new(&s, &set, &Nothing);
+        let reduce = |r: usize| {
+            s.ranks[&r].iter().position(|a| matches!(a, Action::Reduce(_))).expect("reduces")
+        };
+        for &r in &set {
+            for (y, &o) in set.iter().enumerate() {
+                let before = clocks.known(r, reduce(r), y);
+                let after = clocks.known(r, reduce(r) + 1, y);
+                if o == r {
+                    assert_eq!(after, reduce(r) + 1, "rank {r} counts itself");
+                } else {
+                    assert_eq!((before, after), (0, reduce(o)), "rank {r} of rank {o}");
+                }
+            }
+        }
+    }
+}
