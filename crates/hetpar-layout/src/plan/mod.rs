@@ -273,9 +273,21 @@ impl EdgePlan {
         if strategy != Strategy::Gather {
             return EdgePlan::new(geometry, strategy);
         }
-        let build = |dir| gather::plan_for(&Movement { geo: &geometry, dir }, &view);
+        let build = |dir| Self::gather_share(&geometry, dir, &view);
         let programs = (build(Direction::Forward), build(Direction::Backward));
         Self::with_programs(geometry, strategy, programs)
+    }
+
+    /// `gather`'s program of `dir` for the rank whose view `geometry` is, its group walked
+    /// through the members' views that `view` builds; that rank's alone.
+    fn gather_share(
+        geometry: &EdgeGeometry,
+        dir: Direction,
+        view: &dyn Fn(usize) -> EdgeGeometry,
+    ) -> Program {
+        let mut program = gather::plan_for(&Movement { geo: geometry, dir }, view);
+        program.keep_only(geometry.rank.expect("planned from a rank's view"));
+        program
     }
 
     /// Rank `rank`'s `gather` program of `dir` alone, as [`EdgePlan::of_rank`] plans it:
@@ -289,10 +301,7 @@ impl EdgePlan {
         rank: usize,
     ) -> Program {
         let view = |r| EdgeGeometry::for_rank(src, dst, manifest, (edge, k), r);
-        let geometry = view(rank);
-        let mut program = gather::plan_for(&Movement { geo: &geometry, dir }, &view);
-        program.keep_only(rank);
-        program
+        Self::gather_share(&view(rank), dir, &view)
     }
 
     /// The plan of `edge` in microbatch `k`, with the edge's configured strategy.
