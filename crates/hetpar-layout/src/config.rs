@@ -190,7 +190,12 @@ pub struct DataConfig {
 }
 
 fn thousand() -> usize {
-    1000
+    DataConfig::SYNTH_SAMPLES
+}
+
+impl DataConfig {
+    /// `data.samples` when not given: the synth set's size.
+    pub const SYNTH_SAMPLES: usize = 1000;
 }
 
 impl Default for DataConfig {

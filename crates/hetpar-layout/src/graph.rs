@@ -792,6 +792,20 @@ fn check_data(data: &DataConfig) -> Result<()> {
             format!("the synth set needs at least 2 samples (one held out), got {}", data.samples),
         ));
     }
+    // Like the files' keys, a size only the synth source reads would be silently ignored.
+    if data.samples != DataConfig::SYNTH_SAMPLES && data.source != DataSource::Synth {
+        return Err(ConfigError::new(
+            "data.samples",
+            format!(
+                "applies to source = \"synth\" only (the size of the set it generates); source \"{}\" {}",
+                data.source.name(),
+                match data.source {
+                    DataSource::Llava => "trains on the records its file holds",
+                    _ => "draws train.global_batch new samples each step",
+                }
+            ),
+        ));
+    }
     if data.max_items != 1 && data.source != DataSource::Synthetic {
         return Err(ConfigError::new(
             "data.max_items",

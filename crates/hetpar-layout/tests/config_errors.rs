@@ -304,7 +304,20 @@ fn max_items_must_fit_and_apply() {
         validate(&with("source = \"synth\"\non_bad = \"skip\"")).expect("ok").data.samples,
         1000
     );
-    // The files' keys apply to llava only: elsewhere they would be silently ignored.
+    // The synth set's size applies to synth only, and the files' keys to llava only:
+    // elsewhere they would be silently ignored.
+    assert_eq!(
+        validate(&with("samples = 50")).expect_err("synthetic draws each step"),
+        "data.samples: applies to source = \"synth\" only (the size of the set it generates); source \"synthetic\" draws train.global_batch new samples each step"
+    );
+    assert_eq!(
+        validate(&with("source = \"llava\"\npath = \"d\"\nsamples = 50")).expect_err("files"),
+        "data.samples: applies to source = \"synth\" only (the size of the set it generates); source \"llava\" trains on the records its file holds"
+    );
+    assert_eq!(
+        validate(&with("source = \"synth\"\nsamples = 50")).expect("synth").data.samples,
+        50
+    );
     assert_eq!(
         validate(&with("source = \"synth\"\npath = \"d\"")).expect_err("synth has no path"),
         "data.path: applies to source = \"llava\" only; source \"synth\" generates its own set into the cache (to train on files, set source = \"llava\"; `hetpar data synth --out DIR` writes the synthetic set where you choose)"

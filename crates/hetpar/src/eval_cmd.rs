@@ -92,8 +92,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         format!("data.heldout={f}"),
         format!("data.tokenizer={tok}"),
         format!("data.image_root={d}"),
-        // Items come from the records: the synthetic source's item count does not apply.
+        // Items come from the records: the synthetic source's item count and the synth
+        // set's size do not apply.
         "data.max_items=1".to_string(),
+        format!("data.samples={}", hetpar_layout::config::DataConfig::SYNTH_SAMPLES),
     ];
     // The data keys are written into the text first, so an error names only the sets the
     // user gave.
