@@ -113,34 +113,44 @@ pub struct PlansCost {
     pub step: u64,
     /// Boundary rows of the step, over edges and microbatches.
     pub rows: usize,
-    /// Seconds to build every rank's plans ([`StepPlans::new`]).
-    pub whole_s: f64,
+    /// Seconds to build every rank's plans ([`StepPlans::new`]), where they were built.
+    pub whole_s: Option<f64>,
     /// Seconds to build each measured rank's share ([`StepPlans::for_rank`]), by rank.
     pub ranks: Vec<(usize, f64)>,
 }
 
-/// Times the boundary plans of the synthetic manifests of `steps`: every rank's at once,
-/// then each of `ranks` alone, and checks that each rank's share is its part of every
-/// rank's plans, op for op (an error names the first that is not).
+/// Times the boundary plans of the synthetic manifests of `steps`: with `whole`, every
+/// rank's at once, then each of `ranks` alone, checking that each rank's share is its part
+/// of every rank's plans, op for op (an error names the first that is not); without, the
+/// shares alone (every rank's plans of tens of thousands of ranks outgrow a machine's
+/// memory, where each share stays near its rank's rows).
 pub fn plans_cost(
     graph: &ModelGraph,
     steps: std::ops::Range<u64>,
     ranks: &[usize],
+    whole: bool,
 ) -> Result<Vec<PlansCost>, RuntimeError> {
     steps
         .map(|step| {
             let manifest = BatchManifest::synthetic(graph, step);
             let start = Instant::now();
-            let whole = StepPlans::new(graph, manifest.clone());
-            let whole_s = start.elapsed().as_secs_f64();
-            let rows = whole.all().map(|p| p.geometry.rows.len()).sum();
+            let every = whole.then(|| StepPlans::new(graph, manifest.clone()));
+            let whole_s = whole.then(|| start.elapsed().as_secs_f64());
+            let samples = 0..manifest.samples().len();
+            let rows = (0..graph.edges.len())
+                .flat_map(|e| samples.clone().map(move |s| (s, e)))
+                .map(|(s, e)| manifest.edge_rows(s, e))
+                .sum();
             let mut times = Vec::with_capacity(ranks.len());
             for &rank in ranks {
                 let start = Instant::now();
                 let share = StepPlans::for_rank(graph, manifest.clone(), rank);
                 times.push((rank, start.elapsed().as_secs_f64()));
-                same_part(&whole, &share, rank)
-                    .map_err(|e| RuntimeError::Model(format!("step {step}, rank {rank}: {e}")))?;
+                if let Some(every) = &every {
+                    same_part(every, &share, rank).map_err(|e| {
+                        RuntimeError::Model(format!("step {step}, rank {rank}: {e}"))
+                    })?;
+                }
             }
             Ok(PlansCost { step, rows, whole_s, ranks: times })
         })

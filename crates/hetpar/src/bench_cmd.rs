@@ -38,7 +38,7 @@ enum What {
     /// What a step's boundary plans cost: every rank's, and one rank's own share (what each
     /// rank of a run builds), checked to be its part of every rank's.
     #[command(
-        after_help = "Examples:\n  hetpar bench plans\n  hetpar bench plans examples/colocated-fanin.toml --steps 5\n  hetpar bench plans big.toml --ranks 0,1,1000"
+        after_help = "Examples:\n  hetpar bench plans\n  hetpar bench plans examples/colocated-fanin.toml --steps 5\n  hetpar bench plans big.toml --ranks 0,1,1000\n  hetpar bench plans huge.toml --shares-only"
     )]
     Plans(crate::bench_train::PlansArgs),
 }

@@ -251,6 +251,11 @@ pub struct PlansArgs {
     /// 16 spread over the world, the last included).
     #[arg(long, value_delimiter = ',')]
     pub ranks: Vec<usize>,
+    /// Time only the ranks' shares, without every rank's plans to compare them with (those
+    /// of tens of thousands of ranks outgrow a machine's memory; a share stays near its
+    /// rank's rows).
+    #[arg(long)]
+    pub shares_only: bool,
     /// Override a config value before validation (repeatable): a dotted key and a TOML
     /// value, e.g. `--set train.global_batch=64`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -294,22 +299,22 @@ pub fn run_plans(a: &PlansArgs) -> anyhow::Result<()> {
         ranks.len()
     ));
     say("step        rows   every rank's (ms)   one rank's share (ms: fastest / median / slowest)");
-    let costs = hetpar_runtime::bench::plans_cost(&graph, 0..a.steps, &ranks)?;
+    let costs = hetpar_runtime::bench::plans_cost(&graph, 0..a.steps, &ranks, !a.shares_only)?;
     for c in &costs {
         let mut t: Vec<f64> = c.ranks.iter().map(|&(_, s)| s * 1e3).collect();
         t.sort_by(f64::total_cmp);
         let (lo, mid, hi) = (t[0], t[t.len() / 2], t[t.len() - 1]);
+        let whole = c.whole_s.map_or_else(|| "-".to_string(), |s| format!("{:.3}", s * 1e3));
+        say(&format!("{:>4} {:>11} {whole:>19}   {lo:.3} / {mid:.3} / {hi:.3}", c.step, c.rows));
+    }
+    if a.shares_only {
+        say("every rank's plans not built (--shares-only): the shares were not compared with them");
+    } else {
         say(&format!(
-            "{:>4} {:>11} {:>19.3}   {lo:.3} / {mid:.3} / {hi:.3}",
-            c.step,
-            c.rows,
-            c.whole_s * 1e3
+            "each rank's share is its part of every rank's plans, op for op ({} ranks x {} steps)",
+            ranks.len(),
+            a.steps
         ));
     }
-    say(&format!(
-        "each rank's share is its part of every rank's plans, op for op ({} ranks x {} steps)",
-        ranks.len(),
-        a.steps
-    ));
     Ok(())
 }

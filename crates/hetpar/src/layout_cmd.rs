@@ -1,11 +1,12 @@
 //! `hetpar layout CONFIG`: module grids and boundary plans as text or JSON.
 
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-use hetpar_layout::Direction;
 use hetpar_layout::plan::rank_list;
 use hetpar_layout::{BatchManifest, EdgePlan, EdgeReport, ModelGraph, Module, StepTraffic};
+use hetpar_layout::{Direction, Strategy};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
@@ -17,9 +18,14 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
-    /// Also print every rank's forward and backward program for microbatch 0.
+    /// Also print every rank's forward and backward program for microbatch 0 (each rank's
+    /// own share, as the rank plans it to run a step).
     #[arg(long)]
     programs: bool,
+    /// With `--programs`: print only these ranks' programs (comma-separated or repeated),
+    /// e.g. one rank of a planner config of thousands.
+    #[arg(long, value_delimiter = ',', requires = "programs")]
+    rank: Vec<usize>,
     /// Which step's synthetic manifest to plan (row counts vary per step).
     #[arg(long, default_value_t = 0)]
     step: u64,
@@ -31,6 +37,9 @@ pub struct Args {
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let graph = crate::load_graph(&args.config, &args.set)?;
+    if let Some(r) = args.rank.iter().find(|&&r| r >= graph.world) {
+        anyhow::bail!("--rank {r}: outside the config's world of {}", plural(graph.world, "rank"));
+    }
     let manifest = BatchManifest::synthetic(&graph, args.step);
     // Seconds to minutes at thousands of ranks: a bar on a terminal, nothing elsewhere.
     let work: usize = (0..graph.edges.len()).map(|e| EdgeReport::work(&graph, e, &manifest)).sum();
@@ -240,15 +249,57 @@ fn render_items(out: &mut String, r: &EdgeReport) {
     }
 }
 
-fn render_programs(out: &mut String, graph: &ModelGraph, manifest: &BatchManifest, edge: usize) {
-    let plan = EdgePlan::for_edge(graph, edge, manifest, 0);
-    for dir in [Direction::Forward, Direction::Backward] {
-        writeln!(out, "  {dir:?} program, microbatch 0:").expect("string");
-        for (rank, ops) in &plan.program(dir).ops {
-            for op in ops {
-                writeln!(out, "    {rank:>4}: {op}").expect("string");
+/// The programs of microbatch 0 on `edge` of every rank of its two modules, or of `only`:
+/// each rank's share planned on its own ([`EdgePlan::for_rank`], op for op its part of the
+/// whole plans), one rank at a time, so no rank's plan holds the world's. Every rank's
+/// `gather` programs come from the whole plans instead: each rank's share walks its whole
+/// group, which for every rank would be the square of the group's views.
+fn render_programs(
+    out: &mut String,
+    graph: &ModelGraph,
+    manifest: &BatchManifest,
+    edge: usize,
+    only: &[usize],
+) {
+    let e = &graph.edges[edge];
+    let (src, dst) = (&graph.modules[e.src], &graph.modules[e.dst]);
+    let on_edge = |r: &usize| src.layout.span().contains(*r) || dst.layout.span().contains(*r);
+    let ranks: BTreeSet<usize> = if only.is_empty() {
+        src.layout.span().ranks().chain(dst.layout.span().ranks()).collect()
+    } else {
+        only.iter().copied().collect()
+    };
+    let whole = (only.is_empty() && e.strategy == Strategy::Gather)
+        .then(|| EdgePlan::for_edge(graph, edge, manifest, 0));
+    let mut text = [String::new(), String::new()];
+    for &rank in &ranks {
+        if !on_edge(&rank) {
+            continue;
+        }
+        let share;
+        let plan = match &whole {
+            Some(plan) => plan,
+            None => {
+                share = EdgePlan::for_rank(graph, edge, manifest, 0, rank);
+                &share
+            }
+        };
+        for (t, dir) in text.iter_mut().zip([Direction::Forward, Direction::Backward]) {
+            for op in plan.program(dir).ops.get(&rank).into_iter().flatten() {
+                writeln!(t, "    {rank:>4}: {op}").expect("string");
             }
         }
+    }
+    let off: Vec<usize> = ranks.iter().copied().filter(|r| !on_edge(r)).collect();
+    if !off.is_empty() {
+        let (word, verb) = if off.len() == 1 { ("rank", "is") } else { ("ranks", "are") };
+        let (a, b) = (&src.name, &dst.name);
+        writeln!(out, "  {word} {} {verb} in neither {a} nor {b}", rank_list(&off))
+            .expect("string");
+    }
+    for (t, dir) in text.iter().zip([Direction::Forward, Direction::Backward]) {
+        writeln!(out, "  {dir:?} program, microbatch 0:").expect("string");
+        out.push_str(t);
     }
 }
 
@@ -288,7 +339,7 @@ fn render(
         writeln!(out).expect("string");
         render_edge(&mut out, graph, r);
         if args.programs {
-            render_programs(&mut out, graph, manifest, r.edge);
+            render_programs(&mut out, graph, manifest, r.edge, &args.rank);
         }
     }
     out

@@ -61,7 +61,7 @@ enum Command {
     Check(check_cmd::Args),
     /// Show each module's rank grid and each edge's boundary plan (bytes, lower bound, leaders).
     #[command(
-        after_help = "Examples:\n  hetpar layout examples/colocated-fanin.toml\n  hetpar layout examples/two-encoders-islands.toml --programs\n  hetpar layout examples/dp3-into-dp2.toml --json"
+        after_help = "Examples:\n  hetpar layout examples/colocated-fanin.toml\n  hetpar layout examples/two-encoders-islands.toml --programs\n  hetpar layout big.toml --programs --rank 0,4095\n  hetpar layout examples/dp3-into-dp2.toml --json"
     )]
     Layout(layout_cmd::Args),
     /// Show and validate the per-rank action timeline of one training step.

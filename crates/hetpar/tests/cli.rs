@@ -60,6 +60,48 @@ fn layout_text_of_the_colocated_fan_in() {
     expect_file!["snapshots/layout-colocated-fanin.txt"].assert_eq(&text);
 }
 
+/// `--programs --rank` prints the chosen ranks' programs, each the same lines as in every
+/// rank's listing (there from the whole plans under `gather`, here from each rank's share),
+/// names a chosen rank outside an edge's modules, and refuses one outside the world.
+#[test]
+fn layout_programs_of_chosen_ranks_are_their_lines_of_every_ranks() {
+    for (cfg, ranks) in [
+        ("examples/colocated-fanin.toml", "5,0"),
+        ("examples/two-encoders-islands.toml", "0,4,7"),
+        ("examples/dp3-into-dp2.toml", "1,3"),
+    ] {
+        let every = stdout(&hetpar(&["layout", cfg, "--programs", "--step", "1"]));
+        let chosen =
+            stdout(&hetpar(&["layout", cfg, "--programs", "--step", "1", "--rank", ranks]));
+        let wanted: Vec<String> = ranks.split(',').map(|r| format!("{r:>4}: ")).collect();
+        let of_chosen = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|l| !l.starts_with("    ") || wanted.iter().any(|w| l[4..].starts_with(w)))
+                .filter(|l| !l.contains(" in neither "))
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(of_chosen(&chosen), of_chosen(&every), "{cfg}");
+        assert!(chosen.lines().filter(|l| l.starts_with("    ")).count() > 0, "{cfg}");
+    }
+    let text = stdout(&hetpar(&[
+        "layout",
+        "examples/two-encoders-islands.toml",
+        "--programs",
+        "--rank",
+        "0,4,5",
+    ]));
+    assert!(text.contains("\n  ranks 4-5 are in neither vision nor llm\n"), "{text}");
+    assert!(text.contains("\n  rank 0 is in neither audio nor llm\n"), "{text}");
+    let out = hetpar(&["layout", "examples/dp3-into-dp2.toml", "--programs", "--rank", "7"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(1)
+            && err.contains("--rank 7: outside the config's world of 7 ranks"),
+        "{err}"
+    );
+}
+
 /// Under `dtype = "bf16"` boundary rows stay f32 (only the linear products round), so the
 /// layout report sizes them as under f32, not at 2 bytes an element.
 #[test]
@@ -1191,7 +1233,8 @@ fn bench_train_and_executor_report_what_they_measure() {
 }
 
 /// `bench plans` times every rank's plans and each rank's share on the demo (both
-/// strategies of its edges) and checks each share; ranks outside the world are refused.
+/// strategies of its edges) and checks each share, or times the shares alone
+/// (`--shares-only`); ranks outside the world are refused.
 #[test]
 fn bench_plans_times_and_checks_each_ranks_share() {
     let out = hetpar(&["bench", "plans", "--steps", "2"]);
@@ -1201,6 +1244,17 @@ fn bench_plans_times_and_checks_each_ranks_share() {
     assert!(text.contains("op for op (3 ranks x 2 steps)"), "{text}");
     let steps: Vec<&str> = text.lines().filter(|l| l.starts_with("   ")).collect();
     assert_eq!(steps.len(), 2, "{text}");
+    // Without every rank's plans: the same steps and rows, no whole time, no comparison.
+    let out = hetpar(&["bench", "plans", "--steps", "2", "--shares-only"]);
+    let shares = stdout(&out);
+    let alone: Vec<&str> = shares.lines().filter(|l| l.starts_with("   ")).collect();
+    let columns = |l: &str| l.split_whitespace().take(3).map(str::to_string).collect::<Vec<_>>();
+    for (a, s) in alone.iter().zip(&steps) {
+        assert_eq!(columns(a)[..2], columns(s)[..2], "{shares}");
+        assert_eq!(columns(a)[2], "-", "{shares}");
+    }
+    assert_eq!(alone.len(), 2, "{shares}");
+    assert!(shares.contains("the shares were not compared") && !shares.contains("op for op"));
     let out = hetpar(&["bench", "plans", "--ranks", "0,3"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
