@@ -166,13 +166,7 @@ impl EdgeGeometry {
                 let holders = holders_of(src, src_replica, item.rows, u);
                 let needers = needers_of(dst, &split, dst_replica, pos);
                 let id = RowId { sample, token: token + u };
-                let canonical = *needers
-                    .iter()
-                    .min_by_key(|&&r| {
-                        let c = dst.coords(r).expect("needer inside dst");
-                        (c.tp_idx, c.cp_idx)
-                    })
-                    .expect("every row has a needer");
+                let canonical = canonical_of(dst, &needers);
                 rows.push(Row {
                     id,
                     pos,
@@ -211,6 +205,49 @@ impl EdgeGeometry {
         }
         let (src, dst) = (src.clone(), dst.clone());
         EdgeGeometry { rows, held, needed, src, dst, rank: only, moves: moves.found }
+    }
+
+    /// The rows of `edge` in microbatch `k` as runs of rows that share their holders and
+    /// needers, in row order: `visit(len, holders, needers, canonical)` for each run of `len`
+    /// rows, with [`Row`]'s sets. What [`EdgeGeometry::new`] says of every row, at the cost
+    /// of a pass over the microbatch's rows and the memory of one run (holders follow an
+    /// item's CP/SP part and needers the position's, so a run changes a few times an item).
+    pub fn for_each_run(
+        src: &ModuleLayout,
+        dst: &ModuleLayout,
+        manifest: &BatchManifest,
+        (edge, k): (EdgeId, usize),
+        mut visit: impl FnMut(usize, &[usize], &[usize], usize),
+    ) {
+        let split = SeqSplit::new(manifest.seq_len(), dst);
+        let items = manifest.microbatch_items(edge, k);
+        let mut last: Option<(OwnerKey, UserKey)> = None;
+        let (mut len, mut holders, mut needers, mut canonical) = (0, Vec::new(), Vec::new(), 0);
+        for (j, &r) in items.iter().enumerate() {
+            let item = manifest.item(r);
+            let src_replica = item_replica(items.len(), src.dp(), j);
+            let dst_replica = manifest.replica_of(dst.dp(), r.sample);
+            for u in 0..item.rows {
+                let pos = item.pos + u;
+                let owners = (item_owner(src, item.rows, u), src_replica);
+                let users = (split.cp_owner(pos), split.tp_owner(pos), dst_replica);
+                if last == Some((owners, users)) {
+                    len += 1;
+                    continue;
+                }
+                if len > 0 {
+                    visit(len, &holders, &needers, canonical);
+                }
+                last = Some((owners, users));
+                holders = holders_of(src, src_replica, item.rows, u);
+                needers = needers_of(dst, &split, dst_replica, pos);
+                canonical = canonical_of(dst, &needers);
+                len = 1;
+            }
+        }
+        if len > 0 {
+            visit(len, &holders, &needers, canonical);
+        }
     }
 
     /// Slot of row `row` in `rank`'s held buffer, if it holds it.
@@ -279,6 +316,17 @@ impl Moves {
         self.found[0] |= needers.iter().any(|n| !holders.contains(n));
         self.found[1] |= holders.iter().any(|h| !needers.contains(h));
     }
+}
+
+/// The needer of a row whose gradient is canonical: lowest `tp` index, then lowest `cp`.
+fn canonical_of(dst: &ModuleLayout, needers: &[usize]) -> usize {
+    *needers
+        .iter()
+        .min_by_key(|&&r| {
+            let c = dst.coords(r).expect("needer inside dst");
+            (c.tp_idx, c.cp_idx)
+        })
+        .expect("every row has a needer")
 }
 
 /// Source holders: replica `d`'s last stage; every TP rank of the owning CP index, or the

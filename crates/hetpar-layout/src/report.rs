@@ -2,10 +2,10 @@
 //! per rank and in total, next to the lower bound and the other applicable strategies.
 //! `hetpar layout` prints this.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 
-use crate::edge::{Direction, DpRelation, EdgeId, PlacementMode, Strategy};
+use crate::edge::{DpRelation, EdgeId, PlacementMode, Strategy};
 use crate::geometry::EdgeGeometry;
 use crate::graph::ModelGraph;
 use crate::layout::{ModuleLayout, Span};
@@ -135,7 +135,7 @@ impl EdgeReport {
     pub fn work(graph: &ModelGraph, edge: EdgeId, manifest: &BatchManifest) -> usize {
         let e = graph.edges[edge];
         let layouts = (&graph.modules[e.src].layout, &graph.modules[e.dst].layout);
-        step_work(layouts, manifest, &Self::strategies(graph, edge))
+        step_work(layouts, manifest)
     }
 
     /// Sums the plans of every microbatch of `manifest` for `edge`, each rank's share at a
@@ -207,26 +207,20 @@ fn ranks_of((src, dst): (&ModuleLayout, &ModuleLayout)) -> Vec<usize> {
 }
 
 /// The units of work [`step_traffic`] reports to its `progress`: one per rank of either
-/// module and microbatch, and where `strategies` hold `gather` (every colocated edge's
-/// report compares it) one more per direction, whose groups are walked apart.
-pub fn step_work(
-    layouts: (&ModuleLayout, &ModuleLayout),
-    manifest: &BatchManifest,
-    strategies: &[Strategy],
-) -> usize {
-    let passes = 1 + 2 * usize::from(strategies.contains(&Strategy::Gather));
-    manifest.n_microbatches() * ranks_of(layouts).len() * passes
+/// module and microbatch (each rank's share; `gather`'s groups, found in one pass over a
+/// microbatch's rows, take a small part of that).
+pub fn step_work(layouts: (&ModuleLayout, &ModuleLayout), manifest: &BatchManifest) -> usize {
+    manifest.n_microbatches() * ranks_of(layouts).len()
 }
 
 /// What each of `strategies` moves over the step on edge `edge` from `src` to `dst`:
 /// `(strategy, forward, backward)`, every microbatch of `manifest` summed, with every
 /// rank's lower bounds. Summed from each rank's share, one rank at a time: under `exact`
 /// and `leaders` the programs planned from the rank's view ([`EdgeGeometry::for_rank`]),
-/// under `gather` one share per group and direction ([`EdgePlan::gather_of_rank`]). So it
-/// holds one rank's rows and programs (under `gather`, one group's circulated rows), where
-/// the whole plans hold every row and every rank's collective lists at once (one entry per
-/// member of the shared span under `exact`: the square of the world, out of memory at
-/// 16,384 ranks).
+/// under `gather` each group's members and contributions ([`EdgePlan::gather_groups`]).
+/// So it holds one rank's rows and programs, where the whole plans hold every row and
+/// every rank's collective lists at once (one entry per member of the shared span under
+/// `exact`: the square of the world, out of memory at 16,384 ranks).
 ///
 /// `progress` hears of the [`step_work`] units as they are done.
 pub fn step_traffic(
@@ -263,55 +257,28 @@ pub fn step_traffic(
             progress(1);
         }
         if let Some(i) = strategies.iter().position(|&s| s == Strategy::Gather) {
-            add_gather(&mut traffic[i], (src, dst), manifest, (edge, k), &ranks, progress);
+            add_gather(&mut traffic[i], (src, dst), manifest, (edge, k), &ranks);
         }
     }
     strategies.iter().zip(traffic).map(|(&s, [f, b])| (s, f, b)).collect()
 }
 
-/// Adds `gather`'s traffic in microbatch `k` to `[forward, backward]`. A rank's share of a
-/// direction walks that direction's whole group, and its all-gather-v lists every member's
-/// contribution, so one share per group and direction gives every member's traffic: each
-/// group is walked once, not once per member. `progress` hears of each rank once per
-/// direction.
+/// Adds `gather`'s traffic in microbatch `k` to `[forward, backward]`: the all-gather-v is
+/// the only operation of a `gather` program that moves rows (the rest are local copies), so
+/// each group's members and their contributions ([`EdgePlan::gather_groups`], one pass over
+/// the microbatch's rows) give every member's traffic.
 fn add_gather(
     traffic: &mut [StepTraffic; 2],
     layouts: (&ModuleLayout, &ModuleLayout),
     manifest: &BatchManifest,
     (edge, k): (EdgeId, usize),
     ranks: &[usize],
-    progress: &dyn Fn(usize),
 ) {
-    for (t, dir) in traffic.iter_mut().zip([Direction::Forward, Direction::Backward]) {
-        let mut done = BTreeSet::new();
-        for &r in ranks {
-            if done.contains(&r) {
-                continue;
-            }
-            let prog = EdgePlan::gather_of_rank(layouts, manifest, (edge, k), dir, r);
-            let ops = prog.ops.get(&r).map_or(&[][..], Vec::as_slice);
-            // The all-gather-v is the only operation of a `gather` program that moves rows
-            // (the rest are local copies).
-            let gathered = ops.iter().find_map(|op| match op {
-                Op::AllGatherV { group, counts, .. } => Some((group, counts)),
-                _ => None,
-            });
-            let members = match gathered {
-                Some((group, counts)) => {
-                    for (i, &m) in group.iter().enumerate() {
-                        t.add_moved(m, all_gather_traffic(counts, i));
-                    }
-                    group.clone()
-                }
-                None => {
-                    t.add_rank(&prog, r, layouts.0.span());
-                    vec![r]
-                }
-            };
-            progress(members.len());
-            for m in members {
-                let fresh = done.insert(m);
-                debug_assert!(fresh, "rank {m} in two {dir:?} gather groups");
+    let groups = EdgePlan::gather_groups(layouts, manifest, (edge, k), ranks);
+    for (t, groups) in traffic.iter_mut().zip(groups) {
+        for (group, counts) in groups {
+            for (i, &m) in group.iter().enumerate() {
+                t.add_moved(m, all_gather_traffic(&counts, i));
             }
         }
     }

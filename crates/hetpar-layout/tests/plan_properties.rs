@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 use hetpar_layout::manifest::item_replica;
 use hetpar_layout::plan::Op;
 use hetpar_layout::testing::{arb_world, check_plan};
-use hetpar_layout::{Direction, EdgeGeometry, EdgePlan, StepTraffic, step_traffic, step_work};
+use hetpar_layout::{
+    Direction, EdgeGeometry, EdgePlan, StepTraffic, Strategy, step_traffic, step_work,
+};
 use proptest::prelude::*;
 
 proptest! {
@@ -125,7 +127,7 @@ proptest! {
             let ticks = std::cell::Cell::new(0);
             let got = step_traffic((src, dst), &world.manifest, edge, &strategies, &|n| ticks.set(ticks.get() + n));
             // Progress hears of every unit of work it was told of, no more.
-            prop_assert_eq!(ticks.get(), step_work((src, dst), &world.manifest, &strategies));
+            prop_assert_eq!(ticks.get(), step_work((src, dst), &world.manifest));
             for (s, fwd, bwd) in got {
                 let mut want = [StepTraffic::default(), StepTraffic::default()];
                 for k in 0..world.manifest.n_microbatches() {
@@ -154,6 +156,54 @@ proptest! {
                 let [wf, wb] = want;
                 prop_assert_eq!(&fwd, &wf, "{} forward", s);
                 prop_assert_eq!(&bwd, &wb, "{} backward", s);
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// The runs of rows ([`EdgeGeometry::for_each_run`]) are the whole geometry's rows, in
+    /// order, each with its holders, needers and canonical needer; the `gather` groups found
+    /// from them ([`EdgePlan::gather_groups`]) are the whole plan's all-gather-v groups and
+    /// counts, both directions.
+    #[test]
+    fn runs_are_the_rows_and_gather_groups_the_whole_plans(world in arb_world(6)) {
+        for edge in 0..world.layouts.len() - 1 {
+            let (src, dst) = (&world.layouts[edge + 1], &world.layouts[0]);
+            let mut ranks: Vec<usize> = src.span().ranks().chain(dst.span().ranks()).collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            for k in 0..world.manifest.n_microbatches() {
+                let geo = world.geometry(edge, k);
+                let mut runs = Vec::new();
+                EdgeGeometry::for_each_run(src, dst, &world.manifest, (edge, k), |len, h, n, c| {
+                    runs.extend(std::iter::repeat_n((h.to_vec(), n.to_vec(), c), len));
+                });
+                let rows: Vec<_> =
+                    geo.rows.iter().map(|r| (r.holders.clone(), r.needers.clone(), r.canonical)).collect();
+                prop_assert_eq!(runs, rows);
+                if !world.strategies(edge).contains(&Strategy::Gather) {
+                    continue;
+                }
+                let plan = EdgePlan::new(geo, Strategy::Gather);
+                let got = EdgePlan::gather_groups((src, dst), &world.manifest, (edge, k), &ranks);
+                for (dir, got) in [Direction::Forward, Direction::Backward].into_iter().zip(got) {
+                    let mut want: Vec<(Vec<usize>, Vec<usize>)> = plan
+                        .program(dir)
+                        .ops
+                        .values()
+                        .flatten()
+                        .filter_map(|op| match op {
+                            Op::AllGatherV { group, counts, .. } => Some((group.clone(), counts.clone())),
+                            _ => None,
+                        })
+                        .collect();
+                    want.sort_unstable();
+                    want.dedup();
+                    prop_assert_eq!(&got, &want, "{:?} microbatch {}", dir, k);
+                }
             }
         }
     }

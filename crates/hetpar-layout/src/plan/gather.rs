@@ -9,7 +9,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Buf, Movement, Op, Program, Seg, Segs};
+use crate::edge::EdgeId;
 use crate::geometry::{EdgeGeometry, RowId};
+use crate::layout::ModuleLayout;
+use crate::manifest::BatchManifest;
 
 pub(super) fn plan(mv: &Movement<'_>) -> Program {
     let mut prog = mv.empty_program();
@@ -86,6 +89,65 @@ pub(super) fn plan(mv: &Movement<'_>) -> Program {
         }
     }
     prog
+}
+
+/// [`plan`]'s groups of `edge` in microbatch `k` over `ranks` (every rank of either
+/// module), `[forward, backward]`: each group's members in rank order with the rows each
+/// contributes, what its all-gather-v ops list. Found from the runs of rows that share
+/// their holders and needers ([`EdgeGeometry::for_each_run`]), linking each run's lacking
+/// targets to its contributor as [`plan`] links each row's: one pass over the microbatch's
+/// rows and a word per rank, where [`plan`] holds every row and [`plan_for`] walks a group
+/// through its members' views.
+pub(super) fn groups(
+    (src, dst): (&ModuleLayout, &ModuleLayout),
+    manifest: &BatchManifest,
+    (edge, k): (EdgeId, usize),
+    ranks: &[usize],
+) -> [Vec<(Vec<usize>, Vec<usize>)>; 2] {
+    let end = ranks.last().map_or(0, |&r| r + 1);
+    // Per direction: each rank's union-find parent and the rows it contributes.
+    let mut parent: [Vec<usize>; 2] = [(0..end).collect(), (0..end).collect()];
+    let mut rows = [vec![0; end], vec![0; end]];
+    fn find(parent: &mut [usize], mut x: usize) -> usize {
+        while parent[x] != x {
+            parent[x] = parent[parent[x]];
+            x = parent[x];
+        }
+        x
+    }
+    EdgeGeometry::for_each_run(src, dst, manifest, (edge, k), |len, holders, needers, canon| {
+        // Forward: needers read from the lowest holder; backward: holders from the
+        // canonical needer.
+        let sides = [(needers, holders, holders[0]), (holders, needers, canon)];
+        for (((targets, sources, contributor), parent), rows) in
+            sides.into_iter().zip(&mut parent).zip(&mut rows)
+        {
+            let mut lacking = targets.iter().filter(|t| !sources.contains(t)).peekable();
+            if lacking.peek().is_none() {
+                continue;
+            }
+            rows[contributor] += len;
+            for &t in lacking {
+                let (a, b) = (find(parent, t), find(parent, contributor));
+                parent[a] = b;
+            }
+        }
+    });
+    let mut out = [Vec::new(), Vec::new()];
+    for ((out, parent), rows) in out.iter_mut().zip(&mut parent).zip(&rows) {
+        let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for &r in ranks {
+            members.entry(find(parent, r)).or_default().push(r);
+        }
+        for group in members.into_values() {
+            let counts: Vec<usize> = group.iter().map(|&m| rows[m]).collect();
+            if group.len() > 1 && counts.iter().any(|&c| c > 0) {
+                out.push((group, counts));
+            }
+        }
+        out.sort_unstable();
+    }
+    out
 }
 
 /// The viewing rank's programs of [`plan`] from its view (`mv`) and the views of the

@@ -273,35 +273,27 @@ impl EdgePlan {
         if strategy != Strategy::Gather {
             return EdgePlan::new(geometry, strategy);
         }
-        let build = |dir| Self::gather_share(&geometry, dir, &view);
+        let build = |dir| {
+            let mut program = gather::plan_for(&Movement { geo: &geometry, dir }, &view);
+            program.keep_only(rank);
+            program
+        };
         let programs = (build(Direction::Forward), build(Direction::Backward));
         Self::with_programs(geometry, strategy, programs)
     }
 
-    /// `gather`'s program of `dir` for the rank whose view `geometry` is, its group walked
-    /// through the members' views that `view` builds; that rank's alone.
-    fn gather_share(
-        geometry: &EdgeGeometry,
-        dir: Direction,
-        view: &dyn Fn(usize) -> EdgeGeometry,
-    ) -> Program {
-        let mut program = gather::plan_for(&Movement { geo: geometry, dir }, view);
-        program.keep_only(geometry.rank.expect("planned from a rank's view"));
-        program
-    }
-
-    /// Rank `rank`'s `gather` program of `dir` alone, as [`EdgePlan::of_rank`] plans it:
-    /// each direction walks its own group, so a caller that needs one direction (a report
-    /// summing each group once) walks only that one.
-    pub fn gather_of_rank(
-        (src, dst): (&ModuleLayout, &ModuleLayout),
+    /// The `gather` groups of `edge` in microbatch `k` over `ranks` (every rank of
+    /// either module, ascending), `[forward, backward]`: each group's members in rank order
+    /// and the rows each contributes (groups in the order of their first members), what the
+    /// whole plan's all-gather-v ops list, from one
+    /// pass over the microbatch's rows without holding them (for reports of large worlds).
+    pub fn gather_groups(
+        layouts: (&ModuleLayout, &ModuleLayout),
         manifest: &BatchManifest,
         (edge, k): (EdgeId, usize),
-        dir: Direction,
-        rank: usize,
-    ) -> Program {
-        let view = |r| EdgeGeometry::for_rank(src, dst, manifest, (edge, k), r);
-        Self::gather_share(&view(rank), dir, &view)
+        ranks: &[usize],
+    ) -> [Vec<(Vec<usize>, Vec<usize>)>; 2] {
+        gather::groups(layouts, manifest, (edge, k), ranks)
     }
 
     /// The plan of `edge` in microbatch `k`, with the edge's configured strategy.
