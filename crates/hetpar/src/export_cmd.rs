@@ -77,10 +77,21 @@ fn export_tokenizer(ckpt: &Path, hf: &Path, tokenizer: &Path) -> anyhow::Result<
 }
 
 /// The run's tokenizer and its end and padding ids; `None` when the run trained on
-/// in-process synthetic tokens, which have no tokenizer.
+/// in-process synthetic tokens, which have no tokenizer. Refused where the file at the
+/// run's tokenizer path is not the one the checkpoint recorded (the exported ids would not
+/// mean what the model learned), as `eval` and a resume refuse it.
 fn run_tokenizer(ckpt: &Path) -> anyhow::Result<Option<(PathBuf, Tokens)>> {
     let graph = hetpar_runtime::export::checkpoint_graph(ckpt)?;
     let Some(paths) = crate::data_open::paths(&graph, &|_| {})? else { return Ok(None) };
+    let manifest = hetpar_runtime::checkpoint::read_manifest(ckpt, &graph)?;
+    let recorded = manifest.tokenizer_sha256.as_deref();
+    let used = Some(paths.tokenizer.as_path());
+    if let Some(trained) = crate::data_open::changed_tokenizer(recorded, &graph, used)? {
+        bail!(
+            "the run's tokenizer {} is not the one the checkpoint was trained with ({trained}): the exported model's token ids would not mean what it learned (put the training tokenizer back at that path)",
+            paths.tokenizer.display()
+        );
+    }
     let vocab = hetpar_data::chat::Vocab::load(&paths.tokenizer)?;
     let id = |s: &str| {
         vocab.id(s).with_context(|| {

@@ -647,8 +647,8 @@ fn temp(name: &str) -> tempfile::TempDir {
     tempfile::Builder::new().prefix(&format!("hetpar-cli-{name}-")).tempdir().expect("temp dir")
 }
 
-/// A tokenizer replaced at the same path (the config unchanged) is refused by a resume and
-/// by eval: each checkpoint records the SHA-256 of the tokenizer its run read.
+/// A tokenizer replaced at the same path (the config unchanged) is refused by a resume, by
+/// eval and by export: each checkpoint records the SHA-256 of the tokenizer its run read.
 #[test]
 fn a_tokenizer_replaced_at_the_same_path_is_refused() {
     let dir = temp("tokenizer-in-place");
@@ -686,6 +686,17 @@ fn a_tokenizer_replaced_at_the_same_path_is_refused() {
         !eval.status.success() && err.contains(&format!("SHA-256 {}... when saved", &sha[..16])),
         "{err}"
     );
+    // So is an export, which would ship that tokenizer with the model, and writes nothing.
+    let hf = dir.path().join("hf");
+    let export = hetpar(&["export", out_s, "--hf", hf.to_str().expect("utf-8")]);
+    let err = String::from_utf8_lossy(&export.stderr).to_string();
+    assert!(
+        export.status.code() == Some(1)
+            && err.contains("is not the one the checkpoint was trained with")
+            && err.contains(&format!("SHA-256 {}... when saved", &sha[..16])),
+        "{err}"
+    );
+    assert!(!hf.exists());
 }
 
 /// The bare `hetpar train` trains on files: the synth set generated once into the cache, held-out loss and
