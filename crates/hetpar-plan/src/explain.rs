@@ -187,7 +187,10 @@ pub fn explain(wl: &Workload, hw: &Hardware, plan: &Plan) -> Vec<String> {
                     // Nothing to place apart: the LLM's best layout is the answer.
                     "an LLM alone: its best layout is homogeneous by definition (heterogeneous placements need an encoder)".into()
                 } else {
-                    "homogeneous wins: no heterogeneous layout fits memory".into()
+                    format!(
+                        "homogeneous wins: {}",
+                        plan.none_of(&[Kind::Colocated, Kind::NonColocated], "heterogeneous")
+                    )
                 });
                 return out;
             };
@@ -205,8 +208,11 @@ pub fn explain(wl: &Workload, hw: &Hardware, plan: &Plan) -> Vec<String> {
             let held = limits(&ev, r);
             out.push(format!("{} is limited by: {}", r.candidate.kind.name(), held.join("; ")));
         }
-        None => out
-            .push(format!("{} wins (no homogeneous layout fits memory)", w.candidate.kind.name())),
+        None => out.push(format!(
+            "{} wins ({})",
+            w.candidate.kind.name(),
+            plan.none_of(&[Kind::Homogeneous], "homogeneous")
+        )),
     }
     out
 }

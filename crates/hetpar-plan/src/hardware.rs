@@ -148,8 +148,47 @@ pub fn parse(text: &str) -> Result<BTreeMap<String, Hardware>> {
                 h.gpus_per_node, h.latency_us
             )));
         }
+        h.efficiency.check().map_err(|e| PlanError(format!("hardware {name}: efficiency.{e}")))?;
     }
     Ok(table)
+}
+
+impl Efficiency {
+    /// Each factor in the range its meaning allows, else `field must ..., got v`: a rate
+    /// above peak, a negative time or a share above the whole would predict the
+    /// impossible (thousands of TFLOPS a GPU), and a zero one divide by zero.
+    fn check(&self) -> std::result::Result<(), String> {
+        let e = self;
+        let fractions =
+            [("gemm", e.gemm), ("attention", e.attention), ("all_to_all", e.all_to_all)];
+        if let Some((f, v)) = fractions.iter().find(|(_, v)| !(*v > 0.0 && *v <= 1.0)) {
+            return Err(format!("{f} is a fraction of peak: more than 0 and at most 1, got {v}"));
+        }
+        if !(e.cp_attention.is_finite() && e.cp_attention > 0.0) {
+            return Err(format!(
+                "cp_attention divides the attention's rate: must be positive, got {}",
+                e.cp_attention
+            ));
+        }
+        let shares = [
+            ("cp_overlap", e.cp_overlap),
+            ("tp_overlap", e.tp_overlap),
+            ("dp_overlap", e.dp_overlap),
+        ];
+        if let Some((f, v)) = shares.iter().find(|(_, v)| !(*v >= 0.0 && *v <= 1.0)) {
+            return Err(format!("{f} is a share: from 0 to 1, got {v}"));
+        }
+        let amounts = [
+            ("gemm_half_width", e.gemm_half_width),
+            ("cp_step", e.cp_step),
+            ("elementwise_bytes", e.elementwise_bytes),
+            ("overhead_gib", e.overhead_gib),
+        ];
+        if let Some((f, v)) = amounts.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
+            return Err(format!("{f} must be a finite number, 0 or more, got {v}"));
+        }
+        Ok(())
+    }
 }
 
 /// A built-in accelerator by name (`h100`, `h200`, `a100`).

@@ -60,6 +60,9 @@ pub struct Plan {
     pub considered: usize,
     /// Of them, those that fit the GPU memory with some recomputation of the LLM.
     pub fitting: usize,
+    /// Valid layouts enumerated per placement family (a family with none has no layout
+    /// whose axes split the model and the GPUs, as against none that fits memory).
+    pub considered_of: BTreeMap<Kind, usize>,
     /// Of those, the ones simulated.
     pub simulated: usize,
 }
@@ -76,6 +79,16 @@ impl Plan {
     /// The fastest of `kind`.
     pub fn best_of(&self, kind: Kind) -> Option<&Ranked> {
         self.best.get(&kind).and_then(|v| v.first())
+    }
+
+    /// Why `kinds` have no candidate: "no X layout fits memory" where some were valid,
+    /// else "no valid X layout" (no split of the model and the GPUs).
+    pub fn none_of(&self, kinds: &[Kind], what: &str) -> String {
+        if kinds.iter().any(|k| self.considered_of.get(k).copied().unwrap_or(0) > 0) {
+            format!("no {what} layout fits memory")
+        } else {
+            format!("no valid {what} layout on these GPUs")
+        }
     }
 }
 
@@ -105,6 +118,7 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
         for &enc in enc_levels {
             let Ok(fit) = eval.least_recompute(c.clone(), enc) else { continue };
             plan.considered += 1;
+            *plan.considered_of.entry(c.kind).or_default() += 1;
             if let Some(p) = fit {
                 plan.fitting += 1;
                 pools.entry(p.candidate.kind).or_default().push(p);

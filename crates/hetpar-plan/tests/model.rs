@@ -236,4 +236,31 @@ fn hardware_files_with_sizes_no_cost_can_divide_by_are_refused() {
     assert!(e.starts_with("hardware x: gpus_per_node must be at least 1"), "{e}");
     let e = parse(&table("8", "0.0")).expect_err("no network").0;
     assert_eq!(e, "hardware x: inter_node_gbps must be positive, got 0");
+    // The efficiency factors, each in the range its meaning allows.
+    let with = |factor: &str| format!("{}[x.efficiency]\n{factor}\n", table("8", "1.0"));
+    assert!(parse(&with("gemm = 1.0\ncp_overlap = 0.0\ncp_attention = 0.5")).is_ok());
+    for (factor, want) in [
+        ("gemm = 0.0", "gemm is a fraction of peak: more than 0 and at most 1, got 0"),
+        ("gemm = -0.5", "gemm is a fraction of peak: more than 0 and at most 1, got -0.5"),
+        ("attention = nan", "attention is a fraction of peak: more than 0 and at most 1, got NaN"),
+        (
+            "all_to_all = 1.5",
+            "all_to_all is a fraction of peak: more than 0 and at most 1, got 1.5",
+        ),
+        (
+            "cp_attention = -1.0",
+            "cp_attention divides the attention's rate: must be positive, got -1",
+        ),
+        (
+            "cp_attention = 0.0",
+            "cp_attention divides the attention's rate: must be positive, got 0",
+        ),
+        ("cp_overlap = 5.0", "cp_overlap is a share: from 0 to 1, got 5"),
+        ("dp_overlap = -0.1", "dp_overlap is a share: from 0 to 1, got -0.1"),
+        ("cp_step = inf", "cp_step must be a finite number, 0 or more, got inf"),
+        ("overhead_gib = -1.0", "overhead_gib must be a finite number, 0 or more, got -1"),
+    ] {
+        let e = parse(&with(factor)).expect_err(factor).0;
+        assert_eq!(e, format!("hardware x: efficiency.{want}"), "{factor}");
+    }
 }

@@ -173,6 +173,37 @@ fn the_explanation_names_what_holds_back_the_loser() {
     assert!(lines[1].contains("encoder time on the busiest rank"), "{lines:?}");
 }
 
+/// A family without a candidate is explained as having no valid layout (no split of the
+/// model and the GPUs) or none that fits memory, whichever holds.
+#[test]
+fn a_family_without_a_candidate_says_whether_none_is_valid_or_none_fits() {
+    let mut hw = builtin("h100").expect("h100");
+    let mut wl = workload("mm-1b-7b-8k").expect("workload");
+    // 7 GPUs: no tp, cp and pp of the LLM split 7 ranks, so only islands exist.
+    wl.gpus = 7;
+    let plan = search(&wl, &hw, 1).expect("a plan");
+    assert_eq!(plan.considered_of.get(&Kind::Homogeneous), None);
+    let lines = hetpar_plan::explain::explain(&wl, &hw, &plan);
+    assert_eq!(
+        lines.last().map(String::as_str),
+        Some("non_colocated wins (no valid homogeneous layout on these GPUs)"),
+        "{lines:?}"
+    );
+    // 8 GPUs of 26 GiB: the heterogeneous layouts exist, and none fits.
+    wl.gpus = 8;
+    hw.memory_gib = 26.0;
+    let plan = search(&wl, &hw, 1).expect("a plan");
+    assert!(
+        plan.considered_of[&Kind::Colocated] > 0 && plan.considered_of[&Kind::NonColocated] > 0
+    );
+    let lines = hetpar_plan::explain::explain(&wl, &hw, &plan);
+    assert_eq!(
+        lines.last().map(String::as_str),
+        Some("homogeneous wins: no heterogeneous layout fits memory"),
+        "{lines:?}"
+    );
+}
+
 #[test]
 fn a_pin_nothing_can_satisfy_is_named() {
     let mut wl = small();

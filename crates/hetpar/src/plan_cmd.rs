@@ -247,7 +247,10 @@ fn print_table(wl: &Workload, hw: &Hardware, plan: &Plan, elapsed: Duration, why
                 }
             }
             _ if kind != Kind::Homogeneous && wl.encoders.is_empty() => {}
-            _ => say(&format!("{:<14} no layout fits", kind.name())),
+            _ if plan.considered_of.get(&kind).is_some_and(|&n| n > 0) => {
+                say(&format!("{:<14} no layout fits", kind.name()));
+            }
+            _ => say(&format!("{:<14} no valid layout", kind.name())),
         }
     }
     say("");
@@ -289,6 +292,17 @@ fn emit(wl: &Workload, plan: &Plan, path: &Path) -> anyhow::Result<()> {
         text += &format!(
             "# The prediction assumes activation recomputation layer by layer ({}), which this\n# config cannot say: recompute = true recomputes all of an encoder's layers, and on\n# the LLM it rebuilds each pipeline stage's whole graph before its backward (it frees\n# the microbatches in flight, not the one being differentiated).\n",
             unsaid.join(", ")
+        );
+    }
+    let c = &w.candidate;
+    if c.kind == Kind::Homogeneous && c.llm.pp > 1 && !wl.encoders.is_empty() {
+        text += &format!(
+            "# The prediction places the encoders on the LLM's first pipeline stage, as Megatron's
+# homogeneous layout does; a config cannot say that (a module's ranks are the LLM's
+# span or apart from it), so here each encoder spans the LLM's grid, its layers split
+# over the LLM's {} pipeline stages.
+",
+            c.llm.pp
         );
     }
     text += &cfg.to_toml();
@@ -372,7 +386,8 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
         efficiency: Efficiency {
             gemm: 1.0,
             gemm_half_width: w0,
-            attention: attn / peak,
+            // At most the matmul's rate, which stands for the peak here.
+            attention: (attn / peak).min(1.0),
             // hetpar's collectives block inside autograd, and gradients are reduced after
             // the backward: nothing overlaps.
             tp_overlap: 0.0,
