@@ -377,7 +377,9 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
     {
         return Err(ConfigError::new(
             format!("{field}.lr"),
-            format!("must be a positive number (trainable = false freezes a module), got {lr}"),
+            format!(
+                "must be a positive finite number (trainable = false freezes a module), got {lr}"
+            ),
         ));
     }
     if let Some(lr) = m.lr {
@@ -728,7 +730,7 @@ fn fits_f32(field: &str, lr: f64) -> Result<()> {
 fn check_optimizer(t: &TrainConfig) -> Result<()> {
     let bad = |field: &str, m: String| Err(ConfigError::new(format!("train.{field}"), m));
     if !(t.lr.is_finite() && t.lr > 0.0) {
-        return bad("lr", format!("must be a positive number, got {}", t.lr));
+        return bad("lr", format!("must be a positive finite number, got {}", t.lr));
     }
     fits_f32("train.lr", t.lr)?;
     if let Some(min) = t.min_lr
@@ -737,10 +739,16 @@ fn check_optimizer(t: &TrainConfig) -> Result<()> {
         return bad("min_lr", format!("must be between 0 and lr({}), got {min}", t.lr));
     }
     if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
-        return bad("weight_decay", format!("must be 0 or more, got {}", t.weight_decay));
+        return bad(
+            "weight_decay",
+            format!("must be a finite number, 0 or more, got {}", t.weight_decay),
+        );
     }
     if !(t.clip_grad.is_finite() && t.clip_grad >= 0.0) {
-        return bad("clip_grad", format!("must be 0 (off) or more, got {}", t.clip_grad));
+        return bad(
+            "clip_grad",
+            format!("must be a finite number, 0 (off) or more, got {}", t.clip_grad),
+        );
     }
     // A warmup longer than the run is allowed: `hetpar train --steps 3` on a config with
     // a warmup of 10 is a smoke test, and its saved config names 3 steps; the rate then

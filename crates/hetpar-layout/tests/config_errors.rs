@@ -172,14 +172,17 @@ fn unknown_keys_anywhere() {
 #[test]
 fn optimizer_settings_out_of_range() {
     for (to, want) in [
-        ("lr = 0.0", "train.lr: must be a positive number, got 0"),
+        ("lr = 0.0", "train.lr: must be a positive finite number, got 0"),
         (
             "lr = 1e300",
             "train.lr: must be at most 3.4028235e38, f32's largest value (one update by more makes every f32 weight infinite), got 1e300",
         ),
         ("min_lr = 0.5", "train.min_lr: must be between 0 and lr(0.001), got 0.5"),
-        ("weight_decay = -0.1", "train.weight_decay: must be 0 or more, got -0.1"),
-        ("clip_grad = -1.0", "train.clip_grad: must be 0 (off) or more, got -1"),
+        ("weight_decay = -0.1", "train.weight_decay: must be a finite number, 0 or more, got -0.1"),
+        ("clip_grad = -1.0", "train.clip_grad: must be a finite number, 0 (off) or more, got -1"),
+        ("weight_decay = inf", "train.weight_decay: must be a finite number, 0 or more, got inf"),
+        ("clip_grad = inf", "train.clip_grad: must be a finite number, 0 (off) or more, got inf"),
+        ("lr = inf", "train.lr: must be a positive finite number, got inf"),
     ] {
         let edit = format!("seq_len = 128\n{to}");
         let msg = error_after("seq_len = 128", &edit);
@@ -204,7 +207,7 @@ fn module_learning_rates_and_frozen_modules() {
     let msg = error_after("kind = \"vit\"", "kind = \"vit\"\nlr = -1e-3");
     assert_eq!(
         msg,
-        "modules.vision.lr: must be a positive number (trainable = false freezes a module), got -0.001"
+        "modules.vision.lr: must be a positive finite number (trainable = false freezes a module), got -0.001"
     );
     let g = validate(&GOOD.replacen(
         "kind = \"vit\"",

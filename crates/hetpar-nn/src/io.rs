@@ -425,6 +425,11 @@ impl Reader {
         Ok(Reader { path: path.to_path_buf(), file, data_start, entries })
     }
 
+    /// Whether the file holds a tensor named `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
     /// Reads the slice `spec` of tensor `name`, touching only its bytes. Returns the tensor
     /// (in `dtype`) and the bytes read.
     pub fn slice(&self, name: &str, spec: &ShardSpec, dtype: DType) -> Result<(Tensor, u64)> {

@@ -812,7 +812,10 @@ pub fn load_checkpoint(
             .copied()
             .ok_or_else(|| io(&dir.join(MANIFEST_FILE), format!("no entry for module {module}")))?;
         let mut state = AdamState { m: Vec::new(), v: Vec::new(), steps };
-        for p in &params {
+        // A module saved frozen (no update, no moments in its files) that trains now, as
+        // when a run unfreezes it: its moments start at zero, as a fresh run's do.
+        let mut fresh = false;
+        for (j, p) in params.iter().enumerate() {
             let file = where_[p.name.as_str()].file.as_str();
             let path = dir.join(file);
             let reader = match open.entry(file) {
@@ -823,7 +826,8 @@ pub fn load_checkpoint(
             let (t, n) = reader.slice(&p.name, &p.spec, dtype)?;
             p.var.set(&t)?;
             read += n;
-            if trains {
+            fresh |= j == 0 && trains && steps == 0 && !reader.has(&format!("{}:exp_avg", p.name));
+            if trains && !fresh {
                 for (suffix, into) in [("exp_avg", &mut state.m), ("exp_avg_sq", &mut state.v)] {
                     let key = format!("{}:{suffix}", p.name);
                     let (t, n) = reader.slice(&key, &p.spec, dtype).map_err(|e| {
@@ -834,7 +838,7 @@ pub fn load_checkpoint(
                 }
             }
         }
-        if trains {
+        if trains && !fresh {
             exec.restore_state(i, state)?;
         }
     }

@@ -54,7 +54,7 @@ struct SynthArgs {
     /// replaced, any other content refused).
     #[arg(long)]
     out: PathBuf,
-    /// Samples in all; a tenth of them (at least one) are held out.
+    /// Samples in all, at least 2; a tenth of them (at least one) are held out.
     #[arg(long, default_value_t = 1000)]
     samples: usize,
     /// Seed of every draw.
@@ -186,6 +186,13 @@ fn decode_all(ds: &Dataset) -> anyhow::Result<usize> {
 }
 
 fn synth(a: &SynthArgs) -> anyhow::Result<()> {
+    // One sample would leave an empty heldout.json, which a run reading the set refuses.
+    if a.samples < 2 {
+        anyhow::bail!(
+            "--samples {}: a set to train on needs at least 2 samples (a tenth of them, at least one, is held out)",
+            a.samples
+        );
+    }
     let opts = SynthOptions {
         seed: a.seed,
         max_images: a.max_images,

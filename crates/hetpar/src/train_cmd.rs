@@ -521,6 +521,11 @@ fn run_on(
                         changed.join("; ")
                     ));
                 }
+                for name in unfrozen(&graph, resumed_config.as_ref()) {
+                    say(&format!(
+                        "note: modules.{name} was frozen when saved and trains from here: its AdamW moments start at zero"
+                    ));
+                }
             }
             m.step
         }
@@ -867,6 +872,19 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
             Ok(Some(dir))
         }
     }
+}
+
+/// The modules `graph` trains that the resumed checkpoint's config froze.
+fn unfrozen<'a>(graph: &'a ModelGraph, resumed: Option<&Resumed>) -> Vec<&'a str> {
+    let Some(r) = resumed else { return Vec::new() };
+    let was_frozen =
+        |name: &str| r.trained.module_id(name).is_some_and(|i| !r.trained.modules[i].trainable);
+    graph
+        .modules
+        .iter()
+        .filter(|m| m.trainable && was_frozen(&m.name))
+        .map(|m| m.name.as_str())
+        .collect()
 }
 
 /// The checkpoint a run resumes from, as its tokenizer check reads it.

@@ -545,6 +545,27 @@ fn plan_json_has_the_interface_fields_and_emits_a_config_layout_accepts() {
     assert!(layout.contains("llm"), "{layout}");
 }
 
+/// A homogeneous winner with the LLM pipelined: the prediction's encoders sit on the LLM's
+/// first stage, which a config cannot say; the emitted file says what it does instead.
+#[test]
+fn an_emitted_homogeneous_config_says_where_its_encoders_differ() {
+    let dir_tmp = temp("plan-homogeneous");
+    let cfg = dir_tmp.path().join("emitted.toml");
+    let workload = "examples/workloads/vision-audio-8b.toml";
+    let path = cfg.to_str().expect("utf-8");
+    let out = hetpar(&["plan", workload, "--gpus", "3", "--emit-config", path]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&cfg).expect("emitted");
+    assert!(text.contains("the homogeneous candidate"), "{text}");
+    assert!(
+        text.contains("# The prediction places the encoders on the LLM's first pipeline stage")
+            && text.contains("its layers split\n# over the LLM's 3 pipeline stages."),
+        "{text}"
+    );
+    let layout = stdout(&hetpar(&["layout", path]));
+    assert!(layout.contains("module vision (vit): ranks 0-2, tp1 cp1 dp1 pp3"), "{layout}");
+}
+
 #[test]
 fn plan_reads_a_hardware_file() {
     // Llama 3 405B at 131K with CP 16 (published: 380 TFLOPS/GPU), planned with the built-in
@@ -1527,6 +1548,63 @@ fn a_missing_data_path_is_named() {
     );
     let said = String::from_utf8(run.stdout).expect("utf-8");
     assert!(!said.contains("resolved config"), "{said}");
+}
+
+/// A module trained frozen and then unfrozen on resume (LLaVA's second stage trains what
+/// the first froze) trains on from the checkpoint with its AdamW moments at zero, saying
+/// so; its next checkpoint holds its moments and counts its updates from there.
+#[test]
+fn a_module_frozen_when_saved_trains_on_when_a_resume_unfreezes_it() {
+    let tmp = temp("unfreeze");
+    let out = tmp.path().to_str().expect("utf-8");
+    let cfg = "examples/in-memory.toml";
+    let frozen = ["--set", "modules.vision.trainable=false"];
+    let run = hetpar(&[&["train", cfg, "--steps", "2", "--out", out][..], &frozen].concat());
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let steps = |step: &str| -> Value {
+        let path = tmp.path().join(format!("checkpoints/step-{step}/manifest.json"));
+        let m: Value =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("manifest")).expect("json");
+        m["modules"]
+            .as_array()
+            .expect("modules")
+            .iter()
+            .map(|x| (x["module"].as_str().expect("name").to_string(), x["adam_steps"].clone()))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
+    assert_eq!(steps("00000002")["vision"], Value::from(0));
+    let resumed = hetpar(&["train", cfg, "--steps", "3", "--out", out, "--resume", "auto"]);
+    let text = stdout(&resumed);
+    assert!(resumed.status.success(), "{text}{}", String::from_utf8_lossy(&resumed.stderr));
+    assert!(
+        text.contains("note: modules.vision was frozen when saved and trains from here: its AdamW moments start at zero"),
+        "{text}"
+    );
+    let after = steps("00000003");
+    assert_eq!((&after["vision"], &after["llm"]), (&Value::from(1), &Value::from(3)), "{after}");
+    // Frozen again on a further resume: no note.
+    let again = hetpar(
+        &[&["train", cfg, "--steps", "4", "--out", out, "--resume", "auto"][..], &frozen].concat(),
+    );
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert!(!stdout(&again).contains("was frozen when saved"));
+}
+
+/// `hetpar data synth --samples 1` would write an empty heldout.json that a run refuses:
+/// refused itself, writing nothing.
+#[test]
+fn a_synth_set_of_one_sample_is_refused() {
+    let tmp = temp("synth-one");
+    let dir = tmp.path().join("data");
+    let out = hetpar(&["data", "synth", "--out", dir.to_str().expect("utf-8"), "--samples", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(1)
+            && err.contains("--samples 1: a set to train on needs at least 2 samples"),
+        "{err}"
+    );
+    assert!(!dir.exists());
 }
 
 /// A 12-sample synthetic set written by `hetpar data synth` under a directory of its own
