@@ -8,12 +8,13 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum DataError {
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// What the system said.
-        source: std::io::Error,
+        /// What the system said (in the message, not as a source, so that a chain of
+        /// causes says it once).
+        error: std::io::Error,
     },
     /// A file is not in the format it should be (a LLaVA JSON list, a tokenizer.json).
     #[error("{path}: {message}")]
@@ -53,5 +54,5 @@ pub type Result<T, E = DataError> = std::result::Result<T, E>;
 
 /// An I/O error on `path`.
 pub(crate) fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
-    move |source| DataError::Io { path: path.to_path_buf(), source }
+    move |error| DataError::Io { path: path.to_path_buf(), error }
 }

@@ -765,34 +765,34 @@ fn check_data(data: &DataConfig) -> Result<()> {
             "must be at least 1 (each sample draws 0..=max_items items per encoder), got 0",
         ));
     }
+    let paths = [
+        ("data.path", &data.path),
+        ("data.image_root", &data.image_root),
+        ("data.tokenizer", &data.tokenizer),
+        ("data.heldout", &data.heldout),
+    ];
+    if let Some((key, _)) = paths.iter().find(|(_, v)| v.as_deref().is_some_and(str::is_empty)) {
+        return Err(ConfigError::new(*key, "is empty: name a file or directory, or leave it out"));
+    }
     if data.source == DataSource::Llava && data.path.is_none() {
         return Err(ConfigError::new(
             "data.path",
             "source = \"llava\" needs path = a LLaVA JSON file or a `hetpar data synth` directory",
         ));
     }
-    if data.source != DataSource::Llava {
-        let given = [
-            ("data.path", &data.path),
-            ("data.image_root", &data.image_root),
-            ("data.tokenizer", &data.tokenizer),
-            ("data.heldout", &data.heldout),
-        ];
-        if let Some((key, _)) = given.iter().find(|(_, v)| v.is_some()) {
-            let own = match data.source {
-                DataSource::Synth => {
-                    "generates its own set into the cache (to train on files, set source = \"llava\"; `hetpar data synth --out DIR` writes the synthetic set where you choose)"
-                }
-                _ => "draws its samples in memory (to train on files, set source = \"llava\")",
-            };
-            return Err(ConfigError::new(
-                *key,
-                format!(
-                    "applies to source = \"llava\" only; source \"{}\" {own}",
-                    data.source.name()
-                ),
-            ));
-        }
+    if data.source != DataSource::Llava
+        && let Some((key, _)) = paths.iter().find(|(_, v)| v.is_some())
+    {
+        let own = match data.source {
+            DataSource::Synth => {
+                "generates its own set into the cache (to train on files, set source = \"llava\"; `hetpar data synth --out DIR` writes the synthetic set where you choose)"
+            }
+            _ => "draws its samples in memory (to train on files, set source = \"llava\")",
+        };
+        return Err(ConfigError::new(
+            *key,
+            format!("applies to source = \"llava\" only; source \"{}\" {own}", data.source.name()),
+        ));
     }
     if data.source == DataSource::Synth && data.samples < 2 {
         return Err(ConfigError::new(

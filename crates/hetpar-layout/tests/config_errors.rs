@@ -307,6 +307,10 @@ fn max_items_must_fit_and_apply() {
         validate(&with("source = \"synth\"\non_bad = \"skip\"")).expect("ok").data.samples,
         1000
     );
+    assert_eq!(
+        validate(&with("source = \"llava\"\npath = \"d\"\nheldout = \"\"")).expect_err("empty"),
+        "data.heldout: is empty: name a file or directory, or leave it out"
+    );
     // The synth set's size applies to synth only, and the files' keys to llava only:
     // elsewhere they would be silently ignored.
     assert_eq!(

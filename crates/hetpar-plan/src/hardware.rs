@@ -154,19 +154,23 @@ pub fn parse(text: &str) -> Result<BTreeMap<String, Hardware>> {
 }
 
 impl Efficiency {
-    /// Each factor in the range its meaning allows, else `field must ..., got v`: a rate
-    /// above peak, a negative time or a share above the whole would predict the
-    /// impossible (thousands of TFLOPS a GPU), and a zero one divide by zero.
+    /// Each factor in the range its meaning allows, else `field ..., got v`: a rate above
+    /// peak (a fraction above 1, a slowdown below 1), a negative time or a share above the
+    /// whole would predict the impossible (thousands of TFLOPS a GPU), and a zero one
+    /// divide by zero.
     fn check(&self) -> std::result::Result<(), String> {
         let e = self;
-        let fractions =
-            [("gemm", e.gemm), ("attention", e.attention), ("all_to_all", e.all_to_all)];
-        if let Some((f, v)) = fractions.iter().find(|(_, v)| !(*v > 0.0 && *v <= 1.0)) {
-            return Err(format!("{f} is a fraction of peak: more than 0 and at most 1, got {v}"));
+        let fractions = [
+            ("gemm", e.gemm, "peak"),
+            ("attention", e.attention, "peak"),
+            ("all_to_all", e.all_to_all, "the bus bandwidth"),
+        ];
+        if let Some((f, v, of)) = fractions.iter().find(|(_, v, _)| !(*v > 0.0 && *v <= 1.0)) {
+            return Err(format!("{f} is a fraction of {of}: more than 0 and at most 1, got {v}"));
         }
-        if !(e.cp_attention.is_finite() && e.cp_attention > 0.0) {
+        if !(e.cp_attention.is_finite() && e.cp_attention >= 1.0) {
             return Err(format!(
-                "cp_attention divides the attention's rate: must be positive, got {}",
+                "cp_attention is a slowdown of the attention (its rate divided by it): 1 or more, got {}",
                 e.cp_attention
             ));
         }

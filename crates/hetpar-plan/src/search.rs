@@ -60,11 +60,11 @@ pub struct Plan {
     pub considered: usize,
     /// Of them, those that fit the GPU memory with some recomputation of the LLM.
     pub fitting: usize,
+    /// Of those, the ones simulated.
+    pub simulated: usize,
     /// Valid layouts enumerated per placement family (a family with none has no layout
     /// whose axes split the model and the GPUs, as against none that fits memory).
     pub considered_of: BTreeMap<Kind, usize>,
-    /// Of those, the ones simulated.
-    pub simulated: usize,
 }
 
 impl Plan {

@@ -238,22 +238,22 @@ fn hardware_files_with_sizes_no_cost_can_divide_by_are_refused() {
     assert_eq!(e, "hardware x: inter_node_gbps must be positive, got 0");
     // The efficiency factors, each in the range its meaning allows.
     let with = |factor: &str| format!("{}[x.efficiency]\n{factor}\n", table("8", "1.0"));
-    assert!(parse(&with("gemm = 1.0\ncp_overlap = 0.0\ncp_attention = 0.5")).is_ok());
+    assert!(parse(&with("gemm = 1.0\ncp_overlap = 0.0\ncp_attention = 1.0")).is_ok());
     for (factor, want) in [
         ("gemm = 0.0", "gemm is a fraction of peak: more than 0 and at most 1, got 0"),
         ("gemm = -0.5", "gemm is a fraction of peak: more than 0 and at most 1, got -0.5"),
         ("attention = nan", "attention is a fraction of peak: more than 0 and at most 1, got NaN"),
         (
             "all_to_all = 1.5",
-            "all_to_all is a fraction of peak: more than 0 and at most 1, got 1.5",
+            "all_to_all is a fraction of the bus bandwidth: more than 0 and at most 1, got 1.5",
         ),
         (
             "cp_attention = -1.0",
-            "cp_attention divides the attention's rate: must be positive, got -1",
+            "cp_attention is a slowdown of the attention (its rate divided by it): 1 or more, got -1",
         ),
         (
-            "cp_attention = 0.0",
-            "cp_attention divides the attention's rate: must be positive, got 0",
+            "cp_attention = 0.5",
+            "cp_attention is a slowdown of the attention (its rate divided by it): 1 or more, got 0.5",
         ),
         ("cp_overlap = 5.0", "cp_overlap is a share: from 0 to 1, got 5"),
         ("dp_overlap = -0.1", "dp_overlap is a share: from 0 to 1, got -0.1"),

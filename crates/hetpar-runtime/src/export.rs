@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::DType;
 use hetpar_data::mel::{HOP, N_FFT, SAMPLE_RATE, clip_samples};
+use hetpar_layout::config::{DataConfig, DataSource};
 use hetpar_layout::{Config, ModelGraph, Module, ModuleSpec};
 use hetpar_nn::io::{Source, copy_tensors, read_header};
 use hetpar_nn::models::audio::{self, sinusoids};
@@ -52,7 +53,12 @@ fn bad(path: &Path, e: impl std::fmt::Display) -> RuntimeError {
 pub fn checkpoint_graph(ckpt: &Path) -> Result<ModelGraph> {
     let path = ckpt.join(CONFIG_FILE);
     let text = saved_config(ckpt)?.ok_or_else(|| bad(&path, "the checkpoint holds no config"))?;
-    let cfg = Config::from_toml(&text).map_err(|e| bad(&path, e))?;
+    let mut cfg = Config::from_toml(&text).map_err(|e| bad(&path, e))?;
+    // Builds before the check accepted a synth set's size under the other sources and
+    // saved it; it says nothing about the model.
+    if cfg.data.source != DataSource::Synth {
+        cfg.data.samples = DataConfig::SYNTH_SAMPLES;
+    }
     ModelGraph::from_config(&cfg).map_err(|e| bad(&path, e))
 }
 

@@ -273,9 +273,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         if let Some(hint) = growth_hint(&rows, tol, graph.train.dtype, (&a.config, a.steps)) {
             note(&hint);
         }
-        bail!(
-            "parity fails: relative differences {max_loss:.2e} (loss) and {max_norm:.2e} (gradient norm) exceed {tol:e}"
-        );
+        let over: Vec<String> = [(max_loss, "loss"), (max_norm, "gradient norm")]
+            .iter()
+            .filter(|(d, _)| d.is_nan() || *d > tol)
+            .map(|(d, what)| format!("{d:.2e} in {what}"))
+            .collect();
+        bail!("parity fails: the relative difference {} exceeds {tol:e}", over.join(" and "));
     }
     Ok(())
 }

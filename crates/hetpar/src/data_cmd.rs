@@ -55,7 +55,7 @@ struct SynthArgs {
     #[arg(long)]
     out: PathBuf,
     /// Samples in all, at least 2; a tenth of them (at least one) are held out.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = hetpar_layout::config::DataConfig::SYNTH_SAMPLES)]
     samples: usize,
     /// Seed of every draw.
     #[arg(long, default_value_t = 0)]

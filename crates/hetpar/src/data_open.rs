@@ -253,9 +253,23 @@ pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {
     };
     let one = |spec: DatasetSpec| -> anyhow::Result<Arc<Dataset>> {
         let path = spec.path.clone();
-        // Every kind of data error but a bad option names its file first.
+        // Every kind of data error but a bad option names its file first. The synth set is
+        // hetpar's own, generated whole: a file of it missing or unreadable is the cache's
+        // damage (a file deleted, a disk filled), which its generation repairs.
+        let damaged = |e: &DataError| {
+            data.source == DataSource::Synth
+                && match e {
+                    DataError::Io { .. } | DataError::Format { .. } => true,
+                    DataError::Record { message, .. } => message.starts_with("missing file"),
+                    _ => false,
+                }
+        };
         let ds = Dataset::open(spec).map_err(|e| match e {
             DataError::Options(_) => anyhow::anyhow!("data {}: {e}", path.display()),
+            e if damaged(&e) => anyhow::anyhow!(
+                "data {e}; the synth set in the cache is damaged: delete {} and the next run generates it again",
+                path.parent().unwrap_or(&path).display()
+            ),
             e => anyhow::anyhow!("data {e}"),
         })?;
         let skipped = ds.skipped();

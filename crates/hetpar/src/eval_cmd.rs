@@ -81,7 +81,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         (a.data.clone(), dir)
     };
     if !file.is_file() {
-        anyhow::bail!("--data {}: no {} there", a.data.display(), file.display());
+        anyhow::bail!(
+            "--data {}: no such file as {} (give a `hetpar data synth` directory, or a LLaVA records file)",
+            a.data.display(),
+            file.display()
+        );
     }
     // Each path as a TOML string (Rust's `{:?}` escapes other characters than TOML does).
     let quoted = |p: &Path| toml::Value::String(p.display().to_string()).to_string();

@@ -56,8 +56,9 @@ pub struct Args {
     #[arg(long, value_name = "K", default_value_t = 3)]
     pub keep: usize,
     /// Resume from a checkpoint: `auto` takes the latest committed one under
-    /// OUT/checkpoints (or starts fresh and says so), a directory takes that one. It may have
-    /// been saved under another layout and placement.
+    /// OUT/checkpoints (or starts fresh and says so), a checkpoint directory takes that one,
+    /// a run's OUT (or its checkpoints/) its latest. It may have been saved under another
+    /// layout and placement.
     #[arg(long, value_name = "auto|DIR")]
     pub resume: Option<String>,
     /// Peak of the whole job in TFLOP/s, for MFU in metrics.jsonl (default: measured at
@@ -671,6 +672,12 @@ fn run_on(
     let on_eval = |done: usize, e: &EvalReport| report.as_ref().map_or(Ok(()), |r| r.eval(done, e));
     let every = a.eval_every.unwrap_or(steps.div_ceil(4));
     let evals = Some(Evals { every, on_eval: &on_eval });
+    let heldout = matches!(&data, RunData::Files { heldout: Some(_), .. });
+    if a.eval_every.is_some() && !heldout && lead {
+        say(
+            "note: --eval-every has nothing to evaluate: this run's data has no held-out split (data.heldout, or a heldout.json next to the records)",
+        );
+    }
     // Seconds by kind of action, per rank (under MPI gathered from every process).
     let per_rank = |ranks: &[Vec<StepLog>]| -> Vec<std::collections::BTreeMap<String, f64>> {
         ranks
@@ -844,7 +851,7 @@ fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
 }
 
 /// The checkpoint `--resume` names: `auto` the latest under `root` (none: start fresh,
-/// said by the lead), a directory that must exist.
+/// said by the lead), else a checkpoint or a run directory holding one.
 fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Option<PathBuf>> {
     match flag {
         None => Ok(None),
@@ -861,16 +868,11 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
             }
             Ok(latest)
         }
-        Some(dir) => {
-            let dir = PathBuf::from(dir);
-            if !dir.join(hetpar_runtime::checkpoint::MANIFEST_FILE).is_file() {
-                bail!(
-                    "--resume {}: no checkpoint there (no manifest.json); use a step-NNNNNNNN directory or --resume auto",
-                    dir.display()
-                );
-            }
-            Ok(Some(dir))
-        }
+        // A checkpoint, or a run's --out or its checkpoints/ (their latest), as eval and
+        // export take them.
+        Some(dir) => crate::export_cmd::checkpoint(Path::new(dir))
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("--resume {e:#}; or --resume auto")),
     }
 }
 

@@ -1204,7 +1204,14 @@ fn check_fails_past_the_tolerance_naming_the_differences() {
     let text = String::from_utf8(out.stdout).expect("utf-8");
     assert!(text.contains("FAIL: largest relative difference"), "{text}");
     let err = String::from_utf8(out.stderr).expect("utf-8");
-    assert!(err.starts_with("error: parity fails: relative differences "), "{err}");
+    assert!(err.starts_with("error: parity fails: the relative difference "), "{err}");
+    // Only what exceeds the tolerance is named: at 0 a loss that agrees to the bit is not.
+    let out = hetpar(&["check", "examples/in-memory.toml", "--steps", "2", "--tol", "0"]);
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    let said = err.lines().last().unwrap_or_default();
+    assert!(said.starts_with("error: parity fails: the relative difference "), "{err}");
+    assert!(said.ends_with(" exceeds 0e0"), "{err}");
+    assert!(!said.contains("0.00e0 in"), "{err}");
 }
 
 /// A reference must train the same model on the same data with the same settings (its
@@ -1584,11 +1591,63 @@ fn a_module_frozen_when_saved_trains_on_when_a_resume_unfreezes_it() {
     let after = steps("00000003");
     assert_eq!((&after["vision"], &after["llm"]), (&Value::from(1), &Value::from(3)), "{after}");
     // Frozen again on a further resume: no note.
+    // A run's --out names its latest checkpoint, as for eval and export.
     let again = hetpar(
-        &[&["train", cfg, "--steps", "4", "--out", out, "--resume", "auto"][..], &frozen].concat(),
+        &[&["train", cfg, "--steps", "4", "--out", out, "--resume", out][..], &frozen].concat(),
     );
     assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
     assert!(!stdout(&again).contains("was frozen when saved"));
+}
+
+/// A file of the cached synth set gone (deleted, a disk filled) is named as the cache's
+/// damage, with the directory whose removal has the next run generate the set again.
+#[test]
+fn a_damaged_synth_cache_says_how_to_repair_it() {
+    let tmp = temp("synth-cache");
+    let (cache, out) = (tmp.path().join("cache"), tmp.path().join("out"));
+    let run = || {
+        Command::new(env!("CARGO_BIN_EXE_hetpar"))
+            .args(["train", "--steps", "1", "--set", "data.samples=20", "--out"])
+            .arg(&out)
+            .env("HETPAR_CACHE", &cache)
+            .current_dir(root())
+            .output()
+            .expect("hetpar runs")
+    };
+    let first = run();
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let set = std::fs::read_dir(&cache)
+        .expect("cache")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("synth-")))
+        .expect("the synth set");
+    let image =
+        std::fs::read_dir(set.join("images")).expect("images").flatten().next().expect("one");
+    std::fs::remove_file(image.path()).expect("remove");
+    let second = run();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        second.status.code() == Some(1)
+            && err.contains("missing file")
+            && err.contains(&format!(
+                "the synth set in the cache is damaged: delete {} and the next run generates it again",
+                set.display()
+            )),
+        "{err}"
+    );
+}
+
+/// `--eval-every` on data without a held-out split says it has nothing to evaluate.
+#[test]
+fn eval_every_without_a_heldout_split_says_so() {
+    let tmp = temp("eval-every");
+    let out = tmp.path().to_str().expect("utf-8");
+    let args = ["train", "examples/in-memory.toml", "--steps", "1", "--out", out];
+    let run = hetpar(&[&args[..], &["--eval-every", "1"]].concat());
+    let text = stdout(&run);
+    assert!(run.status.success(), "{text}");
+    assert!(text.contains("note: --eval-every has nothing to evaluate"), "{text}");
 }
 
 /// `hetpar data synth --samples 1` would write an empty heldout.json that a run refuses:

@@ -14,18 +14,20 @@ use crate::geometry::{EdgeGeometry, RowId};
 use crate::layout::ModuleLayout;
 use crate::manifest::BatchManifest;
 
+/// The root of `x` in the union-find `parent`, halving the path on the way.
+fn find(parent: &mut [usize], mut x: usize) -> usize {
+    while parent[x] != x {
+        parent[x] = parent[parent[x]];
+        x = parent[x];
+    }
+    x
+}
+
 pub(super) fn plan(mv: &Movement<'_>) -> Program {
     let mut prog = mv.empty_program();
     let ranks: Vec<usize> = prog.ops.keys().copied().collect();
     let index: BTreeMap<usize, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
     let mut parent: Vec<usize> = (0..ranks.len()).collect();
-    fn find(parent: &mut [usize], mut x: usize) -> usize {
-        while parent[x] != x {
-            parent[x] = parent[parent[x]];
-            x = parent[x];
-        }
-        x
-    }
     // (target, slot, row) for every row a target lacks.
     let mut missing = Vec::new();
     for &t in &ranks {
@@ -108,13 +110,6 @@ pub(super) fn groups(
     // Per direction: each rank's union-find parent and the rows it contributes.
     let mut parent: [Vec<usize>; 2] = [(0..end).collect(), (0..end).collect()];
     let mut rows = [vec![0; end], vec![0; end]];
-    fn find(parent: &mut [usize], mut x: usize) -> usize {
-        while parent[x] != x {
-            parent[x] = parent[parent[x]];
-            x = parent[x];
-        }
-        x
-    }
     EdgeGeometry::for_each_run(src, dst, manifest, (edge, k), |len, holders, needers, canon| {
         // Forward: needers read from the lowest holder; backward: holders from the
         // canonical needer.
