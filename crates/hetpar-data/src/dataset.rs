@@ -80,7 +80,7 @@ pub struct Skipped {
 }
 
 /// How a record whose media file is not there is reported (its reason begins so).
-const MISSING: &str = "missing file";
+pub const MISSING: &str = "missing file";
 
 /// One usable record.
 #[derive(Clone, Debug)]

@@ -260,7 +260,9 @@ pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {
             data.source == DataSource::Synth
                 && match e {
                     DataError::Io { .. } | DataError::Format { .. } => true,
-                    DataError::Record { message, .. } => message.starts_with("missing file"),
+                    DataError::Record { message, .. } => {
+                        message.starts_with(hetpar_data::dataset::MISSING)
+                    }
                     _ => false,
                 }
         };

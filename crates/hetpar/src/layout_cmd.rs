@@ -5,8 +5,9 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use hetpar_layout::plan::rank_list;
-use hetpar_layout::{BatchManifest, EdgePlan, EdgeReport, ModelGraph, Module, StepTraffic};
-use hetpar_layout::{Direction, Strategy};
+use hetpar_layout::{
+    BatchManifest, Direction, EdgePlan, EdgeReport, ModelGraph, Module, StepTraffic, Strategy,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
