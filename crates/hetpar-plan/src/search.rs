@@ -81,10 +81,15 @@ impl Plan {
         self.best.get(&kind).and_then(|v| v.first())
     }
 
+    /// Whether the search enumerated a valid layout of `kind` (fitting memory or not).
+    pub fn has_valid(&self, kind: Kind) -> bool {
+        self.considered_of.get(&kind).is_some_and(|&n| n > 0)
+    }
+
     /// Why `kinds` have no candidate: "no X layout fits memory" where some were valid,
     /// else "no valid X layout" (no split of the model and the GPUs).
     pub fn none_of(&self, kinds: &[Kind], what: &str) -> String {
-        if kinds.iter().any(|k| self.considered_of.get(k).copied().unwrap_or(0) > 0) {
+        if kinds.iter().any(|&k| self.has_valid(k)) {
             format!("no {what} layout fits memory")
         } else {
             format!("no valid {what} layout on these GPUs")

@@ -247,7 +247,7 @@ fn print_table(wl: &Workload, hw: &Hardware, plan: &Plan, elapsed: Duration, why
                 }
             }
             _ if kind != Kind::Homogeneous && wl.encoders.is_empty() => {}
-            _ if plan.considered_of.get(&kind).is_some_and(|&n| n > 0) => {
+            _ if plan.has_valid(kind) => {
                 say(&format!("{:<14} no layout fits", kind.name()));
             }
             _ => say(&format!("{:<14} no valid layout", kind.name())),
