@@ -107,8 +107,11 @@ fn default_clip() -> f64 {
     1.0
 }
 fn default_max_skips() -> usize {
-    10
+    DEFAULT_MAX_SKIPS
 }
+
+/// `[train] max_skips` where the config does not give it.
+pub const DEFAULT_MAX_SKIPS: usize = 10;
 
 fn default_seed() -> u64 {
     1234

@@ -35,6 +35,55 @@ pub fn load_text(
     Ok((cfg, graph))
 }
 
+/// The keys `graph`'s config gives that change nothing in how it trains, each with why, for
+/// the commands to print as notes: a key that looks like it does something and silently
+/// does not is a setting its writer believes in. (Keys that cannot apply at all, such as
+/// `ep` on a dense LLM, are refused instead; these are ones a config template or a
+/// `--set` may leave behind.)
+pub fn idle_keys(graph: &ModelGraph) -> Vec<String> {
+    let mut idle = Vec::new();
+    let pipes = hetpar_schedule::PipelineGraph::from_model(graph);
+    for (i, m) in graph.modules.iter().enumerate() {
+        let key = |k: &str| format!("modules.{}.{k}", m.name);
+        if let hetpar_layout::ModuleSpec::Llama { experts: 0, top_k: k @ 1.., .. } = m.spec {
+            idle.push(format!(
+                "{} = {k} has no effect: the LLM is dense (experts = 0)",
+                key("top_k")
+            ));
+        }
+        if m.layout.sp() && m.layout.tp() == 1 {
+            idle.push(format!(
+                "{} = true has no effect at tp 1 (sequence parallelism splits inside tp)",
+                key("parallel.sp")
+            ));
+        }
+        if !m.trainable {
+            if let Some(lr) = m.lr {
+                idle.push(format!(
+                    "{} = {lr} has no effect: the module is frozen (trainable = false)",
+                    key("lr")
+                ));
+            }
+            if m.recompute && !pipes.has_backward(i) {
+                idle.push(format!(
+                    "{} = true has no effect: the module is frozen and nothing trainable feeds it, so it runs no backward",
+                    key("parallel.recompute")
+                ));
+            }
+        }
+    }
+    let t = &graph.train;
+    if t.on_nonfinite == hetpar_layout::config::OnNonFinite::Stop
+        && t.max_skips != hetpar_layout::config::DEFAULT_MAX_SKIPS
+    {
+        idle.push(format!(
+            "train.max_skips = {} has no effect: train.on_nonfinite is \"stop\" (\"skip\" skips)",
+            t.max_skips
+        ));
+    }
+    idle
+}
+
 /// `text` (called `name`) with `sets` applied, read by `parse` (whose error is where, then
 /// what), and the name errors about it go by (`name with --set ...`). A line number in an
 /// error is the file's own: where the file alone is refused its error stands as it is, and
@@ -150,7 +199,55 @@ pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::{DEMO, load, load_text};
+    use super::{DEMO, idle_keys, load, load_text};
+
+    /// Keys that change nothing are named with why; the demo and keys that do act are not.
+    #[test]
+    fn keys_given_to_no_effect_are_named() {
+        let idle = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            idle_keys(&load(None, &sets).unwrap().1)
+        };
+        assert_eq!(idle(&[]), Vec::<String>::new());
+        let frozen = ["modules.vision.trainable=false", "modules.vision.lr=1e-4"];
+        let named = idle(
+            &[
+                &frozen[..],
+                &[
+                    "modules.vision.parallel.recompute=true",
+                    "modules.vision.parallel.sp=true",
+                    "modules.llm.top_k=2",
+                    "train.max_skips=3",
+                ],
+            ]
+            .concat(),
+        );
+        let keys: Vec<&str> = named.iter().map(|n| n.split(' ').next().unwrap()).collect();
+        assert_eq!(
+            keys,
+            [
+                "modules.llm.top_k",
+                "modules.vision.parallel.sp",
+                "modules.vision.lr",
+                "modules.vision.parallel.recompute",
+                "train.max_skips"
+            ],
+            "{named:?}"
+        );
+        // Each acts here: top_k on a MoE LLM, max_skips under skip, a trainable module's
+        // lr, sp at tp 2, recompute on a frozen LLM a trainable encoder feeds.
+        let acting = [
+            "modules.llm.experts=4",
+            "modules.llm.top_k=2",
+            "train.on_nonfinite=skip",
+            "train.max_skips=3",
+            "modules.audio.lr=1e-4",
+            "modules.llm.trainable=false",
+            "modules.llm.parallel.recompute=true",
+        ];
+        assert_eq!(idle(&acting), Vec::<String>::new());
+        assert_eq!(idle(&frozen).len(), 1);
+    }
 
     #[test]
     fn sets_override_what_the_file_says_and_are_validated_alike() {

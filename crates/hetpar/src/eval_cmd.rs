@@ -10,7 +10,7 @@ use hetpar_runtime::checkpoint::CONFIG_FILE;
 use hetpar_runtime::{EvalReport, NO_TOP, RuntimeError, Trainer};
 
 use crate::data_open::RunData;
-use crate::export_cmd::checkpoint;
+use crate::export_cmd::checkpoint_said;
 use crate::preflight::{Holds, fits_memory, fits_memory_mpi};
 use crate::train_cmd::{
     describe_eval, dtype, fail_job, open_mpi, run_facts, timeout, with_timeout_hint,
@@ -67,7 +67,7 @@ fn spell(vocab: &hetpar_data::chat::Vocab, ids: &[u32]) -> String {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let ckpt = checkpoint(&a.ckpt)?;
+    let ckpt = checkpoint_said(&a.ckpt)?;
     let config = ckpt.join(CONFIG_FILE);
     let text = hetpar_runtime::checkpoint::saved_config(&ckpt)?
         .with_context(|| format!("{}: the checkpoint holds no config", config.display()))?;

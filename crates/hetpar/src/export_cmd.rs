@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use hetpar_runtime::checkpoint::latest;
+use hetpar_runtime::checkpoint::latest_noted;
 use hetpar_runtime::export::{Tokens, export_hf};
 
 /// Arguments of `hetpar export`.
@@ -18,20 +18,32 @@ pub struct Args {
     pub hf: PathBuf,
 }
 
-/// The checkpoint `path` names.
-pub fn checkpoint(path: &Path) -> anyhow::Result<PathBuf> {
+/// The checkpoint `path` names: itself, or the latest committed one under a run's `--out`
+/// or its `checkpoints/`, with a note where that directory's `latest` names something else
+/// than the checkpoint taken (as `--resume auto` says it).
+pub fn checkpoint(path: &Path) -> anyhow::Result<(PathBuf, Option<String>)> {
     if path.join(hetpar_runtime::checkpoint::MANIFEST_FILE).is_file() {
-        return Ok(path.to_path_buf());
+        return Ok((path.to_path_buf(), None));
     }
     for root in [path.to_path_buf(), path.join("checkpoints")] {
-        if let Some(dir) = latest(&root)? {
-            return Ok(dir);
+        if let (Some(dir), note) = latest_noted(&root)? {
+            return Ok((dir, note));
         }
     }
     bail!(
         "{}: no checkpoint there (no manifest.json, no committed checkpoint under it)",
         path.display()
     )
+}
+
+/// [`checkpoint`] for `eval` and `export`: its note on stderr (their stdout may be one JSON
+/// object).
+pub fn checkpoint_said(path: &Path) -> anyhow::Result<PathBuf> {
+    let (dir, note) = checkpoint(path)?;
+    if let Some(note) = note {
+        crate::stderr_line(&format!("note: {note}"));
+    }
+    Ok(dir)
 }
 
 /// The chat template of `hetpar-data` in the Jinja form HF tokenizers apply: a role marker,
@@ -103,7 +115,7 @@ fn run_tokenizer(ckpt: &Path) -> anyhow::Result<Option<(PathBuf, Tokens)>> {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let ckpt = checkpoint(&a.ckpt)?;
+    let ckpt = checkpoint_said(&a.ckpt)?;
     let run = run_tokenizer(&ckpt)?;
     let done = export_hf(&ckpt, &a.hf, run.as_ref().map(|r| r.1))?;
     let tokenizer = match &run {

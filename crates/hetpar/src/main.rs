@@ -124,9 +124,14 @@ fn proc_kib_field(path: &str, field: &str) -> Option<f64> {
     line.split_whitespace().nth(1)?.parse::<f64>().ok().map(|kib| kib * 1024.0)
 }
 
-/// Reads and validates a config file with `--set` overrides; errors name the file.
+/// Reads and validates a config file with `--set` overrides; errors name the file. Keys
+/// given to no effect are noted on stderr (stdout may be one JSON object).
 pub(crate) fn load_graph(path: &Path, sets: &[String]) -> anyhow::Result<ModelGraph> {
-    Ok(config_load::load(Some(path), sets)?.1)
+    let graph = config_load::load(Some(path), sets)?.1;
+    for idle in config_load::idle_keys(&graph) {
+        stderr_line(&format!("note: {idle}"));
+    }
+    Ok(graph)
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {

@@ -78,12 +78,14 @@ fn now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// How the name of every event file begins.
+pub const PREFIX: &str = "events.out.tfevents.";
+
 impl Events {
     /// A new event file under `dir` (a resumed run adds one; TensorBoard reads them all).
     pub fn create(dir: &Path) -> std::io::Result<Events> {
         let t = now();
-        let path =
-            dir.join(format!("events.out.tfevents.{}.hetpar.{}", t as u64, std::process::id()));
+        let path = dir.join(format!("{PREFIX}{}.hetpar.{}", t as u64, std::process::id()));
         let mut file = std::fs::File::create(&path)?;
         file.write_all(&record(&event(t, 0, Some("brain.Event:2"), &[])))?;
         Ok(Events { file, path })

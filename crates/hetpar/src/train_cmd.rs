@@ -32,7 +32,9 @@ pub struct Args {
     /// linear layers and the attention core; default: the config's).
     #[arg(long)]
     pub dtype: Option<String>,
-    /// Where metrics.jsonl and the resolved config go (default: runs/<name>).
+    /// Where metrics.jsonl, the resolved config and the checkpoints go (default:
+    /// runs/<name>). A fresh run (no --resume) into a directory holding an earlier run's
+    /// metrics or checkpoints moves those to OUT/earlier-N first.
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// `local` (one thread per rank in this process) or `mpi` (one process per rank under
@@ -455,17 +457,7 @@ fn run_on(
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
     let root = out.join("checkpoints");
     let resume = resume_dir(a.resume.as_deref(), &root, lead)?;
-    if resume.is_none()
-        && lead
-        && let Ok(Some(old)) = hetpar_runtime::checkpoint::latest(&root)
-    {
-        say(&format!(
-            "note: {} holds an earlier run's checkpoints (latest {}); this run starts fresh and writes its metrics over that run's (--resume auto continues it instead)",
-            root.display(),
-            old.file_name()
-                .map_or_else(|| old.display().to_string(), |n| n.to_string_lossy().into_owned())
-        ));
-    }
+    let fresh = resume.is_none();
     // The checkpoint resumed from: its directory, its config's model and the SHA-256 of
     // the tokenizer its run read.
     let mut resumed_config = None;
@@ -575,6 +567,11 @@ fn run_on(
             .with_context(|| format!("cannot read the tokenizer {}", tok.display()))?;
         k.tokenizer_sha256 = Some(sha);
     }
+    if lead {
+        for idle in crate::config_load::idle_keys(&graph) {
+            say(&format!("note: {idle}"));
+        }
+    }
     if lead && graph.train.warmup > steps {
         say(&format!(
             "note: the learning rate warms up over {} steps, and this run has {steps}: it never reaches train.lr {}",
@@ -662,6 +659,13 @@ fn run_on(
                 one * mpi.map_or(1, |w| w.size()) as f64
             }
         };
+        if fresh && let Some(moved) = set_aside(&out)? {
+            say(&format!(
+                "note: {} held an earlier run; moved it to {} so that this fresh run's checkpoints and metrics do not mix with it (--resume auto continues a run instead)",
+                out.display(),
+                moved.display()
+            ));
+        }
         Some(Report::create(&out, &resolved, &graph, (steps, start), peak)?)
     } else {
         None
@@ -853,27 +857,62 @@ fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
 /// The checkpoint `--resume` names: `auto` the latest under `root` (none: start fresh,
 /// said by the lead), else a checkpoint or a run directory holding one.
 fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Option<PathBuf>> {
-    match flag {
-        None => Ok(None),
-        Some("auto") => {
-            let (latest, note) = hetpar_runtime::checkpoint::latest_noted(root)?;
-            if let Some(note) = note.filter(|_| lead) {
-                say(&format!("note: {note}"));
-            }
-            if latest.is_none() && lead {
-                say(&format!(
-                    "--resume auto: no committed checkpoint under {}, starting fresh",
-                    root.display()
-                ));
-            }
-            Ok(latest)
-        }
+    let (latest, note) = match flag {
+        None => return Ok(None),
+        Some("auto") => hetpar_runtime::checkpoint::latest_noted(root)?,
         // A checkpoint, or a run's --out or its checkpoints/ (their latest), as eval and
         // export take them.
         Some(dir) => crate::export_cmd::checkpoint(Path::new(dir))
-            .map(Some)
-            .map_err(|e| anyhow::anyhow!("--resume {e:#}; or --resume auto")),
+            .map(|(dir, note)| (Some(dir), note))
+            .map_err(|e| anyhow::anyhow!("--resume {e:#}; or --resume auto"))?,
+    };
+    if let Some(note) = note.filter(|_| lead) {
+        say(&format!("note: {note}"));
     }
+    if latest.is_none() && lead {
+        say(&format!(
+            "--resume auto: no committed checkpoint under {}, starting fresh",
+            root.display()
+        ));
+    }
+    Ok(latest)
+}
+
+/// What a run writes under its `--out`, besides TensorBoard's event files.
+const RUN_FILES: [&str; 5] =
+    ["checkpoints", "metrics.jsonl", "config.toml", "loss.svg", "time.svg"];
+
+/// Moves an earlier run's files out of `out` into `out/earlier-N` (the first N free), where
+/// `out` holds its metrics or a committed checkpoint: a fresh run there would otherwise
+/// write its metrics over them, and its checkpoints would sit beside the earlier run's, where
+/// `--resume auto` could take the earlier run's latest and `--keep` could delete this run's.
+/// The moved directory is a run's `--out` as `eval`, `export` and `--resume` read one.
+/// `None` where there was nothing to move.
+fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
+    let root = out.join("checkpoints");
+    let saved = !hetpar_runtime::checkpoint::committed(&root)
+        .with_context(|| format!("cannot read {}", root.display()))?
+        .is_empty();
+    if !saved && !out.join("metrics.jsonl").exists() {
+        return Ok(None);
+    }
+    let to =
+        (1..).map(|n| out.join(format!("earlier-{n}"))).find(|d| !d.exists()).expect("a free name");
+    std::fs::create_dir(&to).with_context(|| format!("cannot create {}", to.display()))?;
+    let events = std::fs::read_dir(out)
+        .with_context(|| format!("cannot read {}", out.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(crate::tensorboard::PREFIX));
+    let names: Vec<String> = RUN_FILES.iter().map(|n| n.to_string()).chain(events).collect();
+    for name in names {
+        let from = out.join(&name);
+        if from.exists() {
+            std::fs::rename(&from, to.join(&name))
+                .with_context(|| format!("cannot move {} into {}", from.display(), to.display()))?;
+        }
+    }
+    Ok(Some(to))
 }
 
 /// The modules `graph` trains that the resumed checkpoint's config froze.

@@ -1508,6 +1508,65 @@ fn a_resume_names_the_config_keys_that_changed() {
     assert!(text.contains("resuming from ") && !text.contains("differs"), "{text}");
 }
 
+/// A fresh run into an `--out` that holds an earlier run moves that run to `earlier-N`
+/// whole (checkpoints, metrics, config, event files), so their checkpoints never mix: the
+/// fresh run's `--keep 1` keeps its own, and `--resume auto` and `eval` take its latest.
+/// A `--resume` of a run directory whose `latest` names no checkpoint says which it took.
+#[test]
+fn a_fresh_run_moves_an_earlier_run_aside() {
+    let tmp = temp("earlier");
+    let dir = tmp.path();
+    let out = dir.to_str().expect("utf-8");
+    let train = |steps: &str| {
+        stdout(&hetpar(&["train", IN_MEMORY, "--steps", steps, "--out", out, "--keep", "1"]))
+    };
+    assert!(!train("3").contains("earlier run"));
+    let text = train("1");
+    let earlier = dir.join("earlier-1");
+    assert!(
+        text.contains(&format!(
+            "note: {out} held an earlier run; moved it to {} so that",
+            earlier.display()
+        )),
+        "{text}"
+    );
+    let steps = |d: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d.join("checkpoints"))
+            .expect("checkpoints")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(steps(dir), ["step-00000001"]);
+    assert_eq!(steps(&earlier), ["step-00000003"]);
+    assert_eq!(losses(&earlier).len(), 3);
+    assert_eq!(losses(dir).len(), 1);
+    for d in [dir, earlier.as_path()] {
+        assert!(d.join("config.toml").is_file(), "{}", d.display());
+        let events = std::fs::read_dir(d)
+            .expect("out")
+            .filter(|e| {
+                e.as_ref().expect("entry").file_name().to_string_lossy().starts_with("events.out")
+            })
+            .count();
+        assert_eq!(events, 1, "{}", d.display());
+    }
+    assert!(train("1").contains("moved it to"));
+    assert!(dir.join("earlier-2/checkpoints/step-00000001/manifest.json").is_file());
+    // The earlier run is a run directory: a resume takes its latest, and names what its
+    // `latest` file named where that is not a checkpoint.
+    std::fs::write(earlier.join("checkpoints/latest"), "step-00000009").expect("latest");
+    let args = ["train", IN_MEMORY, "--steps", "4", "--out", out, "--resume"];
+    let text = stdout(&hetpar(&[&args[..], &[earlier.to_str().expect("utf-8")]].concat()));
+    assert!(
+        text.contains("names \"step-00000009\", which is not a committed checkpoint")
+            && text.contains("resuming from "),
+        "{text}"
+    );
+}
+
 /// The saved config holds the steps the run was given (its learning-rate schedule ran over
 /// them), and a finished run submitted again has nothing to do: it says so, exits 0 and
 /// writes nothing.
