@@ -164,6 +164,31 @@ fn nonzero_span(row: &[f64]) -> std::ops::Range<usize> {
     }
 }
 
+/// The samples `it` reads, each converted by `to`; where reading stops short of the
+/// `promised` samples of the file's header, says how far it got (hound's own words for it
+/// are "Failed to read enough bytes").
+fn samples<S>(
+    it: impl Iterator<Item = hound::Result<S>>,
+    promised: u32,
+    to: impl Fn(S) -> f32,
+) -> std::result::Result<Vec<f32>, String> {
+    // The header's count is not trusted with memory before the samples are there.
+    let mut out = Vec::with_capacity((promised as usize).min(1 << 22));
+    for s in it {
+        match s {
+            Ok(v) => out.push(to(v)),
+            Err(hound::Error::IoError(e)) => {
+                return Err(format!(
+                    "truncated or unreadable: its header gives {promised} samples and reading stopped after {} ({e})",
+                    out.len()
+                ));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(out)
+}
+
 /// A WAV file's samples in [-1, 1], channels averaged. It must be 16 kHz (the features
 /// assume it; resample elsewhere), 8-, 16-, 24- or 32-bit integer or 32-bit float, and hold
 /// at least one sample (an empty clip would train as silence).
@@ -177,22 +202,17 @@ pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
             spec.sample_rate
         )));
     }
+    let promised = reader.len();
     let interleaved: Vec<f32> = match (spec.sample_format, spec.bits_per_sample) {
-        (hound::SampleFormat::Int, 16) => reader
-            .samples::<i16>()
-            .map(|s| s.map(|v| f32::from(v) / 32768.0))
-            .collect::<std::result::Result<_, _>>(),
+        (hound::SampleFormat::Int, 16) => {
+            samples(reader.samples::<i16>(), promised, |v| f32::from(v) / 32768.0)
+        }
         (hound::SampleFormat::Int, bits @ (8 | 24 | 32)) => {
             // Full scale is 2^(bits - 1), as 32768 is for 16 bits.
             let scale = 1.0 / f64::from(1u32 << (bits - 1));
-            reader
-                .samples::<i32>()
-                .map(|s| s.map(|v| (f64::from(v) * scale) as f32))
-                .collect::<std::result::Result<_, _>>()
+            samples(reader.samples::<i32>(), promised, |v| (f64::from(v) * scale) as f32)
         }
-        (hound::SampleFormat::Float, 32) => {
-            reader.samples::<f32>().collect::<std::result::Result<_, _>>()
-        }
+        (hound::SampleFormat::Float, 32) => samples(reader.samples::<f32>(), promised, |v| v),
         (format, bits) => {
             let kind = match format {
                 hound::SampleFormat::Int => "integer",
@@ -203,7 +223,7 @@ pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
             )));
         }
     }
-    .map_err(|e| bad(e.to_string()))?;
+    .map_err(bad)?;
     if interleaved.is_empty() {
         return Err(bad(
             "holds no samples (an empty data chunk, or a header that says so): it would train as silence"

@@ -121,5 +121,14 @@ fn wav_files_read_as_16_khz_mono_and_others_are_refused() {
     let empty = write("empty.wav", 16_000, 1, &[]);
     let e = read_wav(&empty).unwrap_err().to_string();
     assert!(e.contains("empty.wav: holds no samples"), "{e}");
+    // A file cut short (a copy interrupted) says how far it read of what its header gives.
+    let cut = write("cut.wav", 16_000, 1, &[[1, 0], [2, 0], [3, 0], [4, 0]]);
+    let len = std::fs::metadata(&cut).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&cut).unwrap().set_len(len - 3).unwrap();
+    let e = read_wav(&cut).unwrap_err().to_string();
+    assert!(
+        e.contains("cut.wav: truncated or unreadable: its header gives 4 samples and reading stopped after 2"),
+        "{e}"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -750,6 +750,9 @@ fn check_optimizer(t: &TrainConfig) -> Result<()> {
             format!("must be a finite number, 0 (off) or more, got {}", t.clip_grad),
         );
     }
+    for (key, v) in [("steps", t.steps), ("warmup", t.warmup), ("max_skips", t.max_skips)] {
+        at_most(&format!("train.{key}"), "", v, MAX_SIZE)?;
+    }
     // A warmup longer than the run is allowed: `hetpar train --steps 3` on a config with
     // a warmup of 10 is a smoke test, and its saved config names 3 steps; the rate then
     // rises for all of them (`hetpar train` says so).

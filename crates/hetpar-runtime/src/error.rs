@@ -51,6 +51,25 @@ pub enum RuntimeError {
         /// What disagrees, with the numbers.
         message: String,
     },
+    /// An error of a training step ([`crate::Trainer::step`]), with that step.
+    #[error("step {step}: {error}")]
+    InStep {
+        /// The step, counted from 1 as the progress line counts it (`metrics.jsonl`'s
+        /// `step` is one less).
+        step: usize,
+        /// What went wrong in it.
+        error: Box<RuntimeError>,
+    },
+}
+
+impl RuntimeError {
+    /// The error itself, without the step [`RuntimeError::InStep`] adds.
+    pub fn cause(&self) -> &RuntimeError {
+        match self {
+            RuntimeError::InStep { error, .. } => error.cause(),
+            other => other,
+        }
+    }
 }
 
 impl From<hetpar_nn::NnError> for RuntimeError {

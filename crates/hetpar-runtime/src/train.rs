@@ -213,8 +213,13 @@ impl Trainer {
     }
 
     /// Runs step `step` on this rank (a skipped step too: [`Trainer::within_skips`] says
-    /// whether skipping may go on).
+    /// whether skipping may go on). Its error names the step ([`RuntimeError::InStep`]).
     pub fn step(&mut self, world: &dyn Communicator, step: usize) -> Result<StepLog, RuntimeError> {
+        self.run_step(world, step)
+            .map_err(|e| RuntimeError::InStep { step: step + 1, error: Box::new(e) })
+    }
+
+    fn run_step(&mut self, world: &dyn Communicator, step: usize) -> Result<StepLog, RuntimeError> {
         let start = Instant::now();
         let waited = self.data.waited();
         let manifest = self.data.manifest(step)?;
@@ -262,7 +267,7 @@ impl Trainer {
         let max = self.graph.train.max_skips;
         if self.exec.skipped() > max {
             return Err(RuntimeError::Model(format!(
-                "{} steps were skipped for non-finite gradients, more than train.max_skips({max})",
+                "{} steps were skipped for non-finite values, more than train.max_skips({max}) (each skipped step's line says where: the loss, a module's gradients or an edge's rows)",
                 self.exec.skipped()
             )));
         }

@@ -75,6 +75,8 @@ fn say(s: &str) {
 pub fn run_train(a: &TrainArgs) -> anyhow::Result<()> {
     let (_, mut graph) = load(a.config.as_ref(), &a.set)?;
     let dtype = dtype(a.dtype.as_deref(), &mut graph)?;
+    crate::steps_flag("--steps", a.steps)?;
+    crate::steps_flag("--warmup", a.warmup)?;
     if a.steps == 0 {
         bail!("--steps 0: nothing to measure");
     }

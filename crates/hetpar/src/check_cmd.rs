@@ -153,6 +153,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let dt = dtype(Some(a.dtype.as_deref().unwrap_or("f32")), &mut graph)?;
     // The reference multiplies as the run does.
     reference.train.dtype = graph.train.dtype;
+    crate::steps_flag("--steps", a.steps)?;
     if a.steps == 0 {
         bail!("--steps 0: nothing to compare");
     }

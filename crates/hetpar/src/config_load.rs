@@ -19,6 +19,16 @@ pub fn load(path: Option<&Path>, sets: &[String]) -> anyhow::Result<(Config, Mod
         ),
         None => (DEMO.to_string(), "the built-in demo".to_string()),
     };
+    // A planner workload given to a training command: said as such, not as its first
+    // unknown table.
+    if let Ok(t) = toml::from_str::<toml::Table>(&text)
+        && t.contains_key("workload")
+        && !t.contains_key("train")
+    {
+        bail!(
+            "{name}: a planner workload ([workload]), where this command takes a training config ([train], see examples/); `hetpar plan {name} --emit-config FILE` writes one from it"
+        );
+    }
     load_text(text, name, sets)
 }
 

@@ -98,6 +98,9 @@ pub fn synth_dir(samples: usize, seed: u64) -> PathBuf {
     ))
 }
 
+/// How the name of a synth set being generated in the cache begins.
+const TMP_PREFIX: &str = ".tmp-";
+
 /// The synth set of `samples` samples seeded by `seed` under the cache, generated if it is
 /// not there yet (into a temporary directory renamed into place, so an interrupted or
 /// concurrent generation never leaves a half-written set). `say` reports what it did.
@@ -115,8 +118,27 @@ pub fn synth_cache(samples: usize, seed: u64, say: &dyn Fn(&str)) -> anyhow::Res
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    let tmp = root.join(format!(".tmp-{}-{nanos}-{name}", std::process::id()));
+    let tmp = root.join(format!("{TMP_PREFIX}{}-{nanos}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
+    // Left by generations killed before their rename (or running now, on another host
+    // sharing the cache, so they are named rather than removed).
+    let left: Vec<String> = std::fs::read_dir(&root)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(TMP_PREFIX))
+                .collect()
+        })
+        .unwrap_or_default();
+    if !left.is_empty() {
+        say(&format!(
+            "  note: {} holds {} unfinished generation{} ({}...): left by interrupted runs unless one is running now; delete them when none is",
+            root.display(),
+            left.len(),
+            if left.len() == 1 { "" } else { "s" },
+            TMP_PREFIX
+        ));
+    }
     let opts = SynthOptions { seed, ..SynthOptions::with_samples(samples) };
     let start = std::time::Instant::now();
     let summary = hetpar_data::synth::generate(&tmp, &opts, &mut |_| {})

@@ -202,6 +202,13 @@ fn bad_usage(e: &clap::Error) -> ExitCode {
     ExitCode::from(2)
 }
 
+/// Refuses a count of steps (`--steps`, `--warmup`) past the most a config's `train.steps`
+/// may say (the run would otherwise fail allocating its records of them).
+pub(crate) fn steps_flag(flag: &str, steps: usize) -> anyhow::Result<()> {
+    hetpar_layout::graph::at_most(flag, "", steps, hetpar_layout::graph::MAX_SIZE)?;
+    Ok(())
+}
+
 /// The refusal of a `--backend` that training and its commands do not run on.
 pub(crate) fn unknown_backend(name: &str) -> String {
     match name {

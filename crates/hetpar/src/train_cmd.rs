@@ -126,7 +126,7 @@ fn first_cause(errors: Vec<RuntimeError>) -> RuntimeError {
 /// a rank's own error, a note that another rank failed, and a failed peer's echo last.
 fn cause_rank(e: &RuntimeError) -> u8 {
     let s = e.to_string();
-    match e {
+    match e.cause() {
         RuntimeError::NonFinite { .. } | RuntimeError::UpdateOverflow { .. } => 0,
         _ if s.contains(" failed: ") || s.contains("failed peer") => 3,
         _ if s.contains("on another rank") => 2,
@@ -412,6 +412,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     // or `hetpar eval` of it does too.
     cfg.train.dtype = graph.train.dtype;
     let steps = a.steps.unwrap_or(graph.train.steps);
+    crate::steps_flag("--steps", steps)?;
     if steps == 0 {
         let from = if a.steps.is_some() { "--steps 0" } else { "train.steps = 0" };
         bail!("{from}: nothing to train");

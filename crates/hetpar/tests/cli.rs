@@ -242,6 +242,19 @@ fn bad_input_is_one_line_and_a_nonzero_exit() {
     let err = String::from_utf8(out.stderr).expect("utf-8");
     assert!(err.starts_with("error: cannot read config no/such/file.toml: "), "{err}");
     assert_eq!(err.lines().count(), 1);
+    // A planner workload is named as one, with the command that makes a config of it.
+    let workload = "examples/workloads/mm-1b-7b-8k.toml";
+    for cmd in ["layout", "train"] {
+        let out = hetpar(&[cmd, workload]);
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8(out.stderr).expect("utf-8");
+        assert!(
+            err.starts_with(&format!("error: {workload}: a planner workload ([workload])"))
+                && err.contains(&format!("`hetpar plan {workload} --emit-config FILE`")),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 1);
+    }
 }
 
 /// A command line the parser refuses is one line too (INTERFACES.md), exit status 2, pointing
@@ -1072,11 +1085,19 @@ fn train_writes_metrics_and_the_loss_falls() {
 
 #[test]
 fn train_refuses_what_it_cannot_run_in_one_line() {
-    let out = hetpar(&["train", "examples/in-memory.toml", "--steps", "1", "--dtype", "f16"]);
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8(out.stderr).expect("utf-8");
-    assert!(err.starts_with("error: --dtype \"f16\": use f32, f64 or bf16"), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
+    let too_many = (hetpar_layout::graph::MAX_SIZE + 1).to_string();
+    for (args, said) in [
+        (&["--steps", "1", "--dtype", "f16"][..], "--dtype \"f16\": use f32, f64 or bf16"),
+        // Before, these aborted allocating the run's records of their steps.
+        (&["--steps", &too_many], "--steps: 16777217 is more than 16777216"),
+        (&["--set", &format!("train.steps={too_many}")], "train.steps: 16777217 is more than"),
+    ] {
+        let out = hetpar(&[&["train", "examples/in-memory.toml"][..], args].concat());
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8(out.stderr).expect("utf-8");
+        assert!(err.starts_with("error: ") && err.contains(said), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
 }
 
 /// `dtype = "bf16"` trains f32 weights with bf16 products: its losses leave f32's at bf16's
@@ -1659,7 +1680,8 @@ fn a_module_frozen_when_saved_trains_on_when_a_resume_unfreezes_it() {
 }
 
 /// A file of the cached synth set gone (deleted, a disk filled) is named as the cache's
-/// damage, with the directory whose removal has the next run generate the set again.
+/// damage, with the directory whose removal has the next run generate the set again; a
+/// generation left unfinished in the cache is noted when the next one starts.
 #[test]
 fn a_damaged_synth_cache_says_how_to_repair_it() {
     let tmp = temp("synth-cache");
@@ -1673,8 +1695,16 @@ fn a_damaged_synth_cache_says_how_to_repair_it() {
             .output()
             .expect("hetpar runs")
     };
+    let killed = cache.join(".tmp-1-2-synth-killed");
+    std::fs::create_dir_all(&killed).expect("a generation left behind");
     let first = run();
     assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    let said = String::from_utf8_lossy(&first.stdout);
+    assert!(
+        said.contains(&format!("note: {} holds 1 unfinished generation", cache.display())),
+        "{said}"
+    );
+    std::fs::remove_dir(&killed).expect("removed");
     let set = std::fs::read_dir(&cache)
         .expect("cache")
         .flatten()
@@ -1922,7 +1952,7 @@ fn a_failed_step_commits_no_checkpoint() {
     let run = hetpar(&[&args[..], &sets.concat()].concat());
     let err = String::from_utf8(run.stderr).expect("utf-8");
     assert_eq!(run.status.code(), Some(1), "{err}");
-    assert!(err.contains("error: ") && err.contains("non-finite"), "{err}");
+    assert!(err.contains("error: step 2: ") && err.contains("non-finite"), "{err}");
     let ckpts = tmp.path().join("checkpoints");
     let mut saved: Vec<String> = std::fs::read_dir(&ckpts)
         .expect("checkpoints")
@@ -1980,7 +2010,7 @@ fn a_skipped_step_names_where_it_went_non_finite() {
     let err = String::from_utf8(run.stderr).expect("utf-8");
     assert_eq!(run.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("2 steps were skipped for non-finite gradients, more than train.max_skips(1)"),
+        err.contains("2 steps were skipped for non-finite values, more than train.max_skips(1)"),
         "{err}"
     );
     // The step that crossed the limit is in the record and on the terminal too.
