@@ -508,11 +508,31 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
     toml::from_str(text).map_err(|e| {
         let offset = e.span().map(|s| s.start).unwrap_or(0).min(text.len());
         let line = text[..offset].matches('\n').count() + 1;
-        let field = match enclosing_table(text, offset) {
-            Some(table) => format!("line {line}, in {table}"),
-            None => format!("line {line}"),
+        let table = enclosing_table(text, offset);
+        let mut message = in_words(&e.message().trim().replace('\n', " "));
+        // A table the file should not have is reported at its header as an unknown field
+        // of the one around it (`in [bogus]: unknown field `bogus``): said as a table.
+        let at_header =
+            text[..offset].rsplit('\n').next().is_some_and(|l| l.trim().starts_with('['))
+                || text[offset..].starts_with('[');
+        let unknown_table = message
+            .strip_prefix("unknown field `")
+            .and_then(|rest| rest.split_once('`'))
+            .filter(|(name, _)| {
+                at_header
+                    && table.is_some_and(|t| {
+                        let t = t.trim_start_matches('[');
+                        t.strip_prefix(*name).is_some_and(|r| r.starts_with([']', '.']))
+                    })
+            })
+            .map(|(name, tail)| format!("unknown table `[{name}]`{tail}"));
+        let field = match (table, &unknown_table) {
+            (Some(table), None) => format!("line {line}, in {table}"),
+            _ => format!("line {line}"),
         };
-        let message = in_words(&e.message().trim().replace('\n', " "));
+        if let Some(m) = unknown_table {
+            message = m;
+        }
         let message = match did_you_mean(&message) {
             Some(known) => format!("{message} (did you mean `{known}`?)"),
             None => message,
@@ -625,6 +645,25 @@ tp = 2
             msg.starts_with("line 16, in [modules.llm.parallel]: unknown field `tpp`"),
             "{msg}"
         );
+        // A table the config has no place for is named as a table, at its header; a key
+        // named like its table, inside it, is still a key.
+        for (text, want) in [
+            (
+                format!("{MINIMAL}[workload]\nseq_len = 8\n"),
+                "line 17: unknown table `[workload]`, expected one of `name`",
+            ),
+            (
+                format!("{MINIMAL}[cluster.nodes]\ngpus = 8\n"),
+                "line 17: unknown table `[cluster]`, expected",
+            ),
+            (
+                MINIMAL.replace("global_batch = 8", "train = 1"),
+                "line 4, in [train]: unknown field `train`",
+            ),
+        ] {
+            let e = Config::from_toml(&text).expect_err(want).to_string();
+            assert!(e.starts_with(want), "{e}");
+        }
     }
 
     #[test]

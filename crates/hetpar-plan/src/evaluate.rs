@@ -575,8 +575,10 @@ fn check_choice(
     if !shape.ffn.is_multiple_of(ch.tp) || (shape.vocab > 0 && !shape.vocab.is_multiple_of(ch.tp)) {
         return bad(format!("tp({}) does not divide ffn or vocab", ch.tp));
     }
-    let unit = if shape.encoder { ch.cp * ch.tp } else { 2 * ch.cp * ch.tp };
-    if !seq.is_multiple_of(unit) {
+    // As a config requires: the LLM's sequence in 2*cp load-balanced chunks where cp > 1,
+    // each rank's share of it split over tp by sequence parallelism.
+    let chunks = if shape.encoder || ch.cp == 1 { ch.cp } else { 2 * ch.cp };
+    if !seq.is_multiple_of(chunks) || !(seq / ch.cp).is_multiple_of(ch.tp) {
         return bad(format!("sequence {seq} does not split over cp({}) x tp({})", ch.cp, ch.tp));
     }
     Ok(())

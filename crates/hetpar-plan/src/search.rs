@@ -189,7 +189,7 @@ pub fn search(wl: &Workload, hw: &Hardware, top: usize) -> Result<Plan> {
     }
     if plan.considered == 0 {
         return Err(PlanError(format!(
-            "no valid layout of {} on {} GPUs{}: tp (searched {TP:?}), cp ({CP:?}, at least {MIN_CP_CHUNK} tokens per CP rank) and pp ({PP:?}) must split the heads, sequence, layers and GPUs, and the LLM's dp must divide a microbatch",
+            "no valid layout of {} on {} GPUs{}: tp (searched {TP:?}), cp ({CP:?}, above 1 only with at least {MIN_CP_CHUNK} tokens per CP rank) and pp ({PP:?}) must split the heads, sequence, layers and GPUs, and the LLM's dp must divide a microbatch",
             wl.name,
             wl.gpus,
             pins(wl)
@@ -363,10 +363,11 @@ fn llm_choices(wl: &Workload, start: usize, end: usize, m: Option<usize>) -> Vec
     };
     for tp in tried(pin.tp, &TP) {
         // Context parallelism only where each rank keeps a long sequence (no published
-        // measurement calibrates it on short chunks).
+        // measurement calibrates it on short chunks); cp 1 splits nothing, whatever the
+        // length.
         for cp in tried(pin.cp, &CP)
             .into_iter()
-            .filter(|&c| pin.cp.is_some() || wl.seq_len / c >= MIN_CP_CHUNK)
+            .filter(|&c| pin.cp.is_some() || c == 1 || wl.seq_len / c >= MIN_CP_CHUNK)
         {
             for pp in tried(pin.pp, &PP).into_iter().filter(|&p| p <= wl.llm.layers) {
                 let block = tp * cp * pp;

@@ -316,6 +316,14 @@ impl WorkloadFile {
         }
         let llm_name = llms[0].clone();
         let llm_file = &self.modules[&llm_name];
+        if let Some(f) = llm_file.token_fraction {
+            return err(
+                &format!("modules.{llm_name}.token_fraction"),
+                format!(
+                    "{f}: an encoder's share of the LLM's sequence, which the llama module has none of (vision_token_fraction and the encoders' token_fraction give the shares)"
+                ),
+            );
+        }
         let llm = shape(&llm_name, llm_file, 0)?.0;
         let mut encoders = Vec::new();
         let mut fraction_sum = 0.0;
@@ -351,11 +359,18 @@ impl WorkloadFile {
                 _ => seq,
             };
             if rows_per_item == 0 || rows_per_item >= w.seq_len {
+                // Named where the rows come from: the workload's tokens per image, else the
+                // encoder's own input (its image and patch sizes, or its clip's frames).
+                let (at, from) = match (m.kind, w.tokens_per_image) {
+                    (ModuleKind::Vit, Some(_)) => ("workload.tokens_per_image".to_string(), ""),
+                    (ModuleKind::Vit, None) => (field.clone(), " (from image_size / patch_size)"),
+                    _ => (field.clone(), " (a clip's frames after the stride-2 stem)"),
+                };
                 return err(
-                    "workload.tokens_per_image",
+                    &at,
                     format!(
-                        "an item's rows must be at least 1 and fewer than seq_len({}), got \
-                         {rows_per_item}",
+                        "an item's rows{from} must be at least 1 and fewer than seq_len({}), \
+                         got {rows_per_item}",
                         w.seq_len
                     ),
                 );

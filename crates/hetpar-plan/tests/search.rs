@@ -215,3 +215,20 @@ fn a_pin_nothing_can_satisfy_is_named() {
         "{err}"
     );
 }
+
+/// A sequence shorter than the shortest chunk context parallelism is searched at still
+/// plans (cp 1 splits nothing): LLaVA-style 2K workloads had no valid layout at all.
+#[test]
+fn a_short_sequence_plans_without_context_parallelism() {
+    let hw = builtin("h100").expect("h100");
+    let mut wl = workload("mm-1b-7b-8k").expect("workload");
+    wl.gpus = 8;
+    for seq in [2048, 3072, 4095] {
+        wl.seq_len = seq;
+        let plan = search(&wl, &hw, 1).unwrap_or_else(|e| panic!("seq {seq}: {e}"));
+        assert_eq!(plan.best.len(), 3, "seq {seq}: every family has a layout");
+        for ranked in plan.best.values() {
+            assert!(ranked.iter().all(|r| r.candidate.llm.cp == 1), "seq {seq}");
+        }
+    }
+}

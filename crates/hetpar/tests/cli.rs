@@ -647,6 +647,21 @@ fn plan_errors_are_one_line() {
         "{err}"
     );
     assert_eq!(err.lines().count(), 1, "{err}");
+    // Each refusal names the field that holds the number it names.
+    let wl = "examples/workloads/vision-audio-8b.toml";
+    for (set, want) in [
+        (
+            "workload.seq_len=1024",
+            "modules.audio: an item's rows (a clip's frames after the stride-2 stem) must be at least 1 and fewer than seq_len(1024), got 1500",
+        ),
+        ("modules.llm.token_fraction=0.2", "modules.llm.token_fraction: 0.2: an encoder's share"),
+        ("train.lr=1", "with --set train.lr=1: unknown table `[train]`, expected one of"),
+    ] {
+        let out = hetpar(&["plan", wl, "--set", set]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.code() == Some(1) && err.contains(want), "{set}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
 }
 
 #[test]
