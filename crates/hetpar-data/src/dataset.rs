@@ -219,9 +219,8 @@ impl Dataset {
                 return Err(format!("it has an {kind} but the model has no encoder for it"));
             }
             for p in media.paths() {
-                let file = spec.media_root.join(p);
-                if !file.is_file() {
-                    return Err(format!("{MISSING} {}", file.display()));
+                if let Some(missing) = llava::not_a_file(&spec.media_root.join(p)) {
+                    return Err(missing);
                 }
             }
         }

@@ -267,14 +267,20 @@ pub fn check_files(
         for (root, media) in [(image_root, &r.image), (audio_root, &r.audio)] {
             for p in media.paths() {
                 let file: PathBuf = root.join(p);
-                if !file.is_file() {
-                    let message = format!("missing file {}", file.display());
+                if let Some(message) = not_a_file(&file) {
                     return Err(record_error(path, index, r, message));
                 }
             }
         }
     }
     Ok(())
+}
+
+/// Why a record's media `file` cannot be read, where it cannot: it is not there, or a
+/// directory is ([`crate::dataset::MISSING`] begins either).
+pub fn not_a_file(file: &Path) -> Option<String> {
+    let what = if file.is_dir() { ": a directory is there, not a file" } else { "" };
+    (!file.is_file()).then(|| format!("{} {}{what}", crate::dataset::MISSING, file.display()))
 }
 
 fn record_error(path: &Path, index: usize, r: &Record, message: String) -> DataError {

@@ -120,6 +120,17 @@ fn each_bad_data_class_names_the_record_or_is_skipped_and_counted() {
             "missing file",
         ),
         (
+            "an image path that is a directory",
+            broken("a-directory", |r, dir| {
+                std::fs::create_dir_all(dir.join("images/a-directory.png")).unwrap();
+                let mut paths: Vec<String> =
+                    r.image.paths().iter().map(|p| p.to_string()).collect();
+                paths[0] = "images/a-directory.png".into();
+                r.image = Media::of(paths);
+            }),
+            "a-directory.png: a directory is there, not a file",
+        ),
+        (
             "unknown placeholder",
             broken("placeholder", |r, _| r.conversations[0].value.push_str(" <video>")),
             "<video>",

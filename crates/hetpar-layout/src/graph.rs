@@ -399,6 +399,9 @@ fn build_module(name: &str, m: &ModuleConfig, train: &TrainConfig) -> Result<Mod
     if p.ep > 1 && experts == 0 {
         return perr(format!("ep({}) needs a MoE module (experts > 0)", p.ep));
     }
+    if let Some(etp) = p.etp.filter(|&e| e > 1 && experts == 0) {
+        return perr(format!("etp({etp}) needs a MoE module (experts > 0)"));
+    }
     let layout_spec = LayoutSpec { tp: p.tp, cp: p.cp, pp: p.pp, ep: p.ep, etp, sp: p.sp };
     let layout = ModuleLayout::new(name, span, layout_spec)?;
     let tp = layout.tp();

@@ -135,6 +135,10 @@ fn ep_must_divide_experts() {
         "modules.llm.parallel: ep(2) needs a MoE module (experts > 0)"
     );
     assert_eq!(
+        error_after("sp = true", "sp = true\netp = 2"),
+        "modules.llm.parallel: etp(2) needs a MoE module (experts > 0)"
+    );
+    assert_eq!(
         error_after("kv_heads = 4", "kv_heads = 3"),
         "modules.llm: heads(8) must be a multiple of kv_heads(3)"
     );

@@ -191,14 +191,30 @@ pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
         }
         let (last, tables) = path.split_last().expect("at least one part");
         let mut at = &mut root;
-        for (i, part) in tables.iter().enumerate() {
+        let mut i = 0;
+        while i < tables.len() {
             let entry = at
-                .entry(part.to_string())
+                .entry(tables[i].to_string())
                 .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            let here = path[..=i].join(".");
             at = match entry {
                 toml::Value::Table(t) => t,
-                _ => bail!("--set {s:?}: {} is a value, not a table", path[..=i].join(".")),
+                // An array of tables (`[[edges]]`): the next part is an element's index.
+                toml::Value::Array(array) => {
+                    let len = array.len();
+                    let Some(k) = tables.get(i + 1).and_then(|p| p.parse::<usize>().ok()) else {
+                        bail!("--set {s:?}: {here} is an array: name an element, as {here}.0.KEY")
+                    };
+                    i += 1;
+                    match array.get_mut(k) {
+                        Some(toml::Value::Table(t)) => t,
+                        Some(_) => bail!("--set {s:?}: {here}.{k} is a value, not a table"),
+                        None => bail!("--set {s:?}: {here} has {len} elements, numbered from 0"),
+                    }
+                }
+                _ => bail!("--set {s:?}: {here} is a value, not a table"),
             };
+            i += 1;
         }
         at.insert(last.to_string(), value);
     }
@@ -210,6 +226,23 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::{DEMO, idle_keys, load, load_text};
+
+    /// `[[edges]]` elements are set by index; an index past them, or the array itself, is
+    /// refused naming it.
+    #[test]
+    fn an_edge_is_set_by_its_index() {
+        let set = |s: &str| load(None, &[s.to_string()]);
+        let (_, g) = set("edges.0.strategy=gather").unwrap();
+        let gather = hetpar_layout::Strategy::Gather;
+        assert!(g.edges[0].strategy == gather && g.edges[1].strategy != gather);
+        for (bad, want) in [
+            ("edges.2.strategy=gather", "edges has 2 elements, numbered from 0"),
+            ("edges.strategy=gather", "edges is an array: name an element, as edges.0.KEY"),
+        ] {
+            let e = format!("{:#}", set(bad).unwrap_err());
+            assert!(e.contains(want), "{e}");
+        }
+    }
 
     /// Keys that change nothing are named with why; the demo and keys that do act are not.
     #[test]

@@ -237,8 +237,14 @@ pub fn paths(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<Option<Pa
                 );
             }
             if path.is_dir() {
-                let held = path.join("heldout.json");
-                (path.join("train.json"), held.is_file().then_some(held))
+                let (train, held) = (path.join("train.json"), path.join("heldout.json"));
+                if !train.is_file() {
+                    anyhow::bail!(
+                        "data.path {}: a directory without train.json (a `hetpar data synth` directory holds train.json, heldout.json and tokenizer.json; or name the records file)",
+                        path.display()
+                    );
+                }
+                (train, held.is_file().then_some(held))
             } else {
                 let held = path.with_file_name("heldout.json");
                 let held = (held != path && held.is_file()).then_some(held);

@@ -20,8 +20,8 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// Also print every rank's forward and backward program for microbatch 0 (each rank's
-    /// own share, as the rank plans it to run a step).
-    #[arg(long)]
+    /// own share, as the rank plans it to run a step). Text only: not with --json.
+    #[arg(long, conflicts_with = "json")]
     programs: bool,
     /// With `--programs`: print only these ranks' programs (comma-separated or repeated),
     /// e.g. one rank of a planner config of thousands.

@@ -305,6 +305,19 @@ fn emit(wl: &Workload, plan: &Plan, path: &Path) -> anyhow::Result<()> {
             c.llm.pp
         );
     }
+    // The synthetic source draws no item a quarter of the time, else 1..=max_items, and
+    // at most what the sequence holds: its mean may fall short of the workload's.
+    let k = cfg.data.max_items;
+    let drawn = 3.0 * (k + 1) as f64 / 8.0;
+    let costed = wl.encoders.iter().map(|e| e.items_per_sample).fold(0.0, f64::max);
+    if drawn < 0.9 * costed {
+        text += &format!(
+            "# Its synthetic data draws 0..={k} items per sample and encoder ({drawn:.2} on average, where the
+# prediction costs {costed:.2}): a larger max_items could draw more than seq_len holds. A run
+# of it moves fewer encoder rows than predicted; the prediction is the workload's.
+"
+        );
+    }
     text += &cfg.to_toml();
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;

@@ -33,8 +33,9 @@ pub struct Args {
     #[arg(long)]
     pub dtype: Option<String>,
     /// Where metrics.jsonl, the resolved config and the checkpoints go (default:
-    /// runs/<name>). A fresh run (no --resume) into a directory holding an earlier run's
-    /// metrics or checkpoints moves those to OUT/earlier-N first.
+    /// runs/<name>). A run that does not go on from OUT's own checkpoints (a fresh one, or
+    /// one resumed from another run's) moves the metrics and checkpoints of a run OUT holds
+    /// to OUT/earlier-N first.
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// `local` (one thread per rank in this process) or `mpi` (one process per rank under
@@ -458,7 +459,14 @@ fn run_on(
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
     let root = out.join("checkpoints");
     let resume = resume_dir(a.resume.as_deref(), &root, lead)?;
-    let fresh = resume.is_none();
+    // Whether the run goes on with the one whose checkpoints `out` holds (rather than
+    // starting fresh or from another run's checkpoint), and the metrics it goes on from.
+    let continues = resume.as_ref().is_some_and(|d| d.parent().is_some_and(|p| same_dir(p, &root)));
+    let history = match &resume {
+        Some(_) if continues => Some(out.join("metrics.jsonl")),
+        Some(d) => d.parent().and_then(Path::parent).map(|run| run.join("metrics.jsonl")),
+        None => None,
+    };
     // The checkpoint resumed from: its directory, its config's model and the SHA-256 of
     // the tokenizer its run read.
     let mut resumed_config = None;
@@ -660,14 +668,20 @@ fn run_on(
                 one * mpi.map_or(1, |w| w.size()) as f64
             }
         };
-        if fresh && let Some(moved) = set_aside(&out)? {
+        if !continues && let Some(moved) = set_aside(&out)? {
+            let resumed = ckpt.as_ref().and_then(|k| k.resume.as_ref());
+            let why = match (resumed, a.resume.as_deref()) {
+                (Some(d), _) => format!("this run goes on from {} instead", d.display()),
+                (None, Some(_)) => "it had no committed checkpoint to go on from".to_string(),
+                (None, None) => "--resume auto continues a run instead".to_string(),
+            };
             say(&format!(
-                "note: {} held an earlier run; moved it to {} so that this fresh run's checkpoints and metrics do not mix with it (--resume auto continues a run instead)",
+                "note: {} held an earlier run; moved it to {} so that this run's checkpoints and metrics do not mix with it ({why})",
                 out.display(),
                 moved.display()
             ));
         }
-        Some(Report::create(&out, &resolved, &graph, (steps, start), peak)?)
+        Some(Report::create(&out, &resolved, &graph, (steps, start, history.as_deref()), peak)?)
     } else {
         None
     };
@@ -843,14 +857,24 @@ impl Checkpoints {
 /// the process at once (exit 130), for a run stuck in its step. Under mpirun, SIGUSR1 and
 /// SIGUSR2 are the ones to send: mpirun passes them on to every process, where a SIGTERM
 /// it follows with SIGKILL a second later.
+#[allow(unsafe_code)]
 fn stop_on_signals() -> anyhow::Result<Arc<AtomicBool>> {
     use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    const SECOND: &[u8] = b"error: a second signal: stopping at once, without committing a checkpoint (exit 130); --resume auto goes on from the latest committed one\n";
     let flag = Arc::new(AtomicBool::new(false));
     for sig in [SIGTERM, SIGINT, SIGUSR1, SIGUSR2] {
-        // The shutdown is registered first, so it fires only once the flag is set.
-        signal_hook::flag::register_conditional_shutdown(sig, 130, flag.clone())
-            .and_then(|_| signal_hook::flag::register(sig, flag.clone()))
-            .context("cannot handle SIGTERM, SIGINT, SIGUSR1 and SIGUSR2")?;
+        let seen = flag.clone();
+        // SAFETY: the action only swaps an atomic, writes a static buffer with write(2) and
+        // calls _exit, each async-signal-safe.
+        unsafe {
+            signal_hook::low_level::register(sig, move || {
+                if seen.swap(true, Ordering::SeqCst) {
+                    libc::write(2, SECOND.as_ptr().cast(), SECOND.len());
+                    signal_hook::low_level::exit(130);
+                }
+            })
+        }
+        .context("cannot handle SIGTERM, SIGINT, SIGUSR1 and SIGUSR2")?;
     }
     Ok(flag)
 }
@@ -871,12 +895,41 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
         say(&format!("note: {note}"));
     }
     if latest.is_none() && lead {
+        // A run moved aside by a fresh run into the same --out may be the one meant.
+        let moved = root.parent().and_then(|out| {
+            (1..)
+                .map(|n| out.join(format!("{EARLIER}{n}")))
+                .take_while(|d| d.exists())
+                .filter(|d| {
+                    hetpar_runtime::checkpoint::latest(&d.join("checkpoints"))
+                        .is_ok_and(|l| l.is_some())
+                })
+                .last()
+        });
+        let hint = moved.map_or_else(String::new, |d| {
+            format!(
+                " ({} holds an earlier run's checkpoints: --resume {} goes on from its latest)",
+                d.display(),
+                d.display()
+            )
+        });
         say(&format!(
-            "--resume auto: no committed checkpoint under {}, starting fresh",
+            "--resume auto: no committed checkpoint under {}, starting fresh{hint}",
             root.display()
         ));
     }
     Ok(latest)
+}
+
+/// How the directories an earlier run's files are moved to are named (`earlier-1`, ...).
+const EARLIER: &str = "earlier-";
+
+/// Whether `a` and `b` are the same directory (either may be relative, or not exist).
+fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
 }
 
 /// What a run writes under its `--out`, besides TensorBoard's event files.
@@ -884,11 +937,13 @@ const RUN_FILES: [&str; 5] =
     ["checkpoints", "metrics.jsonl", "config.toml", "loss.svg", "time.svg"];
 
 /// Moves an earlier run's files out of `out` into `out/earlier-N` (the first N free), where
-/// `out` holds its metrics or a committed checkpoint: a fresh run there would otherwise
-/// write its metrics over them, and its checkpoints would sit beside the earlier run's, where
+/// `out` holds its metrics or a committed checkpoint and this run does not go on with it
+/// (it starts fresh, or from another run's checkpoint): it would otherwise write its
+/// metrics over them, and its checkpoints would sit beside the earlier run's, where
 /// `--resume auto` could take the earlier run's latest and `--keep` could delete this run's.
-/// The moved directory is a run's `--out` as `eval`, `export` and `--resume` read one.
-/// `None` where there was nothing to move.
+/// The moved directory is a run's `--out` as `eval`, `export` and `--resume` read one, and
+/// its metrics name its checkpoints where they now are. `None` where there was nothing to
+/// move.
 fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
     let root = out.join("checkpoints");
     let saved = !hetpar_runtime::checkpoint::committed(&root)
@@ -897,8 +952,10 @@ fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
     if !saved && !out.join("metrics.jsonl").exists() {
         return Ok(None);
     }
-    let to =
-        (1..).map(|n| out.join(format!("earlier-{n}"))).find(|d| !d.exists()).expect("a free name");
+    let to = (1..)
+        .map(|n| out.join(format!("{EARLIER}{n}")))
+        .find(|d| !d.exists())
+        .expect("a free name");
     std::fs::create_dir(&to).with_context(|| format!("cannot create {}", to.display()))?;
     let events = std::fs::read_dir(out)
         .with_context(|| format!("cannot read {}", out.display()))?
@@ -912,6 +969,27 @@ fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
             std::fs::rename(&from, to.join(&name))
                 .with_context(|| format!("cannot move {} into {}", from.display(), to.display()))?;
         }
+    }
+    // The checkpoints' lines named them under `root`.
+    let metrics = to.join("metrics.jsonl");
+    if let Ok(text) = std::fs::read_to_string(&metrics) {
+        let (was, now) = (root.display().to_string(), to.join("checkpoints").display().to_string());
+        let moved: String = text
+            .lines()
+            .map(|l| {
+                let mut v = serde_json::from_str::<serde_json::Value>(l).ok();
+                let dir = v.as_mut().and_then(|v| v.pointer_mut("/checkpoint/dir"));
+                match dir.and_then(|d| Some((d.as_str()?.strip_prefix(&was)?.to_string(), d))) {
+                    Some((rest, d)) => {
+                        *d = serde_json::Value::String(format!("{now}{rest}"));
+                        format!("{}\n", v.expect("parsed"))
+                    }
+                    None => format!("{l}\n"),
+                }
+            })
+            .collect();
+        std::fs::write(&metrics, moved)
+            .with_context(|| format!("cannot write {}", metrics.display()))?;
     }
     Ok(Some(to))
 }
@@ -1065,11 +1143,13 @@ fn resumed_from(dir: &Path, m: &hetpar_runtime::checkpoint::Manifest, steps: usi
 impl Report {
     /// The output directory with the resolved config and an empty `metrics.jsonl`, and the
     /// progress bar when stderr is a terminal.
+    /// A resumed run keeps the lines of the steps before `start` from `history` (the
+    /// metrics of the run it goes on from).
     fn create(
         out: &Path,
         resolved: &str,
         graph: &ModelGraph,
-        (steps, start): (usize, usize),
+        (steps, start, history): (usize, usize, Option<&Path>),
         peak: f64,
     ) -> anyhow::Result<Report> {
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
@@ -1077,8 +1157,8 @@ impl Report {
             .with_context(|| format!("cannot write {}", out.join("config.toml").display()))?;
         // A resumed run keeps the lines of the steps before it, so no step appears twice.
         let path = out.join("metrics.jsonl");
-        let kept: Vec<String> = if start > 0 {
-            std::fs::read_to_string(&path)
+        let kept: Vec<String> = if let Some(history) = history.filter(|_| start > 0) {
+            std::fs::read_to_string(history)
                 .unwrap_or_default()
                 .lines()
                 .filter(|l| {

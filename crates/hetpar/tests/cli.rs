@@ -279,6 +279,10 @@ fn bad_command_lines_are_one_line() {
             &["plan", "w.toml", "--top", "abc"],
             "error: invalid value 'abc' for '--top <TOP>': invalid digit found in string (see hetpar plan --help)",
         ),
+        (
+            &["layout", "examples/demo.toml", "--json", "--programs"],
+            "error: the argument '--json' cannot be used with '--programs' (see hetpar layout --help)",
+        ),
     ] {
         let out = hetpar(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
@@ -554,6 +558,8 @@ fn plan_json_has_the_interface_fields_and_emits_a_config_layout_accepts() {
     assert!(v["why"].as_array().is_some_and(|w| !w.is_empty()));
     let text = std::fs::read_to_string(&cfg).expect("emitted");
     assert!(text.starts_with("# Written by `hetpar plan`"), "{text}");
+    // Its synthetic items fall short of the workload's, and it says so.
+    assert!(text.contains("# Its synthetic data draws 0..="), "{text}");
     let layout = stdout(&hetpar(&["layout", cfg.to_str().expect("utf-8")]));
     assert!(layout.contains("llm"), "{layout}");
 }
@@ -1382,6 +1388,15 @@ fn losses(out: &Path) -> Vec<(u64, f64)> {
 /// Starts `hetpar train` on the in-memory example for `steps` steps into `out` and waits until its
 /// metrics hold `lines` steps.
 fn start_training(out: &Path, steps: &str, extra: &[&str], lines: usize) -> std::process::Child {
+    start_training_to(out, (steps, extra, lines), std::process::Stdio::null())
+}
+
+/// [`start_training`] with its stderr sent to `stderr`.
+fn start_training_to(
+    out: &Path,
+    (steps, extra, lines): (&str, &[&str], usize),
+    stderr: std::process::Stdio,
+) -> std::process::Child {
     let mut args =
         vec!["train", IN_MEMORY, "--steps", steps, "--out", out.to_str().expect("utf-8")];
     args.extend(extra);
@@ -1389,7 +1404,7 @@ fn start_training(out: &Path, steps: &str, extra: &[&str], lines: usize) -> std:
         .args(&args)
         .current_dir(root())
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(stderr)
         .spawn()
         .expect("hetpar starts");
     let start = std::time::Instant::now();
@@ -1400,6 +1415,32 @@ fn start_training(out: &Path, steps: &str, extra: &[&str], lines: usize) -> std:
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     child
+}
+
+/// A second signal while the run finishes its step after the first ends it at once, exit
+/// 130, saying so on stderr.
+#[test]
+fn a_second_signal_stops_at_once_and_says_so() {
+    let tmp = temp("second-signal");
+    let out = tmp.path().join("run");
+    let slow = ["--set", "modules.llm.layers=40"];
+    let child = start_training_to(&out, ("100000", &slow, 2), std::process::Stdio::piped());
+    // Each of the model's steps takes some 100 ms or more; the second signal comes well
+    // inside the step the first lets finish.
+    let pid = child.id().to_string();
+    for _ in 0..2 {
+        assert!(Command::new("kill").args(["-INT", &pid]).status().expect("kill").success());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let done = child.wait_with_output().expect("exits");
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains(
+            "error: a second signal: stopping at once, without committing a checkpoint (exit 130)"
+        ),
+        "{err}"
+    );
 }
 
 /// SIGTERM mid-run: every rank finishes its step, a checkpoint is committed and the run
@@ -1601,6 +1642,30 @@ fn a_fresh_run_moves_an_earlier_run_aside() {
             && text.contains("resuming from "),
         "{text}"
     );
+    // Going on from another run's checkpoint, the run moves the one in --out aside too, and
+    // its metrics go on from the other run's.
+    assert!(text.contains("moved it to") && text.contains("this run goes on from"), "{text}");
+    assert_eq!(steps(dir), ["step-00000004"]);
+    assert_eq!(steps(&dir.join("earlier-3")), ["step-00000001"]);
+    let kept: Vec<u64> = losses(dir).iter().map(|l| l.0).collect();
+    assert_eq!(kept, [0, 1, 2, 3]);
+    // A moved run's metrics name its checkpoints where they now are.
+    let dirs: Vec<String> = metrics(&earlier)
+        .iter()
+        .filter_map(|v| v.pointer("/checkpoint/dir").and_then(Value::as_str).map(String::from))
+        .collect();
+    assert_eq!(dirs, [earlier.join("checkpoints/step-00000003").display().to_string()]);
+    // With no checkpoint of its own, `--resume auto` names the newest moved run that has.
+    std::fs::remove_dir_all(dir.join("checkpoints")).expect("removed");
+    let args = ["train", IN_MEMORY, "--steps", "1", "--out", out, "--resume", "auto"];
+    let text = stdout(&hetpar(&args));
+    let moved = dir.join("earlier-3").display().to_string();
+    assert!(
+        text.contains(&format!(
+            "starting fresh ({moved} holds an earlier run's checkpoints: --resume {moved} goes on from its latest)"
+        )) && text.contains("(it had no committed checkpoint to go on from)"),
+        "{text}"
+    );
 }
 
 /// The saved config holds the steps the run was given (its learning-rate schedule ran over
@@ -1650,6 +1715,20 @@ fn a_missing_data_path_is_named() {
     );
     let said = String::from_utf8(run.stdout).expect("utf-8");
     assert!(!said.contains("resolved config"), "{said}");
+    // A directory without the records is named so, not through its missing tokenizer.
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir_all(&empty).expect("a directory");
+    let set = format!("data.path={:?}", empty.display().to_string());
+    let run = hetpar(&[&args[..], &["--set", "data.source=\"llava\"", "--set", &set]].concat());
+    let err = String::from_utf8(run.stderr).expect("utf-8");
+    assert!(
+        run.status.code() == Some(1)
+            && err.contains(&format!(
+                "data.path {}: a directory without train.json",
+                empty.display()
+            )),
+        "{err}"
+    );
 }
 
 /// A module trained frozen and then unfrozen on resume (LLaVA's second stage trains what
