@@ -190,9 +190,51 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         hw.description = format!("{}; here {g} per node, as the workload says", hw.description);
     }
     let start = Instant::now();
-    let plan = search(&wl, &hw, a.top).with_context(|| name.clone())?;
+    let searched = search(&wl, &hw, a.top);
+    // An awkward count may run faster with some GPUs idle: the round count below it is
+    // searched too, and named where its step is shorter (or where all of them have no
+    // layout at all).
+    let fewer = fewer_gpus(wl.gpus, hw.gpus_per_node).and_then(|m| {
+        let plan = search(&wl.clone().with_gpus(m).ok()?, &hw, 1).ok()?;
+        let best = plan.winner()?;
+        let faster = match &searched {
+            Ok(all) => {
+                all.winner().is_none_or(|w| best.prediction.step_time_s < w.prediction.step_time_s)
+            }
+            Err(_) => true,
+        };
+        faster.then(|| Fewer {
+            gpus: m,
+            kind: best.candidate.kind.name(),
+            step_s: best.prediction.step_time_s,
+        })
+    });
+    let plan = match searched {
+        Ok(plan) => plan,
+        Err(e) => {
+            let hint = fewer.as_ref().map_or_else(String::new, |f| {
+                format!(
+                    " ({} of them plan: {} at {:.3} s a step, --gpus {})",
+                    f.gpus, f.kind, f.step_s, f.gpus
+                )
+            });
+            return Err(anyhow::anyhow!("{e}{hint}")).with_context(|| name.clone());
+        }
+    };
     let elapsed = start.elapsed();
-    let why = explain(&wl, &hw, &plan);
+    let mut why = explain(&wl, &hw, &plan);
+    if let (Some(f), Some(w)) = (&fewer, plan.winner()) {
+        why.push(format!(
+            "on {} of the {} GPUs ({} idle) the best layout, {}, takes {:.3} s a step against {:.3} s on all of them: --gpus {} plans it",
+            f.gpus,
+            wl.gpus,
+            wl.gpus - f.gpus,
+            f.kind,
+            f.step_s,
+            w.prediction.step_time_s,
+            f.gpus
+        ));
+    }
     if let Some(path) = &a.emit_config {
         emit(&wl, &plan, path)?;
     }
@@ -219,6 +261,21 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     print_table(&wl, &hw, &plan, elapsed, &why);
     Ok(())
+}
+
+/// The best layout on fewer GPUs than asked for, where it is faster.
+struct Fewer {
+    gpus: usize,
+    kind: &'static str,
+    step_s: f64,
+}
+
+/// The round GPU count below an awkward `n`: the whole nodes of `n` (`per_node` GPUs
+/// each), or below one node the largest power of two; `None` where `n` is round already.
+fn fewer_gpus(n: usize, per_node: usize) -> Option<usize> {
+    let nodes = n / per_node.max(1) * per_node.max(1);
+    let m = if nodes > 0 { nodes } else { 1 << n.ilog2() };
+    (m < n).then_some(m)
 }
 
 fn print_table(wl: &Workload, hw: &Hardware, plan: &Plan, elapsed: Duration, why: &[String]) {

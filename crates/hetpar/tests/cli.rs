@@ -443,6 +443,25 @@ fn plan_text_of_a_published_workload() {
     expect_file!["snapshots/plan-mm-3b-14b-8k.txt"].assert_eq(&text);
 }
 
+/// An awkward GPU count is compared with the whole nodes below it: 33 GPUs plan slower than
+/// 32 with one idle, which the explanation says; 31 have no layout, and the error names
+/// what 24 of them plan.
+#[test]
+fn an_awkward_gpu_count_is_compared_with_fewer() {
+    let wl = "examples/workloads/mm-1b-7b-8k.toml";
+    let text = stdout(&hetpar(&["plan", wl, "--gpus", "33"]));
+    assert!(text.contains("\non 32 of the 33 GPUs (1 idle) the best layout, "), "{text}");
+    assert!(text.contains("on all of them: --gpus 32 plans it\n"), "{text}");
+    let out = hetpar(&["plan", wl, "--gpus", "31"]);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no valid layout of mm-1b-7b-8k on 31 GPUs"), "{err}");
+    assert!(err.contains(" (24 of them plan: ") && err.contains(", --gpus 24)"), "{err}");
+    // A round count is not compared.
+    let text = stdout(&hetpar(&["plan", wl, "--gpus", "32"]));
+    assert!(!text.contains(" idle) "), "{text}");
+}
+
 /// A workload's `[cluster] gpus_per_node` replaces its hardware's node size: on nodes of
 /// one GPU every collective crosses the network, and every kind of layout plans slower.
 #[test]
