@@ -467,11 +467,12 @@ fn colocated_encoders(wl: &Workload, llm: &Choice) -> Vec<Vec<Choice>> {
 }
 
 /// Island sizes worth trying for a block of `block` ranks (one replica's tp x cp x pp) out of
-/// `n`: every `dp` whose island is a power of two or a whole number of nodes, or divides the
-/// microbatch `mb` (islands of other sizes only split nodes unevenly). With several encoders
-/// (`several`) their sizes multiply, and whole nodes give thousands of near-equal splits
-/// on a large cluster: a power of two or three times one (each size within 1.5x of the
-/// next), or a `dp` dividing the microbatch.
+/// `n`: every `dp` whose island is a power of two or a whole number of nodes, or leaves the
+/// LLM whole nodes (on 31 GPUs of 8 a node, an island of 7 next to an LLM on 24), or
+/// divides the microbatch `mb` (islands of other sizes only split nodes unevenly). With
+/// several encoders (`several`) their sizes multiply, and whole nodes give thousands of
+/// near-equal splits on a large cluster: a power of two or three times one (each size
+/// within 1.5x of the next), or a `dp` dividing the microbatch.
 fn island_dps(block: usize, n: usize, mb: usize, per_node: usize, several: bool) -> Vec<usize> {
     let geometric = |size: usize| {
         size.is_power_of_two() || (size.is_multiple_of(3) && (size / 3).is_power_of_two())
@@ -479,7 +480,11 @@ fn island_dps(block: usize, n: usize, mb: usize, per_node: usize, several: bool)
     (1..n.div_ceil(block))
         .filter(|&dp| {
             let size = dp * block;
-            let sized = if several { geometric(size) } else { size.is_multiple_of(per_node) };
+            let sized = if several {
+                geometric(size)
+            } else {
+                size.is_multiple_of(per_node) || (n - size).is_multiple_of(per_node)
+            };
             size.is_power_of_two() || sized || mb.is_multiple_of(dp)
         })
         .collect()

@@ -124,8 +124,11 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         );
     }
     let local = a.backend == "local";
-    if local && a.ranks.contains(&0) {
-        bail!("--ranks must be at least 1 (got {:?})", a.ranks);
+    if local && a.ranks.iter().any(|&r| r < 2) {
+        bail!(
+            "--ranks must be at least 2 (got {:?}): one rank's collectives move no bytes between ranks",
+            a.ranks
+        );
     }
     // Each rank holds a message and a result buffer (the local backend's ranks all in this
     // process, and its copy measurements two threads' worth; an MPI rank its own): refused
