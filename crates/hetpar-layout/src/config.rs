@@ -515,11 +515,14 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
         let at_header =
             text[..offset].rsplit('\n').next().is_some_and(|l| l.trim().starts_with('['))
                 || text[offset..].starts_with('[');
+        // Only at the top level (whose fields are the file's tables, `modules` among them):
+        // `[train.train]` is an unknown key of `[train]`.
         let unknown_table = message
             .strip_prefix("unknown field `")
             .and_then(|rest| rest.split_once('`'))
-            .filter(|(name, _)| {
+            .filter(|(name, tail)| {
                 at_header
+                    && tail.contains("`modules`")
                     && table.is_some_and(|t| {
                         let t = t.trim_start_matches('[');
                         t.strip_prefix(*name).is_some_and(|r| r.starts_with([']', '.']))
@@ -530,10 +533,12 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
             (Some(table), None) => format!("line {line}, in {table}"),
             _ => format!("line {line}"),
         };
+        // The suggestion reads the message as serde wrote it.
+        let known = did_you_mean(&message);
         if let Some(m) = unknown_table {
             message = m;
         }
-        let message = match did_you_mean(&message) {
+        let message = match known {
             Some(known) => format!("{message} (did you mean `{known}`?)"),
             None => message,
         };
@@ -660,6 +665,11 @@ tp = 2
                 MINIMAL.replace("global_batch = 8", "train = 1"),
                 "line 4, in [train]: unknown field `train`",
             ),
+            (
+                format!("{MINIMAL}[train.train]\na = 1\n"),
+                "line 17, in [train.train]: unknown field `train`",
+            ),
+            (format!("{MINIMAL}[trian]\na = 1\n"), "line 17: unknown table `[trian]`"),
         ] {
             let e = Config::from_toml(&text).expect_err(want).to_string();
             assert!(e.starts_with(want), "{e}");

@@ -203,7 +203,12 @@ pub fn apply(text: &str, sets: &[String]) -> anyhow::Result<String> {
                 toml::Value::Array(array) => {
                     let len = array.len();
                     let Some(k) = tables.get(i + 1).and_then(|p| p.parse::<usize>().ok()) else {
-                        bail!("--set {s:?}: {here} is an array: name an element, as {here}.0.KEY")
+                        if array.iter().all(toml::Value::is_table) {
+                            bail!(
+                                "--set {s:?}: {here} is an array of tables: set a key of one element, as {here}.0.KEY"
+                            )
+                        }
+                        bail!("--set {s:?}: {here} is an array: set it whole, as {here}=[...]")
                     };
                     i += 1;
                     match array.get_mut(k) {
@@ -237,7 +242,15 @@ mod tests {
         assert!(g.edges[0].strategy == gather && g.edges[1].strategy != gather);
         for (bad, want) in [
             ("edges.2.strategy=gather", "edges has 2 elements, numbered from 0"),
-            ("edges.strategy=gather", "edges is an array: name an element, as edges.0.KEY"),
+            (
+                "edges.strategy=gather",
+                "edges is an array of tables: set a key of one element, as edges.0.KEY",
+            ),
+            ("edges.0=1", "edges is an array of tables: set a key of one element"),
+            (
+                "modules.llm.parallel.ranks.0=1",
+                "ranks is an array: set it whole, as modules.llm.parallel.ranks=[...]",
+            ),
         ] {
             let e = format!("{:#}", set(bad).unwrap_err());
             assert!(e.contains(want), "{e}");

@@ -191,6 +191,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     }
     let start = Instant::now();
     let searched = search(&wl, &hw, a.top);
+    let elapsed = start.elapsed();
     // An awkward count may run faster with some GPUs idle: the round count below it is
     // searched too, and named where its step is shorter (or where all of them have no
     // layout at all).
@@ -221,7 +222,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             return Err(anyhow::anyhow!("{e}{hint}")).with_context(|| name.clone());
         }
     };
-    let elapsed = start.elapsed();
     let mut why = explain(&wl, &hw, &plan);
     if let (Some(f), Some(w)) = (&fewer, plan.winner()) {
         why.push(format!(

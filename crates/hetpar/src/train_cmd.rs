@@ -461,8 +461,11 @@ fn run_on(
     let resume = resume_dir(a.resume.as_deref(), &root, lead)?;
     // Whether the run goes on with the one whose checkpoints `out` holds (rather than
     // starting fresh or from another run's checkpoint), and the metrics it goes on from.
-    let continues = resume.as_ref().is_some_and(|d| d.parent().is_some_and(|p| same_dir(p, &root)));
-    let history = match &resume {
+    // The checkpoint is resolved first (a link to it, a path relative to where the command
+    // runs): its run is where it really lies.
+    let real = resume.as_ref().map(|d| d.canonicalize().unwrap_or_else(|_| d.clone()));
+    let continues = real.as_ref().is_some_and(|d| d.parent().is_some_and(|p| same_dir(p, &root)));
+    let mut history = match &real {
         Some(_) if continues => Some(out.join("metrics.jsonl")),
         Some(d) => d.parent().and_then(Path::parent).map(|run| run.join("metrics.jsonl")),
         None => None,
@@ -668,8 +671,20 @@ fn run_on(
                 one * mpi.map_or(1, |w| w.size()) as f64
             }
         };
-        if !continues && let Some(moved) = set_aside(&out)? {
-            let resumed = ckpt.as_ref().and_then(|k| k.resume.as_ref());
+        let resumed = ckpt.as_ref().and_then(|k| k.resume.as_ref());
+        if continues {
+            // Gone back to an earlier checkpoint of the run: the ones past it are another
+            // branch, kept apart so that `--keep` and `--resume auto` see only this one.
+            if let Some((moved, past)) = set_aside_past(&out, start)? {
+                say(&format!(
+                    "note: {} held {past} checkpoint{} past step {start}, the one this run goes on from; moved {} to {} with the run's metrics so far, so that this run's checkpoints do not mix with them",
+                    out.join("checkpoints").display(),
+                    if past == 1 { "" } else { "s" },
+                    if past == 1 { "it" } else { "them" },
+                    moved.display()
+                ));
+            }
+        } else if let Some(moved) = set_aside(&out)? {
             let why = match (resumed, a.resume.as_deref()) {
                 (Some(d), _) => format!("this run goes on from {} instead", d.display()),
                 (None, Some(_)) => "it had no committed checkpoint to go on from".to_string(),
@@ -680,6 +695,10 @@ fn run_on(
                 out.display(),
                 moved.display()
             ));
+            // A checkpoint kept elsewhere in --out goes on with the metrics just moved.
+            if history.as_deref().is_some_and(|h| h == out.join("metrics.jsonl")) {
+                history = Some(moved.join("metrics.jsonl"));
+            }
         }
         Some(Report::create(&out, &resolved, &graph, (steps, start, history.as_deref()), peak)?)
     } else {
@@ -897,14 +916,10 @@ fn resume_dir(flag: Option<&str>, root: &Path, lead: bool) -> anyhow::Result<Opt
     if latest.is_none() && lead {
         // A run moved aside by a fresh run into the same --out may be the one meant.
         let moved = root.parent().and_then(|out| {
-            (1..)
-                .map(|n| out.join(format!("{EARLIER}{n}")))
-                .take_while(|d| d.exists())
-                .filter(|d| {
-                    hetpar_runtime::checkpoint::latest(&d.join("checkpoints"))
-                        .is_ok_and(|l| l.is_some())
-                })
-                .last()
+            earlier_runs(out).into_iter().rev().map(|(_, d)| d).find(|d| {
+                hetpar_runtime::checkpoint::latest(&d.join("checkpoints"))
+                    .is_ok_and(|l| l.is_some())
+            })
         });
         let hint = moved.map_or_else(String::new, |d| {
             format!(
@@ -932,6 +947,113 @@ fn same_dir(a: &Path, b: &Path) -> bool {
     }
 }
 
+/// The runs moved aside under `out`, `(N, out/earlier-N)` by N (the order they were moved).
+fn earlier_runs(out: &Path) -> Vec<(usize, PathBuf)> {
+    let mut runs: Vec<(usize, PathBuf)> = std::fs::read_dir(out)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| {
+                    let n = e.file_name().to_string_lossy().strip_prefix(EARLIER)?.parse().ok()?;
+                    Some((n, e.path()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    runs.sort();
+    runs
+}
+
+/// A new `out/earlier-N` for a run's files, numbered after every one there.
+fn new_earlier(out: &Path) -> anyhow::Result<PathBuf> {
+    let n = earlier_runs(out).last().map_or(1, |(n, _)| n + 1);
+    let to = out.join(format!("{EARLIER}{n}"));
+    std::fs::create_dir(&to).with_context(|| format!("cannot create {}", to.display()))?;
+    Ok(to)
+}
+
+/// Refuses to move `root` where it is a link (to a scratch filesystem, say): renaming
+/// the link would have the next checkpoints written beside it, off the filesystem it
+/// points at.
+fn not_a_link(root: &Path) -> anyhow::Result<()> {
+    if std::fs::symlink_metadata(root).is_ok_and(|m| m.file_type().is_symlink()) {
+        bail!(
+            "{} is a link and holds an earlier run's checkpoints, which a fresh run would mix with its own: --resume auto continues that run; otherwise move them out of the directory it links to first",
+            root.display()
+        );
+    }
+    Ok(())
+}
+
+/// Writes `lines` to `path` whole or not at all (a temporary file renamed over it).
+fn write_whole(path: &Path, lines: &str) -> anyhow::Result<()> {
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, lines)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// `metrics`' checkpoint lines with the directories under `from` (the checkpoints as they
+/// were, however the run spelt its `--out`) that `moved` keeps named under `to`.
+fn rebase_checkpoints(
+    metrics: &str,
+    (from, to): (&Path, &Path),
+    moved: &dyn Fn(&std::ffi::OsStr) -> bool,
+) -> String {
+    let from = from.canonicalize().unwrap_or_else(|_| from.to_path_buf());
+    metrics
+        .lines()
+        .map(|l| {
+            let mut v = serde_json::from_str::<serde_json::Value>(l).ok();
+            let dir = v.as_mut().and_then(|v| v.pointer_mut("/checkpoint/dir"));
+            let under = |d: &str| {
+                let d = Path::new(d);
+                let parent = d.parent()?.canonicalize().ok()?;
+                let name = d.file_name()?;
+                (parent == from && moved(name)).then(|| to.join(name).display().to_string())
+            };
+            match dir.and_then(|d| Some((under(d.as_str()?)?, d))) {
+                Some((now, d)) => {
+                    *d = serde_json::Value::String(now);
+                    format!("{}\n", v.expect("parsed"))
+                }
+                None => format!("{l}\n"),
+            }
+        })
+        .collect()
+}
+
+/// Moves the checkpoints under `out/checkpoints` past step `start` (a branch of the run
+/// that a resume from step `start` leaves) to a new `out/earlier-N/checkpoints`, with a
+/// copy of the run's metrics so far; the number moved. `None` where there are none.
+fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, usize)>> {
+    let root = out.join("checkpoints");
+    let past: Vec<(usize, PathBuf)> = hetpar_runtime::checkpoint::committed(&root)
+        .with_context(|| format!("cannot read {}", root.display()))?
+        .into_iter()
+        .filter(|(s, _)| *s > start)
+        .collect();
+    let Some((newest, _)) = past.last() else { return Ok(None) };
+    let to = new_earlier(out)?;
+    let moved = to.join("checkpoints");
+    std::fs::create_dir(&moved).with_context(|| format!("cannot create {}", moved.display()))?;
+    let metrics = out.join("metrics.jsonl");
+    if let Ok(text) = std::fs::read_to_string(&metrics) {
+        let past_dir = |n: &std::ffi::OsStr| past.iter().any(|(_, d)| d.file_name() == Some(n));
+        write_whole(
+            &to.join("metrics.jsonl"),
+            &rebase_checkpoints(&text, (&root, &moved), &past_dir),
+        )?;
+    }
+    for (_, dir) in &past {
+        let name = dir.file_name().expect("a step directory");
+        std::fs::rename(dir, moved.join(name))
+            .with_context(|| format!("cannot move {} into {}", dir.display(), moved.display()))?;
+    }
+    std::fs::write(moved.join("latest"), hetpar_runtime::checkpoint::dir_name(*newest))
+        .with_context(|| format!("cannot write {}", moved.join("latest").display()))?;
+    Ok(Some((to, past.len())))
+}
+
 /// What a run writes under its `--out`, besides TensorBoard's event files.
 const RUN_FILES: [&str; 5] =
     ["checkpoints", "metrics.jsonl", "config.toml", "loss.svg", "time.svg"];
@@ -952,11 +1074,14 @@ fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
     if !saved && !out.join("metrics.jsonl").exists() {
         return Ok(None);
     }
-    let to = (1..)
-        .map(|n| out.join(format!("{EARLIER}{n}")))
-        .find(|d| !d.exists())
-        .expect("a free name");
-    std::fs::create_dir(&to).with_context(|| format!("cannot create {}", to.display()))?;
+    if saved {
+        not_a_link(&root)?;
+    }
+    // The checkpoints' lines are named where they will be, while they are still there.
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).ok();
+    let to = new_earlier(out)?;
+    let metrics =
+        metrics.map(|m| rebase_checkpoints(&m, (&root, &to.join("checkpoints")), &|_| true));
     let events = std::fs::read_dir(out)
         .with_context(|| format!("cannot read {}", out.display()))?
         .flatten()
@@ -970,26 +1095,8 @@ fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
                 .with_context(|| format!("cannot move {} into {}", from.display(), to.display()))?;
         }
     }
-    // The checkpoints' lines named them under `root`.
-    let metrics = to.join("metrics.jsonl");
-    if let Ok(text) = std::fs::read_to_string(&metrics) {
-        let (was, now) = (root.display().to_string(), to.join("checkpoints").display().to_string());
-        let moved: String = text
-            .lines()
-            .map(|l| {
-                let mut v = serde_json::from_str::<serde_json::Value>(l).ok();
-                let dir = v.as_mut().and_then(|v| v.pointer_mut("/checkpoint/dir"));
-                match dir.and_then(|d| Some((d.as_str()?.strip_prefix(&was)?.to_string(), d))) {
-                    Some((rest, d)) => {
-                        *d = serde_json::Value::String(format!("{now}{rest}"));
-                        format!("{}\n", v.expect("parsed"))
-                    }
-                    None => format!("{l}\n"),
-                }
-            })
-            .collect();
-        std::fs::write(&metrics, moved)
-            .with_context(|| format!("cannot write {}", metrics.display()))?;
+    if let Some(m) = metrics {
+        write_whole(&to.join("metrics.jsonl"), &m)?;
     }
     Ok(Some(to))
 }

@@ -1688,6 +1688,47 @@ fn a_fresh_run_moves_an_earlier_run_aside() {
     );
 }
 
+/// A run that goes back to an earlier checkpoint of its own --out moves the checkpoints
+/// past it aside (a branch it leaves), so `--keep` and `--resume auto` see one run; a
+/// checkpoint named through a link is the run's own, and nothing of it moves.
+#[test]
+fn going_back_to_an_earlier_checkpoint_moves_the_later_ones_aside() {
+    let tmp = temp("rewind");
+    let dir = tmp.path().join("run");
+    let out = dir.to_str().expect("utf-8");
+    let train = |steps: &str, more: &[&str]| {
+        let args = ["train", IN_MEMORY, "--steps", steps, "--out", out];
+        stdout(&hetpar(&[&args[..], more].concat()))
+    };
+    train("3", &["--save-every", "1", "--keep", "0"]);
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(dir.join("checkpoints/step-00000003"), &link).expect("link");
+    let text = train("4", &["--resume", link.to_str().expect("utf-8"), "--keep", "0"]);
+    assert!(!text.contains("moved"), "{text}");
+    let first = dir.join("checkpoints/step-00000001");
+    let text = train("5", &["--resume", first.to_str().expect("utf-8")]);
+    assert!(
+        text.contains(
+            "held 3 checkpoints past step 1, the one this run goes on from; moved them to "
+        ),
+        "{text}"
+    );
+    let names = |d: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&dir.join("checkpoints")), ["latest", "step-00000001", "step-00000005"]);
+    let moved = dir.join("earlier-1/checkpoints");
+    assert_eq!(names(&moved), ["latest", "step-00000002", "step-00000003", "step-00000004"]);
+    assert_eq!(std::fs::read_to_string(moved.join("latest")).expect("latest"), "step-00000004");
+    let kept: Vec<u64> = losses(&dir).iter().map(|l| l.0).collect();
+    assert_eq!(kept, [0, 1, 2, 3, 4]);
+}
+
 /// The saved config holds the steps the run was given (its learning-rate schedule ran over
 /// them), and a finished run submitted again has nothing to do: it says so, exits 0 and
 /// writes nothing.
