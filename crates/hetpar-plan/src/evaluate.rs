@@ -249,7 +249,15 @@ impl<'a> Evaluator<'a> {
         for (i, ch) in c.encoders.iter().enumerate() {
             let e = &wl.encoders[i];
             if c.kind == Kind::Homogeneous {
-                check_choice(&e.shape.name, &Choice { tp: l.tp, cp: 1, ..*ch }, &e.shape, e.seq)?;
+                // Costed at cp 1 (each CP rank encodes its items whole), but written on the
+                // LLM's grid, its cp included, so its items' rows must split as a config
+                // requires there.
+                check_choice(
+                    &e.shape.name,
+                    &Choice { tp: l.tp, cp: l.cp, ..*ch },
+                    &e.shape,
+                    e.seq,
+                )?;
                 continue;
             }
             check_choice(&e.shape.name, ch, &e.shape, e.seq)?;

@@ -232,3 +232,22 @@ fn a_short_sequence_plans_without_context_parallelism() {
         }
     }
 }
+
+/// A homogeneous candidate's encoders are written on the LLM's grid, cp included: with the
+/// LLM at tp 4 cp 2, the audio encoder's 1,500 rows per clip do not split into 8 parts, so
+/// no homogeneous layout is offered (one was, and its emitted config was refused).
+#[test]
+fn every_homogeneous_answer_emits_a_config_under_context_parallelism() {
+    let hw = builtin("h100").expect("h100");
+    let mut wl = workload("vision-audio-8b").expect("workload");
+    wl.llm_pinned.tp = Some(4);
+    wl.llm_pinned.cp = Some(2);
+    let plan = search(&wl, &hw, 2).expect("a plan");
+    for ranked in plan.best.values() {
+        for r in ranked {
+            let cfg = emit::config(&wl, &r.candidate).expect("emits");
+            ModelGraph::from_config(&cfg).expect("validates");
+        }
+    }
+    assert!(plan.best.get(&Kind::Homogeneous).is_none_or(Vec::is_empty));
+}
