@@ -509,20 +509,16 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
         let offset = e.span().map(|s| s.start).unwrap_or(0).min(text.len());
         let line = text[..offset].matches('\n').count() + 1;
         let table = enclosing_table(text, offset);
-        let mut message = in_words(&e.message().trim().replace('\n', " "));
-        // A table the file should not have is reported at its header as an unknown field
-        // of the one around it (`in [bogus]: unknown field `bogus``): said as a table.
-        let at_header =
-            text[..offset].rsplit('\n').next().is_some_and(|l| l.trim().starts_with('['))
-                || text[offset..].starts_with('[');
-        // Only at the top level (whose fields are the file's tables, `modules` among them):
-        // `[train.train]` is an unknown key of `[train]`.
+        let message = in_words(&e.message().trim().replace('\n', " "));
+        // A table the file should not have is reported as an unknown field of the top level
+        // (whose fields are the file's tables, `modules` among them) at the table's header
+        // (`in [bogus]: unknown field `bogus``): said as a table. `[train.train]` is an
+        // unknown key of `[train]`, whose fields are others.
         let unknown_table = message
             .strip_prefix("unknown field `")
             .and_then(|rest| rest.split_once('`'))
             .filter(|(name, tail)| {
-                at_header
-                    && tail.contains("`modules`")
+                tail.contains("`modules`")
                     && table.is_some_and(|t| {
                         let t = t.trim_start_matches('[');
                         t.strip_prefix(*name).is_some_and(|r| r.starts_with([']', '.']))
@@ -535,9 +531,7 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
         };
         // The suggestion reads the message as serde wrote it.
         let known = did_you_mean(&message);
-        if let Some(m) = unknown_table {
-            message = m;
-        }
+        let message = unknown_table.unwrap_or(message);
         let message = match known {
             Some(known) => format!("{message} (did you mean `{known}`?)"),
             None => message,

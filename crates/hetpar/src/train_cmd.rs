@@ -1058,7 +1058,7 @@ fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, u
 const RUN_FILES: [&str; 5] =
     ["checkpoints", "metrics.jsonl", "config.toml", "loss.svg", "time.svg"];
 
-/// Moves an earlier run's files out of `out` into `out/earlier-N` (the first N free), where
+/// Moves an earlier run's files out of `out` into a new `out/earlier-N` ([`new_earlier`]), where
 /// `out` holds its metrics or a committed checkpoint and this run does not go on with it
 /// (it starts fresh, or from another run's checkpoint): it would otherwise write its
 /// metrics over them, and its checkpoints would sit beside the earlier run's, where

@@ -1397,6 +1397,16 @@ fn metrics(out: &Path) -> Vec<Value> {
 }
 
 /// Losses per step of a run's metrics.jsonl, in file order (its checkpoint lines left out).
+/// The names in directory `d`, sorted.
+fn entries(d: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(d)
+        .unwrap_or_else(|e| panic!("{}: {e}", d.display()))
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
 fn losses(out: &Path) -> Vec<(u64, f64)> {
     metrics(out)
         .iter()
@@ -1628,13 +1638,7 @@ fn a_fresh_run_moves_an_earlier_run_aside() {
         "{text}"
     );
     let steps = |d: &Path| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(d.join("checkpoints"))
-            .expect("checkpoints")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with("step-"))
-            .collect();
-        v.sort();
-        v
+        entries(&d.join("checkpoints")).into_iter().filter(|n| n.starts_with("step-")).collect()
     };
     assert_eq!(steps(dir), ["step-00000001"]);
     assert_eq!(steps(&earlier), ["step-00000003"]);
@@ -1713,17 +1717,9 @@ fn going_back_to_an_earlier_checkpoint_moves_the_later_ones_aside() {
         ),
         "{text}"
     );
-    let names = |d: &Path| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(d)
-            .expect("dir")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    };
-    assert_eq!(names(&dir.join("checkpoints")), ["latest", "step-00000001", "step-00000005"]);
+    assert_eq!(entries(&dir.join("checkpoints")), ["latest", "step-00000001", "step-00000005"]);
     let moved = dir.join("earlier-1/checkpoints");
-    assert_eq!(names(&moved), ["latest", "step-00000002", "step-00000003", "step-00000004"]);
+    assert_eq!(entries(&moved), ["latest", "step-00000002", "step-00000003", "step-00000004"]);
     assert_eq!(std::fs::read_to_string(moved.join("latest")).expect("latest"), "step-00000004");
     let kept: Vec<u64> = losses(&dir).iter().map(|l| l.0).collect();
     assert_eq!(kept, [0, 1, 2, 3, 4]);
@@ -2109,12 +2105,7 @@ fn a_failed_step_commits_no_checkpoint() {
     assert_eq!(run.status.code(), Some(1), "{err}");
     assert!(err.contains("error: step 2: ") && err.contains("non-finite"), "{err}");
     let ckpts = tmp.path().join("checkpoints");
-    let mut saved: Vec<String> = std::fs::read_dir(&ckpts)
-        .expect("checkpoints")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    saved.sort();
-    assert_eq!(saved, ["latest", "step-00000001"]);
+    assert_eq!(entries(&ckpts), ["latest", "step-00000001"]);
     let latest = std::fs::read_to_string(ckpts.join("latest")).expect("latest");
     assert_eq!(latest.trim(), "step-00000001");
     // Resumed from it (at the same learning rate, so step 1 fails again).
