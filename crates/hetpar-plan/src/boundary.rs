@@ -79,49 +79,84 @@ pub const PLANNED_WORLD: usize = 256;
 
 /// Seconds per boundary row of one microbatch (forward, backward), from the scaled-down plan.
 fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Result<[f64; 2]> {
-    per_row_times_at(wl, hw, i, c, PLANNED_WORLD)
+    per_row_times_at(wl, hw, i, c, true)
 }
 
-/// `c`'s encoder `i` and LLM with their replicas divided by the largest common factor that
-/// leaves at least `world` ranks in the larger module, and that factor. Islands are cut
-/// only where the encoder's fills whole nodes of `gpus_per_node` before and after (so no
-/// node holds ranks of both, and every replica sits where it sat within its node);
-/// colocated modules share their first rank and keep every replica's place.
+/// `c`'s encoder `i` and LLM with their replicas divided down to a smaller world, and the
+/// factor each side's replicas were divided by (encoder, LLM).
+///
+/// Colocated modules share their ranks, so both are divided by one common factor of their
+/// replica counts, the largest that leaves at least `world` ranks: they keep their first
+/// rank and every replica its place.
+///
+/// On islands (the encoder's of whole nodes of `gpus_per_node`), each side is divided on its
+/// own, by the largest factor of its replica count that leaves it whole nodes (at least one
+/// replica and one node; an LLM of a part node keeps all its replicas). The `leaders`
+/// strategy moves a row between islands once, leader to leader (across nodes, whatever the
+/// islands' sizes), and inside a replica before and after, so a rank's traffic per row
+/// depends on its own side's replica count and shape only: scaled by its side's factor, it
+/// is the full world's. An island whose replica count shares no factor with the other's (a
+/// 65,344-GPU encoder island, 2 x 1,021 replicas, next to 16 LLM replicas) is then planned
+/// at 2 encoder replicas rather than 1,021 at the least.
+/// An encoder island of part nodes shares a node with the LLM: both sides are divided by a
+/// common factor as colocated modules are, and only where that keeps the encoder's island
+/// whole nodes (so never, as the islands' node is then split otherwise).
 fn cut_down(
     c: &Candidate,
     i: usize,
     world: usize,
     gpus_per_node: usize,
-) -> (Choice, Choice, usize) {
+) -> (Choice, Choice, [usize; 2]) {
     let (ec, lc) = (c.encoders[i], c.llm);
+    let cut = |ch: Choice, k: usize| Choice { start: 0, end: ch.ranks() / k, ..ch };
+    let whole_nodes = |ranks: usize| ranks.is_multiple_of(gpus_per_node);
+    if c.kind == Kind::NonColocated && whole_nodes(ec.ranks()) {
+        // The largest factor of `ch`'s replicas that leaves it whole nodes.
+        let side = |ch: Choice| {
+            let dp = ch.dp();
+            (1..=dp)
+                .rev()
+                .find(|&k| {
+                    dp.is_multiple_of(k)
+                        && (k == 1
+                            || whole_nodes(ch.ranks())
+                                && whole_nodes(ch.ranks() / k)
+                                && ch.ranks() / k >= gpus_per_node)
+                })
+                .unwrap_or(1)
+        };
+        let (ke, kl) = (side(ec), side(lc));
+        return (cut(ec, ke), cut(lc, kl), [ke, kl]);
+    }
     let g = gcd(ec.dp(), lc.dp());
     let most = ec.ranks().max(lc.ranks());
     let aligned = |k: usize| {
-        c.kind != Kind::NonColocated
-            || (ec.ranks().is_multiple_of(gpus_per_node)
-                && (ec.ranks() / k).is_multiple_of(gpus_per_node))
+        c.kind != Kind::NonColocated || (whole_nodes(ec.ranks()) && whole_nodes(ec.ranks() / k))
     };
     let k = (1..=g)
         .rev()
         .find(|&k| g.is_multiple_of(k) && most / k >= world && aligned(k))
         .unwrap_or(1);
-    let cut = |ch: Choice| Choice { start: 0, end: ch.ranks() / k, ..ch };
-    (cut(ec), cut(lc), k)
+    (cut(ec, k), cut(lc, k), [k, k])
 }
 
-/// [`per_row_times`] with the plan's world cut down to at least `world` ranks.
+/// [`per_row_times`] with the plan's world cut down ([`cut_down`] to [`PLANNED_WORLD`]) or
+/// whole.
 fn per_row_times_at(
     wl: &Workload,
     hw: &Hardware,
     i: usize,
     c: &Candidate,
-    world: usize,
+    cut: bool,
 ) -> Result<[f64; 2]> {
     let e = &wl.encoders[i];
     // A rank of the cut-down world carries its share of the microbatch's rows, `k` times
-    // what a rank of the full world carries: the time per row of the whole microbatch is
-    // its time over `k`.
-    let (ec, lc, k) = cut_down(c, i, world, hw.gpus_per_node);
+    // what a rank of the full world carries (`k` its side's factor): the time per row of
+    // the whole microbatch is its time over `k`.
+    let (ec, lc, [ke, kl]) = match cut {
+        true => cut_down(c, i, PLANNED_WORLD, hw.gpus_per_node),
+        false => (c.encoders[i], c.llm, [1, 1]),
+    };
     let (ec, lc) = (&ec, &lc);
     let rows = lcm(ec.cp * ec.tp, 4);
     let items = (e.items_per_sample.round() as usize).max(1);
@@ -198,6 +233,8 @@ fn per_row_times_at(
         let prog = plan.program(dir);
         let mut worst: f64 = 0.0;
         for (&rank, ops) in &prog.ops {
+            // On islands the encoder's ranks come first; colocated, `ke == kl`.
+            let k = if rank < espan[1] { ke } else { kl };
             let mut t = 0.0;
             for op in ops {
                 let (sent, recv) = op.traffic(rank);
@@ -219,9 +256,9 @@ fn per_row_times_at(
                 // Per planned row: the real microbatch scales `moved` by real rows / planned.
                 t += moved / planned_rows * row_bytes / bw;
             }
-            worst = worst.max(t);
+            worst = worst.max(t / k as f64);
         }
-        out[d] = worst / k as f64;
+        out[d] = worst;
     }
     Ok(out)
 }
@@ -248,25 +285,36 @@ mod tests {
 
     #[test]
     fn a_cut_down_world_plans_the_same_time_per_row() {
-        // Colocated (the encoder at tp 1 or 2 on every rank) and on islands: the plan cut
-        // down to 256 ranks gives each rank the traffic per row of the full one. The last
-        // two islands are cut only as far as the encoder's island stays whole nodes (16
-        // ranks: to 8; 12 ranks: not at all, or an LLM replica would straddle a node).
+        // Colocated (the encoder at tp 1 or 2 on every rank): the plan cut down to 256 ranks
+        // by a common factor gives each rank the traffic per row of the full one. On
+        // islands each side is cut on its own, to whole nodes: the 16-rank encoder island
+        // to 8 next to an LLM of 1,024 ranks cut to one 8-rank replica; replica counts with
+        // no common factor (24 and 125) cut as far; an encoder of two stages. An encoder
+        // island of part nodes (12 ranks) is not cut at all, or an LLM replica would
+        // straddle a node it does not straddle in the full world.
         let hw = builtin("h100").expect("h100");
         let cases = [
-            (1024, Kind::Colocated, choice(0, 1024, 1, 1, 1), choice(0, 1024, 2, 8, 1), 4),
-            (1024, Kind::Colocated, choice(0, 1024, 2, 1, 1), choice(0, 1024, 4, 2, 2), 4),
-            (1024, Kind::NonColocated, choice(0, 512, 1, 1, 1), choice(512, 1024, 4, 2, 1), 2),
-            (1040, Kind::NonColocated, choice(0, 16, 1, 1, 1), choice(16, 1040, 4, 2, 1), 2),
-            (1036, Kind::NonColocated, choice(0, 12, 1, 1, 1), choice(12, 1036, 4, 2, 1), 1),
+            (1024, Kind::Colocated, choice(0, 1024, 1, 1, 1), choice(0, 1024, 2, 8, 1), [4, 4]),
+            (1024, Kind::Colocated, choice(0, 1024, 2, 1, 1), choice(0, 1024, 4, 2, 2), [4, 4]),
+            (
+                1024,
+                Kind::NonColocated,
+                choice(0, 512, 1, 1, 1),
+                choice(512, 1024, 4, 2, 1),
+                [64, 64],
+            ),
+            (1040, Kind::NonColocated, choice(0, 16, 1, 1, 1), choice(16, 1040, 4, 2, 1), [2, 128]),
+            (1024, Kind::NonColocated, choice(0, 24, 1, 1, 1), choice(24, 1024, 4, 2, 1), [3, 125]),
+            (1024, Kind::NonColocated, choice(0, 64, 2, 1, 2), choice(64, 1024, 8, 1, 2), [8, 60]),
+            (1036, Kind::NonColocated, choice(0, 12, 1, 1, 1), choice(12, 1036, 4, 2, 1), [1, 1]),
         ];
         for (gpus, kind, enc, llm, want) in cases {
             let wl = workload(gpus);
             let c = Candidate { kind, encoders: vec![enc], llm, microbatches: 1 };
             let (_, _, k) = cut_down(&c, 0, PLANNED_WORLD, hw.gpus_per_node);
             assert_eq!(k, want, "{gpus} GPUs, {kind:?}");
-            let full = per_row_times_at(&wl, &hw, 0, &c, usize::MAX).expect("full");
-            let cut = per_row_times_at(&wl, &hw, 0, &c, PLANNED_WORLD).expect("cut");
+            let full = per_row_times_at(&wl, &hw, 0, &c, false).expect("full");
+            let cut = per_row_times_at(&wl, &hw, 0, &c, true).expect("cut");
             for d in 0..2 {
                 let rel = (cut[d] - full[d]).abs() / full[d];
                 assert!(
