@@ -206,6 +206,16 @@ fn same_collective(a: &Op, b: &Op) -> bool {
     std::mem::discriminant(a) == std::mem::discriminant(b) && a.group() == b.group()
 }
 
+/// The send and receive lists of an all-to-all-v (members of one collective are one kind).
+type A2aLists<'o> = (&'o [(usize, Segs)], &'o [(usize, Segs)]);
+
+fn a2a_lists<'o>(op: &'o Op, group: &[usize]) -> Result<A2aLists<'o>, String> {
+    match op {
+        Op::AllToAllV { send, recv, .. } => Ok((send, recv)),
+        _ => Err(format!("all-to-all-v over {group:?}: another collective joined it")),
+    }
+}
+
 fn run_collective(
     state: &mut BTreeMap<usize, Buffers>,
     ops: &[(usize, &Op)],
@@ -214,27 +224,43 @@ fn run_collective(
     let group: Vec<usize> = ops.iter().map(|(r, _)| *r).collect();
     match ops[0].1 {
         Op::AllToAllV { .. } => {
+            let lists = |op| a2a_lists(op, &group);
+            // The rows member `i` lists for member `j` in `list` (ascending by member).
+            let rows_for = |list: &[(usize, Segs)], j: usize| match list
+                .binary_search_by_key(&j, |(m, _)| *m)
+            {
+                Ok(k) => list[k].1.rows(),
+                Err(_) => 0,
+            };
             let mut inbound: Vec<Vec<Label>> = vec![Vec::new(); ops.len()];
             for (i, (r, op)) in ops.iter().enumerate() {
-                let Op::AllToAllV { send, .. } = op else { unreachable!() };
-                for (j, segs) in send.iter().enumerate() {
-                    let Op::AllToAllV { recv, .. } = ops[j].1 else { unreachable!() };
-                    if recv[i].rows() != segs.rows() {
+                let (send, recv) = lists(op)?;
+                for (j, segs) in send {
+                    let expects = rows_for(lists(ops[*j].1)?.1, i);
+                    if expects != segs.rows() {
                         return Err(format!(
-                            "all-to-all-v over {group:?}: rank {r} sends {} rows to {} which expects {}",
+                            "all-to-all-v over {group:?}: rank {r} sends {} rows to {} which expects {expects}",
                             segs.rows(),
-                            group[j],
-                            recv[i].rows()
+                            group[*j],
                         ));
                     }
                     let l = read(state, *r, segs, at)?;
-                    inbound[j].extend(l);
+                    inbound[*j].extend(l);
+                }
+                for (j, segs) in recv {
+                    let sent = rows_for(lists(ops[*j].1)?.0, i);
+                    if sent != segs.rows() {
+                        return Err(format!(
+                            "all-to-all-v over {group:?}: rank {r} expects {} rows from {} which sends {sent}",
+                            segs.rows(),
+                            group[*j],
+                        ));
+                    }
                 }
             }
             for (j, (r, op)) in ops.iter().enumerate() {
-                let Op::AllToAllV { recv, .. } = op else { unreachable!() };
                 let mut labels = inbound[j].iter().copied();
-                for segs in recv {
+                for (_, segs) in lists(op)?.1 {
                     let part: Vec<Label> = labels.by_ref().take(segs.rows()).collect();
                     write(state, *r, segs, &part, at)?;
                 }
@@ -364,6 +390,37 @@ mod tests {
         )]);
         let e = execute(&p, state(2)).expect_err("needed is empty");
         assert_eq!(e, "rank 0 op 0 (copy N[1] -> H[0]): reads unset slot Needed[1]");
+    }
+
+    #[test]
+    fn an_all_to_all_moves_listed_rows_and_names_mismatched_lists() {
+        let group: std::sync::Arc<[usize]> = vec![0, 1].into();
+        let a2a = |send: Vec<(usize, Segs)>, recv: Vec<(usize, Segs)>| Op::AllToAllV {
+            group: group.clone(),
+            send,
+            recv,
+        };
+        // Rank 0 sends its two rows to rank 1; rank 1 sends none and lists no peer to.
+        let p = program(vec![
+            (0, a2a(vec![(1, rows(Buf::Held, 0, 2))], vec![])),
+            (1, a2a(vec![], vec![(0, rows(Buf::Needed, 0, 2))])),
+        ]);
+        let out = execute(&p, state(2)).expect("completes");
+        assert_eq!(out[&1].needed, out[&0].held);
+        assert_eq!(out[&0].needed, vec![None; 2]);
+        // A send its receiver does not list, and a receive its sender does not list.
+        let p = program(vec![
+            (0, a2a(vec![(1, rows(Buf::Held, 0, 1))], vec![])),
+            (1, a2a(vec![], vec![])),
+        ]);
+        let e = execute(&p, state(2)).expect_err("rank 1 expects nothing");
+        assert!(e.ends_with("rank 0 sends 1 rows to 1 which expects 0"), "{e}");
+        let p = program(vec![
+            (0, a2a(vec![], vec![])),
+            (1, a2a(vec![], vec![(0, rows(Buf::Needed, 0, 1))])),
+        ]);
+        let e = execute(&p, state(2)).expect_err("rank 0 sends nothing");
+        assert!(e.ends_with("rank 1 expects 1 rows from 0 which sends 0"), "{e}");
     }
 
     #[test]

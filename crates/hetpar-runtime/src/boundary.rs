@@ -166,13 +166,22 @@ pub fn run_boundary<T: Element>(
             }
             Op::AllToAllV { group, send, recv } => {
                 let g = groups.get(group);
-                let data: Vec<T> = send.iter().flat_map(|s| rows.gather(s)).collect();
-                let sc: Vec<usize> = send.iter().map(|s| s.rows() * width).collect();
-                let rc: Vec<usize> = recv.iter().map(|s| s.rows() * width).collect();
+                // The plan lists only the members a rank exchanges rows with, ascending; the
+                // communicator takes a count for every member, in member order.
+                let counts = |list: &[(usize, Segs)]| {
+                    let mut c = vec![0; group.len()];
+                    for (i, s) in list {
+                        c[*i] = s.rows() * width;
+                    }
+                    c
+                };
+                let (sc, rc) = (counts(send), counts(recv));
+                let data: Vec<T> = send.iter().flat_map(|(_, s)| rows.gather(s)).collect();
                 let mut incoming = vec![T::zeroed(); rc.iter().sum()];
                 g.all_to_all_v(&data, &sc, &mut incoming, &rc)?;
                 let mut at = 0;
-                for (segs, n) in recv.iter().zip(&rc) {
+                for (_, segs) in recv {
+                    let n = segs.rows() * width;
                     rows.scatter(segs, &incoming[at..at + n]);
                     at += n;
                 }

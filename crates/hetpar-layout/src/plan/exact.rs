@@ -6,6 +6,7 @@
 //! sender, which cannot deadlock even with rendezvous sends.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::{Movement, Op, Program, Segs};
 use crate::edge::PlacementMode;
@@ -42,24 +43,23 @@ pub(super) fn plan(mv: &Movement<'_>, mode: PlacementMode) -> Program {
     match mode {
         PlacementMode::Colocated => {
             // Each built member's per-peer lists, filled from the messages in one pass (a
-            // lookup per member pair is quadratic in map probes on wide spans).
+            // lookup per member pair is quadratic in map probes on wide spans). `msgs` is
+            // ordered by source, then target, so each list comes out ascending by member.
             let span = mv.geo.src.span();
-            let group: Vec<usize> = span.ranks().collect();
-            let n = group.len();
-            let mut lists: BTreeMap<usize, (Vec<Segs>, Vec<Segs>)> = ranks
-                .iter()
-                .map(|&r| (r, (vec![Segs::default(); n], vec![Segs::default(); n])))
-                .collect();
+            let group: Arc<[usize]> = span.ranks().collect();
+            type Lists = (Vec<(usize, Segs)>, Vec<(usize, Segs)>);
+            let mut lists: BTreeMap<usize, Lists> =
+                ranks.iter().map(|&r| (r, Lists::default())).collect();
             for ((s, t), (from, to)) in msgs {
-                if let Some(l) = lists.get_mut(&s) {
-                    l.0[t - span.start] = from;
+                if let Some(l) = lists.get_mut(&s).filter(|_| !from.is_empty()) {
+                    l.0.push((t - span.start, from));
                 }
-                if let Some(l) = lists.get_mut(&t) {
-                    l.1[s - span.start] = to;
+                if let Some(l) = lists.get_mut(&t).filter(|_| !to.is_empty()) {
+                    l.1.push((s - span.start, to));
                 }
             }
             for (r, (send, recv)) in lists {
-                prog.push(r, Op::AllToAllV { group: group.clone(), send, recv });
+                prog.push(r, Op::AllToAllV { group: Arc::clone(&group), send, recv });
             }
         }
         // In a rank's view the other ends are empty and dropped with the view's other ranks.
