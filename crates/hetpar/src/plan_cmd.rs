@@ -192,24 +192,35 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let searched = search(&wl, &hw, a.top);
     let elapsed = start.elapsed();
-    // An awkward count may run faster with some GPUs idle: the round count below it is
-    // searched too, and named where its step is shorter (or where all of them have no
-    // layout at all).
-    let fewer = fewer_gpus(wl.gpus, hw.gpus_per_node).and_then(|m| {
-        let plan = search(&wl.clone().with_gpus(m).ok()?, &hw, 1).ok()?;
-        let best = plan.winner()?;
-        let faster = match &searched {
-            Ok(all) => {
-                all.winner().is_none_or(|w| best.prediction.step_time_s < w.prediction.step_time_s)
+    // Fewer GPUs may run the same global batch faster: an awkward count's round count
+    // below it (some GPUs idle), and past what the batch can use, half as many. Each is
+    // searched while it is faster than every count above it (or nothing above plans), and
+    // the fastest is named.
+    let mut best_step =
+        searched.as_ref().ok().and_then(Plan::winner).map(|w| w.prediction.step_time_s);
+    let mut fewer: Option<Fewer> = None;
+    let mut next = fewer_gpus(wl.gpus, hw.gpus_per_node);
+    while let Some(m) = next {
+        let found = wl.clone().with_gpus(m).ok().and_then(|w| {
+            let plan = search(&w, &hw, 1).ok()?;
+            let best = plan.winner()?;
+            Some(Fewer {
+                gpus: m,
+                kind: best.candidate.kind.name(),
+                step_s: best.prediction.step_time_s,
+            })
+        });
+        match found {
+            Some(f) if best_step.is_none_or(|s| f.step_s < s) => {
+                best_step = Some(f.step_s);
+                fewer = Some(f);
             }
-            Err(_) => true,
-        };
-        faster.then(|| Fewer {
-            gpus: m,
-            kind: best.candidate.kind.name(),
-            step_s: best.prediction.step_time_s,
-        })
-    });
+            // Nothing above plans, nor this: a smaller count may.
+            None if best_step.is_none() => {}
+            _ => break,
+        }
+        next = fewer_gpus(m, hw.gpus_per_node);
+    }
     let plan = match searched {
         Ok(plan) => plan,
         Err(e) => {
@@ -270,12 +281,17 @@ struct Fewer {
     step_s: f64,
 }
 
-/// The round GPU count below an awkward `n`: the whole nodes of `n` (`per_node` GPUs
-/// each), or below one node the largest power of two; `None` where `n` is round already.
+/// The next GPU count below `n` worth planning: the whole nodes of an awkward `n` (`per_node`
+/// GPUs each), or below one node the largest power of two below it; of a round `n`, half of
+/// it (whole nodes where that leaves one). `None` below 2 GPUs.
 fn fewer_gpus(n: usize, per_node: usize) -> Option<usize> {
-    let nodes = n / per_node.max(1) * per_node.max(1);
-    let m = if nodes > 0 { nodes } else { 1 << n.ilog2() };
-    (m < n).then_some(m)
+    let per_node = per_node.max(1);
+    let round = |m: usize| if m >= per_node { m / per_node * per_node } else { 1 << m.ilog2() };
+    match n {
+        0 | 1 => None,
+        _ if round(n) < n => Some(round(n)),
+        _ => Some(round(n / 2)),
+    }
 }
 
 fn print_table(wl: &Workload, hw: &Hardware, plan: &Plan, elapsed: Duration, why: &[String]) {
@@ -484,4 +500,22 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
     say(&text);
     note(&format!("wrote {}", a.out.display()));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fewer_gpus;
+
+    #[test]
+    fn fewer_gpus_rounds_an_awkward_count_down_and_halves_a_round_one() {
+        let chain =
+            |n: usize| std::iter::successors(Some(n), |&m| fewer_gpus(m, 8)).collect::<Vec<_>>();
+        assert_eq!(chain(33), [33, 32, 16, 8, 4, 2, 1]);
+        assert_eq!(chain(40), [40, 16, 8, 4, 2, 1]);
+        assert_eq!(chain(6), [6, 4, 2, 1]);
+        assert_eq!(chain(2048)[..3], [2048, 1024, 512]);
+        assert_eq!(fewer_gpus(48, 8), Some(24));
+        assert_eq!(fewer_gpus(1, 8), None);
+        assert_eq!(fewer_gpus(12, 1), Some(6));
+    }
 }

@@ -446,7 +446,7 @@ fn plan_text_of_a_published_workload() {
 }
 
 /// An awkward GPU count is compared with the whole nodes below it: 33 GPUs plan slower than
-/// 32 with one idle, which the explanation says. Islands that leave the LLM whole nodes are
+/// 32 with one idle, which the explanation says; a round count with half of it. Islands that leave the LLM whole nodes are
 /// searched: 31 GPUs plan an encoder island of 7 next to an LLM on 24 (they had no valid
 /// layout).
 #[test]
@@ -458,9 +458,15 @@ fn an_awkward_gpu_count_is_compared_with_fewer() {
     let text = stdout(&hetpar(&["plan", wl, "--gpus", "31"]));
     assert!(text.contains("vision: tp1 cp1 dp7 pp1 on ranks 0..7 | llm: "), "{text}");
     assert!(text.contains(" on ranks 7..31 | "), "{text}");
-    // A round count is not compared.
+    // A round count is compared with half of it, which is slower here.
     let text = stdout(&hetpar(&["plan", wl, "--gpus", "32"]));
     assert!(!text.contains(" idle) "), "{text}");
+    // Past what a global batch of 4 can use: 1,024 of 2,048 GPUs take a shorter step
+    // (512 do not).
+    let wl = "examples/workloads/mm-1b-7b-64k.toml";
+    let text = stdout(&hetpar(&["plan", wl, "--gpus", "2048"]));
+    assert!(text.contains("\non 1024 of the 2048 GPUs (1024 idle) the best layout, "), "{text}");
+    assert!(text.contains("on all of them: --gpus 1024 plans it\n"), "{text}");
 }
 
 /// A workload's `[cluster] gpus_per_node` replaces its hardware's node size: on nodes of
