@@ -971,17 +971,36 @@ fn new_earlier(out: &Path) -> anyhow::Result<PathBuf> {
     Ok(to)
 }
 
-/// Refuses to move `root` where it is a link (to a scratch filesystem, say): renaming
-/// the link would have the next checkpoints written beside it, off the filesystem it
-/// points at.
+/// Refuses to move `root` where it is a link (to a scratch filesystem, say) or a mount
+/// point: renaming the link would have the next checkpoints written beside it, off the
+/// filesystem it points at, and a mount point cannot be renamed at all.
 fn not_a_link(root: &Path) -> anyhow::Result<()> {
-    if std::fs::symlink_metadata(root).is_ok_and(|m| m.file_type().is_symlink()) {
-        bail!(
-            "{} is a link and holds an earlier run's checkpoints, which a fresh run would mix with its own: --resume auto continues that run; otherwise move them out of the directory it links to first",
-            root.display()
-        );
+    let what = if std::fs::symlink_metadata(root).is_ok_and(|m| m.file_type().is_symlink()) {
+        "a link"
+    } else if !same_filesystem(root, root.parent().unwrap_or(Path::new("."))) {
+        "a mount point"
+    } else {
+        return Ok(());
+    };
+    bail!(
+        "{} is {what} and holds an earlier run's checkpoints, which a fresh run would mix with its own: --resume auto continues that run; otherwise move them out of {} first",
+        root.display(),
+        if what == "a link" { "the directory it links to" } else { "it" }
+    )
+}
+
+/// Whether `a` and `b` (links followed) lie on one filesystem, so that a rename moves one's
+/// entries into the other. Where either cannot be read, whether they are one path.
+fn same_filesystem(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let parent = |p: &Path| match p.as_os_str().is_empty() {
+        true => PathBuf::from("."),
+        false => p.to_path_buf(),
+    };
+    match (std::fs::metadata(parent(a)), std::fs::metadata(parent(b))) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev(),
+        _ => a == b,
     }
-    Ok(())
 }
 
 /// Writes `lines` to `path` whole or not at all (a temporary file renamed over it).
@@ -1033,6 +1052,18 @@ fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, u
         .filter(|(s, _)| *s > start)
         .collect();
     let Some((newest, _)) = past.last() else { return Ok(None) };
+    // Step directories move by rename, which cannot cross filesystems: a linked or mounted
+    // checkpoints/ elsewhere keeps them, and this run would prune or resume among them.
+    if !same_filesystem(&root, out) {
+        bail!(
+            "going back to step {start} leaves {} later checkpoint{} under {} (newest: step {newest}), which would be moved aside to {}, but {} is on another filesystem (a link or a mount point): move or delete the checkpoints past step {start} first, or resume from the latest",
+            past.len(),
+            if past.len() == 1 { "" } else { "s" },
+            root.display(),
+            out.join("earlier-N").display(),
+            root.display()
+        );
+    }
     let to = new_earlier(out)?;
     let moved = to.join("checkpoints");
     std::fs::create_dir(&moved).with_context(|| format!("cannot create {}", moved.display()))?;
@@ -1870,6 +1901,25 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// A linked or mounted checkpoints/ is not renamed: the message says which it is. `/proc`
+    /// is a mount point on every Linux system.
+    #[test]
+    fn a_linked_or_mounted_checkpoints_directory_is_not_moved() {
+        let dir = std::env::temp_dir().join(format!("hetpar-not-a-link-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("real")).unwrap();
+        let link = dir.join("checkpoints");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(dir.join("real"), &link).unwrap();
+        let e = not_a_link(&link).unwrap_err().to_string();
+        assert!(e.contains("checkpoints is a link and holds") && e.contains("links to"), "{e}");
+        assert!(not_a_link(&dir.join("real")).is_ok());
+        let e = not_a_link(Path::new("/proc")).unwrap_err().to_string();
+        assert!(e.starts_with("/proc is a mount point and holds"), "{e}");
+        assert!(same_filesystem(&dir, &link) && same_filesystem(Path::new(""), Path::new(".")));
+        assert!(!same_filesystem(Path::new("/proc"), Path::new("/")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn run_facts_compare_what_the_data_paths_hold_not_the_paths() {
