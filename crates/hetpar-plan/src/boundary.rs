@@ -5,11 +5,11 @@
 //! whom: the two layouts and spans, items per sample, and where items sit relative to the
 //! LLM's CP and SP chunks. Its samples are the least multiple of the LLM's `dp` whose items
 //! split evenly over the encoder's replicas (encoder replicas split items), and it has
-//! `lcm(cp*tp of the encoder, 4)` rows per item. On a large cluster both modules' replicas
-//! are cut by a common factor down to a world of at least [`PLANNED_WORLD`] ranks (the same
-//! replicas, fewer of them): a rank's traffic per row follows from the replicas' ratio and
-//! shapes, not their number, while a plan holds a per-rank entry for every member of a
-//! collective, so planning the full world would grow with its square. Each
+//! `lcm(cp*tp of the encoder, 4)` rows per item. On a large cluster the modules' replicas
+//! are cut to fewer of the same replicas ([`cut_down`]: colocated by a common factor down to
+//! a world of at least [`PLANNED_WORLD`] ranks, islands each side on its own to whole
+//! nodes): a rank's traffic per row follows from the replicas' shapes and places, not their
+//! number, while planning the full world grows faster than it. Each
 //! rank's time is the sum over its plan operations of the rows it sends or receives, scaled
 //! to the real rows and width, over the bandwidth of the operation's group (or of the
 //! point-to-point link); the edge takes its slowest rank.
@@ -73,8 +73,9 @@ impl BoundaryCache {
     }
 }
 
-/// The least world a boundary plan is cut down to (32 nodes of 8): large enough that groups
-/// and peers span nodes as they do in the full world.
+/// The least world a colocated boundary plan is cut down to (32 nodes of 8): large enough
+/// that groups and peers span nodes as they do in the full world. Islands are cut further
+/// ([`cut_down`]).
 pub const PLANNED_WORLD: usize = 256;
 
 /// Seconds per boundary row of one microbatch (forward, backward), from the scaled-down plan.
@@ -91,16 +92,18 @@ fn per_row_times(wl: &Workload, hw: &Hardware, i: usize, c: &Candidate) -> Resul
 ///
 /// On islands (the encoder's of whole nodes of `gpus_per_node`), each side is divided on its
 /// own, by the largest factor of its replica count that leaves it whole nodes (at least one
-/// replica and one node; an LLM of a part node keeps all its replicas). The `leaders`
-/// strategy moves a row between islands once, leader to leader (across nodes, whatever the
-/// islands' sizes), and inside a replica before and after, so a rank's traffic per row
-/// depends on its own side's replica count and shape only: scaled by its side's factor, it
-/// is the full world's. An island whose replica count shares no factor with the other's (a
-/// 65,344-GPU encoder island, 2 x 1,021 replicas, next to 16 LLM replicas) is then planned
-/// at 2 encoder replicas rather than 1,021 at the least.
-/// An encoder island of part nodes shares a node with the LLM: both sides are divided by a
-/// common factor as colocated modules are, and only where that keeps the encoder's island
-/// whole nodes (so never, as the islands' node is then split otherwise).
+/// node), its boundary stage too unless each replica's stage group (`tp * cp` ranks) fits
+/// in a node or covers whole ones: a stage of part nodes puts replicas across node
+/// boundaries at other offsets than the full world's. An LLM of part nodes keeps all its
+/// replicas. The `leaders` strategy moves a row between islands once, leader to leader
+/// (across nodes, whatever the islands' sizes), and inside a replica's stage before and
+/// after, so a rank's traffic per row depends on its own side's replica count and shape
+/// only: scaled by its side's factor, it is the full world's. An island whose replica count
+/// shares no factor with the other's (a 65,344-GPU encoder island, 2 x 1,021 replicas of
+/// 32 ranks, next to 16 LLM replicas) is then planned at one encoder replica rather than
+/// 1,021.
+///
+/// An encoder island of part nodes shares a node with the LLM: nothing is cut.
 fn cut_down(
     c: &Candidate,
     i: usize,
@@ -110,18 +113,26 @@ fn cut_down(
     let (ec, lc) = (c.encoders[i], c.llm);
     let cut = |ch: Choice, k: usize| Choice { start: 0, end: ch.ranks() / k, ..ch };
     let whole_nodes = |ranks: usize| ranks.is_multiple_of(gpus_per_node);
-    if c.kind == Kind::NonColocated && whole_nodes(ec.ranks()) {
-        // The largest factor of `ch`'s replicas that leaves it whole nodes.
+    if c.kind == Kind::NonColocated {
+        if !whole_nodes(ec.ranks()) {
+            return (ec, lc, [1, 1]);
+        }
+        // The largest factor of `ch`'s replicas that leaves it (and its stages where that
+        // matters) whole nodes.
         let side = |ch: Choice| {
-            let dp = ch.dp();
+            let (dp, group) = (ch.dp(), ch.tp * ch.cp);
+            let stages_keep =
+                gpus_per_node.is_multiple_of(group) || group.is_multiple_of(gpus_per_node);
             (1..=dp)
                 .rev()
                 .find(|&k| {
+                    let ranks = ch.ranks() / k;
                     dp.is_multiple_of(k)
                         && (k == 1
                             || whole_nodes(ch.ranks())
-                                && whole_nodes(ch.ranks() / k)
-                                && ch.ranks() / k >= gpus_per_node)
+                                && whole_nodes(ranks)
+                                && ranks >= gpus_per_node
+                                && (stages_keep || whole_nodes(ranks / ch.pp)))
                 })
                 .unwrap_or(1)
         };
@@ -130,13 +141,7 @@ fn cut_down(
     }
     let g = gcd(ec.dp(), lc.dp());
     let most = ec.ranks().max(lc.ranks());
-    let aligned = |k: usize| {
-        c.kind != Kind::NonColocated || (whole_nodes(ec.ranks()) && whole_nodes(ec.ranks() / k))
-    };
-    let k = (1..=g)
-        .rev()
-        .find(|&k| g.is_multiple_of(k) && most / k >= world && aligned(k))
-        .unwrap_or(1);
+    let k = (1..=g).rev().find(|&k| g.is_multiple_of(k) && most / k >= world).unwrap_or(1);
     (cut(ec, k), cut(lc, k), [k, k])
 }
 
@@ -289,7 +294,7 @@ mod tests {
         // by a common factor gives each rank the traffic per row of the full one. On
         // islands each side is cut on its own, to whole nodes: the 16-rank encoder island
         // to 8 next to an LLM of 1,024 ranks cut to one 8-rank replica; replica counts with
-        // no common factor (24 and 125) cut as far; an encoder of two stages. An encoder
+        // no common factor (24 and 125) cut as far; encoders of two stages. An encoder
         // island of part nodes (12 ranks) is not cut at all, or an LLM replica would
         // straddle a node it does not straddle in the full world.
         let hw = builtin("h100").expect("h100");
@@ -306,6 +311,9 @@ mod tests {
             (1040, Kind::NonColocated, choice(0, 16, 1, 1, 1), choice(16, 1040, 4, 2, 1), [2, 128]),
             (1024, Kind::NonColocated, choice(0, 24, 1, 1, 1), choice(24, 1024, 4, 2, 1), [3, 125]),
             (1024, Kind::NonColocated, choice(0, 64, 2, 1, 2), choice(64, 1024, 8, 1, 2), [8, 60]),
+            // Stage groups of 6 ranks on nodes of 8, two stages: cut to 2 replicas, the last
+            // stage's groups would sit at 2 of the 4 offsets in a node they take.
+            (1024, Kind::NonColocated, choice(0, 48, 2, 3, 2), choice(48, 1024, 8, 1, 1), [1, 122]),
             (1036, Kind::NonColocated, choice(0, 12, 1, 1, 1), choice(12, 1036, 4, 2, 1), [1, 1]),
         ];
         for (gpus, kind, enc, llm, want) in cases {
