@@ -209,11 +209,22 @@ fn same_collective(a: &Op, b: &Op) -> bool {
 /// The send and receive lists of an all-to-all-v (members of one collective are one kind).
 type A2aLists<'o> = (&'o [(usize, Segs)], &'o [(usize, Segs)]);
 
+/// An all-to-all-v's lists, each ascending by member and inside the group (what the
+/// executors' lookups and the runtime's member-order buffers rely on).
 fn a2a_lists<'o>(op: &'o Op, group: &[usize]) -> Result<A2aLists<'o>, String> {
-    match op {
-        Op::AllToAllV { send, recv, .. } => Ok((send, recv)),
-        _ => Err(format!("all-to-all-v over {group:?}: another collective joined it")),
+    let Op::AllToAllV { send, recv, .. } = op else {
+        return Err(format!("all-to-all-v over {group:?}: another collective joined it"));
+    };
+    for (what, list) in [("send", send), ("receive", recv)] {
+        let ascending = list.windows(2).all(|w| w[0].0 < w[1].0);
+        if !ascending || list.last().is_some_and(|(i, _)| *i >= group.len()) {
+            let members: Vec<usize> = list.iter().map(|(i, _)| *i).collect();
+            return Err(format!(
+                "all-to-all-v over {group:?}: {what} list names members {members:?}, not ascending within the group"
+            ));
+        }
     }
+    Ok((send, recv))
 }
 
 fn run_collective(
@@ -421,6 +432,13 @@ mod tests {
         ]);
         let e = execute(&p, state(2)).expect_err("rank 0 sends nothing");
         assert!(e.ends_with("rank 1 expects 1 rows from 0 which sends 0"), "{e}");
+        // A member listed out of the group.
+        let p = program(vec![
+            (0, a2a(vec![(2, rows(Buf::Held, 0, 1))], vec![])),
+            (1, a2a(vec![], vec![])),
+        ]);
+        let e = execute(&p, state(2)).expect_err("no member 2");
+        assert!(e.ends_with("send list names members [2], not ascending within the group"), "{e}");
     }
 
     #[test]

@@ -45,18 +45,16 @@ impl Groups {
         programs: impl IntoIterator<Item = &'p Program>,
     ) -> Result<(), RuntimeError> {
         let me = world.global_rank();
-        let mut lists: Vec<Vec<usize>> = programs
+        // Borrowed, not copied: the members of a colocated world's all-to-all-v share one
+        // list of every rank, which a copy per op would repeat once per member.
+        let lists: std::collections::BTreeSet<&[usize]> = programs
             .into_iter()
-            .flat_map(|p| {
-                p.ops.values().flatten().filter_map(|op| op.group().map(<[usize]>::to_vec))
-            })
+            .flat_map(|p| p.ops.values().flatten().filter_map(Op::group))
             .collect();
-        lists.sort();
-        lists.dedup();
         for list in lists {
-            if list.contains(&me) && !self.map.contains_key(&list) {
-                let g = world.subgroup(&list)?;
-                self.map.insert(list, g);
+            if list.contains(&me) && !self.map.contains_key(list) {
+                let g = world.subgroup(list)?;
+                self.map.insert(list.to_vec(), g);
             }
         }
         Ok(())
@@ -175,6 +173,10 @@ pub fn run_boundary<T: Element>(
                     }
                     c
                 };
+                debug_assert!(
+                    [send, recv].iter().all(|l| l.windows(2).all(|w| w[0].0 < w[1].0)),
+                    "an all-to-all-v's lists ascend by member"
+                );
                 let (sc, rc) = (counts(send), counts(recv));
                 let data: Vec<T> = send.iter().flat_map(|(_, s)| rows.gather(s)).collect();
                 let mut incoming = vec![T::zeroed(); rc.iter().sum()];

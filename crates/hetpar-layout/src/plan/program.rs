@@ -120,7 +120,8 @@ pub enum Op {
     /// in `recv` come from `group[i]`. Only the members a rank exchanges rows with are
     /// listed, ascending by `i` (never this rank itself): over a colocated world of `n`
     /// ranks a rank's lists name its few peers, not all `n` (lists of every member on every
-    /// rank made a whole plan of 4,096 ranks 1.6 GB). Members' ops share one `group`.
+    /// rank, `n^2` of them in a whole plan, took the planner to 2.2 GB at 4,096 ranks).
+    /// Members' ops share one `group`.
     AllToAllV {
         /// Member ranks, ascending.
         group: Arc<[usize]>,
@@ -214,7 +215,11 @@ impl fmt::Display for Op {
             let parts: Vec<String> = lists
                 .iter()
                 .filter(|(_, s)| !s.is_empty())
-                .map(|(i, s)| format!("{}:{}", group[*i], s.rows()))
+                .map(|(i, s)| match group.get(*i) {
+                    Some(r) => format!("{r}:{}", s.rows()),
+                    // A malformed op prints rather than panics (the symbolic executor names it).
+                    None => format!("member {i} of {}?:{}", group.len(), s.rows()),
+                })
                 .collect();
             if parts.is_empty() { "-".to_string() } else { parts.join(" ") }
         };
