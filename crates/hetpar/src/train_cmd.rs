@@ -971,22 +971,44 @@ fn new_earlier(out: &Path) -> anyhow::Result<PathBuf> {
     Ok(to)
 }
 
-/// Refuses to move `root` where it is a link (to a scratch filesystem, say) or a mount
-/// point: renaming the link would have the next checkpoints written beside it, off the
-/// filesystem it points at, and a mount point cannot be renamed at all.
+/// Refuses to move `root` where it is a link (to a scratch filesystem, say): renaming the
+/// link would have the next checkpoints written beside it, off the filesystem it points at.
 fn not_a_link(root: &Path) -> anyhow::Result<()> {
-    let what = if std::fs::symlink_metadata(root).is_ok_and(|m| m.file_type().is_symlink()) {
-        "a link"
-    } else if !same_filesystem(root, root.parent().unwrap_or(Path::new("."))) {
-        "a mount point"
-    } else {
-        return Ok(());
-    };
-    bail!(
-        "{} is {what} and holds an earlier run's checkpoints, which a fresh run would mix with its own: --resume auto continues that run; otherwise move them out of {} first",
-        root.display(),
-        if what == "a link" { "the directory it links to" } else { "it" }
-    )
+    if std::fs::symlink_metadata(root).is_ok_and(|m| m.file_type().is_symlink()) {
+        bail!(
+            "{} is a link and holds an earlier run's checkpoints, which a fresh run would mix with its own: --resume auto continues that run; otherwise move them out of the directory it links to first",
+            root.display()
+        );
+    }
+    Ok(())
+}
+
+/// Renames each `(from, to)` in order, or none: where one fails (a mount point cannot be
+/// renamed, nor anything across filesystems, bind mounts included), those already moved
+/// go back before the error returns, which ends with `advice`.
+fn move_all(moves: &[(PathBuf, PathBuf)], advice: &str) -> anyhow::Result<()> {
+    for (n, (from, to)) in moves.iter().enumerate() {
+        if let Err(e) = std::fs::rename(from, to) {
+            let stuck: Vec<String> = moves[..n]
+                .iter()
+                .rev()
+                .filter(|(f, t)| std::fs::rename(t, f).is_err())
+                .map(|(_, t)| t.display().to_string())
+                .collect();
+            let left = match stuck.is_empty() {
+                true => "nothing was moved".to_string(),
+                false => format!("these could not be moved back: {}", stuck.join(", ")),
+            };
+            return Err(e).with_context(|| {
+                format!(
+                    "cannot move {} to {} ({left}; a mount point, or a directory on another filesystem, cannot be renamed): {advice}",
+                    from.display(),
+                    to.display()
+                )
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Whether `a` and `b` (links followed) lie on one filesystem, so that a rename moves one's
@@ -1075,10 +1097,19 @@ fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, u
             &rebase_checkpoints(&text, (&root, &moved), &past_dir),
         )?;
     }
-    for (_, dir) in &past {
-        let name = dir.file_name().expect("a step directory");
-        std::fs::rename(dir, moved.join(name))
-            .with_context(|| format!("cannot move {} into {}", dir.display(), moved.display()))?;
+    let moves: Vec<(PathBuf, PathBuf)> = past
+        .iter()
+        .map(|(_, dir)| (dir.clone(), moved.join(dir.file_name().expect("a step directory"))))
+        .collect();
+    let advice = format!(
+        "move or delete the checkpoints past step {start} first, or resume from the latest"
+    );
+    if let Err(e) = move_all(&moves, &advice) {
+        // The new directory goes where it holds only the metrics' copy (every checkpoint
+        // went back); one that could not go back stays in it.
+        let _ = std::fs::remove_file(to.join("metrics.jsonl"));
+        let _ = std::fs::remove_dir(&moved).and_then(|()| std::fs::remove_dir(&to));
+        return Err(e);
     }
     std::fs::write(moved.join("latest"), hetpar_runtime::checkpoint::dir_name(*newest))
         .with_context(|| format!("cannot write {}", moved.join("latest").display()))?;
@@ -1118,13 +1149,18 @@ fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| n.starts_with(crate::tensorboard::PREFIX));
-    let names: Vec<String> = RUN_FILES.iter().map(|n| n.to_string()).chain(events).collect();
-    for name in names {
-        let from = out.join(&name);
-        if from.exists() {
-            std::fs::rename(&from, to.join(&name))
-                .with_context(|| format!("cannot move {} into {}", from.display(), to.display()))?;
-        }
+    let moves: Vec<(PathBuf, PathBuf)> = RUN_FILES
+        .iter()
+        .map(|n| n.to_string())
+        .chain(events)
+        .map(|name| (out.join(&name), to.join(&name)))
+        .filter(|(from, _)| std::fs::symlink_metadata(from).is_ok())
+        .collect();
+    let advice = "--resume auto continues the run there; otherwise move it out of the way first";
+    if let Err(e) = move_all(&moves, advice) {
+        // Empty again where everything went back.
+        let _ = std::fs::remove_dir(&to);
+        return Err(e);
     }
     if let Some(m) = metrics {
         write_whole(&to.join("metrics.jsonl"), &m)?;
@@ -1902,22 +1938,28 @@ mod tests {
 
     use super::*;
 
-    /// A linked or mounted checkpoints/ is not renamed: the message says which it is. `/proc`
-    /// is a mount point on every Linux system.
+    /// A linked checkpoints/ is not renamed; a move that fails part way puts back what it
+    /// moved; `/proc` is on another filesystem than `/` on every Linux system.
     #[test]
-    fn a_linked_or_mounted_checkpoints_directory_is_not_moved() {
+    fn a_linked_checkpoints_directory_is_not_moved_and_a_failed_move_is_undone() {
         let dir = std::env::temp_dir().join(format!("hetpar-not-a-link-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("real")).unwrap();
         let link = dir.join("checkpoints");
-        let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(dir.join("real"), &link).unwrap();
         let e = not_a_link(&link).unwrap_err().to_string();
         assert!(e.contains("checkpoints is a link and holds") && e.contains("links to"), "{e}");
         assert!(not_a_link(&dir.join("real")).is_ok());
-        let e = not_a_link(Path::new("/proc")).unwrap_err().to_string();
-        assert!(e.starts_with("/proc is a mount point and holds"), "{e}");
         assert!(same_filesystem(&dir, &link) && same_filesystem(Path::new(""), Path::new(".")));
         assert!(!same_filesystem(Path::new("/proc"), Path::new("/")));
+        std::fs::create_dir(dir.join("to")).unwrap();
+        std::fs::write(dir.join("a"), "a").unwrap();
+        std::fs::write(dir.join("b"), "b").unwrap();
+        let moves = [(dir.join("a"), dir.join("to/a")), (dir.join("b"), dir.join("missing/b"))];
+        let e = format!("{:#}", move_all(&moves, "advice").unwrap_err());
+        assert!(e.contains("/b to ") && e.contains("(nothing was moved; a mount point"), "{e}");
+        assert!(e.contains("cannot be renamed): advice: "), "{e}");
+        assert!(dir.join("a").exists() && !dir.join("to/a").exists() && dir.join("b").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
