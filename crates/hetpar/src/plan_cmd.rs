@@ -193,9 +193,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let searched = search(&wl, &hw, a.top);
     let elapsed = start.elapsed();
     // Fewer GPUs may run the same global batch faster: an awkward count's round count
-    // below it (some GPUs idle), and past what the batch can use, half as many. Each is
-    // searched while it is faster than every count above it (or nothing above plans), and
-    // the fastest is named.
+    // below it (some GPUs idle), and past what the batch can use, about half as many
+    // (`fewer_gpus`). Each is searched while it is faster than every count above it (or
+    // nothing above plans), and the fastest is named.
     let mut best_step =
         searched.as_ref().ok().and_then(Plan::winner).map(|w| w.prediction.step_time_s);
     let mut fewer: Option<Fewer> = None;

@@ -1015,11 +1015,12 @@ fn move_all(moves: &[(PathBuf, PathBuf)], advice: &str) -> anyhow::Result<()> {
 /// entries into the other. Where either cannot be read, whether they are one path.
 fn same_filesystem(a: &Path, b: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let parent = |p: &Path| match p.as_os_str().is_empty() {
+    // A relative path's empty parent is the working directory.
+    let or_dot = |p: &Path| match p.as_os_str().is_empty() {
         true => PathBuf::from("."),
         false => p.to_path_buf(),
     };
-    match (std::fs::metadata(parent(a)), std::fs::metadata(parent(b))) {
+    match (std::fs::metadata(or_dot(a)), std::fs::metadata(or_dot(b))) {
         (Ok(x), Ok(y)) => x.dev() == y.dev(),
         _ => a == b,
     }
