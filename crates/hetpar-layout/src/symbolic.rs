@@ -235,7 +235,9 @@ fn run_collective(
     let group: Vec<usize> = ops.iter().map(|(r, _)| *r).collect();
     match ops[0].1 {
         Op::AllToAllV { .. } => {
-            let lists = |op| a2a_lists(op, &group);
+            // Every member's lists, checked once.
+            let lists: Vec<A2aLists> =
+                ops.iter().map(|(_, op)| a2a_lists(op, &group)).collect::<Result<_, _>>()?;
             // The rows member `i` lists for member `j` in `list` (ascending by member).
             let rows_for = |list: &[(usize, Segs)], j: usize| match list
                 .binary_search_by_key(&j, |(m, _)| *m)
@@ -244,34 +246,31 @@ fn run_collective(
                 Err(_) => 0,
             };
             let mut inbound: Vec<Vec<Label>> = vec![Vec::new(); ops.len()];
-            for (i, (r, op)) in ops.iter().enumerate() {
-                let (send, recv) = lists(op)?;
-                for (j, segs) in send {
-                    let expects = rows_for(lists(ops[*j].1)?.1, i);
-                    if expects != segs.rows() {
-                        return Err(format!(
-                            "all-to-all-v over {group:?}: rank {r} sends {} rows to {} which expects {expects}",
-                            segs.rows(),
-                            group[*j],
-                        ));
+            for (i, (r, _)) in ops.iter().enumerate() {
+                let (send, recv) = lists[i];
+                // Each listed send against its receiver's list, each listed receive against
+                // its sender's: the rows the other end lists for this rank.
+                let ends = [(send, "sends", "to", "expects"), (recv, "expects", "from", "sends")];
+                for (mine, (list, did, way, other)) in ends.into_iter().enumerate() {
+                    for (j, segs) in list {
+                        let (their_send, their_recv) = lists[*j];
+                        let theirs = rows_for([their_recv, their_send][mine], i);
+                        if theirs != segs.rows() {
+                            return Err(format!(
+                                "all-to-all-v over {group:?}: rank {r} {did} {} rows {way} {} which {other} {theirs}",
+                                segs.rows(),
+                                group[*j],
+                            ));
+                        }
                     }
-                    let l = read(state, *r, segs, at)?;
-                    inbound[*j].extend(l);
                 }
-                for (j, segs) in recv {
-                    let sent = rows_for(lists(ops[*j].1)?.0, i);
-                    if sent != segs.rows() {
-                        return Err(format!(
-                            "all-to-all-v over {group:?}: rank {r} expects {} rows from {} which sends {sent}",
-                            segs.rows(),
-                            group[*j],
-                        ));
-                    }
+                for (j, segs) in send {
+                    inbound[*j].extend(read(state, *r, segs, at)?);
                 }
             }
-            for (j, (r, op)) in ops.iter().enumerate() {
+            for (j, (r, _)) in ops.iter().enumerate() {
                 let mut labels = inbound[j].iter().copied();
-                for (_, segs) in lists(op)?.1 {
+                for (_, segs) in lists[j].1 {
                     let part: Vec<Label> = labels.by_ref().take(segs.rows()).collect();
                     write(state, *r, segs, &part, at)?;
                 }
