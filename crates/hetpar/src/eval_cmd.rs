@@ -66,6 +66,37 @@ fn spell(vocab: &hetpar_data::chat::Vocab, ids: &[u32]) -> String {
     out
 }
 
+/// A note for each `--set` in `set` whose key only shapes training (the optimizer, the
+/// step count, which modules train): an evaluation reads the checkpoint's weights as saved,
+/// so such a key changes none of its numbers.
+fn training_only(set: &[String]) -> Vec<String> {
+    const TRAIN: [&str; 8] = [
+        "steps",
+        "lr",
+        "warmup",
+        "min_lr",
+        "weight_decay",
+        "clip_grad",
+        "on_nonfinite",
+        "max_skips",
+    ];
+    set.iter()
+        .filter_map(|s| {
+            let key = s.split_once('=').map_or(s.as_str(), |(k, _)| k).trim();
+            let module = key.strip_prefix("modules.").and_then(|k| k.rsplit_once('.'));
+            let idle = match key.strip_prefix("train.") {
+                Some(k) => TRAIN.contains(&k),
+                None => module.is_some_and(|(_, k)| k == "lr" || k == "trainable"),
+            };
+            idle.then(|| {
+                format!(
+                    "note: --set {key} has no effect on an evaluation: it shapes training, and the checkpoint's weights are evaluated as saved"
+                )
+            })
+        })
+        .collect()
+}
+
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let ckpt = checkpoint_said(&a.ckpt)?;
     let config = ckpt.join(CONFIG_FILE);
@@ -179,6 +210,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         }
         other => anyhow::bail!("{}", crate::unknown_backend(other)),
     };
+    for note in training_only(&a.set) {
+        crate::stderr_line(&note);
+    }
     // The shown answers' text, by the tokenizer the records were read with.
     let shown = &report.answered[..a.show.min(report.answered.len())];
     let vocab = match (shown.is_empty(), graph.data.tokenizer.as_deref()) {
@@ -250,7 +284,30 @@ mod tests {
     use hetpar_data::chat::Vocab;
     use hetpar_runtime::NO_TOP;
 
-    use super::spell;
+    use super::{spell, training_only};
+
+    /// The keys that only shape training get a note each, the ones an evaluation reads
+    /// (batch size, data, layouts) none.
+    #[test]
+    fn training_only_keys_are_noted() {
+        let set: Vec<String> = [
+            "train.lr=1e-3",
+            "train.global_batch=16",
+            "modules.vision.trainable=false",
+            "modules.llm.lr = 2e-4",
+            "modules.llm.parallel.tp=2",
+            "data.image_root=/tmp",
+            "train.steps",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let keys: Vec<String> = training_only(&set)
+            .iter()
+            .map(|n| n.split_whitespace().nth(2).unwrap_or_default().to_string())
+            .collect();
+        assert_eq!(keys, ["train.lr", "modules.vision.trainable", "modules.llm.lr", "train.steps"]);
+    }
 
     /// Ids the tokenizer has tokens for read as their text; one it lacks (the LLM's
     /// vocabulary may be larger) and a NaN row's are named, where the tokenizer would drop

@@ -671,6 +671,21 @@ fn run_on(
                 one * mpi.map_or(1, |w| w.size()) as f64
             }
         };
+        // A signal so far (the data opening, the peak's products) stops the run before it
+        // moves or writes anything under --out: an earlier run there stays where it was.
+        if ckpt.as_ref().is_some_and(|k| k.stop.load(Ordering::Relaxed)) {
+            let why = format!(
+                "stopped by a signal before the first step began; nothing under {} was moved or written",
+                out.display()
+            );
+            match mpi {
+                Some(world) => {
+                    fail_job(world.rank(), RuntimeError::Model(why))?;
+                    return Ok(());
+                }
+                None => bail!("{why}"),
+            }
+        }
         let resumed = ckpt.as_ref().and_then(|k| k.resume.as_ref());
         if continues {
             // Gone back to an earlier checkpoint of the run: the ones past it are another

@@ -834,9 +834,14 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     assert_eq!(events.len(), 1);
     assert!(events[0].metadata().expect("meta").len() > 100);
     assert!(text.contains("TensorBoard events: "), "{text}");
-    // The same checkpoint, evaluated on its own: the same numbers.
-    let eval = hetpar(&["eval", out, "--data", generated, "--json", "--show", "2"]);
+    // The same checkpoint, evaluated on its own: the same numbers, whatever learning rate
+    // a `--set` gives (noted on stderr, away from the JSON).
+    let lr = ["--set", "train.lr=0.5"];
+    let eval =
+        hetpar(&[&["eval", out, "--data", generated, "--json", "--show", "2"][..], &lr].concat());
     let e: Value = serde_json::from_str(&stdout(&eval)).expect("json");
+    let err = String::from_utf8_lossy(&eval.stderr);
+    assert!(err.contains("note: --set train.lr has no effect on an evaluation"), "{err}");
     // The first two answers, as text and ids, with what greedy decoding emits.
     let shown = e["answers"].as_array().expect("answers");
     assert_eq!(shown.len(), 2, "{e}");
@@ -1477,6 +1482,73 @@ fn a_second_signal_stops_at_once_and_says_so() {
         ),
         "{err}"
     );
+}
+
+/// A signal before the first step, once the run has said what it trains (so the handler is
+/// in place), stops a fresh run before it moves the earlier run under `--out` aside or
+/// writes anything there.
+#[test]
+fn a_signal_before_the_first_step_leaves_the_earlier_run_in_place() {
+    use std::io::BufRead;
+    let tmp = temp("early-signal");
+    let out = tmp.path().join("run");
+    let out_s = out.to_str().expect("utf-8");
+    let listing = || {
+        let mut names: Vec<_> = std::fs::read_dir(&out)
+            .expect("out")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    // The signal comes during the matmul peak's measurement, some 0.2 s between the
+    // description and the move; a test process slow enough to miss it lets the run move
+    // the earlier one (and says so), and is tried again on a fresh earlier run.
+    for _ in 0..3 {
+        let _ = std::fs::remove_dir_all(&out);
+        stdout(&hetpar(&["train", IN_MEMORY, "--steps", "2", "--out", out_s]));
+        let before = listing();
+        let metrics = std::fs::read(out.join("metrics.jsonl")).expect("metrics");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_hetpar"))
+            .args(["train", IN_MEMORY, "--steps", "2", "--out", out_s])
+            .current_dir(root())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("hetpar starts");
+        let mut lines = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let mut said = String::new();
+        for line in lines.by_ref() {
+            let line = line.expect("utf-8");
+            said += &line;
+            said.push('\n');
+            if line.starts_with("resolved config") {
+                let pid = child.id().to_string();
+                assert!(
+                    Command::new("kill").args(["-INT", &pid]).status().expect("kill").success()
+                );
+                break;
+            }
+        }
+        said.extend(lines.map(|l| l.expect("utf-8") + "\n"));
+        let done = child.wait_with_output().expect("exits");
+        let err = String::from_utf8_lossy(&done.stderr);
+        if said.contains("held an earlier run; moved it") {
+            // Too late: try again.
+            continue;
+        }
+        assert_eq!(done.status.code(), Some(1), "{said}{err}");
+        assert!(
+            err.contains(&format!(
+                "stopped by a signal before the first step began; nothing under {out_s} was moved or written"
+            )),
+            "{err}"
+        );
+        assert_eq!(listing(), before);
+        assert_eq!(std::fs::read(out.join("metrics.jsonl")).expect("metrics"), metrics);
+        return;
+    }
+    panic!("three runs moved the earlier run before the signal reached them");
 }
 
 /// SIGTERM mid-run: every rank finishes its step, a checkpoint is committed and the run
