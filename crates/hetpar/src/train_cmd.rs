@@ -457,6 +457,15 @@ fn run_on(
 ) -> anyhow::Result<()> {
     let lead = mpi.is_none_or(|w| w.rank() == 0);
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
+    // Refused before anything runs: the nearest part of --out that exists must be a
+    // directory, for the run to be made (or found) under it.
+    if let Some(file) = out.ancestors().find(|p| p.exists()).filter(|p| !p.is_dir()) {
+        bail!(
+            "--out {}: {} is a file, not a directory (--out names the run's directory, made where missing)",
+            out.display(),
+            file.display()
+        );
+    }
     let root = out.join("checkpoints");
     let resume = resume_dir(a.resume.as_deref(), &root, lead)?;
     // Whether the run goes on with the one whose checkpoints `out` holds (rather than
