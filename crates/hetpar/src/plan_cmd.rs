@@ -193,7 +193,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let searched = search(&wl, &hw, a.top);
     let elapsed = start.elapsed();
     // Fewer GPUs may run the same global batch faster: an awkward count's round count
-    // below it (some GPUs idle), and past what the batch can use, about half as many
+    // below it (some GPUs idle), and past what the batch can use, half as many nodes
     // (`fewer_gpus`). Each is searched while it is faster than every count above it (or
     // nothing above plans), and the fastest is named.
     let mut best_step =
@@ -282,15 +282,18 @@ struct Fewer {
 }
 
 /// The next GPU count below `n` worth planning: the whole nodes of an awkward `n` (`per_node`
-/// GPUs each), or below one node the largest power of two below it; of a round `n`, half of
-/// it (whole nodes where that leaves one). `None` below 2 GPUs.
+/// GPUs each), or below one node the largest power of two below it; of a round `n`, half
+/// its nodes, rounded up (5 nodes: 3, then 2), and below one node half of it. `None` below
+/// 2 GPUs.
 fn fewer_gpus(n: usize, per_node: usize) -> Option<usize> {
     let per_node = per_node.max(1);
-    let round = |m: usize| if m >= per_node { m / per_node * per_node } else { 1 << m.ilog2() };
+    let nodes = n / per_node;
     match n {
         0 | 1 => None,
-        _ if round(n) < n => Some(round(n)),
-        _ => Some(round(n / 2)),
+        _ if nodes >= 1 && !n.is_multiple_of(per_node) => Some(nodes * per_node),
+        _ if nodes >= 2 => Some(nodes.div_ceil(2) * per_node),
+        _ if n.is_power_of_two() => Some(n / 2),
+        _ => Some(1 << n.ilog2()),
     }
 }
 
@@ -507,11 +510,12 @@ mod tests {
     use super::fewer_gpus;
 
     #[test]
-    fn fewer_gpus_rounds_an_awkward_count_down_and_halves_a_round_one() {
+    fn fewer_gpus_rounds_an_awkward_count_down_and_halves_a_round_ones_nodes() {
         let chain =
             |n: usize| std::iter::successors(Some(n), |&m| fewer_gpus(m, 8)).collect::<Vec<_>>();
         assert_eq!(chain(33), [33, 32, 16, 8, 4, 2, 1]);
-        assert_eq!(chain(40), [40, 16, 8, 4, 2, 1]);
+        assert_eq!(chain(40), [40, 24, 16, 8, 4, 2, 1]);
+        assert_eq!(chain(6 * 8 + 3), [51, 48, 24, 16, 8, 4, 2, 1]);
         assert_eq!(chain(6), [6, 4, 2, 1]);
         assert_eq!(chain(2048)[..3], [2048, 1024, 512]);
         assert_eq!(fewer_gpus(48, 8), Some(24));
