@@ -67,26 +67,21 @@ fn spell(vocab: &hetpar_data::chat::Vocab, ids: &[u32]) -> String {
 }
 
 /// A note for each `--set` in `set` whose key only shapes training (the optimizer, the
-/// step count, which modules train): an evaluation reads the checkpoint's weights as saved,
+/// step count, which modules train, recomputation in the backward): an evaluation reads the checkpoint's weights as saved,
 /// so such a key changes none of its numbers.
 fn training_only(set: &[String]) -> Vec<String> {
-    const TRAIN: [&str; 8] = [
-        "steps",
-        "lr",
-        "warmup",
-        "min_lr",
-        "weight_decay",
-        "clip_grad",
-        "on_nonfinite",
-        "max_skips",
-    ];
+    const TRAIN: [&str; 7] =
+        ["steps", "lr", "warmup", "min_lr", "weight_decay", "clip_grad", "max_skips"];
     set.iter()
         .filter_map(|s| {
             let key = s.split_once('=').map_or(s.as_str(), |(k, _)| k).trim();
             let module = key.strip_prefix("modules.").and_then(|k| k.rsplit_once('.'));
             let idle = match key.strip_prefix("train.") {
                 Some(k) => TRAIN.contains(&k),
-                None => module.is_some_and(|(_, k)| k == "lr" || k == "trainable"),
+                // (An evaluation runs no backward, so recomputing changes nothing.)
+                None => module.is_some_and(|(m, k)| {
+                    k == "lr" || k == "trainable" || (k == "recompute" && m.ends_with(".parallel"))
+                }),
             };
             idle.then(|| {
                 format!(
@@ -296,6 +291,8 @@ mod tests {
             "modules.vision.trainable=false",
             "modules.llm.lr = 2e-4",
             "modules.llm.parallel.tp=2",
+            "modules.llm.parallel.recompute=true",
+            "train.on_nonfinite=skip",
             "data.image_root=/tmp",
             "train.steps",
         ]
@@ -306,7 +303,16 @@ mod tests {
             .iter()
             .map(|n| n.split_whitespace().nth(2).unwrap_or_default().to_string())
             .collect();
-        assert_eq!(keys, ["train.lr", "modules.vision.trainable", "modules.llm.lr", "train.steps"]);
+        assert_eq!(
+            keys,
+            [
+                "train.lr",
+                "modules.vision.trainable",
+                "modules.llm.lr",
+                "modules.llm.parallel.recompute",
+                "train.steps"
+            ]
+        );
     }
 
     /// Ids the tokenizer has tokens for read as their text; one it lacks (the LLM's

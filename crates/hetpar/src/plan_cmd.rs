@@ -282,9 +282,9 @@ struct Fewer {
 }
 
 /// The next GPU count below `n` worth planning: the whole nodes of an awkward `n` (`per_node`
-/// GPUs each), or below one node the largest power of two below it; of a round `n`, half
-/// its nodes, rounded up (5 nodes: 3, then 2), and below one node half of it. `None` below
-/// 2 GPUs.
+/// GPUs each), or below one node the largest power of two below it; of two nodes or more,
+/// half the nodes, rounded up (5 nodes: 3, then 2); of one node or less, half a power of
+/// two, else the largest power of two below it. `None` below 2 GPUs.
 fn fewer_gpus(n: usize, per_node: usize) -> Option<usize> {
     let per_node = per_node.max(1);
     let nodes = n / per_node;

@@ -457,15 +457,7 @@ fn run_on(
 ) -> anyhow::Result<()> {
     let lead = mpi.is_none_or(|w| w.rank() == 0);
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
-    // Refused before anything runs: the nearest part of --out that exists must be a
-    // directory, for the run to be made (or found) under it.
-    if let Some(file) = out.ancestors().find(|p| p.exists()).filter(|p| !p.is_dir()) {
-        bail!(
-            "--out {}: {} is a file, not a directory (--out names the run's directory, made where missing)",
-            out.display(),
-            file.display()
-        );
-    }
+    not_under_a_file(&out)?;
     let root = out.join("checkpoints");
     let resume = resume_dir(a.resume.as_deref(), &root, lead)?;
     // Whether the run goes on with the one whose checkpoints `out` holds (rather than
@@ -682,18 +674,12 @@ fn run_on(
         };
         // A signal so far (the data opening, the peak's products) stops the run before it
         // moves or writes anything under --out: an earlier run there stays where it was.
+        // (Under MPI the error ends every process.)
         if ckpt.as_ref().is_some_and(|k| k.stop.load(Ordering::Relaxed)) {
-            let why = format!(
+            bail!(
                 "stopped by a signal before the first step began; nothing under {} was moved or written",
                 out.display()
             );
-            match mpi {
-                Some(world) => {
-                    fail_job(world.rank(), RuntimeError::Model(why))?;
-                    return Ok(());
-                }
-                None => bail!("{why}"),
-            }
         }
         let resumed = ckpt.as_ref().and_then(|k| k.resume.as_ref());
         if continues {
@@ -1003,6 +989,41 @@ fn not_a_link(root: &Path) -> anyhow::Result<()> {
             "{} is a link and holds an earlier run's checkpoints, which a fresh run would mix with its own: --resume auto continues that run; otherwise move them out of the directory it links to first",
             root.display()
         );
+    }
+    Ok(())
+}
+
+/// Refuses `out` (before anything runs) where the nearest part of it that exists is not a
+/// directory, or is a link to nothing: the run's directory is made (or found) under it.
+fn not_under_a_file(out: &Path) -> anyhow::Result<()> {
+    // Without a trailing slash, whose lookup fails as "not a directory" on a file.
+    let whole: PathBuf = out.components().collect();
+    for p in whole.ancestors().filter(|p| !p.as_os_str().is_empty()) {
+        let refuse = |what: &str| {
+            anyhow::anyhow!(
+                "--out {}: {} is {what} (--out names the run's directory, made where missing)",
+                out.display(),
+                p.display()
+            )
+        };
+        match std::fs::metadata(p) {
+            Ok(m) if m.is_dir() => return Ok(()),
+            Ok(_) => return Err(refuse("not a directory")),
+            Err(_) if std::fs::symlink_metadata(p).is_ok() => {
+                return Err(refuse("a link to nothing"));
+            }
+            // Missing, or under a file (found on the way up).
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+                ) => {}
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!("--out {}: cannot read {}", out.display(), p.display())
+                });
+            }
+        }
     }
     Ok(())
 }

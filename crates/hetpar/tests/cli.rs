@@ -1484,21 +1484,28 @@ fn a_second_signal_stops_at_once_and_says_so() {
     );
 }
 
-/// An `--out` that is a file, or lies under one, is refused before the run says anything.
+/// An `--out` that is a file (with or without a trailing slash), lies under one, or is a
+/// link to nothing is refused before the run says anything.
 #[test]
 fn an_out_that_is_a_file_is_refused_at_once() {
     let tmp = temp("out-file");
     let file = tmp.path().join("notes.txt");
     std::fs::write(&file, "mine").expect("a file");
-    for out in [file.clone(), file.join("run")] {
+    let slash = PathBuf::from(format!("{}/", file.display()));
+    for out in [file.clone(), file.join("run"), slash] {
         let done =
             hetpar(&["train", IN_MEMORY, "--steps", "1", "--out", out.to_str().expect("utf-8")]);
         let err = String::from_utf8_lossy(&done.stderr);
         assert!(!done.status.success());
-        assert!(err.contains(&format!("{} is a file, not a directory", file.display())), "{err}");
+        assert!(err.contains(&format!("{} is not a directory", file.display())), "{err}");
         assert!(done.stdout.is_empty(), "{}", String::from_utf8_lossy(&done.stdout));
     }
     assert_eq!(std::fs::read_to_string(&file).expect("kept"), "mine");
+    let dangling = tmp.path().join("gone");
+    std::os::unix::fs::symlink(tmp.path().join("nowhere"), &dangling).expect("a link");
+    let done = hetpar(&["train", IN_MEMORY, "--out", dangling.to_str().expect("utf-8")]);
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(err.contains(&format!("{} is a link to nothing", dangling.display())), "{err}");
 }
 
 /// A signal before the first step, once the run has said what it trains (so the handler is
