@@ -647,10 +647,24 @@ pub fn saved_config(dir: &Path) -> Result<Option<String>> {
 }
 
 /// Reads and checks `dir/manifest.json`: its format, its own checksum, that its counts,
-/// modules and file names are consistent, and that it describes `graph`'s model.
+/// modules and file names are consistent, that a `step-N` directory holds step N, and that
+/// it describes `graph`'s model.
 pub fn read_manifest(dir: &Path, graph: &ModelGraph) -> Result<Manifest> {
     let m = parse_manifest(dir)?;
     let path = dir.join(MANIFEST_FILE);
+    // A `step-N` directory is taken for step N where checkpoints are listed (`--resume
+    // auto`, `--keep`, moving a later branch aside): its manifest must say the same.
+    let named = dir.file_name().and_then(|n| n.to_str()?.strip_prefix("step-")?.parse().ok());
+    if let Some(named) = named.filter(|&n: &usize| n != m.step) {
+        return Err(io(
+            &path,
+            format!(
+                "it is the checkpoint after step {}, but its directory is named for step {named}: rename the directory {} (checkpoints are listed by their directories' names)",
+                m.step,
+                dir_name(m.step)
+            ),
+        ));
+    }
     let saved: Vec<&str> = m.modules.iter().map(|s| s.module.as_str()).collect();
     let mut config: Vec<&str> = graph.modules.iter().map(|g| g.name.as_str()).collect();
     let mut sorted = saved.clone();

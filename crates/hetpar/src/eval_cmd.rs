@@ -12,9 +12,7 @@ use hetpar_runtime::{EvalReport, NO_TOP, RuntimeError, Trainer};
 use crate::data_open::RunData;
 use crate::export_cmd::checkpoint_said;
 use crate::preflight::{Holds, fits_memory, fits_memory_mpi};
-use crate::train_cmd::{
-    describe_eval, dtype, fail_job, open_mpi, run_facts, timeout, with_timeout_hint,
-};
+use crate::train_cmd::{describe_eval, dtype, fail_job, open_mpi, run_facts, timeout};
 
 /// Arguments of `hetpar eval`.
 #[derive(clap::Args)]
@@ -170,10 +168,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 hetpar_nn::kernels::share_threads(graph.world);
                 evaluate(c, &run_data)
             })?;
-            match results.into_iter().next() {
-                Some(r) => r.map_err(|e| {
-                    anyhow::anyhow!(with_timeout_hint(&e.to_string(), Some(timeout)))
-                })?,
+            // The error that started a failure (a rank's own, such as a clip that does not
+            // decode on the audio encoder's rank), not rank 0's report of it.
+            match crate::train_cmd::every_rank_or_cause(results, timeout)?.into_iter().next() {
+                Some(r) => r,
                 None => anyhow::bail!("the checkpoint's layout has no ranks"),
             }
         }

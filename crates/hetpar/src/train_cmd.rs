@@ -1924,6 +1924,15 @@ fn local_ranks(
         },
         abandon_stuck(timeout, grace),
     )?;
+    every_rank_or_cause(results, timeout)
+}
+
+/// Every rank's result of a local run, by rank, or where any failed the error that started
+/// the failure ([`first_cause`]: a rank's own, not the others' reports of it).
+pub(crate) fn every_rank_or_cause<T>(
+    results: Vec<Result<T, RuntimeError>>,
+    timeout: Duration,
+) -> anyhow::Result<Vec<T>> {
     let (mut ok, mut errors) = (Vec::new(), Vec::new());
     for r in results {
         match r {

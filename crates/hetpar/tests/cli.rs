@@ -939,6 +939,44 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
         assert_eq!((&c["eos_token_id"], &c["pad_token_id"]), (&Value::from(4), &Value::from(0)));
         assert!(c["bos_token_id"].is_null(), "{name}: {c}");
     }
+    // A clip that does not decode is named, as training names it, though it is read on
+    // the audio encoder's rank alone (not rank 0's report that the rank failed).
+    let broken = out_dir.join("broken-clip");
+    let records: Value = serde_json::from_str(
+        &std::fs::read_to_string(Path::new(generated).join("heldout.json")).expect("heldout"),
+    )
+    .expect("json");
+    let mut first_clip = None;
+    for r in records.as_array().expect("records") {
+        for key in ["image", "audio"] {
+            let files = match &r[key] {
+                Value::String(f) => vec![f.as_str()],
+                Value::Array(fs) => fs.iter().filter_map(Value::as_str).collect(),
+                _ => Vec::new(),
+            };
+            for f in files {
+                let to = broken.join(f);
+                std::fs::create_dir_all(to.parent().expect("parent")).expect("media dir");
+                std::fs::copy(Path::new(generated).join(f), &to).expect("media");
+                if key == "audio" && first_clip.is_none() {
+                    first_clip = Some(to);
+                }
+            }
+        }
+    }
+    for f in ["heldout.json", "tokenizer.json"] {
+        std::fs::copy(Path::new(generated).join(f), broken.join(f)).expect("copy");
+    }
+    let clip = first_clip.expect("a held-out record with a clip");
+    std::fs::write(&clip, b"RIFF\0\0\0\0WAVE").expect("a clip cut short");
+    let failed = hetpar(&["eval", out, "--data", broken.to_str().expect("utf-8")]);
+    let err = String::from_utf8_lossy(&failed.stderr).to_string();
+    assert!(
+        !failed.status.success()
+            && err.contains("error: data: ")
+            && err.contains(&clip.display().to_string()),
+        "{err}"
+    );
     // A data directory that is not there is named.
     let missing = hetpar(&["eval", out, "--data", "/nonexistent/set"]);
     let err = String::from_utf8_lossy(&missing.stderr).to_string();
@@ -1482,6 +1520,31 @@ fn a_second_signal_stops_at_once_and_says_so() {
         ),
         "{err}"
     );
+}
+
+/// A checkpoint directory renamed for another step than its manifest's is refused by a
+/// resume before anything moves: the run would take it for a later checkpoint, move it
+/// aside as a branch past the step it goes on from, and then fail to find it.
+#[test]
+fn a_checkpoint_renamed_for_another_step_is_refused_before_anything_moves() {
+    let tmp = temp("renamed-step");
+    let out = tmp.path().join("run");
+    let out_s = out.to_str().expect("utf-8");
+    stdout(&hetpar(&["train", IN_MEMORY, "--steps", "4", "--save-every", "2", "--out", out_s]));
+    let root = out.join("checkpoints");
+    std::fs::rename(root.join("step-00000004"), root.join("step-00000010")).expect("renamed");
+    std::fs::write(root.join("latest"), "step-00000010").expect("latest");
+    let done = hetpar(&["train", IN_MEMORY, "--steps", "6", "--out", out_s, "--resume", "auto"]);
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(!done.status.success());
+    assert!(
+        err.contains(
+            "it is the checkpoint after step 4, but its directory is named for step 10: rename the directory step-00000004"
+        ),
+        "{err}"
+    );
+    assert!(root.join("step-00000010").join("manifest.json").is_file());
+    assert!(!out.join("earlier-1").exists());
 }
 
 /// An `--out` that is a file (with or without a trailing slash), lies under one, or is a
