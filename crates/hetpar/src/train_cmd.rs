@@ -176,8 +176,14 @@ fn seconds(flag: &str, secs: f64) -> anyhow::Result<Duration> {
 
 struct Report {
     bar: Option<ProgressBar>,
-    metrics: Mutex<std::fs::File>,
-    /// Where `metrics` is, for errors.
+    /// `metrics.jsonl` and the TensorBoard event file, made when the first step, save or
+    /// evaluation is written ([`Report::files`]): a run that fails before it (a checkpoint
+    /// refused by its checksums) leaves `--out` as it was.
+    files: Mutex<Option<Files>>,
+    /// What makes them: the run's directory, its resolved config and the metrics kept from
+    /// the run it goes on with.
+    pending: (PathBuf, String, Vec<String>),
+    /// Where `metrics.jsonl` is, for errors.
     metrics_path: PathBuf,
     names: Vec<String>,
     steps: usize,
@@ -189,8 +195,6 @@ struct Report {
     done: Mutex<(f64, f64)>,
     /// Evaluations so far: after how many steps, and what they found.
     evals: Mutex<Vec<(usize, EvalReport)>>,
-    /// The TensorBoard event file.
-    events: Mutex<crate::tensorboard::Events>,
     /// The audio encoders' input in seconds (one value where they agree).
     clip_seconds: Option<f64>,
     /// Whether the note that clips were cut was printed.
@@ -218,12 +222,55 @@ pub fn describe_eval(e: &EvalReport) -> String {
     )
 }
 
+/// A run's `metrics.jsonl` and TensorBoard event file.
+struct Files {
+    metrics: std::fs::File,
+    events: crate::tensorboard::Events,
+}
+
 impl Report {
+    /// `f` on the run's files, made on first use: `--out` with the resolved config, the
+    /// metrics kept from the run this one goes on with, and a new event file.
+    fn files<R>(&self, f: impl FnOnce(&mut Files) -> anyhow::Result<R>) -> anyhow::Result<R> {
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let files = match &mut *files {
+            Some(made) => made,
+            none => {
+                let (out, resolved, kept) = &self.pending;
+                std::fs::create_dir_all(out)
+                    .with_context(|| format!("cannot create {}", out.display()))?;
+                std::fs::write(out.join("config.toml"), resolved).with_context(|| {
+                    format!("cannot write {}", out.join("config.toml").display())
+                })?;
+                let path = &self.metrics_path;
+                let mut metrics = std::fs::File::create(path)
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+                for l in kept {
+                    writeln!(metrics, "{l}")
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                }
+                let events = crate::tensorboard::Events::create(out).with_context(|| {
+                    format!("cannot write a TensorBoard event file in {}", out.display())
+                })?;
+                none.insert(Files { metrics, events })
+            }
+        };
+        f(files)
+    }
+
     /// Appends `line` to `metrics.jsonl`.
     fn metrics_line(&self, line: &serde_json::Value) -> anyhow::Result<()> {
-        let mut f = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        writeln!(f, "{line}")
-            .with_context(|| format!("cannot write {}", self.metrics_path.display()))
+        self.files(|f| {
+            writeln!(f.metrics, "{line}")
+                .with_context(|| format!("cannot write {}", self.metrics_path.display()))
+        })
+    }
+
+    /// Appends `scalars` of `step` to the TensorBoard event file.
+    fn event(&self, step: usize, scalars: &[(&str, f64)]) -> anyhow::Result<()> {
+        self.files(|f| {
+            f.events.scalars(step, scalars).context("cannot write the TensorBoard events")
+        })
     }
 
     /// Writes and prints an evaluation after `done` steps.
@@ -249,8 +296,7 @@ impl Report {
             ("heldout/answer_accuracy", e.accuracy()),
             ("heldout/token_accuracy", token_accuracy),
         ];
-        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
-        events.scalars(done, &scalars).context("cannot write the TensorBoard events")?;
+        self.event(done, &scalars)?;
         self.evals.lock().unwrap_or_else(|e| e.into_inner()).push((done, e.clone()));
         let text = format!("held-out after {done} steps: {}", describe_eval(e));
         match &self.bar {
@@ -368,8 +414,7 @@ impl Report {
             ("mfu", mfu),
             ("data_wait_s", log.data_wait),
         ];
-        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
-        events.scalars(log.step, &scalars).context("cannot write the TensorBoard events")?;
+        self.event(log.step, &scalars)?;
         self.metrics_line(&line)?;
         let skipped = if r.applied {
             String::new()
@@ -710,7 +755,7 @@ fn run_on(
                 history = Some(moved.join("metrics.jsonl"));
             }
         }
-        Some(Report::create(&out, &resolved, &graph, (steps, start, history.as_deref()), peak)?)
+        Some(Report::create(&out, &resolved, &graph, (steps, start, history.as_deref()), peak))
     } else {
         None
     };
@@ -804,14 +849,12 @@ fn run_on(
         loss.display(),
         time.display()
     ));
-    {
-        let events = report.events.lock().unwrap_or_else(|e| e.into_inner());
-        say(&format!(
-            "TensorBoard events: {} (tensorboard --logdir {})",
-            events.path().display(),
-            out.display()
-        ));
-    }
+    let events = report.files(|f| Ok(f.events.path().to_path_buf()))?;
+    say(&format!(
+        "TensorBoard events: {} (tensorboard --logdir {})",
+        events.display(),
+        out.display()
+    ));
     let (flops, secs) = *report.done.lock().unwrap_or_else(|e| e.into_inner());
     let rate = |f: f64| {
         if f >= 1e12 {
@@ -1361,8 +1404,8 @@ fn resumed_from(dir: &Path, m: &hetpar_runtime::checkpoint::Manifest, steps: usi
 }
 
 impl Report {
-    /// The output directory with the resolved config and an empty `metrics.jsonl`, and the
-    /// progress bar when stderr is a terminal.
+    /// The report of a run into `out` with the resolved config `resolved`, and the progress
+    /// bar when stderr is a terminal; its files are made when the first line is written.
     /// A resumed run keeps the lines of the steps before `start` from `history` (the
     /// metrics of the run it goes on from).
     fn create(
@@ -1371,11 +1414,9 @@ impl Report {
         graph: &ModelGraph,
         (steps, start, history): (usize, usize, Option<&Path>),
         peak: f64,
-    ) -> anyhow::Result<Report> {
-        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-        std::fs::write(out.join("config.toml"), resolved)
-            .with_context(|| format!("cannot write {}", out.join("config.toml").display()))?;
-        // A resumed run keeps the lines of the steps before it, so no step appears twice.
+    ) -> Report {
+        // A resumed run keeps the lines of the steps before it, so no step appears twice
+        // (read now, written with the first step: the files may be the same).
         let path = out.join("metrics.jsonl");
         let kept: Vec<String> = if let Some(history) = history.filter(|_| start > 0) {
             std::fs::read_to_string(history)
@@ -1395,11 +1436,6 @@ impl Report {
         } else {
             Vec::new()
         };
-        let mut metrics = std::fs::File::create(&path)
-            .with_context(|| format!("cannot write {}", path.display()))?;
-        for l in kept {
-            writeln!(metrics, "{l}").with_context(|| format!("cannot write {}", path.display()))?;
-        }
         let bar = std::io::stderr().is_terminal().then(|| {
             let b = ProgressBar::new(steps as u64);
             b.set_position(start as u64);
@@ -1409,10 +1445,11 @@ impl Report {
             );
             b
         });
-        Ok(Report {
+        Report {
             bar,
-            metrics: Mutex::new(metrics),
-            metrics_path: path.clone(),
+            files: Mutex::new(None),
+            pending: (out.to_path_buf(), resolved.to_string(), kept),
+            metrics_path: path,
             names: graph.modules.iter().map(|m| m.name.clone()).collect(),
             steps,
             start: Instant::now(),
@@ -1420,12 +1457,9 @@ impl Report {
             peak,
             done: Mutex::new((0.0, 0.0)),
             evals: Mutex::new(Vec::new()),
-            events: Mutex::new(crate::tensorboard::Events::create(out).with_context(|| {
-                format!("cannot write a TensorBoard event file in {}", out.display())
-            })?),
             clip_seconds: clip_seconds(graph),
             cut_noted: AtomicBool::new(false),
-        })
+        }
     }
 }
 

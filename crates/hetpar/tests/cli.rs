@@ -1522,19 +1522,31 @@ fn a_second_signal_stops_at_once_and_says_so() {
     );
 }
 
+/// The in-memory example trained 4 steps into `TMP/run`, a checkpoint after steps 2 and 4.
+fn four_steps_saved(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = temp(name);
+    let out = tmp.path().join("run");
+    let out_s = out.to_str().expect("utf-8");
+    stdout(&hetpar(&["train", IN_MEMORY, "--steps", "4", "--save-every", "2", "--out", out_s]));
+    (tmp, out)
+}
+
+/// `--resume auto` of [`four_steps_saved`]'s run, to 6 steps.
+fn resume_to_six(out: &Path) -> Output {
+    let out = out.to_str().expect("utf-8");
+    hetpar(&["train", IN_MEMORY, "--steps", "6", "--out", out, "--resume", "auto"])
+}
+
 /// A checkpoint directory renamed for another step than its manifest's is refused by a
 /// resume before anything moves: the run would take it for a later checkpoint, move it
 /// aside as a branch past the step it goes on from, and then fail to find it.
 #[test]
 fn a_checkpoint_renamed_for_another_step_is_refused_before_anything_moves() {
-    let tmp = temp("renamed-step");
-    let out = tmp.path().join("run");
-    let out_s = out.to_str().expect("utf-8");
-    stdout(&hetpar(&["train", IN_MEMORY, "--steps", "4", "--save-every", "2", "--out", out_s]));
+    let (_tmp, out) = four_steps_saved("renamed-step");
     let root = out.join("checkpoints");
     std::fs::rename(root.join("step-00000004"), root.join("step-00000010")).expect("renamed");
     std::fs::write(root.join("latest"), "step-00000010").expect("latest");
-    let done = hetpar(&["train", IN_MEMORY, "--steps", "6", "--out", out_s, "--resume", "auto"]);
+    let done = resume_to_six(&out);
     let err = String::from_utf8_lossy(&done.stderr);
     assert!(!done.status.success());
     assert!(
@@ -1545,6 +1557,36 @@ fn a_checkpoint_renamed_for_another_step_is_refused_before_anything_moves() {
     );
     assert!(root.join("step-00000010").join("manifest.json").is_file());
     assert!(!out.join("earlier-1").exists());
+}
+
+/// A resume refused by the checkpoint's checksums (a tensor file cut short) writes nothing
+/// under `--out`: not the new config, not metrics, not another TensorBoard event file.
+#[test]
+fn a_resume_refused_by_its_checksums_writes_nothing() {
+    let (_tmp, out) = four_steps_saved("refused-resume");
+    let tensors = out.join("checkpoints").join("step-00000004").join("llm.stage0.safetensors");
+    let len = std::fs::metadata(&tensors).expect("tensors").len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&tensors)
+        .and_then(|f| f.set_len(len / 2))
+        .expect("cut short");
+    let snapshot = || {
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&out)
+            .expect("out")
+            .map(|e| e.expect("entry").path())
+            .filter(|p| p.is_file())
+            .map(|p| (p.display().to_string(), std::fs::read(&p).expect("read")))
+            .collect();
+        files.sort();
+        files
+    };
+    let before = snapshot();
+    let done = resume_to_six(&out);
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(!done.status.success());
+    assert!(err.contains("llm.stage0.safetensors"), "{err}");
+    assert!(snapshot() == before, "{err}");
 }
 
 /// An `--out` that is a file (with or without a trailing slash), lies under one, or is a
