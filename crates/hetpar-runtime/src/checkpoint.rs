@@ -548,7 +548,7 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
 /// [`latest`], with a note where `latest` names something else than the checkpoint taken:
 /// a directory that is not a committed checkpoint (a crash while committing, or a manifest
 /// removed since), or a path that is not a checkpoint's name in `root` (only a
-/// `step-NNNNNNNN` there is taken).
+/// `step-NNNNNNNN` there is taken); or where it is missing beside committed checkpoints.
 pub fn latest_noted(root: &Path) -> Result<(Option<PathBuf>, Option<String>)> {
     let path = root.join("latest");
     let named = match std::fs::read_to_string(&path) {
@@ -565,6 +565,16 @@ pub fn latest_noted(root: &Path) -> Result<(Option<PathBuf>, Option<String>)> {
         Err(e) => return Err(io(&path, e)),
     };
     let newest = committed(root)?.pop().map(|c| c.1);
+    if named.is_none() {
+        let note = newest.as_ref().map(|d| {
+            format!(
+                "{} is missing (removed, or a crash before it was written); the newest committed checkpoint is {}",
+                path.display(),
+                d.display()
+            )
+        });
+        return Ok((newest, note));
+    }
     let note = named.map(|(name, plain)| {
         let why = if plain {
             "which is not a committed checkpoint (no manifest.json)"

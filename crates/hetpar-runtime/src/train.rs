@@ -265,10 +265,11 @@ impl Trainer {
     /// (so the step that crosses the limit is logged too) and stops.
     pub fn within_skips(&self) -> Result<(), RuntimeError> {
         let max = self.graph.train.max_skips;
-        if self.exec.skipped() > max {
+        let n = self.exec.skipped();
+        if n > max {
+            let were = if n == 1 { "step was" } else { "steps were" };
             return Err(RuntimeError::Model(format!(
-                "{} steps were skipped for non-finite values, more than train.max_skips({max}) (each skipped step's line says where: the loss, a module's gradients or an edge's rows)",
-                self.exec.skipped()
+                "{n} {were} skipped for non-finite values, more than train.max_skips({max}) (each skipped step's line says where: the loss, a module's gradients or an edge's rows)",
             )));
         }
         Ok(())

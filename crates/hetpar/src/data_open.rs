@@ -198,7 +198,15 @@ pub fn changed_tokenizer(
     used: Option<&Path>,
 ) -> anyhow::Result<Option<String>> {
     let Some(used) = used else { return Ok(None) };
-    let digest = |p: &Path| hetpar_runtime::checkpoint::sha256(p).map(|(sha, _)| sha);
+    let digest = |p: &Path| {
+        if !p.is_file() {
+            anyhow::bail!(
+                "the tokenizer {} is not there (a checkpoint records its tokenizer's path and SHA-256, not the file: put the run's tokenizer back at that path)",
+                p.display()
+            );
+        }
+        Ok(hetpar_runtime::checkpoint::sha256(p)?.0)
+    };
     let named = tokenizer_file(trained);
     if let Some(saved) = recorded {
         let now = digest(used)?;

@@ -18,12 +18,32 @@ pub struct Args {
     pub hf: PathBuf,
 }
 
-/// The checkpoint `path` names: itself, or the latest committed one under a run's `--out`
-/// or its `checkpoints/`, with a note where that directory's `latest` names something else
+/// The checkpoint `path` names: itself (or its `manifest.json`), or the latest committed one
+/// under a run's `--out` or its `checkpoints/` (or that directory's `latest`), with a note where that directory's `latest` names something else
 /// than the checkpoint taken (as `--resume auto` says it).
 pub fn checkpoint(path: &Path) -> anyhow::Result<(PathBuf, Option<String>)> {
-    if path.join(hetpar_runtime::checkpoint::MANIFEST_FILE).is_file() {
+    use hetpar_runtime::checkpoint::MANIFEST_FILE;
+    if path.join(MANIFEST_FILE).is_file() {
         return Ok((path.to_path_buf(), None));
+    }
+    if !path.exists() {
+        bail!("{}: no such file or directory", path.display());
+    }
+    // A checkpoint's manifest, or a checkpoints directory's `latest`, stands for what it
+    // belongs to.
+    let parent = || path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    match path.file_name().and_then(|n| n.to_str()) {
+        Some(MANIFEST_FILE) if path.is_file() => return checkpoint(parent()),
+        Some("latest") if path.is_file() => {
+            if let (Some(dir), note) = latest_noted(parent())? {
+                return Ok((dir, note));
+            }
+        }
+        _ if path.is_file() => bail!(
+            "{}: a file, not a checkpoint (give a step-NNNNNNNN directory, a run's --out or its checkpoints/)",
+            path.display()
+        ),
+        _ => {}
     }
     for root in [path.to_path_buf(), path.join("checkpoints")] {
         if let (Some(dir), note) = latest_noted(&root)? {

@@ -638,12 +638,13 @@ fn run_on(
     }
     if lead {
         say(&format!(
-            "training {} on {} ranks ({} backend, {}, {}) for {steps} steps; metrics in {}",
+            "training {} on {} ranks ({} backend, {}, {}) for {steps} step{}; metrics in {}",
             graph.name,
             graph.world,
             a.backend,
             precision(dtype, &graph),
             threads_per_rank(mpi.is_some(), graph.world),
+            if steps == 1 { "" } else { "s" },
             out.join("metrics.jsonl").display()
         ));
         for m in &graph.modules {

@@ -1537,6 +1537,42 @@ fn resume_to_six(out: &Path) -> Output {
     hetpar(&["train", IN_MEMORY, "--steps", "6", "--out", out, "--resume", "auto"])
 }
 
+/// A checkpoint named by its manifest or by its directory's `latest` is taken for itself;
+/// a path that is not there, or another file, is named as what it is; a `latest` removed
+/// beside committed checkpoints gets a note naming the one taken.
+#[test]
+fn checkpoint_paths_are_taken_for_what_they_name() {
+    let (tmp, out) = four_steps_saved("paths");
+    let root = out.join("checkpoints");
+    let export = |ckpt: &Path, to: &str| {
+        let hf = tmp.path().join(to);
+        hetpar(&["export", ckpt.to_str().expect("utf-8"), "--hf", hf.to_str().expect("utf-8")])
+    };
+    for (ckpt, step) in
+        [(root.join("latest"), 4), (root.join("step-00000002").join("manifest.json"), 2)]
+    {
+        let text = stdout(&export(&ckpt, &format!("hf{step}")));
+        let dir = root.join(format!("step-{step:08}"));
+        assert!(text.contains(&format!("exported {} to ", dir.display())), "{text}");
+    }
+    for (ckpt, says) in [
+        (tmp.path().join("nowhere"), "no such file or directory"),
+        (out.join("config.toml"), "a file, not a checkpoint"),
+    ] {
+        let err = String::from_utf8_lossy(&export(&ckpt, "hf-none").stderr).to_string();
+        assert!(err.contains(&format!("{}: {says}", ckpt.display())), "{err}");
+    }
+    std::fs::remove_file(root.join("latest")).expect("removed");
+    let done = export(&out, "hf-newest");
+    let err = String::from_utf8_lossy(&done.stderr).to_string();
+    let newest = root.join("step-00000004");
+    assert!(stdout(&done).contains(&format!("exported {} to ", newest.display())), "{err}");
+    assert!(
+        err.contains(&format!("is missing (removed, or a crash before it was written); the newest committed checkpoint is {}", newest.display())),
+        "{err}"
+    );
+}
+
 /// A checkpoint directory renamed for another step than its manifest's is refused by a
 /// resume before anything moves: the run would take it for a later checkpoint, move it
 /// aside as a branch past the step it goes on from, and then fail to find it.
@@ -1797,7 +1833,10 @@ fn a_killed_run_resumes_from_its_last_committed_checkpoint() {
         hetpar(&["train", IN_MEMORY, "--steps", "1", "--resume", "/nonexistent/step-00000003"]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).expect("utf-8");
-    assert!(err.contains("--resume /nonexistent/step-00000003: no checkpoint there"), "{err}");
+    assert!(
+        err.contains("--resume /nonexistent/step-00000003: no such file or directory"),
+        "{err}"
+    );
 }
 
 /// A resume under a config that differs from the checkpoint's says which keys changed,
