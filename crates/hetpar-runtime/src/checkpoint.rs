@@ -613,6 +613,15 @@ fn parse_manifest(dir: &Path) -> Result<Manifest> {
             &path,
             format!("format {:?}, this hetpar reads {FORMAT:?} and {FORMAT_1:?}", m.format),
         ));
+    } else if !m.sha256.is_empty() {
+        // The first format had no checksum of its own: one that carries it is a second-
+        // format manifest whose format was edited, which would leave its content unchecked.
+        return Err(io(
+            &path,
+            format!(
+                "it says format {FORMAT_1:?} but carries {FORMAT:?}'s own SHA-256: its format was edited or is corrupt"
+            ),
+        ));
     }
     if m.skipped > m.step {
         return Err(io(&path, format!("{} steps skipped of {} done", m.skipped, m.step)));

@@ -249,6 +249,13 @@ fn edit_manifest(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
     std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
 }
 
+/// Makes a manifest of the first format, as a build before the manifest's own checksum
+/// wrote it: that format, no `sha256` field.
+fn first_format(m: &mut serde_json::Value) {
+    m["format"] = "hetpar-checkpoint/1".into();
+    m.as_object_mut().unwrap().remove("sha256");
+}
+
 #[test]
 fn corrupt_checkpoints_are_refused_naming_the_file() {
     let root_tmp = temp("corrupt");
@@ -290,11 +297,23 @@ fn corrupt_checkpoints_are_refused_naming_the_file() {
             "manifest.json: its content hashes to SHA-256",
         ),
         (
+            "edited manifest declaring the first format",
+            // An edit that would otherwise go unchecked: the first format had no checksum
+            // of its own, and this one still carries the second's.
+            Box::new(|d: &Path| {
+                edit_manifest(d, |m| {
+                    m["format"] = "hetpar-checkpoint/1".into();
+                    m["step"] = 3.into();
+                })
+            }),
+            "manifest.json: it says format \"hetpar-checkpoint/1\" but carries \"hetpar-checkpoint/2\"'s own SHA-256",
+        ),
+        (
             "module missing from a first-format manifest",
             // Format 1 has no checksum of its own; what it says is still checked.
             Box::new(|d: &Path| {
                 edit_manifest(d, |m| {
-                    m["format"] = "hetpar-checkpoint/1".into();
+                    first_format(m);
                     m["modules"].as_array_mut().unwrap().remove(0);
                 })
             }),
@@ -304,7 +323,7 @@ fn corrupt_checkpoints_are_refused_naming_the_file() {
             "file outside the checkpoint",
             Box::new(|d: &Path| {
                 edit_manifest(d, |m| {
-                    m["format"] = "hetpar-checkpoint/1".into();
+                    first_format(m);
                     m["files"][0]["file"] = "../step-00000002/config.toml".into();
                 })
             }),
