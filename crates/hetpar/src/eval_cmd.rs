@@ -65,8 +65,8 @@ fn spell(vocab: &hetpar_data::chat::Vocab, ids: &[u32]) -> String {
 }
 
 /// A note for each `--set` in `set` whose key only shapes training (the optimizer, the
-/// step count, which modules train, recomputation in the backward): an evaluation reads the checkpoint's weights as saved,
-/// so such a key changes none of its numbers.
+/// step count, which modules train, recomputation in the backward): an evaluation reads
+/// the checkpoint's weights as saved, so such a key changes none of its numbers.
 fn training_only(set: &[String]) -> Vec<String> {
     const TRAIN: [&str; 7] =
         ["steps", "lr", "warmup", "min_lr", "weight_decay", "clip_grad", "max_skips"];

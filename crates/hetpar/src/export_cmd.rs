@@ -18,9 +18,10 @@ pub struct Args {
     pub hf: PathBuf,
 }
 
-/// The checkpoint `path` names: itself (or its `manifest.json`), or the latest committed one
-/// under a run's `--out` or its `checkpoints/` (or that directory's `latest`), with a note where that directory's `latest` names something else
-/// than the checkpoint taken (as `--resume auto` says it).
+/// The checkpoint `path` names: itself (or its `manifest.json`), or the latest committed
+/// one under a run's `--out` or its `checkpoints/` (or that directory's `latest`), with a
+/// note where that directory's `latest` is missing or names something else than the
+/// checkpoint taken (as `--resume auto` says it).
 pub fn checkpoint(path: &Path) -> anyhow::Result<(PathBuf, Option<String>)> {
     use hetpar_runtime::checkpoint::MANIFEST_FILE;
     if path.join(MANIFEST_FILE).is_file() {
