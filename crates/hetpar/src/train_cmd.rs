@@ -323,7 +323,8 @@ impl Report {
         let line = serde_json::json!({
             "step": done,
             "checkpoint": {
-                "dir": saved.dir.display().to_string(),
+                // Absolute, so the line names it from wherever the metrics are read.
+                "dir": std::path::absolute(&saved.dir).unwrap_or_else(|_| saved.dir.clone()).display().to_string(),
                 "files": saved.files,
                 "bytes": saved.bytes,
                 "seconds": seconds,
@@ -1140,7 +1141,9 @@ fn rebase_checkpoints(
                 let d = Path::new(d);
                 let parent = d.parent()?.canonicalize().ok()?;
                 let name = d.file_name()?;
-                (parent == from && moved(name)).then(|| to.join(name).display().to_string())
+                let now = to.join(name);
+                let now = std::path::absolute(&now).unwrap_or(now);
+                (parent == from && moved(name)).then(|| now.display().to_string())
             };
             match dir.and_then(|d| Some((under(d.as_str()?)?, d))) {
                 Some((now, d)) => {

@@ -1537,6 +1537,35 @@ fn resume_to_six(out: &Path) -> Output {
     hetpar(&["train", IN_MEMORY, "--steps", "6", "--out", out, "--resume", "auto"])
 }
 
+/// A run into a relative `--out` names its checkpoints in `metrics.jsonl` by absolute
+/// paths, and so does the earlier run a second one moves aside: each line names a
+/// checkpoint that is there, from wherever the metrics are read.
+#[test]
+fn metrics_name_checkpoints_by_absolute_paths() {
+    let tmp = temp("relative-out");
+    let config = root().join(IN_MEMORY);
+    let train = || {
+        let done = Command::new(env!("CARGO_BIN_EXE_hetpar"))
+            .args(["train", config.to_str().expect("utf-8"), "--steps", "2", "--out", "run"])
+            .current_dir(tmp.path())
+            .output()
+            .expect("hetpar runs");
+        stdout(&done);
+    };
+    train();
+    train();
+    for metrics in ["run/metrics.jsonl", "run/earlier-1/metrics.jsonl"] {
+        let lines = std::fs::read_to_string(tmp.path().join(metrics)).expect("metrics");
+        let dirs: Vec<PathBuf> = lines
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter_map(|v| v["checkpoint"]["dir"].as_str().map(PathBuf::from))
+            .collect();
+        assert_eq!(dirs.len(), 1, "{metrics}: {lines}");
+        assert!(dirs[0].is_absolute() && dirs[0].join("manifest.json").is_file(), "{dirs:?}");
+    }
+}
+
 /// A checkpoint named by its manifest or by its directory's `latest` is taken for itself;
 /// a path that is not there, or another file, is named as what it is; a `latest` removed
 /// beside committed checkpoints gets a note naming the one taken.
