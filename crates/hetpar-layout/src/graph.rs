@@ -832,7 +832,9 @@ fn check_data(data: &DataConfig) -> Result<()> {
     Ok(())
 }
 
-/// One sample must fit `max_items` items of every encoder feeding the LLM plus a text token.
+/// One sample must fit `max_items` items of every encoder feeding the LLM plus two text
+/// tokens: the first (a BOS) predicts nothing before it, so with one alone a sample full of
+/// items has no target, its steps' loss reads 0 and the encoders get no gradient.
 fn check_sequence(
     train: &TrainConfig,
     data: &DataConfig,
@@ -850,7 +852,7 @@ fn check_sequence(
     let k = data.max_items;
     // Bounded sizes can still make `k * rows` pass 64 bits (an image of 2^24 patches a side).
     let need = k.saturating_mul(rows);
-    if need.saturating_add(1) > train.seq_len {
+    if need.saturating_add(2) > train.seq_len {
         let items = if k == 1 {
             format!("one item per encoder ({} rows)", parts.join(" + "))
         } else {
@@ -862,7 +864,10 @@ fn check_sequence(
         };
         return Err(ConfigError::new(
             "train.seq_len",
-            format!("seq_len({}) cannot hold {items} plus a text token", train.seq_len),
+            format!(
+                "seq_len({}) cannot hold {items} plus two text tokens (a sample's first token predicts nothing)",
+                train.seq_len
+            ),
         ));
     }
     Ok(())

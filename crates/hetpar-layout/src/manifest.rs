@@ -217,8 +217,10 @@ impl BatchManifest {
                     sizes.extend(std::iter::repeat_n((id, rows), n));
                 }
                 let rows: usize = sizes.iter().map(|&(_, r)| r).sum();
-                let room = seq_len - rows; // >= 1, checked by the graph validation
-                let text = room - below(room / 2 + 1).min(room - 1);
+                let room = seq_len - rows; // >= 2, checked by the graph validation
+                // At least two text tokens, so that the sample has a target (the same draws
+                // as before wherever the room is 3 tokens or more).
+                let text = room - below(room / 2 + 1).min(room.saturating_sub(2));
                 // Item i starts after cuts[i] text tokens (at least one: a BOS comes first).
                 let mut cuts: Vec<usize> = sizes.iter().map(|_| 1 + below(text)).collect();
                 cuts.sort_unstable();

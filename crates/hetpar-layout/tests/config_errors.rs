@@ -280,6 +280,26 @@ fn encoders_split_items_so_any_encoder_dp_is_accepted() {
     assert_eq!(g.modules[g.module_id("vision").expect("vision")].layout.dp(), 8);
 }
 
+/// A sample must hold its items and two text tokens (the first predicts nothing): at one
+/// token a sample full of items had no target, and a step of such samples read loss 0.
+/// At the tightest length every synthetic sample keeps two text tokens.
+#[test]
+fn seq_len_must_leave_two_text_tokens() {
+    let plain = GOOD.replacen("tp = 4\ncp = 2\nsp = true", "tp = 1", 1);
+    let with = |seq: usize| plain.replacen("seq_len = 128", &format!("seq_len = {seq}"), 1);
+    assert_eq!(
+        validate(&with(33)).expect_err("one text token"),
+        "train.seq_len: seq_len(33) cannot hold one item per encoder (16 vision + 16 audio rows) plus two text tokens (a sample's first token predicts nothing)"
+    );
+    let g = validate(&with(34)).expect("two text tokens");
+    for step in 0..200 {
+        for x in hetpar_layout::BatchManifest::synthetic(&g, step).samples() {
+            let rows: usize = x.items.iter().map(|i| i.rows).sum();
+            assert!(x.len >= rows + 2, "step {step}: {} tokens, {rows} of them items", x.len);
+        }
+    }
+}
+
 #[test]
 fn max_items_must_fit_and_apply() {
     let with = |data: &str| {
@@ -292,7 +312,7 @@ fn max_items_must_fit_and_apply() {
     );
     assert_eq!(
         validate(&with("max_items = 4")).expect_err("too long"),
-        "train.seq_len: seq_len(128) cannot hold data.max_items(4) items per encoder (4 x (16 vision + 16 audio rows) = 128) plus a text token"
+        "train.seq_len: seq_len(128) cannot hold data.max_items(4) items per encoder (4 x (16 vision + 16 audio rows) = 128) plus two text tokens (a sample's first token predicts nothing)"
     );
     assert_eq!(
         validate(&with("source = \"llava\"\npath = \"d\"\nmax_items = 2"))
@@ -373,7 +393,7 @@ fn sequence_arithmetic() {
     );
     assert_eq!(
         error_after("seq_len = 128", "seq_len = 16"),
-        "train.seq_len: seq_len(16) cannot hold one item per encoder (16 vision + 16 audio rows) plus a text token"
+        "train.seq_len: seq_len(16) cannot hold one item per encoder (16 vision + 16 audio rows) plus two text tokens (a sample's first token predicts nothing)"
     );
 }
 
