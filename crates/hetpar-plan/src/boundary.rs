@@ -188,18 +188,21 @@ fn per_row_times_at(
         offload: false,
         recompute: false,
     };
+    // Sizes every tp divides (8 heads, or as many as the larger tp): the plan moves rows,
+    // whatever a row holds.
+    let wide = lcm(lcm(8, ec.tp), lc.tp) / 8;
     let small = |kind: ModuleKind, layers: usize, p: ParallelConfig| ModuleConfig {
         kind,
         image_size: None,
         patch_size: None,
         n_mels: (kind == ModuleKind::Audio).then_some(1),
         frames: (kind == ModuleKind::Audio).then_some(2 * rows),
-        vocab: (kind == ModuleKind::Llama).then_some(64),
-        hidden: 64,
+        vocab: (kind == ModuleKind::Llama).then_some(64 * wide),
+        hidden: 64 * wide,
         layers,
-        heads: 8,
+        heads: 8 * wide,
         kv_heads: None,
-        ffn: 64,
+        ffn: 64 * wide,
         experts: None,
         top_k: None,
         trainable: None,
@@ -331,6 +334,24 @@ mod tests {
                     ["fwd", "bwd"][d]
                 );
             }
+        }
+    }
+
+    /// A tensor-parallel size above 8 (a pin the LLM's 32 heads allow) plans: the stand-in
+    /// model of the boundary plan has heads and widths every tp of the pair divides.
+    #[test]
+    fn tp_above_eight_plans_its_boundary() {
+        let hw = builtin("h100").expect("h100");
+        let wl = workload(64);
+        for (enc_tp, llm_tp) in [(1, 16), (16, 8), (2, 32)] {
+            let c = Candidate {
+                kind: Kind::Colocated,
+                encoders: vec![choice(0, 64, enc_tp, 1, 1)],
+                llm: choice(0, 64, llm_tp, 1, 1),
+                microbatches: 1,
+            };
+            let t = per_row_times_at(&wl, &hw, 0, &c, false).expect("plans");
+            assert!(t.iter().all(|x| x.is_finite() && *x >= 0.0), "{t:?}");
         }
     }
 }
