@@ -189,12 +189,60 @@ fn samples<S>(
     Ok(out)
 }
 
+/// `bytes`, a RIFF WAVE file, as one of its `fmt ` and `data` chunks alone (every chunk
+/// walked with the pad byte after an odd size, as RIFF lays them out). `None` where it is
+/// not such a file.
+fn fmt_and_data(bytes: &[u8]) -> Option<Vec<u8>> {
+    if bytes.get(0..4)? != b"RIFF" || bytes.get(8..12)? != b"WAVE" {
+        return None;
+    }
+    let (mut fmt, mut at) = (None, 12usize);
+    let data = loop {
+        let id = bytes.get(at..at + 4)?;
+        let size = u32::from_le_bytes(bytes.get(at + 4..at + 8)?.try_into().ok()?) as usize;
+        let body = bytes.get(at + 8..(at + 8).checked_add(size)?)?;
+        match id {
+            b"fmt " => fmt = Some(body),
+            b"data" => break body,
+            _ => {}
+        }
+        at = at + 8 + size + size % 2;
+    };
+    let fmt = fmt?;
+    let mut out = Vec::with_capacity(28 + fmt.len() + data.len());
+    out.extend_from_slice(b"RIFF");
+    out.extend_from_slice(&u32::try_from(20 + fmt.len() + data.len()).ok()?.to_le_bytes());
+    out.extend_from_slice(b"WAVE");
+    for (id, body) in [(b"fmt ", fmt), (b"data", data)] {
+        out.extend_from_slice(id);
+        out.extend_from_slice(&u32::try_from(body.len()).ok()?.to_le_bytes());
+        out.extend_from_slice(body);
+    }
+    Some(out)
+}
+
 /// A WAV file's samples in [-1, 1], channels averaged. It must be 16 kHz (the features
 /// assume it; resample elsewhere), 8-, 16-, 24- or 32-bit integer or 32-bit float, and hold
 /// at least one sample (an empty clip would train as silence).
 pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
     let bad = |message: String| DataError::Encode { path: path.to_path_buf(), message };
-    let mut reader = hound::WavReader::open(path).map_err(|e| bad(e.to_string()))?;
+    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let plain: Vec<u8>;
+    let mut reader = match hound::WavReader::new(std::io::Cursor::new(&bytes[..])) {
+        Ok(r) => r,
+        // hound reads past a chunk of odd size without the pad byte RIFF puts after it (a
+        // `LIST` or `junk` chunk of odd length, valid WAV): the file's `fmt ` and `data`
+        // chunks alone read.
+        Err(first) => {
+            let unread = || {
+                bad(format!(
+                    "{first} (hetpar reads RIFF WAVE files of PCM or float samples; re-encode it, e.g. ffmpeg -i IN -ar 16000 -c:a pcm_s16le OUT.wav)"
+                ))
+            };
+            plain = fmt_and_data(&bytes).ok_or_else(unread)?;
+            hound::WavReader::new(std::io::Cursor::new(&plain[..])).map_err(|_| unread())?
+        }
+    };
     let spec = reader.spec();
     if spec.sample_rate != SAMPLE_RATE {
         return Err(bad(format!(

@@ -117,6 +117,22 @@ fn wav_files_read_as_16_khz_mono_and_others_are_refused() {
         w.finalize().unwrap();
         assert_eq!(read_wav(&path).unwrap(), [0.5, -1.0], "{bits}-bit");
     }
+    // A chunk of odd size before the samples, with the pad byte RIFF puts after it (valid
+    // WAV, which hound alone misreads): read past.
+    let bytes = std::fs::read(&mono).unwrap();
+    let mut padded = bytes[..12].to_vec();
+    padded.extend_from_slice(b"junk\x03\0\0\0abc\0");
+    padded.extend_from_slice(&bytes[12..]);
+    let riff = u32::try_from(padded.len() - 8).unwrap();
+    padded[4..8].copy_from_slice(&riff.to_le_bytes());
+    let odd = dir.join("odd-chunk.wav");
+    std::fs::write(&odd, padded).unwrap();
+    assert_eq!(read_wav(&odd).unwrap(), [0.5, -1.0]);
+    // Not a WAV at all: named, with what hetpar reads.
+    let text = dir.join("text.wav");
+    std::fs::write(&text, "not a wav").unwrap();
+    let e = read_wav(&text).unwrap_err().to_string();
+    assert!(e.contains("text.wav: ") && e.contains("hetpar reads RIFF WAVE files"), "{e}");
     // A clip with no samples would train as silence: refused.
     let empty = write("empty.wav", 16_000, 1, &[]);
     let e = read_wav(&empty).unwrap_err().to_string();
