@@ -92,11 +92,16 @@ fn gbs(bytes_per_s: f64) -> f64 {
 }
 
 fn line(r: &BenchResult, backend: &str) -> String {
+    // A size the ranks do not divide is rounded down to a multiple of them: its fraction
+    // of a MiB is shown, not cut off.
+    let mib = match r.bytes % (1 << 20) {
+        0 => (r.bytes >> 20).to_string(),
+        _ => format!("{:.3}", r.bytes as f64 / f64::from(1u32 << 20)),
+    };
     format!(
-        "{backend:<7} {:<13} {:>5} {:>6} MiB {:>11.3} ms {:>10.2} {:>10.2}",
+        "{backend:<7} {:<13} {:>5} {mib:>6} MiB {:>11.3} ms {:>10.2} {:>10.2}",
         r.op.name(),
         r.ranks,
-        r.bytes >> 20,
         r.seconds * 1e3,
         gbs(r.algbw),
         gbs(r.busbw)
