@@ -27,13 +27,19 @@ pub struct Record {
     #[serde(deserialize_with = "string_or_number")]
     pub id: String,
     /// Image paths, relative to the image root, in placeholder order.
-    #[serde(default, skip_serializing_if = "Media::is_empty")]
+    #[serde(default, deserialize_with = "media_or_null", skip_serializing_if = "Media::is_empty")]
     pub image: Media,
     /// Audio clip paths (WAV), relative to the audio root, in placeholder order.
-    #[serde(default, skip_serializing_if = "Media::is_empty")]
+    #[serde(default, deserialize_with = "media_or_null", skip_serializing_if = "Media::is_empty")]
     pub audio: Media,
     /// The turns.
     pub conversations: Vec<Turn>,
+}
+
+/// A record's media, where `null` (as exported datasets write for a text-only record)
+/// stands for none.
+fn media_or_null<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Media, D::Error> {
+    Ok(Option::<Media>::deserialize(d)?.unwrap_or_default())
 }
 
 /// One path or a list of paths, as LLaVA files write either.

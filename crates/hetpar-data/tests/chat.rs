@@ -159,6 +159,11 @@ fn single_image_multi_image_audio_and_text_only_records() {
         24,
     );
     assert_eq!((e.ids(), e.targets()), (ids, targets));
+    // Exported sets write `null` for a text-only record's media: the same record.
+    let null = record(
+        r#"{"id": "c", "image": null, "audio": null, "conversations": [{"from": "human", "value": "Count on from two."}, {"from": "gpt", "value": "three four five"}]}"#,
+    );
+    assert_eq!(null, text);
 }
 
 #[test]
