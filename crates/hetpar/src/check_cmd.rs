@@ -28,7 +28,7 @@ pub struct Args {
     #[arg(long)]
     pub dtype: Option<String>,
     /// Relative tolerance (default: 1e-5 in f32, 1e-10 in f64, 2^-8 for bf16 products).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub tol: Option<f64>,
     /// One JSON object on stdout instead of the table.
     #[arg(long)]

@@ -492,8 +492,13 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
             cp_overlap: 0.0,
         },
     };
-    let mut text = String::from(
-        "# This machine as a planner hardware spec: `hetpar plan WORKLOAD --hardware local`.\n",
+    // `--hardware local` reads the default file; another is named by its path.
+    let flag = match a.out == Path::new(LOCAL_SPEC) {
+        true => "local".to_string(),
+        false => a.out.display().to_string(),
+    };
+    let mut text = format!(
+        "# This machine as a planner hardware spec: `hetpar plan WORKLOAD --hardware {flag}`.\n"
     );
     text += &toml::to_string_pretty(&BTreeMap::from([("local", &hw)]))?;
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
