@@ -235,6 +235,11 @@ fn run_mpi(_: &[usize], _: usize, _: &str) -> anyhow::Result<()> {
 }
 
 fn run_nn(a: &NnArgs) -> anyhow::Result<()> {
+    if a.iters == 0 {
+        bail!(
+            "--iters must be at least 1 (each measurement keeps the best of its timed iterations)"
+        );
+    }
     use candle_core::DType;
     use hetpar_nn::bench::{
         ATTENTION_SHAPES, LINEAR_ROWS, NnBench, attention_seconds, bench_adamw, bench_llama,

@@ -80,15 +80,24 @@ fn read_tables(path: &str, hint: &str) -> anyhow::Result<BTreeMap<String, Hardwa
     parse(&text).with_context(|| path.to_string())
 }
 
+/// `x` with one decimal, or under one (a CPU's TFLOPS from `calibrate`, a small model's
+/// GiB) with three significant digits, where one decimal would print 0.0 for every row.
+fn digits(x: f64) -> String {
+    match x.abs() {
+        a if a >= 1.0 || a == 0.0 || !a.is_finite() => format!("{x:.1}"),
+        a => format!("{x:.*}", (2 - a.log10().floor() as i64).max(1) as usize),
+    }
+}
+
 fn row(r: &Ranked, wl: &Workload) -> String {
     let p = &r.prediction;
     format!(
-        "{:<14} {:>9.3} {:>11.1} {:>11.0} {:>8.1}  {}",
+        "{:<14} {:>9.3} {:>11} {:>11.0} {:>8}  {}",
         r.candidate.kind.name(),
         p.step_time_s,
-        p.tflops_per_gpu,
+        digits(p.tflops_per_gpu),
         p.tokens_per_s,
-        p.memory.total() / GIB,
+        digits(p.memory.total() / GIB),
         layouts(wl, &r.candidate)
     )
 }
@@ -512,7 +521,13 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::fewer_gpus;
+    use super::{digits, fewer_gpus};
+
+    #[test]
+    fn small_rates_and_sizes_keep_three_digits() {
+        let shown: Vec<String> = [45.14, 1.0, 0.0, 0.5, 0.0415, 0.00603].map(digits).to_vec();
+        assert_eq!(shown, ["45.1", "1.0", "0.0", "0.500", "0.0415", "0.00603"]);
+    }
 
     #[test]
     fn fewer_gpus_rounds_an_awkward_count_down_and_halves_a_round_ones_nodes() {
