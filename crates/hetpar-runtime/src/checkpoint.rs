@@ -565,28 +565,27 @@ pub fn latest_noted(root: &Path) -> Result<(Option<PathBuf>, Option<String>)> {
         Err(e) => return Err(io(&path, e)),
     };
     let newest = committed(root)?.pop().map(|c| c.1);
-    if named.is_none() {
-        let note = newest.as_ref().map(|d| {
+    let note = match named {
+        None => newest.as_ref().map(|d| {
             format!(
                 "{} is missing (removed, or a crash before it was written); the newest committed checkpoint is {}",
                 path.display(),
                 d.display()
             )
-        });
-        return Ok((newest, note));
-    }
-    let note = named.map(|(name, plain)| {
-        let why = if plain {
-            "which is not a committed checkpoint (no manifest.json)"
-        } else {
-            "which is not the name of a checkpoint in this directory"
-        };
-        let then = match &newest {
-            Some(d) => format!("the newest committed one is {}", d.display()),
-            None => "and no other is committed".to_string(),
-        };
-        format!("{} names {name:?}, {why}; {then}", path.display())
-    });
+        }),
+        Some((name, plain)) => {
+            let why = if plain {
+                "which is not a committed checkpoint (no manifest.json)"
+            } else {
+                "which is not the name of a checkpoint in this directory"
+            };
+            let then = match &newest {
+                Some(d) => format!("the newest committed one is {}", d.display()),
+                None => "and no other is committed".to_string(),
+            };
+            Some(format!("{} names {name:?}, {why}; {then}", path.display()))
+        }
+    };
     Ok((newest, note))
 }
 

@@ -34,12 +34,7 @@ pub fn checkpoint(path: &Path) -> anyhow::Result<(PathBuf, Option<String>)> {
     // belongs to.
     let parent = || path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     match path.file_name().and_then(|n| n.to_str()) {
-        Some(MANIFEST_FILE) if path.is_file() => return checkpoint(parent()),
-        Some("latest") if path.is_file() => {
-            if let (Some(dir), note) = latest_noted(parent())? {
-                return Ok((dir, note));
-            }
-        }
+        Some(MANIFEST_FILE | "latest") if path.is_file() => return checkpoint(parent()),
         _ if path.is_file() => bail!(
             "{}: a file, not a checkpoint (give a step-NNNNNNNN directory, a run's --out or its checkpoints/)",
             path.display()
