@@ -174,15 +174,49 @@ fn seconds(flag: &str, secs: f64) -> anyhow::Result<Duration> {
     }
 }
 
+/// What a run's files are made from ([`Report::files`]).
+struct Pending {
+    /// The run's directory (`--out`).
+    out: PathBuf,
+    /// The resolved config, written as `config.toml`.
+    resolved: String,
+    /// The metrics of the run this one goes on from, whose lines before `start` it keeps.
+    history: Option<PathBuf>,
+    /// The first step this run takes.
+    start: usize,
+    /// An earlier run's files under `out`, moved aside just before the run's own are made:
+    /// a run that fails before its first line leaves them where they were.
+    aside: Option<Aside>,
+}
+
+/// The lines of `history` (a run's metrics) before step `start`, and its checkpoint
+/// committed after `start` steps: what a run resumed from step `start` keeps, so that no
+/// step appears twice. Read before the run's own metrics are made (the files may be the same).
+fn kept_lines(history: Option<&Path>, start: usize) -> Vec<String> {
+    let Some(history) = history else { return Vec::new() };
+    std::fs::read_to_string(history)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            // Steps and evaluations before `start`, and the checkpoint resumed from
+            // (committed after `start` steps).
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else { return false };
+            v["step"].as_u64().is_some_and(|s| {
+                (s as usize) < start || (s as usize == start && v.get("checkpoint").is_some())
+            })
+        })
+        .map(str::to_string)
+        .collect()
+}
+
 struct Report {
     bar: Option<ProgressBar>,
     /// `metrics.jsonl` and the TensorBoard event file, made when the first step, save or
     /// evaluation is written ([`Report::files`]): a run that fails before it (a checkpoint
     /// refused by its checksums) leaves `--out` as it was.
     files: Mutex<Option<Files>>,
-    /// What makes them: the run's directory, its resolved config and the metrics kept from
-    /// the run it goes on with.
-    pending: (PathBuf, String, Vec<String>),
+    /// What makes them.
+    pending: Pending,
     /// Where `metrics.jsonl` is, for errors.
     metrics_path: PathBuf,
     names: Vec<String>,
@@ -229,14 +263,27 @@ struct Files {
 }
 
 impl Report {
-    /// `f` on the run's files, made on first use: `--out` with the resolved config, the
-    /// metrics kept from the run this one goes on with, and a new event file.
+    /// `f` on the run's files, made on first use: an earlier run's files moved aside, then
+    /// `--out` with the resolved config, the metrics kept from the run this one goes on
+    /// with, and a new event file.
     fn files<R>(&self, f: impl FnOnce(&mut Files) -> anyhow::Result<R>) -> anyhow::Result<R> {
         let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         let files = match &mut *files {
             Some(made) => made,
             none => {
-                let (out, resolved, kept) = &self.pending;
+                let Pending { out, resolved, history, start, aside } = &self.pending;
+                let moved = match aside {
+                    Some(a) => a.carry_out(out, &|l| self.println(l))?,
+                    None => None,
+                };
+                // A checkpoint kept elsewhere in `out` goes on with the metrics just moved.
+                let history = match (history, moved) {
+                    (Some(h), Some(to)) if *h == out.join("metrics.jsonl") => {
+                        Some(to.join("metrics.jsonl"))
+                    }
+                    (h, _) => h.clone(),
+                };
+                let kept = kept_lines(history.as_deref(), *start);
                 std::fs::create_dir_all(out)
                     .with_context(|| format!("cannot create {}", out.display()))?;
                 std::fs::write(out.join("config.toml"), resolved).with_context(|| {
@@ -256,6 +303,14 @@ impl Report {
             }
         };
         f(files)
+    }
+
+    /// Prints `text` above the progress bar, or as a line where there is none.
+    fn println(&self, text: &str) {
+        match &self.bar {
+            Some(b) => b.println(text),
+            None => say(text),
+        }
     }
 
     /// Appends `line` to `metrics.jsonl`.
@@ -299,10 +354,7 @@ impl Report {
         self.event(done, &scalars)?;
         self.evals.lock().unwrap_or_else(|e| e.into_inner()).push((done, e.clone()));
         let text = format!("held-out after {done} steps: {}", describe_eval(e));
-        match &self.bar {
-            Some(b) => b.println(text),
-            None => say(&text),
-        }
+        self.println(&text);
         Ok(())
     }
 
@@ -337,10 +389,7 @@ impl Report {
             saved.bytes as f64 / (1u64 << 20) as f64,
             saved.files
         );
-        match &self.bar {
-            Some(b) => b.println(text),
-            None => say(&text),
-        }
+        self.println(&text);
         Ok(())
     }
 
@@ -427,10 +476,7 @@ impl Report {
             let note = format!(
                 "note: some clips are longer than the audio encoder's input{input} and are cut to it; `hetpar data check` counts them (clips_cut_per_rank in metrics.jsonl)"
             );
-            match &self.bar {
-                Some(b) => b.println(note),
-                None => say(&note),
-            }
+            self.println(&note);
         }
         let text = format!(
             "loss {:.4}  grad norm {:.3}  lr {:.2e}  {:.0} tokens/s{skipped}",
@@ -512,7 +558,7 @@ fn run_on(
     // runs): its run is where it really lies.
     let real = resume.as_ref().map(|d| d.canonicalize().unwrap_or_else(|_| d.clone()));
     let continues = real.as_ref().is_some_and(|d| d.parent().is_some_and(|p| same_dir(p, &root)));
-    let mut history = match &real {
+    let history = match &real {
         Some(_) if continues => Some(out.join("metrics.jsonl")),
         Some(d) => d.parent().and_then(Path::parent).map(|run| run.join("metrics.jsonl")),
         None => None,
@@ -728,36 +774,35 @@ fn run_on(
                 out.display()
             );
         }
-        let resumed = ckpt.as_ref().and_then(|k| k.resume.as_ref());
-        if continues {
+        // An earlier run's files under --out are moved aside when this run writes its
+        // first line (after its checkpoint is loaded and checked, and its first step or
+        // evaluation done); what could refuse the move is checked now.
+        let aside = if continues {
             // Gone back to an earlier checkpoint of the run: the ones past it are another
             // branch, kept apart so that `--keep` and `--resume auto` see only this one.
-            if let Some((moved, past)) = set_aside_past(&out, start)? {
-                say(&format!(
-                    "note: {} held {past} checkpoint{} past step {start}, the one this run goes on from; moved {} to {} with the run's metrics so far, so that this run's checkpoints do not mix with them",
-                    out.join("checkpoints").display(),
-                    if past == 1 { "" } else { "s" },
-                    if past == 1 { "it" } else { "them" },
-                    moved.display()
-                ));
-            }
-        } else if let Some(moved) = set_aside(&out)? {
-            let why = match (resumed, a.resume.as_deref()) {
-                (Some(d), _) => format!("this run goes on from {} instead", d.display()),
-                (None, Some(_)) => "it had no committed checkpoint to go on from".to_string(),
-                (None, None) => "--resume auto continues a run instead".to_string(),
-            };
-            say(&format!(
-                "note: {} held an earlier run; moved it to {} so that this run's checkpoints and metrics do not mix with it ({why})",
-                out.display(),
-                moved.display()
-            ));
-            // A checkpoint kept elsewhere in --out goes on with the metrics just moved.
-            if history.as_deref().is_some_and(|h| h == out.join("metrics.jsonl")) {
-                history = Some(moved.join("metrics.jsonl"));
-            }
-        }
-        Some(Report::create(&out, &resolved, &graph, (steps, start, history.as_deref()), peak))
+            past_branch(&out, start)?;
+            Some(Aside::Past(start))
+        } else {
+            earlier_run(&out)?.then(|| {
+                Aside::Whole(
+                    match (ckpt.as_ref().and_then(|k| k.resume.as_ref()), a.resume.as_deref()) {
+                        (Some(d), _) => format!("this run goes on from {} instead", d.display()),
+                        (None, Some(_)) => {
+                            "it had no committed checkpoint to go on from".to_string()
+                        }
+                        (None, None) => "--resume auto continues a run instead".to_string(),
+                    },
+                )
+            })
+        };
+        Some(Report::create(
+            &out,
+            &resolved,
+            &graph,
+            (steps, start, history.as_deref()),
+            peak,
+            aside,
+        ))
     } else {
         None
     };
@@ -1156,20 +1201,21 @@ fn rebase_checkpoints(
         .collect()
 }
 
-/// Moves the checkpoints under `out/checkpoints` past step `start` (a branch of the run
-/// that a resume from step `start` leaves) to a new `out/earlier-N/checkpoints`, with a
-/// copy of the run's metrics so far; the number moved. `None` where there are none.
-fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, usize)>> {
+/// The committed checkpoints under `out/checkpoints` past step `start` (a branch of the run
+/// that a resume from step `start` leaves), refused where they could not be moved aside
+/// ([`set_aside_past`]): on another filesystem than `out`.
+fn past_branch(out: &Path, start: usize) -> anyhow::Result<Vec<(usize, PathBuf)>> {
     let root = out.join("checkpoints");
     let past: Vec<(usize, PathBuf)> = hetpar_runtime::checkpoint::committed(&root)
         .with_context(|| format!("cannot read {}", root.display()))?
         .into_iter()
         .filter(|(s, _)| *s > start)
         .collect();
-    let Some((newest, _)) = past.last() else { return Ok(None) };
     // Step directories move by rename, which cannot cross filesystems: a linked or mounted
     // checkpoints/ elsewhere keeps them, and this run would prune or resume among them.
-    if !same_filesystem(&root, out) {
+    if let Some((newest, _)) = past.last()
+        && !same_filesystem(&root, out)
+    {
         bail!(
             "going back to step {start} leaves {} later checkpoint{} under {} (newest: step {newest}), which would be moved aside to {}, but {} is on another filesystem (a link or a mount point): move or delete the checkpoints past step {start} first, or resume from the latest",
             past.len(),
@@ -1179,6 +1225,16 @@ fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, u
             root.display()
         );
     }
+    Ok(past)
+}
+
+/// Moves the checkpoints under `out/checkpoints` past step `start` (a branch of the run
+/// that a resume from step `start` leaves) to a new `out/earlier-N/checkpoints`, with a
+/// copy of the run's metrics so far; the number moved. `None` where there are none.
+fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, usize)>> {
+    let root = out.join("checkpoints");
+    let past = past_branch(out, start)?;
+    let Some((newest, _)) = past.last() else { return Ok(None) };
     let to = new_earlier(out)?;
     let moved = to.join("checkpoints");
     std::fs::create_dir(&moved).with_context(|| format!("cannot create {}", moved.display()))?;
@@ -1213,6 +1269,58 @@ fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, u
 const RUN_FILES: [&str; 5] =
     ["checkpoints", "metrics.jsonl", "config.toml", "loss.svg", "time.svg"];
 
+/// Whether `out` holds an earlier run's metrics or a committed checkpoint, which
+/// [`set_aside`] moves aside; refused where it could not: checkpoints under a link.
+fn earlier_run(out: &Path) -> anyhow::Result<bool> {
+    let root = out.join("checkpoints");
+    let saved = !hetpar_runtime::checkpoint::committed(&root)
+        .with_context(|| format!("cannot read {}", root.display()))?
+        .is_empty();
+    if saved {
+        not_a_link(&root)?;
+    }
+    Ok(saved || out.join("metrics.jsonl").exists())
+}
+
+/// An earlier run's files under a run's `--out`, to move aside before the run writes there.
+enum Aside {
+    /// The checkpoints past this step, a branch this run leaves ([`set_aside_past`]).
+    Past(usize),
+    /// A whole run this run does not go on with ([`set_aside`]), and why not.
+    Whole(String),
+}
+
+impl Aside {
+    /// Moves the files aside from `out`, telling `say` where they went; where a whole run
+    /// went.
+    fn carry_out(&self, out: &Path, say: &dyn Fn(&str)) -> anyhow::Result<Option<PathBuf>> {
+        match self {
+            Aside::Past(start) => {
+                if let Some((moved, past)) = set_aside_past(out, *start)? {
+                    say(&format!(
+                        "note: {} held {past} checkpoint{} past step {start}, the one this run goes on from; moved {} to {} with the run's metrics so far, so that this run's checkpoints do not mix with them",
+                        out.join("checkpoints").display(),
+                        if past == 1 { "" } else { "s" },
+                        if past == 1 { "it" } else { "them" },
+                        moved.display()
+                    ));
+                }
+            }
+            Aside::Whole(why) => {
+                if let Some(moved) = set_aside(out)? {
+                    say(&format!(
+                        "note: {} held an earlier run; moved it to {} so that this run's checkpoints and metrics do not mix with it ({why})",
+                        out.display(),
+                        moved.display()
+                    ));
+                    return Ok(Some(moved));
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
 /// Moves an earlier run's files out of `out` into a new `out/earlier-N` ([`new_earlier`]), where
 /// `out` holds its metrics or a committed checkpoint and this run does not go on with it
 /// (it starts fresh, or from another run's checkpoint): it would otherwise write its
@@ -1222,16 +1330,10 @@ const RUN_FILES: [&str; 5] =
 /// its metrics name its checkpoints where they now are. `None` where there was nothing to
 /// move.
 fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
-    let root = out.join("checkpoints");
-    let saved = !hetpar_runtime::checkpoint::committed(&root)
-        .with_context(|| format!("cannot read {}", root.display()))?
-        .is_empty();
-    if !saved && !out.join("metrics.jsonl").exists() {
+    if !earlier_run(out)? {
         return Ok(None);
     }
-    if saved {
-        not_a_link(&root)?;
-    }
+    let root = out.join("checkpoints");
     // The checkpoints' lines are named where they will be, while they are still there.
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).ok();
     let to = new_earlier(out)?;
@@ -1410,39 +1512,20 @@ fn resumed_from(dir: &Path, m: &hetpar_runtime::checkpoint::Manifest, steps: usi
 impl Report {
     /// The report of a run into `out` with the resolved config `resolved`, and the progress
     /// bar when stderr is a terminal; its files are made when the first line is written.
-    /// A resumed run keeps the lines of the steps before `start` from `history` (the
-    /// metrics of the run it goes on from).
+    /// A resumed run keeps the lines of the steps before `start_step` from `history` (the
+    /// metrics of the run it goes on from); `aside` is moved out of the way first.
     fn create(
         out: &Path,
         resolved: &str,
         graph: &ModelGraph,
-        (steps, start, history): (usize, usize, Option<&Path>),
+        (steps, start_step, history): (usize, usize, Option<&Path>),
         peak: f64,
+        aside: Option<Aside>,
     ) -> Report {
-        // A resumed run keeps the lines of the steps before it, so no step appears twice
-        // (read now, written with the first step: the files may be the same).
         let path = out.join("metrics.jsonl");
-        let kept: Vec<String> = if let Some(history) = history.filter(|_| start > 0) {
-            std::fs::read_to_string(history)
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| {
-                    // Steps and evaluations before `start`, and the checkpoint resumed from
-                    // (committed after `start` steps).
-                    let Ok(v) = serde_json::from_str::<serde_json::Value>(l) else { return false };
-                    v["step"].as_u64().is_some_and(|s| {
-                        (s as usize) < start
-                            || (s as usize == start && v.get("checkpoint").is_some())
-                    })
-                })
-                .map(str::to_string)
-                .collect()
-        } else {
-            Vec::new()
-        };
         let bar = std::io::stderr().is_terminal().then(|| {
             let b = ProgressBar::new(steps as u64);
-            b.set_position(start as u64);
+            b.set_position(start_step as u64);
             b.set_style(
                 ProgressStyle::with_template("{bar:30} step {pos}/{len}  {msg}  ETA {eta}")
                     .expect("a valid template"),
@@ -1452,7 +1535,13 @@ impl Report {
         Report {
             bar,
             files: Mutex::new(None),
-            pending: (out.to_path_buf(), resolved.to_string(), kept),
+            pending: Pending {
+                out: out.to_path_buf(),
+                resolved: resolved.to_string(),
+                history: history.filter(|_| start_step > 0).map(Path::to_path_buf),
+                start: start_step,
+                aside,
+            },
             metrics_path: path,
             names: graph.modules.iter().map(|m| m.name.clone()).collect(),
             steps,

@@ -1602,6 +1602,16 @@ fn checkpoint_paths_are_taken_for_what_they_name() {
     );
 }
 
+/// Cuts the file at `path` to half its length.
+fn cut_short(path: &Path) {
+    let len = std::fs::metadata(path).expect("a file").len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.set_len(len / 2))
+        .expect("cut short");
+}
+
 /// A checkpoint directory renamed for another step than its manifest's is refused by a
 /// resume before anything moves: the run would take it for a later checkpoint, move it
 /// aside as a branch past the step it goes on from, and then fail to find it.
@@ -1630,12 +1640,7 @@ fn a_checkpoint_renamed_for_another_step_is_refused_before_anything_moves() {
 fn a_resume_refused_by_its_checksums_writes_nothing() {
     let (_tmp, out) = four_steps_saved("refused-resume");
     let tensors = out.join("checkpoints").join("step-00000004").join("llm.stage0.safetensors");
-    let len = std::fs::metadata(&tensors).expect("tensors").len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&tensors)
-        .and_then(|f| f.set_len(len / 2))
-        .expect("cut short");
+    cut_short(&tensors);
     let snapshot = || {
         let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&out)
             .expect("out")
@@ -1652,6 +1657,39 @@ fn a_resume_refused_by_its_checksums_writes_nothing() {
     assert!(!done.status.success());
     assert!(err.contains("llm.stage0.safetensors"), "{err}");
     assert!(snapshot() == before, "{err}");
+}
+
+/// A resume refused by its checksums moves nothing aside: not the checkpoints past the step
+/// it goes back to, not an earlier run under another `--out` it starts from. (The moves wait
+/// for the run's first line, once the checkpoint is loaded.)
+#[test]
+fn a_resume_refused_by_its_checksums_moves_nothing_aside() {
+    let (tmp, out) = four_steps_saved("refused-aside");
+    let step2 = out.join("checkpoints").join("step-00000002");
+    let tensors = step2.join("llm.stage0.safetensors");
+    cut_short(&tensors);
+    let other = tmp.path().join("other");
+    let other_s = other.to_str().expect("utf-8");
+    stdout(&hetpar(&["train", IN_MEMORY, "--steps", "1", "--out", other_s]));
+    let metrics = std::fs::read(other.join("metrics.jsonl")).expect("metrics");
+    for into in [&out, &other] {
+        let done = hetpar(&[
+            "train",
+            IN_MEMORY,
+            "--steps",
+            "6",
+            "--out",
+            into.to_str().expect("utf-8"),
+            "--resume",
+            step2.to_str().expect("utf-8"),
+        ]);
+        let err = String::from_utf8_lossy(&done.stderr);
+        assert!(!done.status.success());
+        assert!(err.contains("llm.stage0.safetensors"), "{err}");
+        assert!(!into.join("earlier-1").exists(), "{err}");
+    }
+    assert!(out.join("checkpoints").join("step-00000004").join("manifest.json").is_file());
+    assert_eq!(std::fs::read(other.join("metrics.jsonl")).expect("kept"), metrics);
 }
 
 /// An `--out` that is a file (with or without a trailing slash), lies under one, or is a
