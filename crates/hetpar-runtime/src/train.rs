@@ -32,6 +32,8 @@ pub struct StepLog {
     pub report: StepReport,
     /// Learning rate of the LLM this step.
     pub lr: f64,
+    /// Each module's learning rate this step, by module index (`None`: frozen).
+    pub module_lrs: Vec<Option<f64>>,
     /// Tokens of the step (every sample's length, text and encoder rows).
     pub tokens: usize,
     /// Wall time of the step on this rank, seconds.
@@ -166,6 +168,8 @@ pub struct Trainer {
     data: Arc<dyn BatchSource>,
     exec: Executor,
     lr: LrSchedule,
+    /// Each module's schedule, by module index (`None`: frozen).
+    module_lr: Vec<Option<LrSchedule>>,
     config_text: Option<String>,
     tokenizer_sha256: Option<String>,
     io_timeout: std::time::Duration,
@@ -196,6 +200,9 @@ impl Trainer {
         let opts = train_options(graph, steps);
         let llm = PipelineGraph::from_model(graph).sink();
         let lr = opts.lr[&llm];
+        let module_lr = (0..graph.modules.len())
+            .map(|m| opts.lr.get(&m).filter(|_| !opts.frozen.contains(&m)).copied())
+            .collect();
         let exec = Executor::new(stages, opts)?;
         Ok(Trainer {
             graph: graph.clone(),
@@ -205,6 +212,7 @@ impl Trainer {
             data: sources.batches.clone(),
             exec,
             lr,
+            module_lr,
             config_text: None,
             tokenizer_sha256: None,
             io_timeout: DEFAULT_IO_TIMEOUT,
@@ -250,6 +258,7 @@ impl Trainer {
             step,
             report,
             lr: self.lr.at(step),
+            module_lrs: self.module_lr.iter().map(|l| l.map(|l| l.at(step))).collect(),
             tokens,
             seconds,
             boundary_bytes,

@@ -426,6 +426,7 @@ impl Report {
             "grad_norm": r.grad_norm,
             "module_grad_norms": norms,
             "lr": log.lr,
+            "module_lrs": per_module(&|m| log.module_lrs[m].into()),
             "tokens": log.tokens,
             "tokens_per_s": tps,
             "step_s": log.seconds,

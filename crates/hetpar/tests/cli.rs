@@ -2103,15 +2103,26 @@ fn a_missing_data_path_is_named() {
 
 /// A module trained frozen and then unfrozen on resume (LLaVA's second stage trains what
 /// the first froze) trains on from the checkpoint with its AdamW moments at zero, saying
-/// so; its next checkpoint holds its moments and counts its updates from there.
+/// so; its next checkpoint holds its moments and counts its updates from there. Each
+/// step's metrics give each module's learning rate (its own `lr`'s schedule, none while
+/// frozen).
 #[test]
 fn a_module_frozen_when_saved_trains_on_when_a_resume_unfreezes_it() {
     let tmp = temp("unfreeze");
     let out = tmp.path().to_str().expect("utf-8");
     let cfg = "examples/in-memory.toml";
     let frozen = ["--set", "modules.vision.trainable=false"];
-    let run = hetpar(&[&["train", cfg, "--steps", "2", "--out", out][..], &frozen].concat());
+    let audio = ["--set", "modules.audio.lr=1e-4"];
+    let run =
+        hetpar(&[&["train", cfg, "--steps", "2", "--out", out][..], &frozen, &audio].concat());
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    for s in metrics(tmp.path()).iter().filter(|v| v.get("loss").is_some()) {
+        let (lr, lrs) = (s["lr"].as_f64().expect("lr"), &s["module_lrs"]);
+        assert_eq!((lrs["llm"].as_f64(), &lrs["vision"]), (Some(lr), &Value::Null), "{s}");
+        // The same warmup and cosine, from the module's own peak (train.lr is 0.003).
+        let audio = lrs["audio"].as_f64().expect("audio's");
+        assert!((audio / lr - 1e-4 / 3e-3).abs() < 1e-12, "{s}");
+    }
     let steps = |step: &str| -> Value {
         let path = tmp.path().join(format!("checkpoints/step-{step}/manifest.json"));
         let m: Value =
@@ -2134,6 +2145,11 @@ fn a_module_frozen_when_saved_trains_on_when_a_resume_unfreezes_it() {
     );
     let after = steps("00000003");
     assert_eq!((&after["vision"], &after["llm"]), (&Value::from(1), &Value::from(3)), "{after}");
+    let last = metrics(tmp.path()).into_iter().rfind(|v| v.get("loss").is_some()).expect("steps");
+    assert_eq!(
+        (last["step"].as_u64(), last["module_lrs"]["vision"].as_f64()),
+        (Some(2), last["lr"].as_f64())
+    );
     // Frozen again on a further resume: no note.
     // A run's --out names its latest checkpoint, as for eval and export.
     let again = hetpar(
