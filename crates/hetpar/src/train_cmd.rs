@@ -1445,25 +1445,45 @@ fn config_changes(saved: &toml::Value, cfg: &Config) -> anyhow::Result<Vec<Strin
         .collect())
 }
 
-/// Every dotted key (but those in `skip`) whose value differs between `was` and `is`, with
-/// both values (`(unset)` where one side has none), in key order.
+/// Every dotted key (but those in `skip`) whose value differs between configs `was` and
+/// `is`, with both values (`(unset)` where one side has none), in key order. A module's
+/// `trainable` and `lr` count by what they do: unset is `true` and `train.lr` (shown so).
 pub(crate) fn value_changes(
     was: &toml::Value,
     is: &toml::Value,
     skip: &[&str],
 ) -> Vec<(String, String, String)> {
     let (mut a, mut b) = (Default::default(), Default::default());
-    flatten("", was, &mut a);
-    flatten("", is, &mut b);
+    flatten("", &effective(was), &mut a);
+    flatten("", &effective(is), &mut b);
     let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-    let unset = || "(unset)".to_string();
     keys.into_iter()
         .filter(|k| !skip.contains(&k.as_str()) && a.get(*k) != b.get(*k))
         .map(|k| {
+            // A module's learning rate is unset where it is train.lr's.
+            let module_lr = k.starts_with("modules.") && k.ends_with(".lr");
+            let unset = || if module_lr { "train.lr" } else { "(unset)" }.to_string();
             let (x, y) = (a.get(k).cloned(), b.get(k).cloned());
             (k.clone(), x.unwrap_or_else(unset), y.unwrap_or_else(unset))
         })
         .collect()
+}
+
+/// Config `v` with each module's `trainable` as it acts (`true` where unset), and without a
+/// module `lr` equal to `train.lr` (which an unset one takes).
+fn effective(v: &toml::Value) -> toml::Value {
+    let mut v = v.clone();
+    let lr = v.get("train").and_then(|t| t.get("lr")).cloned();
+    if let Some(modules) = v.get_mut("modules").and_then(toml::Value::as_table_mut) {
+        for (_, m) in modules.iter_mut() {
+            let Some(m) = m.as_table_mut() else { continue };
+            m.entry("trainable").or_insert(toml::Value::Boolean(true));
+            if lr.is_some() && m.get("lr") == lr.as_ref() {
+                m.remove("lr");
+            }
+        }
+    }
+    v
 }
 
 /// Every value under `v` by its dotted key (arrays of tables, such as `edges`, by index).
@@ -2120,6 +2140,30 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// A module's `trainable` and `lr` compare by what they do: `trainable = true` and an
+    /// `lr` equal to `train.lr` are no change from leaving them unset, and an unset one is
+    /// shown as its value.
+    #[test]
+    fn unset_trainable_and_lr_compare_as_their_defaults() {
+        let cfg = |module: &str| -> toml::Value {
+            toml::from_str(&format!(
+                "[train]\nlr = 0.001\n[modules.vision]\nkind = \"vit\"\n{module}"
+            ))
+            .unwrap()
+        };
+        let changes = |a: &str, b: &str| value_changes(&cfg(a), &cfg(b), &[]);
+        assert!(changes("", "trainable = true\nlr = 0.001").is_empty());
+        let shown = |k: &str, a: &str, b: &str| vec![(k.to_string(), a.to_string(), b.to_string())];
+        assert_eq!(
+            changes("trainable = false", ""),
+            shown("modules.vision.trainable", "false", "true")
+        );
+        assert_eq!(
+            changes("lr = 0.0001", "lr = 0.001"),
+            shown("modules.vision.lr", "0.0001", "train.lr")
+        );
+    }
 
     /// A linked checkpoints/ is not renamed; a move that fails part way puts back what it
     /// moved; `/proc` is on another filesystem than `/` on every Linux system.
