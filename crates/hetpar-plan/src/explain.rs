@@ -79,8 +79,17 @@ fn limits(ev: &Evaluator<'_>, r: &Ranked) -> Vec<String> {
     if p.boundary_s / step > 0.01 {
         out.push(format!("boundary transfers {:.0}% of the step", p.boundary_s / step * 100.0));
     }
-    out.push(format!("{:.1} of {:.0} GiB per GPU", p.memory.total() / GIB, hw.memory_gib));
+    out.push(format!("{} of {:.0} GiB per GPU", digits(p.memory.total() / GIB), hw.memory_gib));
     out
+}
+
+/// `x` with one decimal, or under one (a CPU's TFLOPS from `calibrate`, a small model's
+/// GiB) with three significant digits, where one decimal would print 0.0 for every row.
+pub fn digits(x: f64) -> String {
+    match x.abs() {
+        a if a >= 1.0 || a == 0.0 || !a.is_finite() => format!("{x:.1}"),
+        a => format!("{x:.*}", (2 - a.log10().floor() as i64).max(1) as usize),
+    }
 }
 
 /// Layout of every module, `llm: tp.. | vision: tp..`.
@@ -215,4 +224,15 @@ pub fn explain(wl: &Workload, hw: &Hardware, plan: &Plan) -> Vec<String> {
         )),
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::digits;
+
+    #[test]
+    fn small_rates_and_sizes_keep_three_digits() {
+        let shown: Vec<String> = [45.14, 1.0, 0.0, 0.5, 0.0415, 0.00603].map(digits).to_vec();
+        assert_eq!(shown, ["45.1", "1.0", "0.0", "0.500", "0.0415", "0.00603"]);
+    }
 }

@@ -80,24 +80,15 @@ fn read_tables(path: &str, hint: &str) -> anyhow::Result<BTreeMap<String, Hardwa
     parse(&text).with_context(|| path.to_string())
 }
 
-/// `x` with one decimal, or under one (a CPU's TFLOPS from `calibrate`, a small model's
-/// GiB) with three significant digits, where one decimal would print 0.0 for every row.
-fn digits(x: f64) -> String {
-    match x.abs() {
-        a if a >= 1.0 || a == 0.0 || !a.is_finite() => format!("{x:.1}"),
-        a => format!("{x:.*}", (2 - a.log10().floor() as i64).max(1) as usize),
-    }
-}
-
 fn row(r: &Ranked, wl: &Workload) -> String {
     let p = &r.prediction;
     format!(
         "{:<14} {:>9.3} {:>11} {:>11.0} {:>8}  {}",
         r.candidate.kind.name(),
         p.step_time_s,
-        digits(p.tflops_per_gpu),
+        hetpar_plan::explain::digits(p.tflops_per_gpu),
         p.tokens_per_s,
-        digits(p.memory.total() / GIB),
+        hetpar_plan::explain::digits(p.memory.total() / GIB),
         layouts(wl, &r.candidate)
     )
 }
@@ -348,14 +339,14 @@ fn emit(wl: &Workload, plan: &Plan, path: &Path) -> anyhow::Result<()> {
     let w = plan.winner().context("no candidate to emit")?;
     let cfg = hetpar_plan::emit::config(wl, &w.candidate)?;
     let mut text = format!(
-        "# Written by `hetpar plan` for workload {} on {} x {}: the {} candidate,\n# predicted {:.3} s per step, {:.1} TFLOPS/GPU, {:.1} GiB per GPU.\n",
+        "# Written by `hetpar plan` for workload {} on {} x {}: the {} candidate,\n# predicted {:.3} s per step, {} TFLOPS/GPU, {} GiB per GPU.\n",
         wl.name,
         wl.gpus,
         wl.hardware,
         w.candidate.kind.name(),
         w.prediction.step_time_s,
-        w.prediction.tflops_per_gpu,
-        w.prediction.memory.total() / GIB
+        hetpar_plan::explain::digits(w.prediction.tflops_per_gpu),
+        hetpar_plan::explain::digits(w.prediction.memory.total() / GIB)
     );
     // What the config cannot say: recomputation of part of an encoder's layers (`recompute
     // = true` recomputes them all), or of the LLM's layer by layer (the LLM's `recompute =
@@ -521,13 +512,7 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{digits, fewer_gpus};
-
-    #[test]
-    fn small_rates_and_sizes_keep_three_digits() {
-        let shown: Vec<String> = [45.14, 1.0, 0.0, 0.5, 0.0415, 0.00603].map(digits).to_vec();
-        assert_eq!(shown, ["45.1", "1.0", "0.0", "0.500", "0.0415", "0.00603"]);
-    }
+    use super::fewer_gpus;
 
     #[test]
     fn fewer_gpus_rounds_an_awkward_count_down_and_halves_a_round_ones_nodes() {
