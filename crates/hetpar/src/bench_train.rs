@@ -284,6 +284,13 @@ pub fn run_plans(a: &PlansArgs) -> anyhow::Result<()> {
     if let Some(r) = ranks.iter().find(|&&r| r >= graph.world) {
         bail!("--ranks: rank {r} is outside the config's world of {} ranks", graph.world);
     }
+    // A rank named twice is timed once (its share is the same).
+    let ranks: Vec<usize> = ranks
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| !ranks[..*i].contains(r))
+        .map(|(_, &r)| r)
+        .collect();
     let strategies: Vec<String> = graph
         .edges
         .iter()
@@ -293,12 +300,12 @@ pub fn run_plans(a: &PlansArgs) -> anyhow::Result<()> {
         })
         .collect();
     say(&format!(
-        "boundary plans of {} ({} ranks; {}), synthetic steps 0-{}; one rank's share timed on {} ranks",
+        "boundary plans of {} ({} ranks; {}), synthetic steps 0-{}; one rank's share timed on {}",
         graph.name,
         graph.world,
         if strategies.is_empty() { "no edges".into() } else { strategies.join(", ") },
         a.steps - 1,
-        ranks.len()
+        crate::layout_cmd::plural(ranks.len(), "rank")
     ));
     say("step        rows   every rank's (ms)   one rank's share (ms: fastest / median / slowest)");
     let costs = hetpar_runtime::bench::plans_cost(&graph, 0..a.steps, &ranks, !a.shares_only)?;

@@ -64,7 +64,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn plural(n: usize, word: &str) -> String {
+pub(crate) fn plural(n: usize, word: &str) -> String {
     let suffix = match (n, word.ends_with('h')) {
         (1, _) => "",
         (_, true) => "es",
