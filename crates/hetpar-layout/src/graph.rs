@@ -602,13 +602,16 @@ fn build_edges(
         edges.push(Edge { src, dst, mode, relation, strategy });
     }
     for (id, m) in modules.iter().enumerate() {
-        let shares_ranks =
-            modules.iter().any(|o| o.name != m.name && o.layout.span() == m.layout.span());
-        if m.offload && !shares_ranks {
+        // Offload frees the encoder's memory while the LLM pipeline runs on its ranks: an
+        // encoder beside other encoders only has no LLM phase there to free it for.
+        let with_llm = modules
+            .iter()
+            .any(|o| o.kind() == ModuleKind::Llama && o.layout.span() == m.layout.span());
+        if m.offload && !with_llm {
             return Err(ConfigError::new(
                 format!("modules.{}.parallel.offload", m.name),
                 format!(
-                    "offload frees memory for a colocated LLM, but {} shares no ranks with another module",
+                    "offload frees memory for a colocated LLM, but {} shares no ranks with the llama module",
                     m.layout.span()
                 ),
             ));

@@ -439,7 +439,19 @@ fn pipeline_options() {
     );
     assert_eq!(
         error_after("ranks = [8, 10]", "ranks = [8, 10]\noffload = true"),
-        "modules.audio.parallel.offload: offload frees memory for a colocated LLM, but [8, 10) shares no ranks with another module"
+        "modules.audio.parallel.offload: offload frees memory for a colocated LLM, but [8, 10) shares no ranks with the llama module"
+    );
+    // Beside another encoder only: no LLM phase on those ranks to free memory for.
+    let text = GOOD
+        .replacen(
+            "[modules.vision.parallel]\nranks = [0, 8]",
+            "[modules.vision.parallel]\nranks = [8, 10]",
+            1,
+        )
+        .replacen("ranks = [8, 10]\n", "ranks = [8, 10]\noffload = true\n", 2);
+    assert_eq!(
+        validate(&text).expect_err("offload beside an encoder"),
+        "modules.audio.parallel.offload: offload frees memory for a colocated LLM, but [8, 10) shares no ranks with the llama module"
     );
     let text = GOOD.replacen(
         "ranks = [0, 8]\ntp = 4\ncp = 2",
