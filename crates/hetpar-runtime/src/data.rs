@@ -192,15 +192,7 @@ impl FileData {
 
     fn build(&self, batch: usize) -> Result<BatchManifest, RuntimeError> {
         let drawn = self.shared.drawn(batch)?;
-        let records: Vec<(&str, &hetpar_data::chat::Encoded)> = drawn
-            .entries
-            .iter()
-            .map(|&e| {
-                let entry = &drawn.dataset.entries()[e];
-                (entry.record.id.as_str(), &entry.encoded)
-            })
-            .collect();
-        step_manifest(&self.graph, &records).map_err(RuntimeError::Data)
+        manifest_of(&self.graph, drawn.dataset, &drawn.entries)
     }
 
     /// Queues the decoding of this rank's items of `batch` (once).
@@ -235,6 +227,34 @@ impl FileData {
         let _ = self.jobs.lock().unwrap_or_else(|e| e.into_inner()).send((batch, items));
         Ok(())
     }
+}
+
+/// The manifest of the records `entries` of `dataset`, in that order.
+fn manifest_of(
+    graph: &ModelGraph,
+    dataset: &Dataset,
+    entries: &[usize],
+) -> Result<BatchManifest, RuntimeError> {
+    let records: Vec<(&str, &hetpar_data::chat::Encoded)> = entries
+        .iter()
+        .map(|&e| {
+            let entry = &dataset.entries()[e];
+            (entry.record.id.as_str(), &entry.encoded)
+        })
+        .collect();
+    step_manifest(graph, &records).map_err(RuntimeError::Data)
+}
+
+/// The manifest of training step `step` of a run of `graph` on `train`: the records it
+/// draws, as every rank's [`FileData`] builds it, without a loader or any decoding (for
+/// commands that plan a step of the run's data).
+pub fn train_manifest(
+    graph: &ModelGraph,
+    train: &Dataset,
+    step: usize,
+) -> Result<BatchManifest, RuntimeError> {
+    let entries = train.step_entries(graph.train.seed, step, graph.train.global_batch);
+    manifest_of(graph, train, &entries)
 }
 
 /// The loader thread: decodes each queued batch's items, publishing a batch when all are

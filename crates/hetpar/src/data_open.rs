@@ -268,6 +268,31 @@ pub fn paths(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<Option<Pa
     Ok(Some(Paths { json, heldout, tokenizer, media_root }))
 }
 
+/// The manifest of training step `step` of a run of `graph`, for the commands that plan a
+/// step without training it (`layout`, `schedule`): the synthetic source's draw, or the
+/// records the run draws from its data (opened as a run opens them, `say` hearing what was
+/// opened; nothing decoded). With it, what it was drawn from, for the command's output.
+pub fn step_manifest(
+    graph: &ModelGraph,
+    step: u64,
+    say: &dyn Fn(&str),
+) -> anyhow::Result<(hetpar_layout::BatchManifest, String)> {
+    match open(graph, say)? {
+        RunData::Synthetic => Ok((
+            hetpar_layout::BatchManifest::synthetic(graph, step),
+            "items drawn by the synthetic source".to_string(),
+        )),
+        RunData::Files { train, .. } => {
+            let path = train.spec().path.display().to_string();
+            let at = usize::try_from(step).with_context(|| format!("--step {step}"))?;
+            let m = hetpar_runtime::data::train_manifest(graph, &train, at)
+                .map_err(|e| anyhow::anyhow!("{path}: step {step}: {e}"))?;
+            let n = train.entries().len();
+            Ok((m, format!("items of the records the run draws ({n} in {path})")))
+        }
+    }
+}
+
 /// Opens `graph`'s data; `say` reports what was opened and skipped (the lead passes a
 /// printer, the other processes a no-op).
 pub fn open(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<RunData> {

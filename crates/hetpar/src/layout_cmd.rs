@@ -27,7 +27,8 @@ pub struct Args {
     /// e.g. one rank of a planner config of thousands.
     #[arg(long, value_delimiter = ',', requires = "programs")]
     rank: Vec<usize>,
-    /// Which step's synthetic manifest to plan (row counts vary per step).
+    /// Which training step to plan (its items and rows vary per step): the records the
+    /// run draws for it from the config's data, or the synthetic source's draw.
     #[arg(long, default_value_t = 0)]
     step: u64,
     /// Override a config value before validation (repeatable): a dotted key and a TOML
@@ -41,7 +42,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if let Some(r) = args.rank.iter().find(|&&r| r >= graph.world) {
         anyhow::bail!("--rank {r}: outside the config's world of {}", plural(graph.world, "rank"));
     }
-    let manifest = BatchManifest::synthetic(&graph, args.step);
+    let (manifest, drawn) = crate::data_open::step_manifest(&graph, args.step, &|l| {
+        #[allow(clippy::print_stderr)]
+        {
+            eprintln!("{l}");
+        }
+    })?;
     // Seconds to minutes at thousands of ranks: a bar on a terminal, nothing elsewhere.
     let work: usize = (0..graph.edges.len()).map(|e| EdgeReport::work(&graph, e, &manifest)).sum();
     let bar = ProgressBar::new(work as u64).with_style(
@@ -53,9 +59,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         (0..graph.edges.len()).map(|e| EdgeReport::new(&graph, e, &manifest, &tick)).collect();
     bar.finish_and_clear();
     let out = if args.json {
-        serde_json::to_string_pretty(&to_json(&graph, &reports))? + "\n"
+        serde_json::to_string_pretty(&to_json(&graph, &reports, &drawn))? + "\n"
     } else {
-        render(&graph, &manifest, &reports, args)
+        render(&graph, (&manifest, &drawn), &reports, args)
     };
     #[allow(clippy::print_stdout)]
     {
@@ -306,7 +312,7 @@ fn render_programs(
 
 fn render(
     graph: &ModelGraph,
-    manifest: &BatchManifest,
+    (manifest, drawn): (&BatchManifest, &str),
     reports: &[EdgeReport],
     args: &Args,
 ) -> String {
@@ -323,7 +329,7 @@ fn render(
     .expect("string");
     writeln!(
         out,
-        "step {}: {} in {} of {}, seq_len {}, {}",
+        "step {}: {} in {} of {}, seq_len {}, {}; {drawn}",
         args.step,
         plural(t.global_batch, "sample"),
         plural(t.microbatches, "microbatch"),
@@ -346,7 +352,7 @@ fn render(
     out
 }
 
-fn to_json(graph: &ModelGraph, reports: &[EdgeReport]) -> serde_json::Value {
+fn to_json(graph: &ModelGraph, reports: &[EdgeReport], drawn: &str) -> serde_json::Value {
     let modules: Vec<_> = graph
         .modules
         .iter()
@@ -416,6 +422,7 @@ fn to_json(graph: &ModelGraph, reports: &[EdgeReport]) -> serde_json::Value {
         "name": graph.name,
         "world": graph.world,
         "microbatches": graph.train.microbatches,
+        "items_from": drawn,
         "modules": modules,
         "edges": edges,
     })

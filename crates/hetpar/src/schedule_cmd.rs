@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use hetpar_layout::BatchManifest;
 use hetpar_layout::plan::rank_list;
 use hetpar_schedule::{
     Options, PipelineGraph, Schedule, UnitDurations, Work, WorkDurations, svg, text_grid, validate,
@@ -17,7 +16,8 @@ pub struct Args {
     /// Also write an SVG timeline to this file.
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
-    /// Which step's synthetic manifest decides the encoder replicas without items.
+    /// Which training step's items decide the encoder replicas without items: the records
+    /// the run draws for it from the config's data, or the synthetic source's draw.
     #[arg(long, default_value_t = 0)]
     step: u64,
     /// Override a config value before validation (repeatable): a dotted key and a TOML
@@ -33,7 +33,13 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .with_context(|| format!("{}: cannot schedule", args.config.display()))?;
     // Encoder replicas that own no item in a microbatch pass empty (no time) but keep
     // their place in every transform and reduction.
-    let work = Work::from_manifest(&pipeline, &BatchManifest::synthetic(&graph, args.step));
+    let (manifest, drawn) = crate::data_open::step_manifest(&graph, args.step, &|l| {
+        #[allow(clippy::print_stderr)]
+        {
+            eprintln!("{l}");
+        }
+    })?;
+    let work = Work::from_manifest(&pipeline, &manifest);
     let durations = WorkDurations { inner: UnitDurations, work: &work, graph: &pipeline };
     let timeline = validate(&schedule, &durations).with_context(|| {
         format!("{}: the {} schedule is invalid", args.config.display(), schedule.kind.name())
@@ -49,7 +55,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         schedule.microbatches
     );
     out.push_str(&text_grid(&schedule, &timeline));
-    out.push_str(&empty_replicas(&pipeline, &work, args.step));
+    out.push_str(&empty_replicas(&pipeline, &work, (args.step, &drawn)));
     out.push_str(&format!(
         "\nvalid: every message matched, no deadlock, every forward before its backward, every boundary forward with its backward\nstep {slots} slots, bubble {:.1}% ({idle:.0} idle of {:.0} rank-slots, replicas without items included)\n",
         100.0 * timeline.bubble_fraction(),
@@ -74,21 +80,22 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 }
 
 /// One line per encoder whose replicas own no item in some microbatch of the step.
-fn empty_replicas(pipeline: &PipelineGraph, work: &Work, step: u64) -> String {
+fn empty_replicas(pipeline: &PipelineGraph, work: &Work, (step, drawn): (u64, &str)) -> String {
     let mut out = String::new();
     for (id, m) in pipeline.modules().iter().enumerate() {
         let per_mb: Vec<String> = (0..pipeline.microbatches())
             .filter_map(|mb| {
-                let idle: Vec<usize> = (0..m.layout.dp())
+                let mut idle: Vec<usize> = (0..m.layout.dp())
                     .filter(|&d| work.items(id, d, mb) == Some(0))
                     .flat_map(|d| (0..m.layout.pp()).flat_map(move |p| m.layout.stage_ranks(d, p)))
                     .collect();
+                idle.sort_unstable();
                 (!idle.is_empty()).then(|| format!("mb {mb} on ranks {}", rank_list(&idle)))
             })
             .collect();
         if !per_mb.is_empty() {
             out.push_str(&format!(
-                "\n{}: replicas with no item in step {step} pass empty (idle) but take part in every transform and reduction: {}\n",
+                "\n{}: replicas with no item in step {step} ({drawn}) pass empty (idle) but take part in every transform and reduction: {}\n",
                 m.name,
                 per_mb.join("; ")
             ));

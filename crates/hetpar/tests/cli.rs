@@ -209,7 +209,7 @@ fn an_encoder_at_tp1_next_to_one_sample_per_microbatch_plans_and_schedules() {
         "{text}"
     );
     let text = stdout(&hetpar(&["schedule", example]));
-    assert!(text.contains("vision: replicas with no item in step 0 pass empty (idle) but take part in every transform and reduction: mb 1 on ranks 0-2,4-6;"), "{text}");
+    assert!(text.contains("vision: replicas with no item in step 0 (items drawn by the synthetic source) pass empty (idle) but take part in every transform and reduction: mb 1 on ranks 0-2,4-6;"), "{text}");
 }
 
 #[test]
@@ -2242,6 +2242,52 @@ fn synth_set(name: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tmp.path().join("data");
     stdout(&hetpar(&["data", "synth", "--out", dir.to_str().expect("utf-8"), "--samples", "12"]));
     (tmp, dir)
+}
+
+/// `layout` and `schedule` plan the items of the records a run on files draws for the step,
+/// not a synthetic draw: each edge's bytes in `layout --json --step N` are what the run's
+/// step N moved (`boundary_bytes` in its metrics), and the header says where the items
+/// came from.
+#[test]
+fn layout_plans_the_items_a_run_on_files_draws() {
+    let (tmp, dir) = synth_set("layout-data");
+    let d = dir.to_str().expect("utf-8");
+    let sets = ["--set", "data.source=\"llava\"", "--set", &format!("data.path={d:?}")];
+    let out = tmp.path().join("run");
+    let args = ["train", "examples/demo.toml", "--steps", "2", "--eval-every", "0", "--out"];
+    stdout(&hetpar(&[&args[..], &[out.to_str().expect("utf-8")], &sets[..]].concat()));
+    let steps: Vec<Value> = metrics(&out).into_iter().filter(|v| v.get("loss").is_some()).collect();
+    for (step, metrics) in steps.iter().enumerate() {
+        let n = step.to_string();
+        let layout = stdout(&hetpar(
+            &[&["layout", "examples/demo.toml", "--json", "--step", &n][..], &sets].concat(),
+        ));
+        let layout: Value = serde_json::from_str(&layout).expect("json");
+        assert!(
+            layout["items_from"].as_str().is_some_and(|f| f.contains("train.json")),
+            "{layout}"
+        );
+        for e in layout["edges"].as_array().expect("edges") {
+            let name = format!(
+                "{} -> {}",
+                e["src"].as_str().expect("src"),
+                e["dst"].as_str().expect("dst")
+            );
+            let ran = &metrics["boundary_bytes"][&name];
+            assert_eq!(
+                (&e["bytes_fwd"], &e["bytes_bwd"]),
+                (&ran["forward"], &ran["backward"]),
+                "{name}, step {step}"
+            );
+        }
+    }
+    assert_eq!(steps.len(), 2);
+    let text = stdout(&hetpar(&[&["schedule", "examples/demo.toml"][..], &sets].concat()));
+    assert!(
+        text.contains("items of the records the run draws (")
+            || !text.contains("replicas with no item"),
+        "{text}"
+    );
 }
 
 /// A record longer than seq_len whose items fit is cut at its end, and the data line says
