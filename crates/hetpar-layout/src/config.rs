@@ -529,11 +529,14 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
             (Some(table), None) => format!("line {line}, in {table}"),
             _ => format!("line {line}"),
         };
-        // The suggestion reads the message as serde wrote it.
-        let known = did_you_mean(&message);
+        // The suggestion reads the message as serde wrote it: where the key belongs in
+        // another table, that table; else a known key close to it.
+        let known = table
+            .and_then(|t| elsewhere(t, &message))
+            .or_else(|| did_you_mean(&message).map(|k| format!("did you mean `{k}`?")));
         let message = unknown_table.unwrap_or(message);
         let message = match known {
-            Some(known) => format!("{message} (did you mean `{known}`?)"),
+            Some(known) => format!("{message} ({known})"),
             None => message,
         };
         ConfigError::new(field, message)
@@ -585,6 +588,27 @@ fn did_you_mean(message: &str) -> Option<String> {
         .map(|(_, k)| k.to_string())
 }
 
+/// The keys of a module's `[modules.NAME.parallel]` table ([`ParallelConfig`]).
+const PARALLEL_KEYS: [&str; 10] =
+    ["ranks", "tp", "cp", "pp", "ep", "etp", "sp", "vpp", "offload", "recompute"];
+
+/// For serde's "unknown field `x`" in `table`, where `x` belongs instead: a layout key
+/// written in `[modules.NAME]`, or `dp`, which no table sets.
+fn elsewhere(table: &str, message: &str) -> Option<String> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let (unknown, _) = rest.split_once('`')?;
+    let module = table.strip_prefix("[modules.")?.strip_suffix(']')?;
+    match module.strip_suffix(".parallel") {
+        Some(_) if unknown == "dp" => {
+            Some("dp is not set: it is the span's ranks divided by tp*cp*pp".to_string())
+        }
+        None if !module.contains('.') && PARALLEL_KEYS.contains(&unknown) => {
+            Some(format!("`{unknown}` belongs in [modules.{module}.parallel]"))
+        }
+        _ => None,
+    }
+}
+
 /// The last `[table]` or `[[array]]` header at or before byte `offset`.
 fn enclosing_table(text: &str, offset: usize) -> Option<&str> {
     let end = text[offset..].find('\n').map_or(text.len(), |i| offset + i);
@@ -599,6 +623,24 @@ fn enclosing_table(text: &str, offset: usize) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The layout keys the wrong-table hint names are the parallel table's, as serde
+    /// lists them.
+    #[test]
+    fn the_hints_parallel_keys_are_the_tables() {
+        let err = parse_toml::<ParallelConfig>("ranks = [0, 1]\nzzz = 1")
+            .expect_err("an unknown key")
+            .to_string();
+        let listed: Vec<&str> = err
+            .split("expected one of ")
+            .nth(1)
+            .expect("a list")
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .collect();
+        assert_eq!(listed, PARALLEL_KEYS, "{err}");
+    }
 
     const MINIMAL: &str = r#"
 name = "t"

@@ -171,6 +171,11 @@ fn unknown_keys_anywhere() {
     // A word unlike every key gets no guess.
     let other = error_after("name = \"t\"", "name = \"t\"\nbanana = 1");
     assert!(!other.contains("did you mean"), "{other}");
+    // A layout key in the module's own table, and dp, which is derived, say so.
+    let moved = error_after("kind = \"audio\"", "kind = \"audio\"\nrecompute = true");
+    assert!(moved.ends_with("(`recompute` belongs in [modules.audio.parallel])"), "{moved}");
+    let dp = error_after("tp = 4", "tp = 4\ndp = 2");
+    assert!(dp.ends_with("(dp is not set: it is the span's ranks divided by tp*cp*pp)"), "{dp}");
 }
 
 #[test]
