@@ -7,10 +7,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::ops::Range;
 
 use crate::edge::EdgeId;
 use crate::layout::ModuleLayout;
-use crate::manifest::{BatchManifest, item_replica};
+use crate::manifest::{BatchManifest, ItemRef, item_range, item_replica};
 use crate::ownership::{SeqSplit, item_owner};
 
 /// A boundary row: token `token` (counting the sample's rows on this edge in position
@@ -90,14 +91,15 @@ impl EdgeGeometry {
         edge: EdgeId,
         k: usize,
     ) -> EdgeGeometry {
-        Self::build(src, dst, manifest, (edge, k), None)
+        EdgeItems::new((src, dst), manifest, (edge, k)).geometry(None)
     }
 
     /// Rank `rank`'s view of [`EdgeGeometry::new`]: the rows of its replicas (the source
     /// replica whose last stage it is in, the destination replica whose first stage it is
     /// in), in the same order, so its buffers and slots are the same, with the buffers of
     /// the ranks of those stages. Only those replicas' items are cut into rows, so a view
-    /// costs the rank's share of the step.
+    /// costs the rank's share of the step and one pass over the microbatch's items (many
+    /// ranks' views share that pass through [`EdgeItems::view`]).
     pub fn for_rank(
         src: &ModuleLayout,
         dst: &ModuleLayout,
@@ -105,106 +107,7 @@ impl EdgeGeometry {
         (edge, k): (EdgeId, usize),
         rank: usize,
     ) -> EdgeGeometry {
-        Self::build(src, dst, manifest, (edge, k), Some(rank))
-    }
-
-    fn build(
-        src: &ModuleLayout,
-        dst: &ModuleLayout,
-        manifest: &BatchManifest,
-        (edge, k): (EdgeId, usize),
-        only: Option<usize>,
-    ) -> EdgeGeometry {
-        let split = SeqSplit::new(manifest.seq_len(), dst);
-        let items = manifest.microbatch_items(edge, k);
-        // The replicas whose rows the viewing rank can hold (as the source's last stage)
-        // or need (as the destination's first stage).
-        let side = |l: &ModuleLayout, stage: usize| {
-            only.and_then(|r| l.coords(r)).filter(|c| c.pp_idx == stage).map(|c| c.dp_idx)
-        };
-        let (src_d, dst_d) = (side(src, src.pp() - 1), side(dst, 0));
-        // The ranks whose buffers are kept: every rank of either module, or in a rank's
-        // view the rank and the other ranks of its replicas' boundary stages.
-        let kept: Option<BTreeSet<usize>> = only.map(|me| {
-            let stage = |l: &ModuleLayout, d: Option<usize>, p: usize| {
-                d.map(|d| l.stage_ranks(d, p)).unwrap_or_default()
-            };
-            let (a, b) = (stage(src, src_d, src.pp() - 1), stage(dst, dst_d, 0));
-            a.into_iter().chain(b).chain([me]).collect()
-        });
-        let keeps = |r: usize| kept.as_ref().is_none_or(|k| k.contains(&r));
-        let mut moves = Moves::default();
-        let mut rows = Vec::new();
-        // Rows count per sample across its items on this edge.
-        let mut token = 0;
-        for (j, &r) in items.iter().enumerate() {
-            if j > 0 && items[j - 1].sample != r.sample {
-                token = 0;
-            }
-            let (sample, item) = (r.sample, manifest.item(r));
-            let src_replica = item_replica(items.len(), src.dp(), j);
-            let dst_replica = manifest.replica_of(dst.dp(), sample);
-            let touches =
-                only.is_none() || src_d == Some(src_replica) || dst_d == Some(dst_replica);
-            if !touches && moves.found == [true, true] {
-                token += item.rows;
-                continue;
-            }
-            for u in 0..item.rows {
-                let pos = item.pos + u;
-                let owners = (item_owner(src, item.rows, u), src_replica);
-                let users = (split.cp_owner(pos), split.tp_owner(pos), dst_replica);
-                moves.see(owners, users, || {
-                    (
-                        holders_of(src, src_replica, item.rows, u),
-                        needers_of(dst, &split, dst_replica, pos),
-                    )
-                });
-                if !touches {
-                    continue;
-                }
-                let holders = holders_of(src, src_replica, item.rows, u);
-                let needers = needers_of(dst, &split, dst_replica, pos);
-                let id = RowId { sample, token: token + u };
-                let canonical = canonical_of(dst, &needers);
-                rows.push(Row {
-                    id,
-                    pos,
-                    item: j,
-                    src_replica,
-                    dst_replica,
-                    holders,
-                    needers,
-                    canonical,
-                });
-            }
-            token += item.rows;
-        }
-        let mut held: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        let mut needed: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        // Every rank of either module has a buffer (in a view, of those kept): a view lists
-        // its kept ranks rather than filtering the whole world's.
-        let listed: Vec<usize> = match &kept {
-            Some(k) => {
-                let in_either = |r: &usize| src.span().contains(*r) || dst.span().contains(*r);
-                k.iter().copied().filter(in_either).collect()
-            }
-            None => src.span().ranks().chain(dst.span().ranks()).collect(),
-        };
-        for r in listed {
-            held.entry(r).or_default();
-            needed.entry(r).or_default();
-        }
-        for (i, row) in rows.iter().enumerate() {
-            for &h in row.holders.iter().filter(|&&h| keeps(h)) {
-                held.entry(h).or_default().push(i);
-            }
-            for &n in row.needers.iter().filter(|&&n| keeps(n)) {
-                needed.entry(n).or_default().push(i);
-            }
-        }
-        let (src, dst) = (src.clone(), dst.clone());
-        EdgeGeometry { rows, held, needed, src, dst, rank: only, moves: moves.found }
+        EdgeItems::new((src, dst), manifest, (edge, k)).view(rank)
     }
 
     /// The rows of `edge` in microbatch `k` as runs of rows that share their holders and
@@ -284,6 +187,171 @@ impl EdgeGeometry {
                 (r, rows.iter().filter(|&&i| self.needed_slot(r, i).is_none()).count())
             })
             .collect()
+    }
+}
+
+/// The items of one edge in one microbatch, in canonical order, with what every view of
+/// their rows shares: where each item's rows start in its sample, and whether any row of
+/// the microbatch moves in each direction. Built in one pass over the items, it gives the
+/// whole geometry or any rank's view ([`EdgeItems::view`]) at the cost of the rows kept:
+/// a view cuts only its replicas' items (contiguous ranges of the list: an encoder
+/// replica's items, the LLM replica's samples') into rows.
+#[derive(Debug)]
+pub struct EdgeItems<'a> {
+    src: &'a ModuleLayout,
+    dst: &'a ModuleLayout,
+    manifest: &'a BatchManifest,
+    split: SeqSplit,
+    items: Vec<ItemRef>,
+    /// Per item, the rows of its sample's earlier items on this edge (its first row's
+    /// token).
+    tokens: Vec<usize>,
+    moves: [bool; 2],
+}
+
+impl<'a> EdgeItems<'a> {
+    /// The items of `edge` in global microbatch `k` of `manifest`, placed on `src` and
+    /// `dst`.
+    pub fn new(
+        (src, dst): (&'a ModuleLayout, &'a ModuleLayout),
+        manifest: &'a BatchManifest,
+        (edge, k): (EdgeId, usize),
+    ) -> EdgeItems<'a> {
+        let split = SeqSplit::new(manifest.seq_len(), dst);
+        let items = manifest.microbatch_items(edge, k);
+        let mut tokens = Vec::with_capacity(items.len());
+        let mut moves = Moves::default();
+        // Rows count per sample across its items on this edge.
+        let mut token = 0;
+        for (j, &r) in items.iter().enumerate() {
+            if j > 0 && items[j - 1].sample != r.sample {
+                token = 0;
+            }
+            tokens.push(token);
+            let item = manifest.item(r);
+            token += item.rows;
+            if moves.found == [true, true] {
+                continue;
+            }
+            let src_replica = item_replica(items.len(), src.dp(), j);
+            let dst_replica = manifest.replica_of(dst.dp(), r.sample);
+            for u in 0..item.rows {
+                let pos = item.pos + u;
+                let owners = (item_owner(src, item.rows, u), src_replica);
+                let users = (split.cp_owner(pos), split.tp_owner(pos), dst_replica);
+                moves.see(owners, users, || {
+                    (
+                        holders_of(src, src_replica, item.rows, u),
+                        needers_of(dst, &split, dst_replica, pos),
+                    )
+                });
+            }
+        }
+        EdgeItems { src, dst, manifest, split, items, tokens, moves: moves.found }
+    }
+
+    /// Rank `rank`'s view ([`EdgeGeometry::for_rank`]).
+    pub fn view(&self, rank: usize) -> EdgeGeometry {
+        self.geometry(Some(rank))
+    }
+
+    /// The items (indices into the list) of the destination's replica `d`: those of its
+    /// samples, a contiguous run of the list since the replicas' samples are contiguous
+    /// and the list is in sample order.
+    fn dst_items(&self, d: usize) -> Range<usize> {
+        let (dp, m) = (self.dst.dp(), self.manifest);
+        let first = self.items.partition_point(|r| m.replica_of(dp, r.sample) < d);
+        let end = self.items.partition_point(|r| m.replica_of(dp, r.sample) <= d);
+        first..end
+    }
+
+    /// Every row and every rank (`only` `None`), or rank `only`'s view.
+    fn geometry(&self, only: Option<usize>) -> EdgeGeometry {
+        let (src, dst, manifest) = (self.src, self.dst, self.manifest);
+        let n = self.items.len();
+        // The replicas whose rows the viewing rank can hold (as the source's last stage)
+        // or need (as the destination's first stage).
+        let side = |l: &ModuleLayout, stage: usize| {
+            only.and_then(|r| l.coords(r)).filter(|c| c.pp_idx == stage).map(|c| c.dp_idx)
+        };
+        let (src_d, dst_d) = (side(src, src.pp() - 1), side(dst, 0));
+        // The ranks whose buffers are kept: every rank of either module, or in a rank's
+        // view the rank and the other ranks of its replicas' boundary stages.
+        let kept: Option<BTreeSet<usize>> = only.map(|me| {
+            let stage = |l: &ModuleLayout, d: Option<usize>, p: usize| {
+                d.map(|d| l.stage_ranks(d, p)).unwrap_or_default()
+            };
+            let (a, b) = (stage(src, src_d, src.pp() - 1), stage(dst, dst_d, 0));
+            a.into_iter().chain(b).chain([me]).collect()
+        });
+        let keeps = |r: usize| kept.as_ref().is_none_or(|k| k.contains(&r));
+        // The items whose rows are kept, in list order: all, or the viewing rank's
+        // replicas' (two ranges, merged where they meet).
+        let mut ranges: Vec<Range<usize>> = match only {
+            None => std::iter::once(0..n).collect(),
+            Some(_) => {
+                [src_d.map(|d| item_range(n, src.dp(), d)), dst_d.map(|d| self.dst_items(d))]
+                    .into_iter()
+                    .flatten()
+                    .filter(|r| !r.is_empty())
+                    .collect()
+            }
+        };
+        ranges.sort_by_key(|r| r.start);
+        if let [a, b] = &ranges[..]
+            && b.start <= a.end
+        {
+            ranges = std::iter::once(a.start..a.end.max(b.end)).collect();
+        }
+        let mut rows = Vec::new();
+        for j in ranges.into_iter().flatten() {
+            let r = self.items[j];
+            let (sample, item) = (r.sample, manifest.item(r));
+            let src_replica = item_replica(n, src.dp(), j);
+            let dst_replica = manifest.replica_of(dst.dp(), sample);
+            for u in 0..item.rows {
+                let pos = item.pos + u;
+                let holders = holders_of(src, src_replica, item.rows, u);
+                let needers = needers_of(dst, &self.split, dst_replica, pos);
+                let id = RowId { sample, token: self.tokens[j] + u };
+                let canonical = canonical_of(dst, &needers);
+                rows.push(Row {
+                    id,
+                    pos,
+                    item: j,
+                    src_replica,
+                    dst_replica,
+                    holders,
+                    needers,
+                    canonical,
+                });
+            }
+        }
+        let mut held: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        let mut needed: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        // Every rank of either module has a buffer (in a view, of those kept): a view lists
+        // its kept ranks rather than filtering the whole world's.
+        let listed: Vec<usize> = match &kept {
+            Some(k) => {
+                let in_either = |r: &usize| src.span().contains(*r) || dst.span().contains(*r);
+                k.iter().copied().filter(in_either).collect()
+            }
+            None => src.span().ranks().chain(dst.span().ranks()).collect(),
+        };
+        for r in listed {
+            held.entry(r).or_default();
+            needed.entry(r).or_default();
+        }
+        for (i, row) in rows.iter().enumerate() {
+            for &h in row.holders.iter().filter(|&&h| keeps(h)) {
+                held.entry(h).or_default().push(i);
+            }
+            for &n in row.needers.iter().filter(|&&n| keeps(n)) {
+                needed.entry(n).or_default().push(i);
+            }
+        }
+        let (src, dst) = (src.clone(), dst.clone());
+        EdgeGeometry { rows, held, needed, src, dst, rank: only, moves: self.moves }
     }
 }
 

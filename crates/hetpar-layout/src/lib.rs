@@ -27,7 +27,7 @@ pub use axis::{Axis, View};
 pub use config::{Config, Dtype, OnNonFinite};
 pub use edge::{Direction, DpRelation, EdgeId, ModuleId, PlacementMode, Strategy};
 pub use error::ConfigError;
-pub use geometry::{EdgeGeometry, Row, RowId};
+pub use geometry::{EdgeGeometry, EdgeItems, Row, RowId};
 pub use graph::{Edge, ModelGraph, Module, ModuleSpec};
 pub use layout::{Coords, ExpertCoords, LayoutSpec, ModuleLayout, Span};
 pub use manifest::{BatchManifest, Item, ItemRef, Sample};

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use crate::edge::{DpRelation, EdgeId, PlacementMode, Strategy};
-use crate::geometry::EdgeGeometry;
+use crate::geometry::EdgeItems;
 use crate::graph::ModelGraph;
 use crate::layout::{ModuleLayout, Span};
 use crate::manifest::{BatchManifest, item_range};
@@ -216,7 +216,7 @@ pub fn step_work(layouts: (&ModuleLayout, &ModuleLayout), manifest: &BatchManife
 /// What each of `strategies` moves over the step on edge `edge` from `src` to `dst`:
 /// `(strategy, forward, backward)`, every microbatch of `manifest` summed, with every
 /// rank's lower bounds. Summed from each rank's share, one rank at a time: under `exact`
-/// and `leaders` the programs planned from the rank's view ([`EdgeGeometry::for_rank`]),
+/// and `leaders` the programs planned from the rank's view ([`crate::EdgeGeometry::for_rank`]),
 /// under `gather` each group's members and contributions ([`EdgePlan::gather_groups`]).
 /// So it holds one rank's rows and programs, where the whole plans hold every row and
 /// every rank's collective lists at once (one entry per member of the shared span under
@@ -235,8 +235,9 @@ pub fn step_traffic(
     let mut traffic: Vec<[StepTraffic; 2]> =
         strategies.iter().map(|_| [StepTraffic::over(&ranks), StepTraffic::over(&ranks)]).collect();
     for k in 0..manifest.n_microbatches() {
+        let items = EdgeItems::new((src, dst), manifest, (edge, k));
         for &r in &ranks {
-            let view = EdgeGeometry::for_rank(src, dst, manifest, (edge, k), r);
+            let view = items.view(r);
             // A view's lower bounds are whole for the viewing rank alone.
             let own = |bound: BTreeMap<usize, usize>| bound.get(&r).copied().unwrap_or(0);
             let bounds = [own(view.forward_lower_bound()), own(view.backward_lower_bound())];

@@ -21,7 +21,7 @@ mod program;
 pub use program::{Buf, Op, Program, Seg, Segs, Traffic, all_gather_traffic, rank_list};
 
 use crate::edge::{Direction, EdgeId, PlacementMode, Strategy};
-use crate::geometry::EdgeGeometry;
+use crate::geometry::{EdgeGeometry, EdgeItems};
 use crate::graph::ModelGraph;
 use crate::layout::ModuleLayout;
 use crate::manifest::BatchManifest;
@@ -268,7 +268,8 @@ impl EdgePlan {
         strategy: Strategy,
         rank: usize,
     ) -> EdgePlan {
-        let view = |r| EdgeGeometry::for_rank(src, dst, manifest, (edge, k), r);
+        let items = EdgeItems::new((src, dst), manifest, (edge, k));
+        let view = |r| items.view(r);
         let geometry = view(rank);
         if strategy != Strategy::Gather {
             return EdgePlan::new(geometry, strategy);
