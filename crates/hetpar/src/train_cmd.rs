@@ -35,7 +35,8 @@ pub struct Args {
     /// Where metrics.jsonl, the resolved config and the checkpoints go (default:
     /// runs/<name>). A run that does not go on from OUT's own checkpoints (a fresh one, or
     /// one resumed from another run's) moves the metrics and checkpoints of a run OUT holds
-    /// to OUT/earlier-N first.
+    /// to OUT/earlier-N as it writes its first line (a run refused or failing before that
+    /// leaves them in place).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// `local` (one thread per rank in this process) or `mpi` (one process per rank under
@@ -276,11 +277,14 @@ impl Report {
                     Some(a) => a.carry_out(out, &|l| self.println(l))?,
                     None => None,
                 };
-                // A checkpoint kept elsewhere in `out` goes on with the metrics just moved.
+                // A checkpoint kept elsewhere in `out` goes on with the metrics just moved
+                // (`history` names them by the checkpoint's resolved path, `out` as given).
+                let outs = |h: &Path| {
+                    h.file_name().is_some_and(|n| n == "metrics.jsonl")
+                        && h.parent().is_some_and(|p| same_dir(p, out))
+                };
                 let history = match (history, moved) {
-                    (Some(h), Some(to)) if *h == out.join("metrics.jsonl") => {
-                        Some(to.join("metrics.jsonl"))
-                    }
+                    (Some(h), Some(to)) if outs(h) => Some(to.join("metrics.jsonl")),
                     (h, _) => h.clone(),
                 };
                 let kept = kept_lines(history.as_deref(), *start);
@@ -1460,11 +1464,15 @@ pub(crate) fn value_changes(
     keys.into_iter()
         .filter(|k| !skip.contains(&k.as_str()) && a.get(*k) != b.get(*k))
         .map(|k| {
-            // A module's learning rate is unset where it is train.lr's.
-            let module_lr = k.starts_with("modules.") && k.ends_with(".lr");
-            let unset = || if module_lr { "train.lr" } else { "(unset)" }.to_string();
+            // A module's learning rate is unset where it is train.lr's (on a side that has
+            // the module).
+            let lr_of = k.strip_prefix("modules.").and_then(|m| m.strip_suffix(".lr"));
+            let unset = |side: &std::collections::BTreeMap<String, String>| {
+                let has = |m: &str| side.keys().any(|x| x.starts_with(&format!("modules.{m}.")));
+                if lr_of.is_some_and(has) { "train.lr" } else { "(unset)" }.to_string()
+            };
             let (x, y) = (a.get(k).cloned(), b.get(k).cloned());
-            (k.clone(), x.unwrap_or_else(unset), y.unwrap_or_else(unset))
+            (k.clone(), x.unwrap_or_else(|| unset(&a)), y.unwrap_or_else(|| unset(&b)))
         })
         .collect()
 }

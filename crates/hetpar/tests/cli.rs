@@ -1537,6 +1537,39 @@ fn resume_to_six(out: &Path) -> Output {
     hetpar(&["train", IN_MEMORY, "--steps", "6", "--out", out, "--resume", "auto"])
 }
 
+/// A run resumed from a checkpoint kept elsewhere in its own `--out` (not under its
+/// `checkpoints/`) starts its metrics with the steps before it, read from the earlier run it
+/// moves aside, with `--out` given relative to where the command runs as well.
+#[test]
+fn a_resume_from_a_copy_kept_in_a_relative_out_keeps_its_history() {
+    let tmp = temp("relative-history");
+    let config = root().join(IN_MEMORY);
+    let train = |args: &[&str]| {
+        let done = Command::new(env!("CARGO_BIN_EXE_hetpar"))
+            .args([&["train", config.to_str().expect("utf-8")][..], args].concat())
+            .current_dir(tmp.path())
+            .output()
+            .expect("hetpar runs");
+        stdout(&done);
+    };
+    train(&["--steps", "4", "--save-every", "2", "--out", "b"]);
+    let (from, kept) =
+        (tmp.path().join("b/checkpoints/step-00000002"), tmp.path().join("b/keep/step-00000002"));
+    std::fs::create_dir_all(&kept).expect("keep");
+    for e in std::fs::read_dir(&from).expect("step 2").flatten() {
+        std::fs::copy(e.path(), kept.join(e.file_name())).expect("copied");
+    }
+    train(&["--steps", "3", "--out", "b", "--resume", "b/keep/step-00000002"]);
+    let lines = metrics(&tmp.path().join("b"));
+    let steps: Vec<u64> = lines
+        .iter()
+        .filter(|v| v.get("loss").is_some())
+        .map(|v| v["step"].as_u64().expect("step"))
+        .collect();
+    assert_eq!(steps, [0, 1, 2], "{lines:?}");
+    assert!(tmp.path().join("b/earlier-1/metrics.jsonl").is_file());
+}
+
 /// A run into a relative `--out` names its checkpoints in `metrics.jsonl` by absolute
 /// paths, and so does the earlier run a second one moves aside: each line names a
 /// checkpoint that is there, from wherever the metrics are read.
