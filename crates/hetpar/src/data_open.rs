@@ -270,19 +270,22 @@ pub fn paths(graph: &ModelGraph, say: &dyn Fn(&str)) -> anyhow::Result<Option<Pa
 
 /// The manifest of training step `step` of a run of `graph`, for the commands that plan a
 /// step without training it (`layout`, `schedule`): the synthetic source's draw, or the
-/// records the run draws from its data (opened as a run opens them, `say` hearing what was
-/// opened; nothing decoded). With it, what it was drawn from, for the command's output.
+/// records the run draws from its data (opened as a run opens them, a synth set generated
+/// into the cache first, `say` hearing what was opened; nothing decoded). With it, what it
+/// was drawn from, for the command's output. Data that cannot be opened here (a cluster's
+/// path, planned on a laptop) leaves the synthetic draw, and the phrase says why.
 pub fn step_manifest(
     graph: &ModelGraph,
     step: u64,
     say: &dyn Fn(&str),
 ) -> anyhow::Result<(hetpar_layout::BatchManifest, String)> {
-    match open(graph, say)? {
-        RunData::Synthetic => Ok((
-            hetpar_layout::BatchManifest::synthetic(graph, step),
-            "items drawn by the synthetic source".to_string(),
-        )),
-        RunData::Files { train, .. } => {
+    let synthetic = |why: String| (hetpar_layout::BatchManifest::synthetic(graph, step), why);
+    match open(graph, say) {
+        Ok(RunData::Synthetic) => Ok(synthetic("items drawn by the synthetic source".into())),
+        Err(e) => Ok(synthetic(format!(
+            "items drawn by the synthetic source, not the config's data, which did not open here: {e:#}"
+        ))),
+        Ok(RunData::Files { train, .. }) => {
             let path = train.spec().path.display().to_string();
             let at = usize::try_from(step).with_context(|| format!("--step {step}"))?;
             let m = hetpar_runtime::data::train_manifest(graph, &train, at)

@@ -2315,10 +2315,17 @@ fn layout_plans_the_items_a_run_on_files_draws() {
         }
     }
     assert_eq!(steps.len(), 2);
-    let text = stdout(&hetpar(&[&["schedule", "examples/demo.toml"][..], &sets].concat()));
+    // In step 3 of this set, both vision replicas have no image in microbatch 1 (the
+    // synthetic draw has no replica idle in that step).
+    let at = ["schedule", "examples/demo.toml", "--step", "3"];
+    let text = stdout(&hetpar(&[&at[..], &sets].concat()));
+    let idle = "vision: replicas with no item in step 3 (items of the records the run draws (";
+    assert!(text.contains(idle) && text.contains("mb 1 on ranks 0-1"), "{text}");
+    // Data that does not open here leaves the synthetic draw, and says so.
+    let gone = ["--set", "data.source=\"llava\"", "--set", "data.path=\"/nonexistent/data\""];
+    let text = stdout(&hetpar(&[&["layout", "examples/demo.toml"][..], &gone].concat()));
     assert!(
-        text.contains("items of the records the run draws (")
-            || !text.contains("replicas with no item"),
+        text.contains("; items drawn by the synthetic source, not the config's data, which did not open here: "),
         "{text}"
     );
 }
