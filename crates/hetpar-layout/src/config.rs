@@ -481,7 +481,7 @@ impl Config {
     /// Parses a config from TOML text. Errors are one line: the line number, the enclosing
     /// table and the parser's reason.
     pub fn from_toml(text: &str) -> Result<Config> {
-        parse_toml(text)
+        parse_toml_with(text, &PARALLEL_KEYS)
     }
 
     /// Serializes back to TOML (used by `plan --emit-config`).
@@ -505,6 +505,16 @@ fn span<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<[usize; 2
 /// rejected by the target type. Errors are one line: the line number, the enclosing table
 /// and the parser's reason, with a "did you mean" for an unknown key close to a known one.
 pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
+    parse_toml_with(text, &[])
+}
+
+/// [`parse_toml`] for a format with `[modules.NAME.parallel]` tables whose keys are
+/// `parallel_keys`: one of them written in `[modules.NAME]` is pointed to its table, and
+/// `dp` in the table is said to be derived.
+pub fn parse_toml_with<T: serde::de::DeserializeOwned>(
+    text: &str,
+    parallel_keys: &[&str],
+) -> Result<T> {
     toml::from_str(text).map_err(|e| {
         let offset = e.span().map(|s| s.start).unwrap_or(0).min(text.len());
         let line = text[..offset].matches('\n').count() + 1;
@@ -532,7 +542,7 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(text: &str) -> Result<T> {
         // The suggestion reads the message as serde wrote it: where the key belongs in
         // another table, that table; else a known key close to it.
         let known = table
-            .and_then(|t| elsewhere(t, &message))
+            .and_then(|t| elsewhere(t, &message, parallel_keys))
             .or_else(|| did_you_mean(&message).map(|k| format!("did you mean `{k}`?")));
         let message = unknown_table.unwrap_or(message);
         let message = match known {
@@ -588,21 +598,30 @@ fn did_you_mean(message: &str) -> Option<String> {
         .map(|(_, k)| k.to_string())
 }
 
-/// The keys of a module's `[modules.NAME.parallel]` table ([`ParallelConfig`]).
-const PARALLEL_KEYS: [&str; 10] =
+/// The keys of a module's `[modules.NAME.parallel]` table in a config ([`ParallelConfig`]).
+pub const PARALLEL_KEYS: [&str; 10] =
     ["ranks", "tp", "cp", "pp", "ep", "etp", "sp", "vpp", "offload", "recompute"];
 
-/// For serde's "unknown field `x`" in `table`, where `x` belongs instead: a layout key
-/// written in `[modules.NAME]`, or `dp`, which no table sets.
-fn elsewhere(table: &str, message: &str) -> Option<String> {
+/// The keys a table type `T` takes, as serde lists them when it refuses an unknown one: for
+/// tests that hold a list of keys to the type.
+pub fn table_keys<T: serde::de::DeserializeOwned + std::fmt::Debug>() -> Vec<String> {
+    let err = toml::from_str::<T>("__unknown = 1").expect_err("an unknown key").to_string();
+    let Some(list) = err.split("expected one of ").nth(1) else { return Vec::new() };
+    list.split('`').skip(1).step_by(2).map(str::to_string).collect()
+}
+
+/// For serde's "unknown field `x`" in `table`, where `x` belongs instead: one of
+/// `parallel_keys` written in `[modules.NAME]`, or `dp`, which no table sets (in a format
+/// with parallel tables).
+fn elsewhere(table: &str, message: &str, parallel_keys: &[&str]) -> Option<String> {
     let rest = message.strip_prefix("unknown field `")?;
     let (unknown, _) = rest.split_once('`')?;
     let module = table.strip_prefix("[modules.")?.strip_suffix(']')?;
     match module.strip_suffix(".parallel") {
-        Some(_) if unknown == "dp" => {
+        Some(_) if unknown == "dp" && !parallel_keys.is_empty() => {
             Some("dp is not set: it is the span's ranks divided by tp*cp*pp".to_string())
         }
-        None if !module.contains('.') && PARALLEL_KEYS.contains(&unknown) => {
+        None if !module.contains('.') && parallel_keys.contains(&unknown) => {
             Some(format!("`{unknown}` belongs in [modules.{module}.parallel]"))
         }
         _ => None,
@@ -628,18 +647,7 @@ mod tests {
     /// lists them.
     #[test]
     fn the_hints_parallel_keys_are_the_tables() {
-        let err = parse_toml::<ParallelConfig>("ranks = [0, 1]\nzzz = 1")
-            .expect_err("an unknown key")
-            .to_string();
-        let listed: Vec<&str> = err
-            .split("expected one of ")
-            .nth(1)
-            .expect("a list")
-            .split('`')
-            .skip(1)
-            .step_by(2)
-            .collect();
-        assert_eq!(listed, PARALLEL_KEYS, "{err}");
+        assert_eq!(table_keys::<ParallelConfig>(), PARALLEL_KEYS);
     }
 
     const MINIMAL: &str = r#"

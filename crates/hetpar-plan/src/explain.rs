@@ -86,7 +86,9 @@ fn limits(ev: &Evaluator<'_>, r: &Ranked) -> Vec<String> {
 /// `x` with one decimal, or under one (a CPU's TFLOPS from `calibrate`, a small model's
 /// GiB) with three significant digits, where one decimal would print 0.0 for every row.
 pub fn digits(x: f64) -> String {
-    match x.abs() {
+    // Rounded to three significant digits first, so 0.9996 reads 1.0, not 1.000.
+    let rounded = format!("{x:.2e}").parse::<f64>().unwrap_or(x);
+    match rounded.abs() {
         a if a >= 1.0 || a == 0.0 || !a.is_finite() => format!("{x:.1}"),
         a => format!("{x:.*}", (2 - a.log10().floor() as i64).max(1) as usize),
     }
@@ -232,7 +234,8 @@ mod tests {
 
     #[test]
     fn small_rates_and_sizes_keep_three_digits() {
-        let shown: Vec<String> = [45.14, 1.0, 0.0, 0.5, 0.0415, 0.00603].map(digits).to_vec();
-        assert_eq!(shown, ["45.1", "1.0", "0.0", "0.500", "0.0415", "0.00603"]);
+        let shown: Vec<String> =
+            [45.14, 1.0, 0.0, 0.5, 0.0415, 0.00603, 0.9996, 0.09996].map(digits).to_vec();
+        assert_eq!(shown, ["45.1", "1.0", "0.0", "0.500", "0.0415", "0.00603", "1.0", "0.100"]);
     }
 }

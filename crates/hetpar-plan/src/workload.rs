@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use hetpar_layout::config::{EdgeConfig, ModuleKind, ModuleSizes, parse_toml};
+use hetpar_layout::config::{EdgeConfig, ModuleKind, ModuleSizes, parse_toml_with};
 use hetpar_layout::graph::ModuleSpec;
 use serde::Deserialize;
 
@@ -94,6 +94,10 @@ impl ModuleFile {
         }
     }
 }
+
+/// The keys of `[modules.NAME.parallel]` in a workload that the planner takes
+/// ([`ParallelFile`]; its `ranks` is read only to be refused with its own message).
+const PARALLEL_KEYS: [&str; 7] = ["tp", "cp", "pp", "ep", "sp", "vpp", "offload"];
 
 /// `[modules.NAME.parallel]` in a workload: every size optional.
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -206,7 +210,7 @@ impl Workload {
 
     /// Parses and validates a workload file. Errors name the field and say what to write.
     pub fn from_toml(text: &str) -> Result<Workload> {
-        let file: WorkloadFile = parse_toml(text).map_err(PlanError::from)?;
+        let file: WorkloadFile = parse_toml_with(text, &PARALLEL_KEYS).map_err(PlanError::from)?;
         file.validate()
     }
 
@@ -459,4 +463,20 @@ fn pinned(name: &str, m: &ModuleFile) -> Result<Pinned> {
         }
     }
     Ok(Pinned { tp: p.tp, cp: p.cp, pp: p.pp, ep: p.ep, vpp: p.vpp, offload: p.offload })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PARALLEL_KEYS, ParallelFile};
+
+    /// The keys the wrong-table hint names are the workload's parallel table's, as serde
+    /// lists them (`ranks` aside, which is refused).
+    #[test]
+    fn the_hints_parallel_keys_are_the_tables() {
+        let listed = hetpar_layout::config::table_keys::<ParallelFile>();
+        assert_eq!(
+            (listed[0].as_str(), &listed[1..]),
+            ("ranks", &PARALLEL_KEYS.map(String::from)[..])
+        );
+    }
 }

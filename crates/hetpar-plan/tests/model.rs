@@ -166,6 +166,12 @@ fn workloads_parse_and_bad_ones_say_what_to_fix() {
     assert!(
         workload_err(&BASE.replace("gpus = 8", "gpus = 8\nnodes = 1")).contains("unknown field")
     );
+    // A size the planner may pin, written in the module's own table, is pointed to its
+    // parallel table; a key that table does not take here (a config's `recompute`) is not.
+    let pinned = workload_err(&BASE.replace("kind = \"vit\"", "kind = \"vit\"\ntp = 2"));
+    assert!(pinned.ends_with("(`tp` belongs in [modules.vision.parallel])"), "{pinned}");
+    let other = workload_err(&BASE.replace("kind = \"vit\"", "kind = \"vit\"\nrecompute = true"));
+    assert!(!other.contains("belongs in"), "{other}");
     assert!(
         workload_err(&BASE.replace("patch_size = 14", "patch_size = 15")).contains(
             "modules.vision: image_size(224) is not a positive multiple of patch_size(15)"
