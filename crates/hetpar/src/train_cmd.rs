@@ -774,10 +774,7 @@ fn run_on(
         // moves or writes anything under --out: an earlier run there stays where it was.
         // (Under MPI the error ends every process.)
         if ckpt.as_ref().is_some_and(|k| k.stop.load(Ordering::Relaxed)) {
-            bail!(
-                "stopped by a signal before the first step began; nothing under {} was moved or written",
-                out.display()
-            );
+            return Err(stopped_at_start(&out));
         }
         // An earlier run's files under --out are moved aside when this run writes its
         // first line (after its checkpoint is loaded and checked, and its first step or
@@ -865,7 +862,7 @@ fn run_on(
     }
     let done = start + logs.len();
     if logs.is_empty() {
-        bail!("stopped by a signal before the first step finished; nothing new to save");
+        return Err(stopped_at_start(&out));
     }
     // What this process held at its peak, next to the preflight's count for its ranks
     // (under MPI, rank 0's alone: the preflight counted each machine's together).
@@ -943,6 +940,14 @@ fn run_on(
         }
     }
     Ok(())
+}
+
+/// The error of a run a signal stopped before its first step: nothing moved or written.
+fn stopped_at_start(out: &Path) -> anyhow::Error {
+    anyhow::anyhow!(
+        "stopped by a signal before the first step began; nothing under {} was moved or written",
+        out.display()
+    )
 }
 
 /// Where a run saves and resumes.
@@ -1785,6 +1790,16 @@ fn rank_run(
         trainer.set_machine(files_view());
         if let Some(dir) = &k.resume {
             start = trainer.resume(c, dir)?.manifest.step;
+        }
+    }
+    // A signal during start-up after rank 0's own check (the checkpoint's load among it):
+    // the ranks agree to stop before the first step, which leaves --out as it was (nothing
+    // is written or moved before a step's or an evaluation's line).
+    if let Some(k) = ckpt {
+        let mut stop = [if k.stop.load(Ordering::Relaxed) { 1.0 } else { 0.0 }];
+        c.all_reduce(&mut stop, hetpar_comm::ReduceOp::Max)?;
+        if stop[0] > 0.0 {
+            return Ok(Vec::new());
         }
     }
     let evals = evals.filter(|_| trainer.has_heldout());
