@@ -48,14 +48,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let slots = timeline.makespan;
     let idle = timeline.bubble_fraction() * n_ranks as f64 * slots;
     let mut out = format!(
-        "{}: {} schedule, {} ranks, {} microbatches (unit durations: a pass, a boundary transform, a reduction, a step = 1 slot; a pass of an encoder replica with no item = 0)\n\n",
+        "{}: {} schedule, {} ranks, {} microbatches (unit durations: a pass, a boundary transform, a reduction, a step = 1 slot; a pass of an encoder replica with no item = 0)\nstep {}: {drawn}\n\n",
         graph.name,
         schedule.kind.name(),
         n_ranks,
-        schedule.microbatches
+        schedule.microbatches,
+        args.step
     );
     out.push_str(&text_grid(&schedule, &timeline));
-    out.push_str(&empty_replicas(&pipeline, &work, (args.step, &drawn)));
+    out.push_str(&empty_replicas(&pipeline, &work, args.step));
     out.push_str(&format!(
         "\nvalid: every message matched, no deadlock, every forward before its backward, every boundary forward with its backward\nstep {slots} slots, bubble {:.1}% ({idle:.0} idle of {:.0} rank-slots, replicas without items included)\n",
         100.0 * timeline.bubble_fraction(),
@@ -80,7 +81,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
 }
 
 /// One line per encoder whose replicas own no item in some microbatch of the step.
-fn empty_replicas(pipeline: &PipelineGraph, work: &Work, (step, drawn): (u64, &str)) -> String {
+fn empty_replicas(pipeline: &PipelineGraph, work: &Work, step: u64) -> String {
     let mut out = String::new();
     for (id, m) in pipeline.modules().iter().enumerate() {
         let per_mb: Vec<String> = (0..pipeline.microbatches())
@@ -95,7 +96,7 @@ fn empty_replicas(pipeline: &PipelineGraph, work: &Work, (step, drawn): (u64, &s
             .collect();
         if !per_mb.is_empty() {
             out.push_str(&format!(
-                "\n{}: replicas with no item in step {step} ({drawn}) pass empty (idle) but take part in every transform and reduction: {}\n",
+                "\n{}: replicas with no item in step {step} pass empty (idle) but take part in every transform and reduction: {}\n",
                 m.name,
                 per_mb.join("; ")
             ));

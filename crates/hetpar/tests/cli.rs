@@ -209,7 +209,8 @@ fn an_encoder_at_tp1_next_to_one_sample_per_microbatch_plans_and_schedules() {
         "{text}"
     );
     let text = stdout(&hetpar(&["schedule", example]));
-    assert!(text.contains("vision: replicas with no item in step 0 (items drawn by the synthetic source) pass empty (idle) but take part in every transform and reduction: mb 1 on ranks 0-2,4-6;"), "{text}");
+    assert!(text.contains("\nstep 0: items drawn by the synthetic source\n"), "{text}");
+    assert!(text.contains("vision: replicas with no item in step 0 pass empty (idle) but take part in every transform and reduction: mb 1 on ranks 0-2,4-6;"), "{text}");
 }
 
 #[test]
@@ -2319,8 +2320,9 @@ fn layout_plans_the_items_a_run_on_files_draws() {
     // synthetic draw has no replica idle in that step).
     let at = ["schedule", "examples/demo.toml", "--step", "3"];
     let text = stdout(&hetpar(&[&at[..], &sets].concat()));
-    let idle = "vision: replicas with no item in step 3 (items of the records the run draws (";
-    assert!(text.contains(idle) && text.contains("mb 1 on ranks 0-1"), "{text}");
+    assert!(text.contains("\nstep 3: items of the records the run draws (11 in "), "{text}");
+    let idle = "vision: replicas with no item in step 3 pass empty (idle) but take part in every transform and reduction: mb 1 on ranks 0-1";
+    assert!(text.contains(idle), "{text}");
     // Data that does not open here leaves the synthetic draw, and says so.
     let gone = ["--set", "data.source=\"llava\"", "--set", "data.path=\"/nonexistent/data\""];
     let text = stdout(&hetpar(&[&["layout", "examples/demo.toml"][..], &gone].concat()));
