@@ -126,14 +126,9 @@ impl EdgeGeometry {
         let items = manifest.microbatch_items(edge, k);
         let mut last: Option<(OwnerKey, UserKey)> = None;
         let (mut len, mut holders, mut needers, mut canonical) = (0, Vec::new(), Vec::new(), 0);
-        for (j, &r) in items.iter().enumerate() {
-            let item = manifest.item(r);
-            let src_replica = item_replica(items.len(), src.dp(), j);
-            let dst_replica = manifest.replica_of(dst.dp(), r.sample);
-            for u in 0..item.rows {
-                let pos = item.pos + u;
-                let owners = (item_owner(src, item.rows, u), src_replica);
-                let users = (split.cp_owner(pos), split.tp_owner(pos), dst_replica);
+        for j in 0..items.len() {
+            let rows = manifest.item(items[j]).rows;
+            for (u, pos, owners, users) in keyed_rows((src, dst, &split), manifest, &items, j) {
                 if last == Some((owners, users)) {
                     len += 1;
                     continue;
@@ -142,8 +137,8 @@ impl EdgeGeometry {
                     visit(len, &holders, &needers, canonical);
                 }
                 last = Some((owners, users));
-                holders = holders_of(src, src_replica, item.rows, u);
-                needers = needers_of(dst, &split, dst_replica, pos);
+                holders = holders_of(src, owners.1, rows, u);
+                needers = needers_of(dst, &split, users.2, pos);
                 canonical = canonical_of(dst, &needers);
                 len = 1;
             }
@@ -228,22 +223,14 @@ impl<'a> EdgeItems<'a> {
                 token = 0;
             }
             tokens.push(token);
-            let item = manifest.item(r);
-            token += item.rows;
+            let rows = manifest.item(r).rows;
+            token += rows;
             if moves.found == [true, true] {
                 continue;
             }
-            let src_replica = item_replica(items.len(), src.dp(), j);
-            let dst_replica = manifest.replica_of(dst.dp(), r.sample);
-            for u in 0..item.rows {
-                let pos = item.pos + u;
-                let owners = (item_owner(src, item.rows, u), src_replica);
-                let users = (split.cp_owner(pos), split.tp_owner(pos), dst_replica);
+            for (u, pos, owners, users) in keyed_rows((src, dst, &split), manifest, &items, j) {
                 moves.see(owners, users, || {
-                    (
-                        holders_of(src, src_replica, item.rows, u),
-                        needers_of(dst, &split, dst_replica, pos),
-                    )
+                    (holders_of(src, owners.1, rows, u), needers_of(dst, &split, users.2, pos))
                 });
             }
         }
@@ -353,6 +340,26 @@ impl<'a> EdgeItems<'a> {
         let (src, dst) = (src.clone(), dst.clone());
         EdgeGeometry { rows, held, needed, src, dst, rank: only, moves: self.moves }
     }
+}
+
+/// The rows of item `j` of `items` (a microbatch's on an edge, in canonical order), each as
+/// `(u, pos, owners, users)`: its index in the item, its position in the destination
+/// sequence, and the source part and replica that hold it and the destination part and
+/// replica that need it.
+fn keyed_rows<'a>(
+    (src, dst, split): (&'a ModuleLayout, &'a ModuleLayout, &'a SeqSplit),
+    manifest: &'a BatchManifest,
+    items: &[ItemRef],
+    j: usize,
+) -> impl Iterator<Item = (usize, usize, OwnerKey, UserKey)> + 'a {
+    let item = manifest.item(items[j]);
+    let src_replica = item_replica(items.len(), src.dp(), j);
+    let dst_replica = manifest.replica_of(dst.dp(), items[j].sample);
+    (0..item.rows).map(move |u| {
+        let pos = item.pos + u;
+        let owners = (item_owner(src, item.rows, u), src_replica);
+        (u, pos, owners, (split.cp_owner(pos), split.tp_owner(pos), dst_replica))
+    })
 }
 
 /// Whether any row moves in either direction, found by a scan that works out a row's
