@@ -5,7 +5,7 @@
 //! read this; it is the single derivation of "who has what" that plans, lower bounds and
 //! tests share.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::ops::Range;
 
@@ -44,10 +44,13 @@ pub struct Row {
     pub src_replica: usize,
     /// Destination replica that consumes it.
     pub dst_replica: usize,
-    /// Source ranks holding it after the forward (last stage), ascending.
-    pub holders: Vec<usize>,
-    /// Destination ranks needing it (first stage), ascending.
-    pub needers: Vec<usize>,
+    /// The source ranks holding it after the forward (last stage): its index in the
+    /// geometry's [`EdgeGeometry::sets`] ([`EdgeGeometry::holders`]). Rows with the same
+    /// owning part share one list, so a geometry holds a list a part rather than a row.
+    pub holder_set: usize,
+    /// The destination ranks needing it (first stage): as `holder_set`
+    /// ([`EdgeGeometry::needers`]).
+    pub needer_set: usize,
     /// The needer whose gradient is canonical: lowest `tp` index, then lowest `cp` index.
     pub canonical: usize,
 }
@@ -61,6 +64,9 @@ pub struct EdgeGeometry {
     /// Rows sorted by `(sample, token)`: every row, or in one rank's view the rows of its
     /// replicas.
     pub rows: Vec<Row>,
+    /// The rows' holders and needers: sets of ranks, each ascending, indexed by
+    /// [`Row::holder_set`] and [`Row::needer_set`].
+    pub sets: Vec<Vec<usize>>,
     /// Per rank of either module, the indices into `rows` it holds, in its buffer order. In
     /// a rank's view: that rank and the other boundary ranks of its replicas, each with the
     /// rows of those replicas only (whole for the viewing rank, and for the others on the
@@ -148,6 +154,17 @@ impl EdgeGeometry {
         }
     }
 
+    /// The source ranks holding `row` after the forward (the owning replica's last stage),
+    /// ascending.
+    pub fn holders(&self, row: &Row) -> &[usize] {
+        &self.sets[row.holder_set]
+    }
+
+    /// The destination ranks needing `row` (the using replica's first stage), ascending.
+    pub fn needers(&self, row: &Row) -> &[usize] {
+        &self.sets[row.needer_set]
+    }
+
     /// Slot of row `row` in `rank`'s held buffer, if it holds it.
     pub fn held_slot(&self, rank: usize, row: usize) -> Option<usize> {
         self.held.get(&rank).and_then(|v| v.binary_search(&row).ok())
@@ -167,21 +184,32 @@ impl EdgeGeometry {
     /// Rows each rank needs but does not hold, summed: the least a forward can move (of the
     /// whole geometry; a rank's view gives only the viewing rank's whole count).
     pub fn forward_lower_bound(&self) -> BTreeMap<usize, usize> {
-        self.needed
-            .iter()
-            .map(|(&r, rows)| (r, rows.iter().filter(|&&i| self.held_slot(r, i).is_none()).count()))
-            .collect()
+        self.needed.keys().map(|&r| (r, self.lower_bounds_of(r)[0])).collect()
     }
 
     /// Rows each rank holds but did not consume, summed: the least a backward can move (as
     /// the forward's, whole only for the viewing rank in a view).
     pub fn backward_lower_bound(&self) -> BTreeMap<usize, usize> {
-        self.held
-            .iter()
-            .map(|(&r, rows)| {
-                (r, rows.iter().filter(|&&i| self.needed_slot(r, i).is_none()).count())
-            })
-            .collect()
+        self.held.keys().map(|&r| (r, self.lower_bounds_of(r)[1])).collect()
+    }
+
+    /// `rank`'s part of [`EdgeGeometry::forward_lower_bound`] and
+    /// [`EdgeGeometry::backward_lower_bound`]: the rows it needs but does not hold, and
+    /// those it holds but did not consume (whole in the rank's own view).
+    pub fn lower_bounds_of(&self, rank: usize) -> [usize; 2] {
+        let none = Vec::new();
+        let (held, needed) =
+            (self.held.get(&rank).unwrap_or(&none), self.needed.get(&rank).unwrap_or(&none));
+        // Both lists ascend (row order): count the rows in both by one merge.
+        let (mut i, mut j, mut both) = (0, 0, 0);
+        while i < held.len() && j < needed.len() {
+            match held[i].cmp(&needed[j]) {
+                std::cmp::Ordering::Less => i += 1,
+                std::cmp::Ordering::Greater => j += 1,
+                std::cmp::Ordering::Equal => (i, j, both) = (i + 1, j + 1, both + 1),
+            }
+        }
+        [needed.len() - both, held.len() - both]
     }
 }
 
@@ -271,7 +299,6 @@ impl<'a> EdgeItems<'a> {
             let (a, b) = (stage(src, src_d, src.pp() - 1), stage(dst, dst_d, 0));
             a.into_iter().chain(b).chain([me]).collect()
         });
-        let keeps = |r: usize| kept.as_ref().is_none_or(|k| k.contains(&r));
         // The items whose rows are kept, in list order: all, or the viewing rank's
         // replicas' (two ranges, merged where they meet).
         let mut ranges: Vec<Range<usize>> = match only {
@@ -290,55 +317,81 @@ impl<'a> EdgeItems<'a> {
         {
             ranges = std::iter::once(a.start..a.end.max(b.end)).collect();
         }
-        let mut rows = Vec::new();
+        let count: usize =
+            ranges.iter().flat_map(|r| r.clone()).map(|j| manifest.item(self.items[j]).rows).sum();
+        let mut rows = Vec::with_capacity(count);
+        // A row's holders follow its owning part and needers its using part, which change a
+        // few times an item: each set is worked out once and shared by its rows.
+        let mut sets: Vec<Vec<usize>> = Vec::new();
+        let (mut holder_sets, mut needer_sets) = (HashMap::new(), HashMap::new());
+        let set_of = |sets: &mut Vec<Vec<usize>>, ranks: Vec<usize>| {
+            sets.push(ranks);
+            sets.len() - 1
+        };
+        let (mut owned, mut used): (Option<OwnerKey>, Option<UserKey>) = (None, None);
+        let (mut holder_set, mut needer_set, mut canonical) = (0, 0, 0);
         for j in ranges.into_iter().flatten() {
             let r = self.items[j];
-            let (sample, item) = (r.sample, manifest.item(r));
-            let src_replica = item_replica(n, src.dp(), j);
-            let dst_replica = manifest.replica_of(dst.dp(), sample);
-            for u in 0..item.rows {
-                let pos = item.pos + u;
-                let holders = holders_of(src, src_replica, item.rows, u);
-                let needers = needers_of(dst, &self.split, dst_replica, pos);
-                let id = RowId { sample, token: self.tokens[j] + u };
-                let canonical = canonical_of(dst, &needers);
+            let item_rows = manifest.item(r).rows;
+            for (u, pos, owners, users) in
+                keyed_rows((src, dst, &self.split), manifest, &self.items, j)
+            {
+                if owned != Some(owners) {
+                    owned = Some(owners);
+                    holder_set = *holder_sets.entry(owners).or_insert_with(|| {
+                        set_of(&mut sets, holders_of(src, owners.1, item_rows, u))
+                    });
+                }
+                if used != Some(users) {
+                    used = Some(users);
+                    let set = *needer_sets.entry(users).or_insert_with(|| {
+                        set_of(&mut sets, needers_of(dst, &self.split, users.2, pos))
+                    });
+                    (needer_set, canonical) = (set, canonical_of(dst, &sets[set]));
+                }
                 rows.push(Row {
-                    id,
+                    id: RowId { sample: r.sample, token: self.tokens[j] + u },
                     pos,
                     item: j,
-                    src_replica,
-                    dst_replica,
-                    holders,
-                    needers,
+                    src_replica: owners.1,
+                    dst_replica: users.2,
+                    holder_set,
+                    needer_set,
                     canonical,
                 });
             }
         }
-        let mut held: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
-        let mut needed: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         // Every rank of either module has a buffer (in a view, of those kept): a view lists
-        // its kept ranks rather than filtering the whole world's.
-        let listed: Vec<usize> = match &kept {
+        // its kept ranks rather than filtering the whole world's. A row's holders and
+        // needers lie in the modules' spans, so a kept one is listed.
+        let mut listed: Vec<usize> = match &kept {
             Some(k) => {
                 let in_either = |r: &usize| src.span().contains(*r) || dst.span().contains(*r);
                 k.iter().copied().filter(in_either).collect()
             }
             None => src.span().ranks().chain(dst.span().ranks()).collect(),
         };
-        for r in listed {
-            held.entry(r).or_default();
-            needed.entry(r).or_default();
-        }
+        listed.sort_unstable();
+        listed.dedup();
+        // Each set's listed ranks as buffer indices, found once a set rather than once a row.
+        let buffers: Vec<Vec<usize>> = sets
+            .iter()
+            .map(|set| set.iter().filter_map(|r| listed.binary_search(r).ok()).collect())
+            .collect();
+        let (mut held, mut needed) =
+            (vec![Vec::new(); listed.len()], vec![Vec::new(); listed.len()]);
         for (i, row) in rows.iter().enumerate() {
-            for &h in row.holders.iter().filter(|&&h| keeps(h)) {
-                held.entry(h).or_default().push(i);
+            for &b in &buffers[row.holder_set] {
+                held[b].push(i);
             }
-            for &n in row.needers.iter().filter(|&&n| keeps(n)) {
-                needed.entry(n).or_default().push(i);
+            for &b in &buffers[row.needer_set] {
+                needed[b].push(i);
             }
         }
+        let held: BTreeMap<usize, Vec<usize>> = listed.iter().copied().zip(held).collect();
+        let needed: BTreeMap<usize, Vec<usize>> = listed.into_iter().zip(needed).collect();
         let (src, dst) = (src.clone(), dst.clone());
-        EdgeGeometry { rows, held, needed, src, dst, rank: only, moves: self.moves }
+        EdgeGeometry { rows, sets, held, needed, src, dst, rank: only, moves: self.moves }
     }
 }
 

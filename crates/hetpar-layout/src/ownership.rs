@@ -106,11 +106,19 @@ impl SeqSplit {
 /// part `j` is `floor(j*len/parts) .. floor((j+1)*len/parts)`.
 pub fn balanced_part(len: usize, parts: usize, u: usize) -> usize {
     debug_assert!(u < len);
+    // One part (no CP or SP split, the common case) without a division: this runs once a
+    // boundary row.
+    if parts == 1 {
+        return 0;
+    }
     ((u + 1) * parts).div_ceil(len) - 1
 }
 
 /// The start of part `j` of `0..len` cut into `parts` balanced parts.
 pub fn balanced_start(len: usize, parts: usize, j: usize) -> usize {
+    if parts == 1 {
+        return j * len;
+    }
     j * len / parts
 }
 

@@ -239,8 +239,7 @@ pub fn step_traffic(
         for &r in &ranks {
             let view = items.view(r);
             // A view's lower bounds are whole for the viewing rank alone.
-            let own = |bound: BTreeMap<usize, usize>| bound.get(&r).copied().unwrap_or(0);
-            let bounds = [own(view.forward_lower_bound()), own(view.backward_lower_bound())];
+            let bounds = view.lower_bounds_of(r);
             let mut view = Some(view);
             for (i, (&s, t)) in strategies.iter().zip(&mut traffic).enumerate() {
                 for (t, bound) in t.iter_mut().zip(bounds) {

@@ -184,16 +184,16 @@ pub fn check_plan(plan: &EdgePlan) -> Result<(), String> {
                     ));
                 }
                 let ok = match dir {
-                    Direction::Forward => info.holders.contains(&label.origin),
+                    Direction::Forward => geo.holders(info).contains(&label.origin),
                     Direction::Backward => {
                         let exact_like =
                             matches!(plan.strategy, Strategy::Exact | Strategy::Gather);
-                        if info.needers.contains(&r) {
+                        if geo.needers(info).contains(&r) {
                             label.origin == r
                         } else if exact_like {
                             label.origin == info.canonical
                         } else {
-                            info.needers.contains(&label.origin)
+                            geo.needers(info).contains(&label.origin)
                         }
                     }
                 };

@@ -258,5 +258,5 @@ fn sequence_sharded_encoder_into_sp_llm() {
         plan(&enc, &llm, &m, s);
     }
     let geo = EdgeGeometry::new(&enc, &llm, &m, 0, 0);
-    assert!(geo.rows.iter().all(|r| r.holders.len() == 1 && r.needers.len() == 1));
+    assert!(geo.rows.iter().all(|r| geo.holders(r).len() == 1 && geo.needers(r).len() == 1));
 }

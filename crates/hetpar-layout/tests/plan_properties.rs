@@ -25,9 +25,10 @@ proptest! {
                 // encoder replica that owns the row's item.
                 let src = &world.layouts[edge + 1];
                 let n = world.manifest.microbatch_items(edge, k).len();
-                for row in &world.geometry(edge, k).rows {
+                let geo = world.geometry(edge, k);
+                for row in &geo.rows {
                     let owner = item_replica(n, src.dp(), row.item);
-                    for &h in &row.holders {
+                    for &h in geo.holders(row) {
                         prop_assert_eq!(src.coords(h).expect("a source rank").dp_idx, owner);
                     }
                 }
@@ -91,8 +92,18 @@ proptest! {
                     let view = EdgeGeometry::for_rank(src, dst, &world.manifest, (edge, k), rank);
                     prop_assert_eq!(view.moves, g.moves);
                     prop_assert_eq!(view.rank, Some(rank));
+                    // Each row with its holders and needers (the geometries number their
+                    // sets apart).
                     let rows = |geo: &EdgeGeometry, map: &BTreeMap<usize, Vec<usize>>| {
-                        map.get(&rank).map(|v| v.iter().map(|&i| geo.rows[i].clone()).collect::<Vec<_>>())
+                        map.get(&rank).map(|v| {
+                            v.iter()
+                                .map(|&i| {
+                                    let r = &geo.rows[i];
+                                    let sets = (geo.holders(r).to_vec(), geo.needers(r).to_vec());
+                                    (r.id, r.pos, r.item, r.src_replica, r.dst_replica, r.canonical, sets)
+                                })
+                                .collect::<Vec<_>>()
+                        })
                     };
                     prop_assert_eq!(rows(&view, &view.held), rows(&g, &g.held), "held of {}", rank);
                     prop_assert_eq!(rows(&view, &view.needed), rows(&g, &g.needed), "needed of {}", rank);
@@ -182,7 +193,7 @@ proptest! {
                     runs.extend(std::iter::repeat_n((h.to_vec(), n.to_vec(), c), len));
                 });
                 let rows: Vec<_> =
-                    geo.rows.iter().map(|r| (r.holders.clone(), r.needers.clone(), r.canonical)).collect();
+                    geo.rows.iter().map(|r| (geo.holders(r).to_vec(), geo.needers(r).to_vec(), r.canonical)).collect();
                 prop_assert_eq!(runs, rows);
                 if !world.strategies(edge).contains(&Strategy::Gather) {
                     continue;

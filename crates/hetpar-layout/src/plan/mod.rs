@@ -70,8 +70,8 @@ impl<'a> Movement<'a> {
     pub fn row_targets(&self, row: usize) -> &'a [usize] {
         let r = &self.geo.rows[row];
         match self.dir {
-            Direction::Forward => &r.needers,
-            Direction::Backward => &r.holders,
+            Direction::Forward => self.geo.needers(r),
+            Direction::Backward => self.geo.holders(r),
         }
     }
 
@@ -88,8 +88,8 @@ impl<'a> Movement<'a> {
     pub fn sources(&self, row: usize) -> &'a [usize] {
         let r = &self.geo.rows[row];
         match self.dir {
-            Direction::Forward => &r.holders,
-            Direction::Backward => &r.needers,
+            Direction::Forward => self.geo.holders(r),
+            Direction::Backward => self.geo.needers(r),
         }
     }
 
