@@ -75,7 +75,8 @@ impl Vocab {
 
     /// Reads a `tokenizer.json`; it must hold the special tokens.
     pub fn load(path: &Path) -> Result<Vocab> {
-        let tokenizer = Tokenizer::from_file(path).map_err(|e| DataError::Format {
+        let bytes = crate::files::read_regular(path).map_err(io(path))?;
+        let tokenizer = Tokenizer::from_bytes(bytes).map_err(|e| DataError::Format {
             path: path.to_path_buf(),
             message: format!("not a tokenizer.json: {e}"),
         })?;

@@ -7,6 +7,9 @@
 //! - [`chat`]: the tokenizer (`tokenizer.json`; a byte-level BPE trained for the
 //!   synthetic set), the chat template, targets on assistant turns only, placeholders
 //!   expanded to the encoders' rows, and truncation that never cuts an item's rows.
+//! - [`files`]: reading the files a user or a run names: regular files only, or text
+//!   capped at a size, so that a device or a FIFO in a file's place is refused, not read
+//!   without end.
 //! - [`dataset`]: a dataset opened for a model: records checked and encoded once, the
 //!   order steps draw them in, a bad-data policy, payloads decoded on demand.
 //! - [`manifest`]: a step's `BatchManifest` from the encoded records' metadata (each
@@ -20,6 +23,7 @@
 pub mod chat;
 pub mod dataset;
 pub mod error;
+pub mod files;
 pub mod llava;
 pub mod manifest;
 pub mod mel;

@@ -230,7 +230,7 @@ pub struct Unreadable {
 /// (a field missing or of the wrong type, an unknown speaker), an [`Unreadable`], so that
 /// one bad record is named, or left out, rather than failing the file.
 pub fn read_each(path: &Path) -> Result<Vec<std::result::Result<Record, Unreadable>>> {
-    let text = std::fs::read_to_string(path).map_err(io(path))?;
+    let text = crate::files::read_regular_text(path).map_err(io(path))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let elements: Vec<serde_json::Value> = serde_json::from_str(text).map_err(|e| {
         // JSON Lines (one record a line) reads as one object followed by more.

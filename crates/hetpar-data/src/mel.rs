@@ -226,7 +226,7 @@ fn fmt_and_data(bytes: &[u8]) -> Option<Vec<u8>> {
 /// at least one sample (an empty clip would train as silence).
 pub fn read_wav(path: &Path) -> Result<Vec<f32>> {
     let bad = |message: String| DataError::Encode { path: path.to_path_buf(), message };
-    let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+    let bytes = crate::files::read_regular(path).map_err(|e| bad(e.to_string()))?;
     let plain: Vec<u8>;
     let mut reader = match hound::WavReader::new(std::io::Cursor::new(&bytes[..])) {
         Ok(r) => r,

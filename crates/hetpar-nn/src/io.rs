@@ -403,6 +403,22 @@ pub fn read_header(path: &Path) -> Result<(u64, BTreeMap<String, Entry>)> {
         }
         out.insert(name, Entry { dtype, shape, begin, end });
     }
+    // No two tensors may share bytes (the format's rule): a crafted header could otherwise
+    // read one tensor's values as another's, a weight as its optimizer moment say.
+    let mut ranges: Vec<(&String, &Entry)> = out.iter().filter(|(_, e)| e.end > e.begin).collect();
+    ranges.sort_by_key(|(_, e)| e.begin);
+    for pair in ranges.windows(2) {
+        let [(a, x), (b, y)] = pair else { unreachable!("windows of two") };
+        if y.begin < x.end {
+            return Err(bad(
+                path,
+                format!(
+                    "{b}: bytes {}..{} overlap {a}'s {}..{} (tensors may not share bytes)",
+                    y.begin, y.end, x.begin, x.end
+                ),
+            ));
+        }
+    }
     Ok((data_start, out))
 }
 

@@ -120,8 +120,7 @@ fn corrupt_files_are_refused_naming_the_file() {
     assert!(e.starts_with(&truncated.display().to_string()) && e.contains("bytes at"), "{e}");
     // Sizes near 2^64 in a crafted header: offsets whose sum with the header's length
     // wraps, and a shape whose element count does.
-    let crafted = |name: &str, entry: &str| {
-        let header = format!("{{\"w\":{entry}}}");
+    let crafted = |name: &str, header: &str| {
         let mut file = (header.len() as u64).to_le_bytes().to_vec();
         file.extend_from_slice(header.as_bytes());
         file.extend_from_slice(&[0u8; 64]);
@@ -132,7 +131,7 @@ fn corrupt_files_are_refused_naming_the_file() {
     let e = crafted(
         "wrapping-offsets.safetensors",
         &format!(
-            r#"{{"dtype":"F32","shape":[1],"data_offsets":[{},{}]}}"#,
+            r#"{{"w":{{"dtype":"F32","shape":[1],"data_offsets":[{},{}]}}}}"#,
             u64::MAX - 7,
             u64::MAX - 3
         ),
@@ -141,12 +140,19 @@ fn corrupt_files_are_refused_naming_the_file() {
     let e = crafted(
         "wrapping-shape.safetensors",
         &format!(
-            r#"{{"dtype":"F32","shape":[{},{}],"data_offsets":[0,0]}}"#,
+            r#"{{"w":{{"dtype":"F32","shape":[{},{}],"data_offsets":[0,0]}}}}"#,
             1u64 << 32,
             1u64 << 32
         ),
     );
     assert!(e.contains("too large"), "{e}");
+    // Two tensors over the same bytes, which the format forbids: one would be read as the
+    // other (a weight as its optimizer moment, say).
+    let e = crafted(
+        "overlapping.safetensors",
+        r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#,
+    );
+    assert!(e.contains("b: bytes 8..16 overlap a's 0..16 (tensors may not share bytes)"), "{e}");
     let garbage = tmp.path().join("garbage.safetensors");
     std::fs::write(&garbage, [255u8; 64]).unwrap();
     let e = read_header(&garbage).unwrap_err().to_string();

@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Tensor, Var};
 use hetpar_comm::{CommExt, Communicator, ReduceOp};
+use hetpar_data::files::{open_regular, read_regular, read_regular_text};
 use hetpar_layout::ModelGraph;
 use hetpar_nn::Param;
 use hetpar_nn::io::{Reader, save_sharded};
@@ -217,9 +218,10 @@ fn moment(p: &Param, suffix: &str, t: &Tensor) -> Result<Param> {
     })
 }
 
-/// SHA-256 of a file, hex.
+/// SHA-256 of a file, hex, and its length; a regular file only (a device in its place
+/// would never end, a FIFO never answer).
 pub fn sha256(path: &Path) -> Result<(String, u64)> {
-    let mut f = File::open(path).map_err(|e| io(path, e))?;
+    let mut f = open_regular(path).map_err(|e| io(path, e))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut n = 0u64;
@@ -551,17 +553,21 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
 /// `step-NNNNNNNN` there is taken); or where it is missing beside committed checkpoints.
 pub fn latest_noted(root: &Path) -> Result<(Option<PathBuf>, Option<String>)> {
     let path = root.join("latest");
-    let named = match std::fs::read_to_string(&path) {
-        Ok(name) => {
-            let name = name.trim().to_string();
+    // What `latest` says where it names no committed checkpoint: the name, or why none.
+    let named = match read_regular(&path) {
+        Ok(bytes) => {
+            // A name that is not UTF-8 is no checkpoint's (theirs are `step-NNNNNNNN`).
+            let name = String::from_utf8_lossy(&bytes).trim().to_string();
             let plain = name.starts_with("step-") && !name.contains(['/', '\\']);
             let dir = root.join(&name);
             if plain && dir.join(MANIFEST_FILE).is_file() {
                 return Ok((Some(dir), None));
             }
-            Some((name, plain))
+            Some((format!("names {name:?}"), plain))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        // A directory, a device or a FIFO in its place.
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Some((format!("is {e}"), false)),
         Err(e) => return Err(io(&path, e)),
     };
     let newest = committed(root)?.pop().map(|c| c.1);
@@ -573,17 +579,19 @@ pub fn latest_noted(root: &Path) -> Result<(Option<PathBuf>, Option<String>)> {
                 d.display()
             )
         }),
-        Some((name, plain)) => {
+        Some((says, plain)) => {
             let why = if plain {
-                "which is not a committed checkpoint (no manifest.json)"
+                ", which is not a committed checkpoint (no manifest.json)"
+            } else if says.starts_with("names") {
+                ", which is not the name of a checkpoint in this directory"
             } else {
-                "which is not the name of a checkpoint in this directory"
+                ""
             };
             let then = match &newest {
                 Some(d) => format!("the newest committed one is {}", d.display()),
                 None => "and no other is committed".to_string(),
             };
-            Some(format!("{} names {name:?}, {why}; {then}", path.display()))
+            Some(format!("{} {says}{why}; {then}", path.display()))
         }
     };
     Ok((newest, note))
@@ -593,7 +601,7 @@ pub fn latest_noted(root: &Path) -> Result<(Option<PathBuf>, Option<String>)> {
 /// checksum, its counts and that its file names stay inside the checkpoint.
 fn parse_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
-    let text = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    let text = read_regular(&path).map_err(|e| io(&path, e))?;
     let m: Manifest = serde_json::from_slice(&text)
         .map_err(|e| io(&path, format!("not a valid manifest: {e}")))?;
     if m.format == FORMAT {
@@ -645,17 +653,22 @@ pub fn saved_config(dir: &Path) -> Result<Option<String>> {
     let path = dir.join(CONFIG_FILE);
     let Some(entry) = m.files.iter().find(|f| f.file == CONFIG_FILE) else {
         // A manifest that lists no config (an older checkpoint's): the file as it is.
-        return match std::fs::read_to_string(&path) {
+        return match read_regular_text(&path) {
             Ok(text) => Ok(Some(text)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(io(&path, e)),
         };
     };
-    // Read once: the text returned is the text hashed.
-    let text = std::fs::read(&path).map_err(|e| io(&path, e))?;
+    // Its size first, so that a file of another size (a device, say) is not read at all;
+    // then read once: the text returned is the text hashed.
+    let len = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
+    let text = match len == entry.bytes {
+        true => read_regular(&path).map_err(|e| io(&path, e))?,
+        false => Vec::new(),
+    };
     let hash = hex(&Sha256::digest(&text));
-    let differs = if text.len() as u64 != entry.bytes {
-        format!("{} bytes where the manifest says {}", text.len(), entry.bytes)
+    let differs = if len != entry.bytes || text.len() as u64 != len {
+        format!("{len} bytes where the manifest says {}", entry.bytes)
     } else if hash != entry.sha256 {
         format!("SHA-256 {hash} where the manifest says {}", entry.sha256)
     } else {
@@ -752,6 +765,16 @@ fn verify(
         }
         let f = need[name];
         let path = dir.join(name);
+        // A file of another length than the manifest's is corrupt without hashing it (a
+        // device in its place would never end).
+        let size = std::fs::metadata(&path).map(|m| (m.len(), m.is_file()));
+        if let Ok((n, true)) = size
+            && n != f.bytes
+        {
+            let why = format!("{n} bytes, the manifest says {}: the file is corrupt", f.bytes);
+            bad = Some(io(&path, why).to_string());
+            continue;
+        }
         bad = match sha256(&path) {
             Ok((h, n)) if h == f.sha256 && n == f.bytes => {
                 checked += n;

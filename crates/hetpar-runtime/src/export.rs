@@ -214,7 +214,9 @@ pub fn export_hf(ckpt: &Path, out: &Path, tokens: Option<Tokens>) -> Result<Vec<
             return Err(bad(&path, "SHA-256 differs from the manifest: the file is corrupt"));
         }
     }
-    let mut done = Vec::new();
+    // Every module's tensors and their files' headers first, so that a file refused there
+    // leaves nothing written.
+    let mut modules = Vec::new();
     for m in &graph.modules {
         let mut from: Vec<(PathBuf, String)> = Vec::new();
         // The parameters' element type, which a tensor made here takes.
@@ -231,6 +233,10 @@ pub fn export_hf(ckpt: &Path, out: &Path, tokens: Option<Tokens>) -> Result<Vec<
         if from.is_empty() {
             return Err(bad(ckpt, format!("no tensors of module {} in the checkpoint", m.name)));
         }
+        modules.push((m, from, dtype));
+    }
+    let mut done = Vec::new();
+    for (m, from, dtype) in modules {
         let dir = out.join(&m.name);
         std::fs::create_dir_all(&dir).map_err(|e| bad(&dir, e))?;
         let file = dir.join("model.safetensors");

@@ -4,16 +4,22 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
+use hetpar_data::files::read_capped_text;
 use hetpar_layout::{Config, ModelGraph};
 
 /// The built-in demo's config.
 pub const DEMO: &str = include_str!("../../../examples/demo.toml");
 
+/// The most bytes a config, workload or hardware file may hold: far above any real one (a
+/// planner's 16,384-rank config is 1.2 KB), so that a device named in a file's place is
+/// refused rather than read into memory.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 /// The config at `path` (the demo when `None`) with `sets` applied, and its graph.
 pub fn load(path: Option<&Path>, sets: &[String]) -> anyhow::Result<(Config, ModelGraph)> {
     let (text, name) = match path {
         Some(p) => (
-            std::fs::read_to_string(p)
+            read_capped_text(p, MAX_CONFIG_BYTES)
                 .with_context(|| format!("cannot read config {}", p.display()))?,
             p.display().to_string(),
         ),

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use hetpar_data::files::read_capped_text;
 use hetpar_plan::explain::{explain, layouts};
 use hetpar_plan::hardware::{GIB, Hardware, builtin, parse};
 use hetpar_plan::{Efficiency, Kind, Plan, Ranked, Workload, search};
@@ -75,8 +76,8 @@ fn hardware(name: &str) -> anyhow::Result<Hardware> {
 
 /// The hardware tables in the file at `path`; `hint` follows a read error.
 fn read_tables(path: &str, hint: &str) -> anyhow::Result<BTreeMap<String, Hardware>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {path}{hint}"))?;
+    let text = read_capped_text(Path::new(path), crate::config_load::MAX_CONFIG_BYTES)
+        .with_context(|| format!("cannot read {path}{hint}"))?;
     parse(&text).with_context(|| path.to_string())
 }
 
@@ -149,7 +150,7 @@ fn where_what(e: &str) -> (String, String) {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&a.workload)
+    let text = read_capped_text(&a.workload, crate::config_load::MAX_CONFIG_BYTES)
         .with_context(|| format!("cannot read workload {}", a.workload.display()))?;
     // A training config given to plan: said as such, not as its first unknown table.
     if let Ok(t) = toml::from_str::<toml::Table>(&text)

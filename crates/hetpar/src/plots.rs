@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, anyhow};
+use hetpar_data::files::read_regular_text;
 use plotters::prelude::*;
 
 /// Points of a curve: (step, loss).
@@ -38,7 +39,7 @@ fn draw_err<E: std::fmt::Display>(file: &Path) -> impl Fn(E) -> anyhow::Error + 
 
 /// Writes `loss.svg` under `out` from its `metrics.jsonl`.
 pub fn loss_curve(out: &Path, title: &str) -> anyhow::Result<PathBuf> {
-    let metrics = std::fs::read_to_string(out.join("metrics.jsonl"))
+    let metrics = read_regular_text(&out.join("metrics.jsonl"))
         .with_context(|| format!("cannot read {}", out.join("metrics.jsonl").display()))?;
     let (train, held) = losses(&metrics);
     let file = out.join("loss.svg");

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use candle_core::DType;
 use hetpar_comm::{CommExt, Communicator};
+use hetpar_data::files::read_regular_text;
 use hetpar_layout::{Config, Dtype, ModelGraph};
 use hetpar_runtime::checkpoint::Saved;
 use hetpar_runtime::{EvalReport, Resident, RunFacts, RuntimeError, StepLog, Trainer};
@@ -195,7 +196,7 @@ struct Pending {
 /// step appears twice. Read before the run's own metrics are made (the files may be the same).
 fn kept_lines(history: Option<&Path>, start: usize) -> Vec<String> {
     let Some(history) = history else { return Vec::new() };
-    std::fs::read_to_string(history)
+    read_regular_text(history)
         .unwrap_or_default()
         .lines()
         .filter(|l| {
@@ -555,6 +556,7 @@ fn run_on(
     let lead = mpi.is_none_or(|w| w.rank() == 0);
     let out = a.out.clone().unwrap_or_else(|| PathBuf::from("runs").join(&graph.name));
     not_under_a_file(&out)?;
+    run_files_fit(&out)?;
     let root = out.join("checkpoints");
     let resume = resume_dir(a.resume.as_deref(), &root, lead)?;
     // Whether the run goes on with the one whose checkpoints `out` holds (rather than
@@ -1249,7 +1251,7 @@ fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, u
     let moved = to.join("checkpoints");
     std::fs::create_dir(&moved).with_context(|| format!("cannot create {}", moved.display()))?;
     let metrics = out.join("metrics.jsonl");
-    if let Ok(text) = std::fs::read_to_string(&metrics) {
+    if let Ok(text) = read_regular_text(&metrics) {
         let past_dir = |n: &std::ffi::OsStr| past.iter().any(|(_, d)| d.file_name() == Some(n));
         write_whole(
             &to.join("metrics.jsonl"),
@@ -1273,6 +1275,30 @@ fn set_aside_past(out: &Path, start: usize) -> anyhow::Result<Option<(PathBuf, u
     std::fs::write(moved.join("latest"), hetpar_runtime::checkpoint::dir_name(*newest))
         .with_context(|| format!("cannot write {}", moved.join("latest").display()))?;
     Ok(Some((to, past.len())))
+}
+
+/// Refuses `out` (before anything runs) where a name the run writes there is taken by
+/// something of another kind: a `checkpoints` that is not a directory (the run would train
+/// up to its first checkpoint and fail there), or a file's name held by a directory, a
+/// device or a FIFO (`/dev/full` in `metrics.jsonl`'s place never ends when read).
+fn run_files_fit(out: &Path) -> anyhow::Result<()> {
+    for name in RUN_FILES {
+        let path = out.join(name);
+        // Missing (or a link to nothing): made where it is written.
+        let Ok(m) = std::fs::metadata(&path) else { continue };
+        let dir = name == "checkpoints";
+        if (dir && m.is_dir()) || (!dir && m.is_file()) {
+            continue;
+        }
+        let what = if dir { "its checkpoints in a directory" } else { "a file" };
+        bail!(
+            "--out {}: {} is {}, where the run keeps {what} of that name; move it, or give another --out",
+            out.display(),
+            path.display(),
+            hetpar_data::files::describe(m.file_type())
+        );
+    }
+    Ok(())
 }
 
 /// What a run writes under its `--out`, besides TensorBoard's event files.
@@ -1345,7 +1371,7 @@ fn set_aside(out: &Path) -> anyhow::Result<Option<PathBuf>> {
     }
     let root = out.join("checkpoints");
     // The checkpoints' lines are named where they will be, while they are still there.
-    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).ok();
+    let metrics = read_regular_text(&out.join("metrics.jsonl")).ok();
     let to = new_earlier(out)?;
     let metrics =
         metrics.map(|m| rebase_checkpoints(&m, (&root, &to.join("checkpoints")), &|_| true));

@@ -37,6 +37,38 @@ fn hetpar(args: &[&str]) -> Output {
         .expect("hetpar runs")
 }
 
+/// [`hetpar`], killed and the test failed where it has not finished within `secs`: for
+/// inputs that once made it hang.
+fn hetpar_within(secs: u64, args: &[&str]) -> Output {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hetpar"))
+        .args(args)
+        .env("HETPAR_CACHE", cache())
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("hetpar runs");
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().expect("waits").is_none() {
+        if Instant::now() > deadline {
+            child.kill().expect("killed");
+            let out = child.wait_with_output().expect("ended");
+            let err = String::from_utf8_lossy(&out.stderr);
+            panic!("hetpar {args:?} still running after {secs} s: {err}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().expect("output")
+}
+
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) {
+    let made = Command::new("mkfifo").arg(path).status().expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {}", path.display());
+}
+
 fn examples() -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(root().join("examples"))
         .expect("examples/")
@@ -1634,6 +1666,120 @@ fn checkpoint_paths_are_taken_for_what_they_name() {
         err.contains(&format!("is missing (removed, or a crash before it was written); the newest committed checkpoint is {}", newest.display())),
         "{err}"
     );
+    // A `latest` that is not text, or not a file, names no checkpoint either (a FIFO's
+    // read would wait for a writer).
+    let latest = root.join("latest");
+    for (to, says) in [
+        (
+            "hf-bytes",
+            "names \"\u{fffd}\u{fffd}\\0\", which is not the name of a checkpoint in this directory",
+        ),
+        ("hf-fifo", "is a FIFO, not a regular file"),
+    ] {
+        let _ = std::fs::remove_file(&latest);
+        match to {
+            "hf-fifo" => mkfifo(&latest),
+            _ => std::fs::write(&latest, [0xff, 0xfe, 0]).expect("latest"),
+        }
+        let hf = tmp.path().join(to);
+        let out_s = out.to_str().expect("utf-8");
+        let done = hetpar_within(60, &["export", out_s, "--hf", hf.to_str().expect("utf-8")]);
+        let err = String::from_utf8_lossy(&done.stderr).to_string();
+        assert!(stdout(&done).contains(&format!("exported {} to ", newest.display())), "{err}");
+        let note = format!("; the newest committed one is {}", newest.display());
+        assert!(err.contains(&format!("{} {says}{note}", latest.display())), "{err}");
+    }
+}
+
+/// A checkpoint's file replaced by something that is not a file is refused at once, naming
+/// it, by a resume and by `export`: a link to `/dev/zero` in a tensor file's place (which
+/// was hashed without end) or in the config's (read whole into memory without end), and a
+/// FIFO (whose open waits for a writer).
+#[test]
+fn a_device_or_a_fifo_in_a_checkpoint_files_place_is_refused_at_once() {
+    let (tmp, out) = four_steps_saved("device-in-checkpoint");
+    let step4 = out.join("checkpoints").join("step-00000004");
+    let (out_s, step4_s) = (out.to_str().expect("utf-8"), step4.to_str().expect("utf-8"));
+    let hf = tmp.path().join("hf");
+    for (file, swap, says) in [
+        ("llm.stage0.safetensors", "/dev/zero", "a character device, not a regular file"),
+        ("llm.stage0.safetensors", "fifo", "a FIFO, not a regular file"),
+        ("config.toml", "/dev/zero", "0 bytes where the manifest says"),
+    ] {
+        let path = step4.join(file);
+        let kept = tmp.path().join("kept");
+        std::fs::rename(&path, &kept).expect("set aside");
+        match swap {
+            "fifo" => mkfifo(&path),
+            device => std::os::unix::fs::symlink(device, &path).expect("link"),
+        }
+        let resume = ["train", IN_MEMORY, "--steps", "6", "--out", out_s, "--resume", step4_s];
+        let export = ["export", step4_s, "--hf", hf.to_str().expect("utf-8")];
+        for args in [&resume[..], &export[..]] {
+            let done = hetpar_within(60, args);
+            let err = String::from_utf8_lossy(&done.stderr).to_string();
+            assert!(!done.status.success(), "{args:?}: {err}");
+            assert!(err.contains(&format!("{}: {says}", path.display())), "{args:?}: {err}");
+        }
+        std::fs::remove_file(&path).expect("removed");
+        std::fs::rename(&kept, &path).expect("put back");
+    }
+    assert!(!out.join("earlier-1").exists());
+}
+
+/// Names a run writes under `--out` that are taken by something of another kind are
+/// refused before the run trains: a file called `checkpoints` (the run trained to its
+/// first checkpoint and failed there), and `metrics.jsonl` a link to `/dev/full` (read
+/// without end when the run went on from it).
+#[test]
+fn run_files_of_the_wrong_kind_are_refused_before_training() {
+    let tmp = temp("wrong-kind");
+    for (name, make, says) in [
+        (
+            "checkpoints",
+            "file",
+            "is a regular file, where the run keeps its checkpoints in a directory of that name",
+        ),
+        (
+            "metrics.jsonl",
+            "/dev/full",
+            "is a character device, where the run keeps a file of that name",
+        ),
+        ("loss.svg", "dir", "is a directory, where the run keeps a file of that name"),
+    ] {
+        let out = tmp.path().join(name.replace('.', "-"));
+        std::fs::create_dir_all(&out).expect("out");
+        let path = out.join(name);
+        match make {
+            "file" => std::fs::write(&path, "x").expect("file"),
+            "dir" => std::fs::create_dir(&path).expect("dir"),
+            device => std::os::unix::fs::symlink(device, &path).expect("link"),
+        }
+        let done = hetpar_within(
+            60,
+            &["train", IN_MEMORY, "--steps", "2", "--out", out.to_str().expect("utf-8")],
+        );
+        let err = String::from_utf8_lossy(&done.stderr).to_string();
+        assert!(!done.status.success(), "{err}");
+        assert!(err.contains(&format!("{}: {} {says}", out.display(), path.display())), "{err}");
+        assert!(!String::from_utf8_lossy(&done.stdout).contains("step 1"), "{err}");
+    }
+}
+
+/// A config, workload or hardware file named on the command line is read up to a limit
+/// far above any real one: `/dev/zero` in its place is refused, not read into memory
+/// without end.
+#[test]
+fn an_endless_config_is_refused_at_the_limit() {
+    for args in [&["layout", "/dev/zero"][..], &["plan", "/dev/zero"][..]] {
+        let done = hetpar_within(60, args);
+        let err = String::from_utf8_lossy(&done.stderr).to_string();
+        assert!(!done.status.success());
+        assert!(
+            err.contains("it (a character device) holds more than 16777216 bytes"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 /// Cuts the file at `path` to half its length.
