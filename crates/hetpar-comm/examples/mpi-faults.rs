@@ -4,7 +4,9 @@
 //! `mpirun -n 4 target/release/examples/mpi-faults CASE` with CASE one of `hang` (rank 1
 //! never joins a barrier), `recv` (a receive with no send), `size` (a receive of the wrong
 //! size), `batch` (a batched exchange one of whose receives is never sent), `panic` (rank 2
-//! panics mid-step).
+//! panics mid-step), `chain` (rank 1 stops for good, its process frozen; rank 0 waits for it
+//! in a collective of the two, rank 2 for a message of rank 0's, and rank 2's timeout,
+//! which fires first, names rank 1).
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -58,6 +60,27 @@ fn main() -> ExitCode {
                 Ok(())
             }
         },
+        "chain" => match rank {
+            0 | 1 => {
+                let pair = world.subgroup(&[0, 1]).expect("the pair's communicator");
+                if rank == 1 {
+                    // Frozen whole, its engine thread too: it answers no status query.
+                    let me = std::process::id().to_string();
+                    let stop = std::process::Command::new("kill").args(["-STOP", &me]).status();
+                    assert!(stop.expect("kill runs").success(), "rank 1 stops itself");
+                    Ok(())
+                } else {
+                    // Rank 2 has waited 1.5 s longer when its timeout fires.
+                    std::thread::sleep(Duration::from_millis(1500));
+                    pair.all_reduce(&mut [1.0f32], ReduceOp::Sum)
+                }
+            }
+            2 => world.recv(&mut [0.0f32; 4], 0, 9),
+            _ => {
+                std::thread::sleep(Duration::from_secs(8));
+                Ok(())
+            }
+        },
         "panic" => {
             if rank == 2 {
                 panic!("injected fault on rank 2");
@@ -66,7 +89,7 @@ fn main() -> ExitCode {
             world.all_reduce(&mut x, ReduceOp::Sum).and_then(|_| world.barrier())
         }
         other => {
-            eprintln!("unknown case {other:?}: use hang, recv, size, batch or panic");
+            eprintln!("unknown case {other:?}: use hang, recv, size, batch, panic or chain");
             return ExitCode::from(2);
         }
     };

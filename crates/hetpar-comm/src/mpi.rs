@@ -39,6 +39,9 @@ use crate::engine::EngineHandle;
 use crate::error::{CommError, Result, ranks};
 use crate::pool::BufferPool;
 
+/// What a rank outside any communication call answers a status query.
+const COMPUTING: &str = "computing (not in a communication call)";
+
 const QUERY_TAG: i32 = 1;
 const REPLY_TAG: i32 = 2;
 const SUBGROUP_TAG_BASE: i32 = 1000;
@@ -75,7 +78,9 @@ pub struct MpiEngine {
     entries: Vec<Entry>,
     pool: Arc<BufferPool>,
     control: SimpleCommunicator,
-    doing: RefCell<String>,
+    /// What this rank is doing, as its answer to a status query says it, and the members
+    /// of the call it is in (none while computing).
+    doing: RefCell<(String, Vec<usize>)>,
     timeout: Arc<SharedTimeout>,
     on_fatal: Box<dyn Fn(&CommError) + Send>,
     world_rank: usize,
@@ -133,7 +138,7 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
                 entries: vec![entry],
                 pool,
                 control,
-                doing: RefCell::new("computing (not in a communication call)".into()),
+                doing: RefCell::new((COMPUTING.into(), Vec::new())),
                 timeout: engine_timeout,
                 on_fatal: opts.on_fatal,
                 world_rank: rank,
@@ -291,13 +296,17 @@ impl MpiEngine {
             self.control.any_process().immediate_matched_probe_with_tag(QUERY_TAG)
         {
             self.pool.give(receive_all(&self.pool, msg, &status));
-            let reply = self.doing.borrow().clone().into_bytes();
+            // The text, then the call's members: `in all-reduce #3 over ranks [0-1]\00,1`.
+            let (text, members) = &*self.doing.borrow();
+            let members: Vec<String> = members.iter().map(usize::to_string).collect();
+            let reply = format!("{text}\0{}", members.join(",")).into_bytes();
             self.control.process_at_rank(status.source_rank()).send_with_tag(&reply[..], REPLY_TAG);
         }
     }
 
-    /// Asks `peers` (world ranks) what they are doing; waits at most a second for answers.
-    fn ask(&self, peers: &[usize]) -> HashMap<usize, String> {
+    /// Asks `peers` (world ranks) what they are doing; waits at most a second for answers:
+    /// each one's words and the members of the call it is in.
+    fn ask(&self, peers: &[usize]) -> HashMap<usize, (String, Vec<usize>)> {
         for &p in peers {
             self.control.process_at_rank(p as Rank).send_with_tag(&[0u8][..], QUERY_TAG);
         }
@@ -309,10 +318,10 @@ impl MpiEngine {
                 self.control.any_process().immediate_matched_probe_with_tag(REPLY_TAG)
             {
                 let bytes = receive_all(&self.pool, msg, &status);
-                answers.insert(
-                    status.source_rank() as usize,
-                    String::from_utf8_lossy(&bytes).into_owned(),
-                );
+                let reply = String::from_utf8_lossy(&bytes).into_owned();
+                let (text, members) = reply.split_once('\0').unwrap_or((&reply, ""));
+                let members = members.split(',').filter_map(|m| m.parse().ok()).collect();
+                answers.insert(status.source_rank() as usize, (text.to_string(), members));
             } else {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -335,12 +344,12 @@ impl MpiEngine {
 
     /// Like [`Self::begin`] for point-to-point calls, named by peer and tag.
     fn begin_named(&self, id: usize, name: String) -> String {
-        self.doing.replace(self.doing_text(id, &name));
+        self.doing.replace((self.doing_text(id, &name), self.entries[id].members.clone()));
         name
     }
 
     fn end(&self) {
-        self.doing.replace("computing (not in a communication call)".into());
+        self.doing.replace((COMPUTING.into(), Vec::new()));
     }
 
     fn others(&self, id: usize) -> Vec<usize> {
@@ -348,14 +357,41 @@ impl MpiEngine {
         e.members.iter().copied().filter(|&r| r != e.members[e.me]).collect()
     }
 
-    /// The timeout error of operation `name`, with what the members we wait for say.
+    /// The timeout error of operation `name`, with what the members we wait for say, and,
+    /// where one is in another call, which of that call's members did not answer: the rank
+    /// it waits for may be the one hung, and this rank's timeout may end the job first.
     fn timeout_error(&self, id: usize, name: &str, waiting_on: &[usize]) -> CommError {
         let answers = self.ask(waiting_on);
+        let me = self.world_rank;
+        let mut further: Vec<usize> = answers
+            .values()
+            .flat_map(|(_, members)| members.iter().copied())
+            .filter(|m| *m != me && !waiting_on.contains(m))
+            .collect();
+        further.sort_unstable();
+        further.dedup();
+        let theirs = if further.is_empty() { HashMap::new() } else { self.ask(&further) };
         let mut notes = Vec::new();
         for &p in waiting_on {
             match answers.get(&p) {
-                Some(a) if *a == self.doing_text(id, name) => {}
-                Some(a) => notes.push(format!("rank {p} is {a}")),
+                Some((a, _)) if *a == self.doing_text(id, name) => {}
+                Some((a, members)) => {
+                    let silent: Vec<usize> = members
+                        .iter()
+                        .copied()
+                        .filter(|m| further.contains(m) && !theirs.contains_key(m))
+                        .collect();
+                    notes.push(match silent[..] {
+                        [] => format!("rank {p} is {a}"),
+                        [q] => {
+                            format!("rank {p} is {a}, where rank {q} did not answer (hung or gone)")
+                        }
+                        _ => format!(
+                            "rank {p} is {a}, where ranks {} did not answer (hung or gone)",
+                            ranks(&silent)
+                        ),
+                    });
+                }
                 None => notes.push(format!("rank {p} did not answer (hung or gone)")),
             }
         }
