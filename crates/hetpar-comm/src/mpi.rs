@@ -42,6 +42,22 @@ use crate::pool::BufferPool;
 /// What a rank outside any communication call answers a status query.
 const COMPUTING: &str = "computing (not in a communication call)";
 
+/// The most ranks a status answer names as those its call waits for, and a timeout asks in
+/// turn: a larger group's missing members are found by its own members' timeouts, and
+/// asking thousands of ranks would flood the job as it fails.
+const CHASED: usize = 64;
+
+/// Whom a rank's current call waits for (world ranks), as its status answer names them.
+#[derive(Clone, Debug)]
+enum Waits {
+    /// Not in a call.
+    Nobody,
+    /// A collective: every member of communicator `id`.
+    Group(usize),
+    /// Point-to-point: its peers.
+    Peers(Vec<usize>),
+}
+
 const QUERY_TAG: i32 = 1;
 const REPLY_TAG: i32 = 2;
 const SUBGROUP_TAG_BASE: i32 = 1000;
@@ -78,9 +94,9 @@ pub struct MpiEngine {
     entries: Vec<Entry>,
     pool: Arc<BufferPool>,
     control: SimpleCommunicator,
-    /// What this rank is doing, as its answer to a status query says it, and the members
-    /// of the call it is in (none while computing).
-    doing: RefCell<(String, Vec<usize>)>,
+    /// What this rank is doing, as its answer to a status query says it, and whom the call
+    /// it is in waits for.
+    doing: RefCell<(String, Waits)>,
     timeout: Arc<SharedTimeout>,
     on_fatal: Box<dyn Fn(&CommError) + Send>,
     world_rank: usize,
@@ -138,7 +154,7 @@ pub fn init(opts: MpiOptions) -> Result<MpiComm> {
                 entries: vec![entry],
                 pool,
                 control,
-                doing: RefCell::new((COMPUTING.into(), Vec::new())),
+                doing: RefCell::new((COMPUTING.into(), Waits::Nobody)),
                 timeout: engine_timeout,
                 on_fatal: opts.on_fatal,
                 world_rank: rank,
@@ -296,10 +312,17 @@ impl MpiEngine {
             self.control.any_process().immediate_matched_probe_with_tag(QUERY_TAG)
         {
             self.pool.give(receive_all(&self.pool, msg, &status));
-            // The text, then the call's members: `in all-reduce #3 over ranks [0-1]\00,1`.
-            let (text, members) = &*self.doing.borrow();
-            let members: Vec<String> = members.iter().map(usize::to_string).collect();
-            let reply = format!("{text}\0{}", members.join(",")).into_bytes();
+            // The text, then whom the call waits for (at most CHASED of them):
+            // `in all-reduce #3 over ranks [0-1]\00,1`.
+            let (text, waits) = &*self.doing.borrow();
+            let ranks: &[usize] = match waits {
+                Waits::Nobody => &[],
+                Waits::Group(id) => &self.entries[*id].members,
+                Waits::Peers(peers) => peers,
+            };
+            let named = if ranks.len() <= CHASED { ranks } else { &[] };
+            let named: Vec<String> = named.iter().map(usize::to_string).collect();
+            let reply = format!("{text}\0{}", named.join(",")).into_bytes();
             self.control.process_at_rank(status.source_rank()).send_with_tag(&reply[..], REPLY_TAG);
         }
     }
@@ -318,10 +341,15 @@ impl MpiEngine {
                 self.control.any_process().immediate_matched_probe_with_tag(REPLY_TAG)
             {
                 let bytes = receive_all(&self.pool, msg, &status);
+                // A late answer to an earlier question is not one to this.
+                let from = status.source_rank() as usize;
+                if !peers.contains(&from) {
+                    continue;
+                }
                 let reply = String::from_utf8_lossy(&bytes).into_owned();
                 let (text, members) = reply.split_once('\0').unwrap_or((&reply, ""));
                 let members = members.split(',').filter_map(|m| m.parse().ok()).collect();
-                answers.insert(status.source_rank() as usize, (text.to_string(), members));
+                answers.insert(from, (text.to_string(), members));
             } else {
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -339,17 +367,20 @@ impl MpiEngine {
         let e = &self.entries[id];
         let seq = e.seq.get();
         e.seq.set(seq + 1);
-        self.begin_named(id, format!("{op} #{seq}"))
+        let name = format!("{op} #{seq}");
+        self.doing.replace((self.doing_text(id, &name), Waits::Group(id)));
+        name
     }
 
-    /// Like [`Self::begin`] for point-to-point calls, named by peer and tag.
-    fn begin_named(&self, id: usize, name: String) -> String {
-        self.doing.replace((self.doing_text(id, &name), self.entries[id].members.clone()));
+    /// Like [`Self::begin`] for point-to-point calls, named by peer and tag, waiting for
+    /// `peers` (world ranks).
+    fn begin_named(&self, id: usize, name: String, peers: Vec<usize>) -> String {
+        self.doing.replace((self.doing_text(id, &name), Waits::Peers(peers)));
         name
     }
 
     fn end(&self) {
-        self.doing.replace((COMPUTING.into(), Vec::new()));
+        self.doing.replace((COMPUTING.into(), Waits::Nobody));
     }
 
     fn others(&self, id: usize) -> Vec<usize> {
@@ -370,6 +401,9 @@ impl MpiEngine {
             .collect();
         further.sort_unstable();
         further.dedup();
+        if further.len() > CHASED {
+            further.clear();
+        }
         let theirs = if further.is_empty() { HashMap::new() } else { self.ask(&further) };
         let mut notes = Vec::new();
         for &p in waiting_on {
@@ -715,7 +749,8 @@ impl MpiEngine {
 
     fn send(&self, id: usize, data: &[u8], dst: usize, tag: u32) -> Result<()> {
         let e = &self.entries[id];
-        let name = self.begin_named(id, format!("send to rank {} (tag {tag})", e.members[dst]));
+        let name = format!("send to rank {} (tag {tag})", e.members[dst]);
+        let name = self.begin_named(id, name, vec![e.members[dst]]);
         scope(|s| {
             for req in post(s, &e.comm, dst, tag, data) {
                 self.wait(req, id, &name, &[e.members[dst]]);
@@ -727,7 +762,8 @@ impl MpiEngine {
 
     fn recv(&self, id: usize, data: &mut [u8], src: usize, tag: u32) -> Result<()> {
         let e = &self.entries[id];
-        let name = self.begin_named(id, format!("recv from rank {} (tag {tag})", e.members[src]));
+        let name = format!("recv from rank {} (tag {tag})", e.members[src]);
+        let name = self.begin_named(id, name, vec![e.members[src]]);
         let (start, len) = (Instant::now(), data.len());
         let got = self.take_message(&e.comm, (src, tag), data, start + self.timeout.get(), || {
             std::thread::yield_now();
@@ -802,10 +838,8 @@ impl MpiEngine {
         (recv, src, rt): (&mut [u8], usize, u32),
     ) -> Result<()> {
         let e = &self.entries[id];
-        let name = self.begin_named(
-            id,
-            format!("send-recv with ranks {} and {}", e.members[dst], e.members[src]),
-        );
+        let name = format!("send-recv with ranks {} and {}", e.members[dst], e.members[src]);
+        let name = self.begin_named(id, name, vec![e.members[dst], e.members[src]]);
         scope(|s| {
             let reqs = post(s, &e.comm, dst, st, send);
             let got = self.recv(id, recv, src, rt);
@@ -828,7 +862,12 @@ impl MpiEngine {
         recvs: &mut [(usize, u32, &mut [u8])],
     ) -> Result<()> {
         let e = &self.entries[id];
-        let name = self.begin_named(id, name);
+        let mut peers: Vec<usize> =
+            sends.iter().map(|s| s.0).chain(recvs.iter().map(|r| r.0)).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let peers = peers.into_iter().map(|p| e.members[p]).collect();
+        let name = self.begin_named(id, name, peers);
         let start = Instant::now();
         let deadline = start + self.timeout.get();
         let out = scope(|s| {

@@ -41,9 +41,10 @@ pub fn read_regular_text(path: &Path) -> io::Result<String> {
 /// limit rather than read into memory.
 pub fn read_capped_text(path: &Path, limit: u64) -> io::Result<String> {
     let file = File::open(path)?;
-    let mut text = String::new();
-    file.take(limit + 1).read_to_string(&mut text)?;
-    if text.len() as u64 > limit {
+    // Bytes first: the limit is said before any question of UTF-8 (a device's bytes).
+    let mut bytes = Vec::new();
+    file.take(limit + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
         let kind = std::fs::metadata(path).map(|m| describe(m.file_type()));
         let what = kind.map_or_else(|_| "it".to_string(), |k| format!("it ({k})"));
         return Err(io::Error::new(
@@ -51,7 +52,7 @@ pub fn read_capped_text(path: &Path, limit: u64) -> io::Result<String> {
             format!("{what} holds more than {limit} bytes, more than such a file ever does"),
         ));
     }
-    Ok(text)
+    String::from_utf8(bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// What a file of type `kind` is, in words: "a regular file", "a directory", "a FIFO"...
@@ -84,11 +85,13 @@ mod tests {
         assert_eq!(e.to_string(), "a character device, not a regular file");
         let e = read_regular_text(Path::new("/")).expect_err("a directory");
         assert_eq!(e.to_string(), "a directory, not a regular file");
-        let e = read_capped_text(Path::new("/dev/zero"), 1024).expect_err("endless");
-        assert_eq!(
-            e.to_string(),
-            "it (a character device) holds more than 1024 bytes, more than such a file ever does"
-        );
+        for device in ["/dev/zero", "/dev/urandom"] {
+            let e = read_capped_text(Path::new(device), 1024).expect_err("endless");
+            assert_eq!(
+                e.to_string(),
+                "it (a character device) holds more than 1024 bytes, more than such a file ever does"
+            );
+        }
     }
 
     #[test]

@@ -22,12 +22,13 @@ pub fn load_image(path: &Path, size: u32) -> Result<Vec<f32>> {
         path: path.to_path_buf(),
         message: format!("unreadable image: {e}"),
     };
-    let img = image::ImageReader::open(path)
-        .map_err(|e| bad(&e))?
-        .with_guessed_format()
-        .map_err(|e| bad(&e))?
-        .decode()
-        .map_err(|e| bad(&e))?;
+    // A regular file only: a FIFO in its place would never open.
+    let file = crate::files::open_regular(path).map_err(|e| bad(&e))?;
+    let mut reader = image::ImageReader::new(std::io::BufReader::new(file));
+    if let Ok(format) = image::ImageFormat::from_path(path) {
+        reader.set_format(format);
+    }
+    let img = reader.with_guessed_format().map_err(|e| bad(&e))?.decode().map_err(|e| bad(&e))?;
     Ok(normalize(&img.to_rgb8(), size))
 }
 

@@ -659,9 +659,14 @@ pub fn saved_config(dir: &Path) -> Result<Option<String>> {
             Err(e) => Err(io(&path, e)),
         };
     };
-    // Its size first, so that a file of another size (a device, say) is not read at all;
-    // then read once: the text returned is the text hashed.
-    let len = std::fs::metadata(&path).map_err(|e| io(&path, e))?.len();
+    // A regular file, of the size the manifest says, before it is read at all (a device
+    // would never end); then read once: the text returned is the text hashed.
+    let meta = std::fs::metadata(&path).map_err(|e| io(&path, e))?;
+    if !meta.is_file() {
+        let what = hetpar_data::files::describe(meta.file_type());
+        return Err(io(&path, format!("{what}, not a regular file")));
+    }
+    let len = meta.len();
     let text = match len == entry.bytes {
         true => read_regular(&path).map_err(|e| io(&path, e))?,
         false => Vec::new(),
