@@ -226,6 +226,14 @@ pub fn export_hf(ckpt: &Path, out: &Path, tokens: Option<Tokens>) -> Result<Vec<
             let path = ckpt.join(&f.file);
             let (_, entries) = read_header(&path)?;
             for (name, e) in entries.into_iter().filter(|(n, _)| !n.contains(':')) {
+                // The exported config says the manifest's type (`torch_dtype`).
+                if !manifest.dtype.is_empty() && !e.dtype.eq_ignore_ascii_case(&manifest.dtype) {
+                    let why = format!(
+                        "{name} is {}, where the checkpoint's parameters are {}",
+                        e.dtype, manifest.dtype
+                    );
+                    return Err(bad(&path, why));
+                }
                 dtype.get_or_insert(e.dtype);
                 from.push((path.clone(), name));
             }

@@ -301,3 +301,53 @@ to = "llm"
         (&serde_json::json!(8), &serde_json::json!(2560), &serde_json::json!(1))
     );
 }
+
+/// A tensor of another type than the checkpoint's parameters (in a file whose checksums
+/// the manifest was made to agree with) is refused by the export, naming it, before any
+/// module is written: the exported config would say one type and the weights hold
+/// another.
+#[test]
+fn a_tensor_of_another_type_is_refused_before_anything_is_written() {
+    let tmp = tempfile::Builder::new().prefix("hetpar-export-type-").tempdir().unwrap();
+    let dir = tmp.path();
+    let g = fault_graph(false);
+    let sources = Sources::synthetic(&g);
+    let root = dir.join("checkpoints");
+    launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
+        let mut t = Trainer::new(c, &g, DType::F32, 1, &sources).unwrap();
+        t.set_config_text(fault_config(false));
+        t.step(c, 0).unwrap();
+        t.save(c, 1, &root, 0).unwrap();
+    })
+    .unwrap();
+    let ckpt = root.join("step-00000001");
+    // The vision tower's file (the second module exported) with one weight in f64, and a
+    // manifest of the first format (no checksum of its own) that lists the new file.
+    let file = ckpt.join("vision.stage0.safetensors");
+    let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+    let name = tensors.keys().find(|k| !k.contains(':')).unwrap().clone();
+    let wide = tensors[&name].to_dtype(DType::F64).unwrap();
+    tensors.insert(name.clone(), wide);
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    let (sha, bytes) = hetpar_runtime::checkpoint::sha256(&file).unwrap();
+    let path = ckpt.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    m["format"] = "hetpar-checkpoint/1".into();
+    m.as_object_mut().unwrap().remove("sha256");
+    for f in m["files"].as_array_mut().unwrap() {
+        if f["file"] == "vision.stage0.safetensors" {
+            f["sha256"] = sha.clone().into();
+            f["bytes"] = bytes.into();
+        }
+    }
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let hf = dir.join("hf");
+    let e = export_hf(&ckpt, &hf, None).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!(
+            "vision.stage0.safetensors: {name} is F64, where the checkpoint's parameters are f32"
+        )),
+        "{e}"
+    );
+    assert!(!hf.exists(), "nothing written");
+}
