@@ -35,7 +35,9 @@ pub struct Args {
     pub json: bool,
     /// Seconds a rank waits in a communication call before the run fails naming it and what
     /// the ranks it waited for were doing (in which call, or computing: raise it for steps
-    /// whose work takes longer).
+    /// whose work takes longer). On the local backend, a rank still computing this long
+    /// after another failed, and at least 10 s, is named and left behind as the process
+    /// exits.
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
     /// `local` (one thread per rank) or `mpi` (CONFIG with one process per rank under
