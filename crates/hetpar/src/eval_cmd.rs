@@ -101,14 +101,21 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let (file, dir) = if a.data.is_dir() {
         (a.data.join("heldout.json"), a.data.clone())
     } else {
-        let dir = a.data.parent().map_or_else(|| PathBuf::from("."), PathBuf::from);
+        // A bare file name's directory is the current one (its parent is the empty path).
+        let parent = a.data.parent().filter(|p| !p.as_os_str().is_empty());
+        let dir = parent.map_or_else(|| PathBuf::from("."), PathBuf::from);
         (a.data.clone(), dir)
     };
     if !file.is_file() {
+        let what = match std::fs::metadata(&file) {
+            Ok(m) => {
+                format!("{} is {}", file.display(), hetpar_data::files::describe(m.file_type()))
+            }
+            Err(_) => format!("no such file as {}", file.display()),
+        };
         anyhow::bail!(
-            "--data {}: no such file as {} (give a `hetpar data synth` directory, or a LLaVA records file)",
-            a.data.display(),
-            file.display()
+            "--data {}: {what} (give a `hetpar data synth` directory, or a LLaVA records file)",
+            a.data.display()
         );
     }
     // Each path as a TOML string (Rust's `{:?}` escapes other characters than TOML does).

@@ -72,12 +72,7 @@ const CHAT_TEMPLATE: &str = "{% for m in messages %}{% set r = m['role'] %}{% if
 /// (special tokens, chat template, length) and a `special_tokens_map.json`.
 fn export_tokenizer(ckpt: &Path, hf: &Path, tokenizer: &Path) -> anyhow::Result<PathBuf> {
     let graph = hetpar_runtime::export::checkpoint_graph(ckpt)?;
-    let llm = graph
-        .modules
-        .iter()
-        .find(|m| matches!(m.spec, hetpar_layout::ModuleSpec::Llama { .. }))
-        .map(|m| hf.join(&m.name))
-        .context("the checkpoint's graph has no LLM")?;
+    let llm = llm_dir(&graph, hf).context("the checkpoint's graph has no LLM")?;
     let dst = llm.join("tokenizer.json");
     std::fs::copy(tokenizer, &dst).with_context(|| {
         format!("cannot copy the run's tokenizer {} to {}", tokenizer.display(), dst.display())
@@ -102,6 +97,44 @@ fn export_tokenizer(ckpt: &Path, hf: &Path, tokenizer: &Path) -> anyhow::Result<
             .with_context(|| format!("cannot write {}", file.display()))?;
     }
     Ok(dst)
+}
+
+/// The exported LLM's directory under `hf`, where `graph` has an LLM.
+fn llm_dir(graph: &hetpar_layout::ModelGraph, hf: &Path) -> Option<PathBuf> {
+    let llm =
+        graph.modules.iter().find(|m| matches!(m.spec, hetpar_layout::ModuleSpec::Llama { .. }));
+    llm.map(|m| hf.join(&m.name))
+}
+
+/// Removes an earlier export's tokenizer files from the LLM's directory under `hf`, where
+/// this checkpoint's run had no tokenizer: they would describe another model's tokens.
+fn no_earlier_tokenizer(ckpt: &Path, hf: &Path) -> anyhow::Result<()> {
+    let Some(llm) = llm_dir(&hetpar_runtime::export::checkpoint_graph(ckpt)?, hf) else {
+        return Ok(());
+    };
+    let files = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ];
+    let mut removed = Vec::new();
+    for name in files {
+        let file = llm.join(name);
+        if std::fs::symlink_metadata(&file).is_ok() {
+            std::fs::remove_file(&file)
+                .with_context(|| format!("cannot remove {}", file.display()))?;
+            removed.push(name);
+        }
+    }
+    if !removed.is_empty() {
+        crate::stderr_line(&format!(
+            "note: removed an earlier export's {} from {}: this checkpoint's run had no tokenizer",
+            removed.join(", "),
+            llm.display()
+        ));
+    }
+    Ok(())
 }
 
 /// The run's tokenizer and its end and padding ids; `None` when the run trained on
@@ -136,7 +169,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let done = export_hf(&ckpt, &a.hf, run.as_ref().map(|r| r.1))?;
     let tokenizer = match &run {
         Some((path, _)) => Some(export_tokenizer(&ckpt, &a.hf, path)?),
-        None => None,
+        None => {
+            no_earlier_tokenizer(&ckpt, &a.hf)?;
+            None
+        }
     };
     #[allow(clippy::print_stdout)]
     {

@@ -135,6 +135,20 @@ pub(crate) fn load_graph(path: &Path, sets: &[String]) -> anyhow::Result<ModelGr
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    // The commands that print a report and run no ranks: a closed output ends them. (A
+    // training job keeps SIGPIPE ignored: under MPI a peer's closed socket must be an
+    // error the job reports, not a silent death.)
+    if matches!(
+        cli.command,
+        Command::Layout(_)
+            | Command::Schedule(_)
+            | Command::Plan(_)
+            | Command::Calibrate(_)
+            | Command::Data(_)
+            | Command::Export(_)
+    ) {
+        quiet_on_closed_output();
+    }
     match cli.command {
         Command::Train(args) => train_cmd::run(&args),
         Command::Check(args) => check_cmd::run(&args),
@@ -146,6 +160,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Data(args) => data_cmd::run(&args),
         Command::Export(args) => export_cmd::run(&args),
         Command::Eval(args) => eval_cmd::run(&args),
+    }
+}
+
+/// Ends the process quietly when what it prints to is closed (`hetpar plan ... | head`),
+/// as command-line tools do: Rust ignores SIGPIPE, so the next print would panic.
+#[allow(unsafe_code)]
+fn quiet_on_closed_output() {
+    // SAFETY: restoring a signal's default action, before the command starts any thread.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

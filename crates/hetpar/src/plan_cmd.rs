@@ -81,12 +81,18 @@ fn read_tables(path: &str, hint: &str) -> anyhow::Result<BTreeMap<String, Hardwa
     parse(&text).with_context(|| path.to_string())
 }
 
+/// A step time in seconds: three decimals, or three significant digits under 0.1 s (a
+/// small workload's steps, which three decimals would all show as 0.000).
+fn step_s(s: f64) -> String {
+    if s >= 0.1 { format!("{s:.3}") } else { hetpar_plan::explain::digits(s) }
+}
+
 fn row(r: &Ranked, wl: &Workload) -> String {
     let p = &r.prediction;
     format!(
-        "{:<14} {:>9.3} {:>11} {:>11.0} {:>8}  {}",
+        "{:<14} {:>9} {:>11} {:>11.0} {:>8}  {}",
         r.candidate.kind.name(),
-        p.step_time_s,
+        step_s(p.step_time_s),
         hetpar_plan::explain::digits(p.tflops_per_gpu),
         p.tokens_per_s,
         hetpar_plan::explain::digits(p.memory.total() / GIB),
@@ -227,8 +233,11 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         Err(e) => {
             let hint = fewer.as_ref().map_or_else(String::new, |f| {
                 format!(
-                    " ({} of them plan: {} at {:.3} s a step, --gpus {})",
-                    f.gpus, f.kind, f.step_s, f.gpus
+                    " ({} of them plan: {} at {} s a step, --gpus {})",
+                    f.gpus,
+                    f.kind,
+                    step_s(f.step_s),
+                    f.gpus
                 )
             });
             return Err(anyhow::anyhow!("{e}{hint}")).with_context(|| name.clone());
@@ -237,13 +246,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let mut why = explain(&wl, &hw, &plan);
     if let (Some(f), Some(w)) = (&fewer, plan.winner()) {
         why.push(format!(
-            "on {} of the {} GPUs ({} idle) the best layout, {}, takes {:.3} s a step against {:.3} s on all of them: --gpus {} plans it",
+            "on {} of the {} GPUs ({} idle) the best layout, {}, takes {} s a step against {} s on all of them: --gpus {} plans it",
             f.gpus,
             wl.gpus,
             wl.gpus - f.gpus,
             f.kind,
-            f.step_s,
-            w.prediction.step_time_s,
+            step_s(f.step_s),
+            step_s(w.prediction.step_time_s),
             f.gpus
         ));
     }
@@ -340,12 +349,12 @@ fn emit(wl: &Workload, plan: &Plan, path: &Path) -> anyhow::Result<()> {
     let w = plan.winner().context("no candidate to emit")?;
     let cfg = hetpar_plan::emit::config(wl, &w.candidate)?;
     let mut text = format!(
-        "# Written by `hetpar plan` for workload {} on {} x {}: the {} candidate,\n# predicted {:.3} s per step, {} TFLOPS/GPU, {} GiB per GPU.\n",
+        "# Written by `hetpar plan` for workload {} on {} x {}: the {} candidate,\n# predicted {} s per step, {} TFLOPS/GPU, {} GiB per GPU.\n",
         wl.name,
         wl.gpus,
         wl.hardware,
         w.candidate.kind.name(),
-        w.prediction.step_time_s,
+        step_s(w.prediction.step_time_s),
         hetpar_plan::explain::digits(w.prediction.tflops_per_gpu),
         hetpar_plan::explain::digits(w.prediction.memory.total() / GIB)
     );

@@ -78,6 +78,27 @@ fn hetpar_within(secs: u64, args: &[&str]) -> Output {
     Output { status, stdout, stderr }
 }
 
+/// Output that closes early (`hetpar plan ... | head -1`) ends the process quietly, as a
+/// command-line tool's, rather than with a panic and its backtrace.
+#[test]
+fn a_closed_output_ends_the_process_without_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hetpar"))
+        .args(["plan", "examples/workloads/mm-1b-7b-8k.toml", "--top", "100000"])
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("hetpar runs");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("ends");
+    let err = String::from_utf8_lossy(&out.stderr);
+    // Ended by SIGPIPE (13 on Linux).
+    assert_eq!(out.status.signal(), Some(13), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// Makes a FIFO at `path`.
 fn mkfifo(path: &Path) {
     let made = Command::new("mkfifo").arg(path).status().expect("mkfifo runs");
@@ -1029,6 +1050,16 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     let missing = hetpar(&["eval", out, "--data", "/nonexistent/set"]);
     let err = String::from_utf8_lossy(&missing.stderr).to_string();
     assert!(!missing.status.success() && err.contains("/nonexistent/set"), "{err}");
+    // A records file named bare, from its own directory (its parent is the empty path):
+    // that directory is the one its tokenizer and media are in.
+    let bare = Command::new(env!("CARGO_BIN_EXE_hetpar"))
+        .args(["eval", out, "--data", "heldout.json"])
+        .env("HETPAR_CACHE", cache())
+        .current_dir(generated)
+        .output()
+        .expect("hetpar runs");
+    let err = String::from_utf8_lossy(&bare.stderr).to_string();
+    assert!(bare.status.success() && stdout(&bare).contains("on heldout.json: loss "), "{err}");
     // The same records next to another tokenizer: refused, naming both (its ids would not
     // mean what the model learned).
     let other = out_dir.join("other-tokenizer");
@@ -1105,6 +1136,18 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
             "{args:?}: {err}"
         );
     }
+    // An export of a run without a tokenizer (in-process tokens) into the same directory
+    // removes the earlier export's tokenizer files, which would describe other tokens.
+    let mem = out_dir.join("in-memory");
+    let mem_s = mem.to_str().expect("utf-8");
+    stdout(&hetpar(&["train", IN_MEMORY, "--steps", "1", "--out", mem_s]));
+    let again = hetpar(&["export", mem_s, "--hf", hf.to_str().expect("utf-8")]);
+    let err = String::from_utf8_lossy(&again.stderr).to_string();
+    assert!(stdout(&again).contains("no tokenizer"), "{err}");
+    let files =
+        "tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json";
+    assert!(err.contains(&format!("note: removed an earlier export's {files} from")), "{err}");
+    assert!(!tok.exists());
 }
 
 /// An f64 run's checkpoint evaluates in f64, as the run evaluated its held-out set: the
