@@ -661,16 +661,12 @@ pub fn saved_config(dir: &Path) -> Result<Option<String>> {
     };
     // A regular file, of the size the manifest says, before it is read at all (a device
     // would never end); then read once: the text returned is the text hashed.
-    let meta = std::fs::metadata(&path).map_err(|e| io(&path, e))?;
-    if !meta.is_file() {
-        let what = hetpar_data::files::describe(meta.file_type());
-        return Err(io(&path, format!("{what}, not a regular file")));
+    let mut file = open_regular(&path).map_err(|e| io(&path, e))?;
+    let len = file.metadata().map_err(|e| io(&path, e))?.len();
+    let mut text = Vec::new();
+    if len == entry.bytes {
+        file.read_to_end(&mut text).map_err(|e| io(&path, e))?;
     }
-    let len = meta.len();
-    let text = match len == entry.bytes {
-        true => read_regular(&path).map_err(|e| io(&path, e))?,
-        false => Vec::new(),
-    };
     let hash = hex(&Sha256::digest(&text));
     let differs = if len != entry.bytes || text.len() as u64 != len {
         format!("{len} bytes where the manifest says {}", entry.bytes)

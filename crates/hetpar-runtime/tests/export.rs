@@ -24,24 +24,30 @@ use hetpar_runtime::export::export_hf;
 use hetpar_runtime::testing::{fault_config, fault_graph};
 use hetpar_runtime::{Sources, Trainer};
 
-#[test]
-fn the_export_loads_in_candle_transformers_with_the_same_outputs() {
-    let tmp = tempfile::Builder::new().prefix("hetpar-export-").tempdir().unwrap();
-    let dir = tmp.path();
-    // Two steps of the colocated model (vision dp2, LLM tp2 on 2 ranks), then a checkpoint.
+/// `steps` steps of the colocated model (vision dp2, LLM tp2 on 2 ranks) in f32, then a
+/// checkpoint under `dir/checkpoints`; its directory.
+fn saved_colocated(dir: &std::path::Path, steps: usize) -> std::path::PathBuf {
     let g = fault_graph(false);
     let sources = Sources::synthetic(&g);
     let root = dir.join("checkpoints");
     launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
-        let mut t = Trainer::new(c, &g, DType::F32, 2, &sources).unwrap();
+        let mut t = Trainer::new(c, &g, DType::F32, steps, &sources).unwrap();
         t.set_config_text(fault_config(false));
-        for s in 0..2 {
+        for s in 0..steps {
             t.step(c, s).unwrap();
         }
-        t.save(c, 2, &root, 0).unwrap();
+        t.save(c, steps, &root, 0).unwrap();
     })
     .unwrap();
-    let ckpt = root.join("step-00000002");
+    root.join(format!("step-{steps:08}"))
+}
+
+#[test]
+fn the_export_loads_in_candle_transformers_with_the_same_outputs() {
+    let tmp = tempfile::Builder::new().prefix("hetpar-export-").tempdir().unwrap();
+    let dir = tmp.path();
+    let ckpt = saved_colocated(dir, 2);
+    let g = fault_graph(false);
     let hf = dir.join("hf");
     let done = export_hf(&ckpt, &hf, None).unwrap();
     let names: Vec<(&str, &str)> =
@@ -310,17 +316,7 @@ to = "llm"
 fn a_tensor_of_another_type_is_refused_before_anything_is_written() {
     let tmp = tempfile::Builder::new().prefix("hetpar-export-type-").tempdir().unwrap();
     let dir = tmp.path();
-    let g = fault_graph(false);
-    let sources = Sources::synthetic(&g);
-    let root = dir.join("checkpoints");
-    launch(g.world, LocalOptions { timeout: Duration::from_secs(30) }, |c| {
-        let mut t = Trainer::new(c, &g, DType::F32, 1, &sources).unwrap();
-        t.set_config_text(fault_config(false));
-        t.step(c, 0).unwrap();
-        t.save(c, 1, &root, 0).unwrap();
-    })
-    .unwrap();
-    let ckpt = root.join("step-00000001");
+    let ckpt = saved_colocated(dir, 1);
     // The vision tower's file (the second module exported) with one weight in f64, and a
     // manifest of the first format (no checksum of its own) that lists the new file.
     let file = ckpt.join("vision.stage0.safetensors");
