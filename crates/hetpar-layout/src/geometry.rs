@@ -322,12 +322,10 @@ impl<'a> EdgeItems<'a> {
         let mut rows = Vec::with_capacity(count);
         // A row's holders follow its owning part and needers its using part, which change a
         // few times an item: each set is worked out once and shared by its rows.
+        // (A needer set's canonical rank is kept with it.)
         let mut sets: Vec<Vec<usize>> = Vec::new();
-        let (mut holder_sets, mut needer_sets) = (HashMap::new(), HashMap::new());
-        let set_of = |sets: &mut Vec<Vec<usize>>, ranks: Vec<usize>| {
-            sets.push(ranks);
-            sets.len() - 1
-        };
+        let mut holder_sets: HashMap<OwnerKey, usize> = HashMap::new();
+        let mut needer_sets: HashMap<UserKey, (usize, usize)> = HashMap::new();
         let (mut owned, mut used): (Option<OwnerKey>, Option<UserKey>) = (None, None);
         let (mut holder_set, mut needer_set, mut canonical) = (0, 0, 0);
         for j in ranges.into_iter().flatten() {
@@ -339,15 +337,18 @@ impl<'a> EdgeItems<'a> {
                 if owned != Some(owners) {
                     owned = Some(owners);
                     holder_set = *holder_sets.entry(owners).or_insert_with(|| {
-                        set_of(&mut sets, holders_of(src, owners.1, item_rows, u))
+                        sets.push(holders_of(src, owners.1, item_rows, u));
+                        sets.len() - 1
                     });
                 }
                 if used != Some(users) {
                     used = Some(users);
-                    let set = *needer_sets.entry(users).or_insert_with(|| {
-                        set_of(&mut sets, needers_of(dst, &self.split, users.2, pos))
+                    (needer_set, canonical) = *needer_sets.entry(users).or_insert_with(|| {
+                        let needers = needers_of(dst, &self.split, users.2, pos);
+                        let canonical = canonical_of(dst, &needers);
+                        sets.push(needers);
+                        (sets.len() - 1, canonical)
                     });
-                    (needer_set, canonical) = (set, canonical_of(dst, &sets[set]));
                 }
                 rows.push(Row {
                     id: RowId { sample: r.sample, token: self.tokens[j] + u },

@@ -28,13 +28,15 @@ fn cache() -> PathBuf {
 /// The small model on in-memory data: quick to train where a test needs many steps.
 const IN_MEMORY: &str = "examples/in-memory.toml";
 
+/// `hetpar ARGS` in the repository's root, with the tests' data cache.
+fn command(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_hetpar"));
+    c.args(args).env("HETPAR_CACHE", cache()).current_dir(root());
+    c
+}
+
 fn hetpar(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hetpar"))
-        .args(args)
-        .env("HETPAR_CACHE", cache())
-        .current_dir(root())
-        .output()
-        .expect("hetpar runs")
+    command(args).output().expect("hetpar runs")
 }
 
 /// [`hetpar`], killed and the test failed where it has not finished within `secs`: for
@@ -42,14 +44,8 @@ fn hetpar(args: &[&str]) -> Output {
 fn hetpar_within(secs: u64, args: &[&str]) -> Output {
     use std::process::Stdio;
     use std::time::{Duration, Instant};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hetpar"))
-        .args(args)
-        .env("HETPAR_CACHE", cache())
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("hetpar runs");
+    let mut child =
+        command(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("hetpar runs");
     // Both pipes read as the child writes, so a long output cannot block it.
     let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
         std::thread::spawn(move || {
@@ -84,9 +80,7 @@ fn hetpar_within(secs: u64, args: &[&str]) -> Output {
 fn a_closed_output_ends_the_process_without_a_panic() {
     use std::os::unix::process::ExitStatusExt;
     use std::process::Stdio;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hetpar"))
-        .args(["plan", "examples/workloads/mm-1b-7b-8k.toml", "--top", "100000"])
-        .current_dir(root())
+    let mut child = command(&["plan", "examples/workloads/mm-1b-7b-8k.toml", "--top", "100000"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -1052,9 +1046,7 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     assert!(!missing.status.success() && err.contains("/nonexistent/set"), "{err}");
     // A records file named bare, from its own directory (its parent is the empty path):
     // that directory is the one its tokenizer and media are in.
-    let bare = Command::new(env!("CARGO_BIN_EXE_hetpar"))
-        .args(["eval", out, "--data", "heldout.json"])
-        .env("HETPAR_CACHE", cache())
+    let bare = command(&["eval", out, "--data", "heldout.json"])
         .current_dir(generated)
         .output()
         .expect("hetpar runs");
