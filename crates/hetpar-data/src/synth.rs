@@ -134,6 +134,62 @@ pub struct SynthSummary {
     pub bytes: u64,
 }
 
+/// Refuses `dir` as a place to write a synthetic dataset into when it holds files that are
+/// not one (an earlier synthetic dataset there may be replaced).
+pub fn check_target(dir: &Path) -> Result<()> {
+    if dir.is_dir() && !dir.join("synth.json").is_file() {
+        let mut entries = std::fs::read_dir(dir).map_err(io(dir))?;
+        if entries.next().is_some() {
+            return Err(DataError::Options(format!(
+                "{} exists and holds files that are not a synthetic dataset; give an empty or new directory",
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Samples [`footprint`] makes in memory to estimate a whole set's.
+const PROBE: usize = 64;
+
+/// What [`generate`] would need for a set, estimated from its first samples (at most 64)
+/// made in memory and scaled to all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Footprint {
+    /// Bytes of the files it writes (the media and the records).
+    pub disk: u64,
+    /// Bytes it holds at once: every record is kept until the JSON files and the tokenizer
+    /// are written, which took 3.5 to 3.9 times the records' JSON in resident memory
+    /// (measured at 20,000 samples with media and 400,000 text-only); four times here.
+    pub memory: u64,
+}
+
+/// Estimates what [`generate`] needs for `opts` (validated first), so that a set too large
+/// for the disk or the memory is refused before anything is written.
+pub fn footprint(opts: &SynthOptions) -> Result<Footprint> {
+    opts.validate()?;
+    let probe = opts.samples.min(PROBE);
+    let (mut media, mut json) = (0u64, 0u64);
+    let encode = |e: String| DataError::Encode { path: PathBuf::from("(in memory)"), message: e };
+    for index in 0..probe {
+        let (record, pictures, sounds) = sample(opts.seed, index, opts);
+        // The draws of generate's pictures, in its order.
+        let mut rng = ChaCha8Rng::seed_from_u64(opts.seed ^ !(index as u64));
+        for p in &pictures {
+            let mut png = std::io::Cursor::new(Vec::new());
+            render(p, opts.image_size, &mut rng)
+                .write_to(&mut png, image::ImageFormat::Png)
+                .map_err(|e| encode(e.to_string()))?;
+            media += png.get_ref().len() as u64;
+        }
+        // A 16-bit mono WAV: its 44-byte header and two bytes a sample.
+        media += sounds.iter().map(|c| 44 + 2 * synthesize(c).len() as u64).sum::<u64>();
+        json += serde_json::to_vec_pretty(&record).map_err(|e| encode(e.to_string()))?.len() as u64;
+    }
+    let scale = |b: u64| (b as f64 * opts.samples as f64 / probe as f64).ceil() as u64;
+    Ok(Footprint { disk: scale(media + json), memory: scale(json).saturating_mul(4) })
+}
+
 /// `synth.json`: the options and what came out.
 #[derive(Debug, Serialize, Deserialize)]
 struct Made {
@@ -324,15 +380,7 @@ pub fn generate(
     progress: &mut dyn FnMut(usize),
 ) -> Result<SynthSummary> {
     opts.validate()?;
-    if dir.is_dir() && !dir.join("synth.json").is_file() {
-        let mut entries = std::fs::read_dir(dir).map_err(io(dir))?;
-        if entries.next().is_some() {
-            return Err(DataError::Options(format!(
-                "{} exists and holds files that are not a synthetic dataset; give an empty or new directory",
-                dir.display()
-            )));
-        }
-    }
+    check_target(dir)?;
     for sub in ["images", "audio"] {
         let d = dir.join(sub);
         std::fs::create_dir_all(&d).map_err(io(&d))?;

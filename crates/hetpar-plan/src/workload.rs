@@ -347,15 +347,23 @@ impl WorkloadFile {
             }
             let (mut shape, spec) = shape(name, m, llm.hidden)?;
             let seq = spec.rows_per_item().expect("an encoder");
-            let fraction = match (m.token_fraction, m.kind) {
-                (Some(f), _) => f,
-                (None, ModuleKind::Vit) => w.vision_token_fraction,
+            // Named where the share comes from: the module's own, else the workload's.
+            let (fraction, from) = match (m.token_fraction, m.kind) {
+                (Some(f), _) => (f, format!("{field}.token_fraction")),
+                (None, ModuleKind::Vit) => {
+                    (w.vision_token_fraction, "workload.vision_token_fraction".to_string())
+                }
                 (None, _) => {
                     return err(&field, "audio encoders need token_fraction (share of the LLM sequence their rows fill)".into());
                 }
             };
             if !(0.0..1.0).contains(&fraction) || fraction == 0.0 {
-                return err(&field, format!("token fraction {fraction} is not in (0, 1)"));
+                return err(
+                    &from,
+                    format!(
+                        "{fraction} is not in (0, 1): encoder {name} needs a share of the LLM's sequence"
+                    ),
+                );
             }
             fraction_sum += fraction;
             let rows_per_item = match m.kind {

@@ -190,6 +190,12 @@ fn workloads_parse_and_bad_ones_say_what_to_fix() {
         workload_err(&BASE.replace("vision_token_fraction = 0.5", "vision_token_fraction = 1.5"))
             .contains("not in [0, 1)")
     );
+    // No share for a vit encoder is refused under the field that gave it.
+    let e = workload_err(&BASE.replace("vision_token_fraction = 0.5", "vision_token_fraction = 0"));
+    assert!(
+        e.starts_with("workload.vision_token_fraction: 0 is not in (0, 1): encoder vision needs"),
+        "{e}"
+    );
     let pinned = BASE.replace(
         "ffn = 128\n[[edges]]",
         "ffn = 128\n[modules.llm.parallel]\nranks = [0, 8]\n[[edges]]",

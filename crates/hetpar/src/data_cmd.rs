@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use hetpar_data::Dataset;
 use hetpar_data::SynthOptions;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -51,7 +51,8 @@ struct CheckArgs {
 #[derive(clap::Args)]
 struct SynthArgs {
     /// Directory to write (created if absent; an earlier synthetic dataset there is
-    /// replaced, any other content refused).
+    /// replaced, any other content refused). The set is written beside it and moved into
+    /// place when complete, so an interrupted run leaves no half-written set.
     #[arg(long)]
     out: PathBuf,
     /// Samples in all, at least 2; a tenth of them (at least one) are held out.
@@ -205,9 +206,9 @@ fn synth(a: &SynthArgs) -> anyhow::Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} samples, {eta} left")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    crate::data_open::synth_fits(&opts, &a.out, "--samples")?;
     let summary =
-        hetpar_data::synth::generate(&a.out, &opts, &mut |done| bar.set_position(done as u64))
-            .with_context(|| format!("writing the synthetic dataset to {}", a.out.display()))?;
+        crate::data_open::synth_into(&a.out, &opts, &mut |done| bar.set_position(done as u64))?;
     bar.finish_and_clear();
     println!(
         "wrote {} samples to {} ({} for training in train.json, {} held out in heldout.json; seed {})",

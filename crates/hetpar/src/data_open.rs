@@ -101,6 +101,125 @@ pub fn synth_dir(samples: usize, seed: u64) -> PathBuf {
 /// How the name of a synth set being generated in the cache begins.
 const TMP_PREFIX: &str = ".tmp-";
 
+/// A name for a directory being written, unique to this process and moment (`tag`, the
+/// process id and the time in nanoseconds, so [`process_gone`] can tell one left by a
+/// process that ended).
+fn tmp_name(tag: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{tag}{}-{nanos}", std::process::id())
+}
+
+/// Whether the process that named `name` (`tag` then [`tmp_name`]'s process id) has ended
+/// on this machine.
+fn process_gone(name: &str, tag: &str) -> bool {
+    let pid = name.strip_prefix(tag).and_then(|rest| rest.split('-').next());
+    pid.and_then(|p| p.parse::<u32>().ok())
+        .is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists())
+}
+
+/// Refuses a synth set that `opts` describe when its files would not fit on the disk
+/// holding `dir` or its records in the memory available, with the numbers, before anything
+/// is written; `samples` names where the sample count came from (`--samples`,
+/// `data.samples`).
+pub fn synth_fits(opts: &SynthOptions, dir: &Path, samples: &str) -> anyhow::Result<()> {
+    let need = hetpar_data::synth::footprint(opts)?;
+    let size = |b: u64| crate::human(usize::try_from(b).unwrap_or(usize::MAX));
+    if let Some(free) = crate::free_disk_bytes(dir)
+        && need.disk > free
+    {
+        bail!(
+            "{samples} {}: the synthetic dataset's files would take about {} (from its first samples), more than the {} free on the disk holding {}; give fewer samples or another place",
+            opts.samples,
+            size(need.disk),
+            size(free),
+            dir.display()
+        );
+    }
+    if let Some(available) = crate::meminfo_bytes("MemAvailable")
+        && need.memory as f64 > available
+    {
+        bail!(
+            "{samples} {}: generating the synthetic dataset holds its records in memory, about {}, more than the {} this machine has available; give fewer samples",
+            opts.samples,
+            size(need.memory),
+            size(available as u64)
+        );
+    }
+    Ok(())
+}
+
+/// Writes the synth set `opts` describe to `out` whole or not at all: into a directory
+/// beside it, renamed into place when complete (an earlier synth set at `out` is replaced
+/// then, other content refused first). Directories left beside `out` by generations whose
+/// process ended (interrupted) are removed first.
+pub fn synth_into(
+    out: &Path,
+    opts: &SynthOptions,
+    progress: &mut dyn FnMut(usize),
+) -> anyhow::Result<hetpar_data::SynthSummary> {
+    hetpar_data::synth::check_target(out)?;
+    // A link to a directory is written through: the set replaces what it points at.
+    let out = if out.is_symlink() && out.is_dir() {
+        std::fs::canonicalize(out).with_context(|| format!("cannot resolve {}", out.display()))?
+    } else {
+        out.to_path_buf()
+    };
+    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| {
+        anyhow::anyhow!("{}: give a directory to write the dataset into", out.display())
+    })?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent)
+        .with_context(|| format!("cannot create {}", parent.display()))?;
+    let tag = format!(".{name}.tmp-");
+    if let Ok(entries) = std::fs::read_dir(&parent) {
+        for e in entries.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.starts_with(&tag) && process_gone(&n, &tag) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    let tmp = parent.join(tmp_name(&tag));
+    let summary = match hetpar_data::synth::generate(&tmp, opts, progress) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e)
+                .with_context(|| format!("writing the synthetic dataset to {}", out.display()));
+        }
+    };
+    // An earlier set out of the way first: a directory cannot be renamed over one that is
+    // not empty.
+    let old = parent.join(tmp_name(&format!(".{name}.old-")));
+    let earlier = out.exists();
+    let moved = match earlier {
+        true => std::fs::rename(&out, &old).with_context(|| {
+            format!("cannot move the earlier {} aside to replace it", out.display())
+        }),
+        false => Ok(()),
+    }
+    .and_then(|()| {
+        std::fs::rename(&tmp, &out)
+            .with_context(|| format!("cannot move the new set into {}", out.display()))
+    });
+    if let Err(e) = moved {
+        if earlier && !out.exists() {
+            let _ = std::fs::rename(&old, &out);
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if earlier {
+        let _ = std::fs::remove_dir_all(&old);
+    }
+    Ok(summary)
+}
+
 /// The synth set of `samples` samples seeded by `seed` under the cache, generated if it is
 /// not there yet (into a temporary directory renamed into place, so an interrupted or
 /// concurrent generation never leaves a half-written set). `say` reports what it did.
@@ -114,12 +233,8 @@ pub fn synth_cache(samples: usize, seed: u64, say: &dyn Fn(&str)) -> anyhow::Res
     say(&format!("generating the synthetic dataset ({samples} samples) into {}", dir.display()));
     std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
     // Unique per process and moment (processes of one job on several hosts may share the
-    // cache), removed first should an earlier one have been left behind.
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let tmp = root.join(format!("{TMP_PREFIX}{}-{nanos}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
+    // cache).
+    let tmp = root.join(format!("{}-{name}", tmp_name(TMP_PREFIX)));
     // Left by generations killed before their rename (or running now, on another host
     // sharing the cache, so they are named rather than removed).
     let left: Vec<String> = std::fs::read_dir(&root)
@@ -140,6 +255,7 @@ pub fn synth_cache(samples: usize, seed: u64, say: &dyn Fn(&str)) -> anyhow::Res
         ));
     }
     let opts = SynthOptions { seed, ..SynthOptions::with_samples(samples) };
+    synth_fits(&opts, &root, "data.samples")?;
     let start = std::time::Instant::now();
     let summary = hetpar_data::synth::generate(&tmp, &opts, &mut |_| {})
         .with_context(|| format!("writing the synthetic dataset to {}", tmp.display()))?;

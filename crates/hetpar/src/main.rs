@@ -111,6 +111,18 @@ pub(crate) fn meminfo_bytes(field: &str) -> Option<f64> {
     proc_kib_field("/proc/meminfo", field)
 }
 
+/// Bytes free to an unprivileged writer on the filesystem that holds `path` (or would: the
+/// nearest of its ancestors that exists); `None` where the system does not say.
+pub(crate) fn free_disk_bytes(path: &Path) -> Option<u64> {
+    let mut at = path;
+    while !at.as_os_str().is_empty() && !at.exists() {
+        at = at.parent()?;
+    }
+    let at = if at.as_os_str().is_empty() { Path::new(".") } else { at };
+    let stats = rustix::fs::statvfs(at).ok()?;
+    Some(stats.f_bavail.saturating_mul(stats.f_frsize))
+}
+
 /// The most memory this process has had resident (`VmHWM` of `/proc/self/status`) in
 /// bytes; `None` where the system does not say.
 pub(crate) fn process_peak_bytes() -> Option<f64> {

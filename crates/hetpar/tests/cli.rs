@@ -2704,6 +2704,65 @@ fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
     assert!(help.contains("Examples:\n  hetpar data synth --out /tmp/d"), "{help}");
 }
 
+/// `data synth` writes its set beside `--out` and moves it into place when complete: while
+/// it runs (and after it is killed) `--out` holds the earlier set or nothing, the next run
+/// removes what a killed one left, and a set larger than the disk is refused before any
+/// file is written.
+#[test]
+fn data_synth_is_whole_or_absent() {
+    use std::time::{Duration, Instant};
+    let tmp = temp("synth-atomic");
+    let dir = tmp.path().join("set");
+    let d = dir.to_str().expect("utf-8 path");
+    stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "10"]));
+    let earlier = std::fs::read(dir.join("train.json")).expect("train.json");
+    let partial = || {
+        std::fs::read_dir(tmp.path())
+            .expect("list")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".set.tmp-"))
+            .collect::<Vec<_>>()
+    };
+    // Long enough to be caught writing (some seconds on one core), killed once it is.
+    let mut child = command(&["data", "synth", "--out", d, "--samples", "200000"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("hetpar runs");
+    let start = Instant::now();
+    while partial().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no set being written beside --out");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    child.kill().expect("kill");
+    child.wait().expect("wait");
+    assert_eq!(std::fs::read(dir.join("train.json")).expect("train.json"), earlier);
+    assert_eq!(partial().len(), 1, "the killed run's directory");
+    // One named for a process still running is left alone (it may be writing).
+    let live = tmp.path().join(format!(".set.tmp-{}-1", std::process::id()));
+    std::fs::create_dir(&live).expect("mkdir");
+    let text = stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "12"]));
+    assert!(text.starts_with("wrote 12 samples to "), "{text}");
+    assert_eq!(partial(), vec![format!(".set.tmp-{}-1", std::process::id())]);
+    let made = std::fs::read_to_string(dir.join("synth.json")).expect("synth.json");
+    assert!(made.contains("\"samples\": 12"), "{made}");
+    // Far past any disk: refused with the numbers, nothing written.
+    let other = tmp.path().join("huge");
+    let o = other.to_str().expect("utf-8 path");
+    let out = hetpar(&["data", "synth", "--out", o, "--samples", "100000000000"]);
+    let err = String::from_utf8(out.stderr).expect("utf-8");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with(
+            "error: --samples 100000000000: the synthetic dataset's files would take about "
+        ) && err.contains(" free on the disk holding "),
+        "{err}"
+    );
+    assert!(!other.exists() && partial().len() == 1);
+}
+
 /// A step that fails commits no checkpoint: saving after every step, a run whose second
 /// step is not finite stops with an error, and `latest` still names the checkpoint after
 /// the first, from which `--resume auto` goes on.
