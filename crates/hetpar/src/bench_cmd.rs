@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use crate::say;
 use anyhow::{Context, bail};
 use hetpar_comm::bench::{BenchOp, BenchResult, bench, copy_bandwidth, memcpy_bandwidth};
 use hetpar_comm::{LocalOptions, launch};
@@ -106,11 +107,6 @@ fn line(r: &BenchResult, backend: &str) -> String {
         gbs(r.algbw),
         gbs(r.busbw)
     )
-}
-
-#[allow(clippy::print_stdout)]
-fn say(s: &str) {
-    println!("{s}");
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {

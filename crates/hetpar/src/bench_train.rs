@@ -11,6 +11,7 @@ use anyhow::bail;
 use hetpar_runtime::StepLog;
 use hetpar_schedule::{Action, Durations, MsgId, Options, PipelineGraph, Schedule, simulate};
 
+use crate::say;
 use crate::train_cmd::{dtype, load, timeout, train_local_ranks};
 
 /// Arguments of `hetpar bench train`.
@@ -65,11 +66,6 @@ impl Durations for Measured {
 
 fn own_work(a: &Action) -> bool {
     matches!(a, Action::Compute(_) | Action::Step(_) | Action::Offload(_) | Action::Reload(_))
-}
-
-#[allow(clippy::print_stdout)]
-fn say(s: &str) {
-    println!("{s}");
 }
 
 pub fn run_train(a: &TrainArgs) -> anyhow::Result<()> {

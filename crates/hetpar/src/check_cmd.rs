@@ -11,6 +11,7 @@ use hetpar_layout::config::{Dtype, ParallelConfig, StrategyName};
 use hetpar_layout::{Config, ModelGraph};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::say;
 use crate::train_cmd::{dtype, load, precision, timeout, train_local, train_mpi};
 
 #[derive(clap::Args)]
@@ -325,17 +326,9 @@ fn growth_hint(
     ))
 }
 
-fn say(line: &str) {
-    #[allow(clippy::print_stdout)]
-    {
-        println!("{line}");
-    }
-}
-
 /// A line on stderr, kept out of the table and the JSON.
-#[allow(clippy::print_stderr)]
 fn note(line: &str) {
-    eprintln!("{line}");
+    crate::stderr_line(line);
 }
 
 #[cfg(test)]

@@ -137,6 +137,12 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let name = config.display().to_string();
     // The saved config's own mistakes (a key an older build wrote, say) at its own lines.
     let (_, trained) = crate::config_load::load_text(text.clone(), name.clone(), &[])?;
+    if trained.data.source == hetpar_layout::config::DataSource::Synthetic {
+        anyhow::bail!(
+            "{}: the run trained on in-process synthetic tokens (data.source = \"synthetic\"), which no tokenizer spells: records read through --data's tokenizer would be ids the model never learned; evaluate a run trained on files (data.source = \"synth\" or \"llava\")",
+            ckpt.display()
+        );
+    }
     let data_text = crate::config_load::apply(&text, &ours).with_context(|| name.clone())?;
     let (cfg, mut graph) = crate::config_load::load_text(data_text, name.clone(), &a.set)?;
     let manifest = hetpar_runtime::checkpoint::read_manifest(&ckpt, &graph)?;
@@ -223,7 +229,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         _ => None,
     };
     let text = |ids: &[u32]| vocab.as_ref().map_or_else(|| format!("{ids:?}"), |v| spell(v, ids));
-    #[allow(clippy::print_stdout)]
     if a.json {
         let kinds = serde_json::to_value(&report.answers)?;
         let mut out = serde_json::json!({
@@ -251,28 +256,28 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                 .collect();
             out["answers"] = answers.into();
         }
-        println!("{out}");
+        crate::say(&format!("{out}"));
     } else {
-        println!(
+        crate::say(&format!(
             "{} after {step} steps on {}: {}",
             ckpt.display(),
             a.data.display(),
             describe_eval(&report)
-        );
+        ));
         if !shown.is_empty() {
-            println!("the first {} of {} answers:", shown.len(), report.answered.len());
+            crate::say(&format!("the first {} of {} answers:", shown.len(), report.answered.len()));
         }
         for (i, x) in shown.iter().enumerate() {
             let expected = text(&x.expected);
             if x.right() {
-                println!("  {}. {}, right: {expected:?}", i + 1, x.kind);
+                crate::say(&format!("  {}. {}, right: {expected:?}", i + 1, x.kind));
             } else {
                 let greedy = text(x.greedy());
-                println!(
+                crate::say(&format!(
                     "  {}. {}, wrong: {expected:?}; greedy decoding begins {greedy:?}",
                     i + 1,
                     x.kind
-                );
+                ));
             }
         }
     }

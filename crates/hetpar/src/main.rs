@@ -22,6 +22,7 @@ mod train_cmd;
 
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Parser, Subcommand};
 use hetpar_layout::ModelGraph;
@@ -269,9 +270,49 @@ pub(crate) fn human(bytes: usize) -> String {
 
 /// Writes `line` and its newline to stderr in one write: ranks under mpirun share the
 /// stream, and a line written in pieces (as `eprintln!` writes its arguments) can take
-/// another rank's line inside it. Every error line of the binary goes through here.
-#[allow(clippy::print_stderr)]
+/// another rank's line inside it. Every error line of the binary goes through here. A
+/// closed stderr loses the line (there is nowhere left to say so).
 pub(crate) fn stderr_line(line: &str) {
+    use std::io::Write;
     let whole = format!("{line}\n");
-    eprint!("{whole}");
+    let _ = std::io::stderr().lock().write_all(whole.as_bytes());
+}
+
+/// Set by the commands that stop on their own when their output closes (`hetpar train`:
+/// after its step, with a checkpoint); the others end there (see [`say`]).
+static STOPS_ON_CLOSED_OUTPUT: AtomicBool = AtomicBool::new(false);
+/// Set by [`say`] when stdout can no longer be written, in a command that stops on its own.
+static OUTPUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// Makes a closed stdout stop this command through [`output_closed`] rather than end it.
+pub(crate) fn stop_when_output_closes() {
+    STOPS_ON_CLOSED_OUTPUT.store(true, Ordering::SeqCst);
+}
+
+/// Whether stdout closed in a command that asked to stop on it.
+pub(crate) fn output_closed() -> bool {
+    OUTPUT_CLOSED.load(Ordering::SeqCst)
+}
+
+/// A line of a command's report on stdout. Where stdout cannot be written (`hetpar train |
+/// head -1` once `head` has its line, a full disk), a command that asked
+/// ([`stop_when_output_closes`]) is told through [`output_closed`] and said so once on
+/// stderr; any other ends the process: quietly on a closed pipe (exit 141, as SIGPIPE would
+/// end it), else with the error (exit 1). Printing never panics.
+pub(crate) fn say(line: &str) {
+    use std::io::Write;
+    let Err(e) = writeln!(std::io::stdout().lock(), "{line}") else { return };
+    if STOPS_ON_CLOSED_OUTPUT.load(Ordering::SeqCst) {
+        if !OUTPUT_CLOSED.swap(true, Ordering::SeqCst) {
+            stderr_line(&format!(
+                "note: the output cannot be written ({e}): stopping after this step, with a checkpoint; continue with --resume auto (same --out)"
+            ));
+        }
+        return;
+    }
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(141);
+    }
+    stderr_line(&format!("error: cannot write the output: {e}"));
+    std::process::exit(1);
 }

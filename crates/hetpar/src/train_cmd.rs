@@ -18,6 +18,7 @@ use hetpar_runtime::{EvalReport, Resident, RunFacts, RuntimeError, StepLog, Trai
 
 use crate::data_open::RunData;
 use crate::preflight::{self, Holds, first_manifest, fits_memory, fits_memory_mpi};
+use crate::say;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(clap::Args)]
@@ -495,12 +496,7 @@ impl Report {
                 b.set_position(log.step as u64 + 1);
                 b.set_message(text);
             }
-            None => {
-                #[allow(clippy::print_stderr)]
-                {
-                    eprintln!("step {}/{}  {text}", log.step + 1, self.steps);
-                }
-            }
+            None => crate::stderr_line(&format!("step {}/{}  {text}", log.step + 1, self.steps)),
         }
         Ok(())
     }
@@ -645,7 +641,10 @@ fn run_on(
         keep: a.keep,
         resume,
         start,
-        stop: stop_on_signals()?,
+        stop: {
+            crate::stop_when_output_closes();
+            stop_on_signals()?
+        },
         config: resolved.clone(),
         tokenizer_sha256: None,
         io_timeout: seconds("--io-timeout", a.io_timeout)?,
@@ -729,7 +728,10 @@ fn run_on(
                 l.span()
             ));
         }
-        say(&format!("resolved config (saved as {}):", out.join("config.toml").display()));
+        say(&format!(
+            "resolved config (written to {} as training begins):",
+            out.join("config.toml").display()
+        ));
         for line in resolved.lines().filter(|l| !l.trim().is_empty()) {
             say(&format!("  {line}"));
         }
@@ -777,7 +779,7 @@ fn run_on(
         // A signal so far (the data opening, the peak's products) stops the run before it
         // moves or writes anything under --out: an earlier run there stays where it was.
         // (Under MPI the error ends every process.)
-        if ckpt.as_ref().is_some_and(|k| k.stop.load(Ordering::Relaxed)) {
+        if ckpt.as_ref().is_some_and(|k| k.stopping()) {
             return Err(stopped_at_start(&out));
         }
         // An earlier run's files under --out are moved aside when this run writes its
@@ -939,7 +941,8 @@ fn run_on(
         say(&format!("checkpoint committed: {}", dir.display()));
         if done < steps {
             say(&format!(
-                "stopped by a signal after step {done} of {steps}; continue with --resume auto (same --out)"
+                "stopped by {} after step {done} of {steps}; continue with --resume auto (same --out)",
+                stop_cause()
             ));
         }
     }
@@ -949,9 +952,15 @@ fn run_on(
 /// The error of a run a signal stopped before its first step: nothing moved or written.
 fn stopped_at_start(out: &Path) -> anyhow::Error {
     anyhow::anyhow!(
-        "stopped by a signal before the first step began; nothing under {} was moved or written",
+        "stopped by {} before the first step began; nothing under {} was moved or written",
+        stop_cause(),
         out.display()
     )
+}
+
+/// What stopped a run: its output closing (`hetpar train | head`), else a signal.
+fn stop_cause() -> &'static str {
+    if crate::output_closed() { "its output closing" } else { "a signal" }
 }
 
 /// Where a run saves and resumes.
@@ -979,6 +988,11 @@ pub struct Checkpoints {
 }
 
 impl Checkpoints {
+    /// Whether this process was asked to stop: by a signal, or by its output closing.
+    fn stopping(&self) -> bool {
+        self.stop.load(Ordering::Relaxed) || crate::output_closed()
+    }
+
     /// No checkpoints (check and bench runs).
     pub fn none() -> Option<Checkpoints> {
         None
@@ -1630,13 +1644,6 @@ fn clip_seconds(graph: &ModelGraph) -> Option<f64> {
     frames.all(|f| f == first).then(|| hetpar_data::mel::clip_samples(first) as f64 / rate)
 }
 
-fn say(line: &str) {
-    #[allow(clippy::print_stdout)]
-    {
-        println!("{line}");
-    }
-}
-
 /// A process's memory at the end of a run, with what the preflight counted for its ranks.
 struct Memory {
     /// Its peak resident bytes.
@@ -1824,7 +1831,7 @@ fn rank_run(
     // the ranks agree to stop before the first step, which leaves --out as it was (nothing
     // is written or moved before a step's or an evaluation's line).
     if let Some(k) = ckpt {
-        let mut stop = [if k.stop.load(Ordering::Relaxed) { 1.0 } else { 0.0 }];
+        let mut stop = [if k.stopping() { 1.0 } else { 0.0 }];
         c.all_reduce(&mut stop, hetpar_comm::ReduceOp::Max)?;
         if stop[0] > 0.0 {
             return Ok(Vec::new());
@@ -1854,7 +1861,7 @@ fn rank_run(
         if let Some(k) = ckpt {
             let done = step + 1;
             // A signal reaches ranks at different moments: they agree after each step.
-            let mut stop = [if k.stop.load(Ordering::Relaxed) { 1.0 } else { 0.0 }];
+            let mut stop = [if k.stopping() { 1.0 } else { 0.0 }];
             c.all_reduce(&mut stop, hetpar_comm::ReduceOp::Max)?;
             let stop = stop[0] > 0.0;
             if stop || done == steps || (k.every > 0 && done.is_multiple_of(k.every)) {

@@ -2704,6 +2704,69 @@ fn data_synth_writes_a_dataset_and_refuses_a_foreign_directory() {
     assert!(help.contains("Examples:\n  hetpar data synth --out /tmp/d"), "{help}");
 }
 
+/// A closed output (`hetpar train | head -1`) stops a training run as a signal does, said
+/// on stderr, and ends `check` quietly: neither panics (both did, with a backtrace).
+#[test]
+fn a_closed_output_stops_a_run_without_a_panic() {
+    let tmp = temp("closed-output");
+    let out = tmp.path().join("run");
+    let o = out.to_str().expect("utf-8");
+    let ended = |args: &[&str]| {
+        let mut child = command(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("hetpar runs");
+        // The reading end closed before the command's first lines.
+        drop(child.stdout.take());
+        let done = child.wait_with_output().expect("hetpar ends");
+        (done.status, String::from_utf8(done.stderr).expect("utf-8"))
+    };
+    let (status, err) = ended(&["train", IN_MEMORY, "--steps", "3", "--out", o]);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains("note: the output cannot be written ("), "{err}");
+    assert!(
+        err.contains(&format!(
+            "error: stopped by its output closing before the first step began; nothing under {o} was moved or written"
+        )),
+        "{err}"
+    );
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(!out.exists());
+    let (status, err) = ended(&["check", IN_MEMORY, "--steps", "1"]);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(status.code(), Some(141), "{err}");
+}
+
+/// A checkpoint trained on in-process tokens has no tokenizer to read records through: its
+/// evaluation on a dataset is refused rather than scored on ids it never learned (with a
+/// vocabulary large enough for the dataset's tokenizer, it ran and printed a loss).
+#[test]
+fn eval_refuses_a_checkpoint_of_in_process_tokens() {
+    let tmp = temp("eval-in-process");
+    let out = tmp.path().join("run");
+    let o = out.to_str().expect("utf-8");
+    let run = hetpar(&[
+        "train",
+        IN_MEMORY,
+        "--steps",
+        "1",
+        "--out",
+        o,
+        "--set",
+        "modules.llm.vocab=1024",
+    ]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let (_set, dir) = synth_set("eval-in-process-set");
+    let ev = hetpar(&["eval", o, "--data", dir.to_str().expect("utf-8")]);
+    let err = String::from_utf8(ev.stderr).expect("utf-8");
+    assert_eq!(ev.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(": the run trained on in-process synthetic tokens (data.source = \"synthetic\"), which no tokenizer spells"),
+        "{err}"
+    );
+}
+
 /// `data synth` writes its set beside `--out` and moves it into place when complete: while
 /// it runs (and after it is killed) `--out` holds the earlier set or nothing, the next run
 /// removes what a killed one left, and a set larger than the disk is refused before any
