@@ -22,9 +22,11 @@ pub struct Args {
     pub ckpt: PathBuf,
     /// The records to evaluate: a `hetpar data synth` directory (its heldout.json) or a
     /// LLaVA JSON file, with its tokenizer.json next to it and media paths relative to it
-    /// (media elsewhere: `--set data.image_root=DIR`).
+    /// (media elsewhere: `--set data.image_root=DIR`). Default: the run's own held-out
+    /// records, as its config names them (a `synth` source's set in the cache, generated
+    /// again where it is gone).
     #[arg(long, value_name = "DIR")]
-    pub data: PathBuf,
+    pub data: Option<PathBuf>,
     /// Override a value of the checkpoint's config (repeatable), e.g. `--set
     /// train.global_batch=16` for larger evaluation batches.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -90,52 +92,77 @@ fn training_only(set: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// The records an evaluation reads.
+struct Records {
+    /// The LLaVA JSON file.
+    file: PathBuf,
+    /// Its tokenizer.
+    tokenizer: PathBuf,
+    /// What its media paths are relative to.
+    media_root: PathBuf,
+    /// How the output names them: `--data` as given, else the held-out file.
+    shown: PathBuf,
+}
+
+impl Records {
+    /// `--data`: a directory's heldout.json, or the file itself, with the tokenizer next to
+    /// them and media relative to them.
+    fn given(data: &Path) -> anyhow::Result<Records> {
+        let (file, dir) = if data.is_dir() {
+            (data.join("heldout.json"), data.to_path_buf())
+        } else {
+            // A bare file name's directory is the current one (its parent is the empty
+            // path).
+            let parent = data.parent().filter(|p| !p.as_os_str().is_empty());
+            (data.to_path_buf(), parent.map_or_else(|| PathBuf::from("."), PathBuf::from))
+        };
+        if !file.is_file() {
+            let what = match std::fs::metadata(&file) {
+                Ok(m) => {
+                    format!("{} is {}", file.display(), hetpar_data::files::describe(m.file_type()))
+                }
+                Err(_) => format!("no such file as {}", file.display()),
+            };
+            anyhow::bail!(
+                "--data {}: {what} (give a `hetpar data synth` directory, or a LLaVA records file)",
+                data.display()
+            );
+        }
+        Ok(Records {
+            tokenizer: dir.join("tokenizer.json"),
+            media_root: dir,
+            shown: data.to_path_buf(),
+            file,
+        })
+    }
+
+    /// The held-out records of the run whose config is `trained`, with its tokenizer and
+    /// media.
+    fn trained(trained: &hetpar_layout::ModelGraph) -> anyhow::Result<Records> {
+        let paths = crate::data_open::paths(trained, &|l| crate::stderr_line(l))?
+            .context("the run read no records files")?;
+        let Some(file) = paths.heldout else {
+            anyhow::bail!(
+                "the run had no held-out records (data.heldout, or heldout.json next to data.path {}): give --data",
+                paths.json.display()
+            );
+        };
+        Ok(Records {
+            shown: file.clone(),
+            file,
+            tokenizer: paths.tokenizer,
+            media_root: paths.media_root,
+        })
+    }
+}
+
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let ckpt = checkpoint_said(&a.ckpt)?;
     let config = ckpt.join(CONFIG_FILE);
     let text = hetpar_runtime::checkpoint::saved_config(&ckpt)?
         .with_context(|| format!("{}: the checkpoint holds no config", config.display()))?;
-    // The records to evaluate: a directory's heldout.json, or the file itself, with the
-    // tokenizer next to them and media relative to them; the checkpoint's own data keys
-    // are all replaced (its training split is not opened: the held-out file stands in).
-    let (file, dir) = if a.data.is_dir() {
-        (a.data.join("heldout.json"), a.data.clone())
-    } else {
-        // A bare file name's directory is the current one (its parent is the empty path).
-        let parent = a.data.parent().filter(|p| !p.as_os_str().is_empty());
-        let dir = parent.map_or_else(|| PathBuf::from("."), PathBuf::from);
-        (a.data.clone(), dir)
-    };
-    if !file.is_file() {
-        let what = match std::fs::metadata(&file) {
-            Ok(m) => {
-                format!("{} is {}", file.display(), hetpar_data::files::describe(m.file_type()))
-            }
-            Err(_) => format!("no such file as {}", file.display()),
-        };
-        anyhow::bail!(
-            "--data {}: {what} (give a `hetpar data synth` directory, or a LLaVA records file)",
-            a.data.display()
-        );
-    }
-    // Each path as a TOML string (Rust's `{:?}` escapes other characters than TOML does).
-    let quoted = |p: &Path| toml::Value::String(p.display().to_string()).to_string();
-    let (f, d, tok) = (quoted(&file), quoted(&dir), quoted(&dir.join("tokenizer.json")));
-    let ours = [
-        "data.source=\"llava\"".to_string(),
-        format!("data.path={f}"),
-        format!("data.heldout={f}"),
-        format!("data.tokenizer={tok}"),
-        format!("data.image_root={d}"),
-        // Items come from the records: the synthetic source's item count and the synth
-        // set's size do not apply.
-        "data.max_items=1".to_string(),
-        format!("data.samples={}", hetpar_layout::config::DataConfig::SYNTH_SAMPLES),
-    ];
-    // The data keys are written into the text first, so an error names only the sets the
-    // user gave.
-    let name = config.display().to_string();
     // The saved config's own mistakes (a key an older build wrote, say) at its own lines.
+    let name = config.display().to_string();
     let (_, trained) = crate::config_load::load_text(text.clone(), name.clone(), &[])?;
     if trained.data.source == hetpar_layout::config::DataSource::Synthetic {
         anyhow::bail!(
@@ -143,6 +170,28 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             ckpt.display()
         );
     }
+    let records = match &a.data {
+        Some(data) => Records::given(data)?,
+        None => Records::trained(&trained)?,
+    };
+    // Each path as a TOML string (Rust's `{:?}` escapes other characters than TOML does).
+    let quoted = |p: &Path| toml::Value::String(p.display().to_string()).to_string();
+    let f = quoted(&records.file);
+    // The checkpoint's own data keys are all replaced (its training split is not opened:
+    // the held-out file stands in).
+    let ours = [
+        "data.source=\"llava\"".to_string(),
+        format!("data.path={f}"),
+        format!("data.heldout={f}"),
+        format!("data.tokenizer={}", quoted(&records.tokenizer)),
+        format!("data.image_root={}", quoted(&records.media_root)),
+        // Items come from the records: the synthetic source's item count and the synth
+        // set's size do not apply.
+        "data.max_items=1".to_string(),
+        format!("data.samples={}", hetpar_layout::config::DataConfig::SYNTH_SAMPLES),
+    ];
+    // The data keys are written into the text first, so an error names only the sets the
+    // user gave.
     let data_text = crate::config_load::apply(&text, &ours).with_context(|| name.clone())?;
     let (cfg, mut graph) = crate::config_load::load_text(data_text, name.clone(), &a.set)?;
     let manifest = hetpar_runtime::checkpoint::read_manifest(&ckpt, &graph)?;
@@ -151,8 +200,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let changed = crate::data_open::changed_tokenizer(recorded, &trained, used.as_deref())?;
     if let (Some(trained), Some(used)) = (changed, used) {
         anyhow::bail!(
-            "--data {}: its tokenizer {} is not the one the checkpoint was trained with ({trained}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
-            a.data.display(),
+            "{}{}: its tokenizer {} is not the one the checkpoint was trained with ({trained}): the token ids would not mean what the model learned (evaluate records tokenized as in training, or pass --set data.tokenizer=...)",
+            if a.data.is_some() { "--data " } else { "the run's held-out records " },
+            records.shown.display(),
             used.display(),
         );
     }
@@ -261,7 +311,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         crate::say(&format!(
             "{} after {step} steps on {}: {}",
             ckpt.display(),
-            a.data.display(),
+            records.shown.display(),
             describe_eval(&report)
         ));
         if !shown.is_empty() {

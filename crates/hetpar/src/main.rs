@@ -80,7 +80,7 @@ enum Command {
     /// for `hetpar plan --hardware local`.
     #[command(after_help = "Example:\n  RAYON_NUM_THREADS=1 hetpar calibrate")]
     Calibrate(plan_cmd::CalibrateArgs),
-    /// Benchmarks: `hetpar bench comm`, `hetpar bench nn`, `hetpar bench train`.
+    /// Benchmarks: `hetpar bench comm`, `nn`, `train`, `executor` and `plans`.
     #[command(
         after_help = "Examples:\n  RAYON_NUM_THREADS=1 hetpar bench nn --only layer\n  hetpar bench comm\n  hetpar bench train examples/colocated-fanin.toml"
     )]
@@ -101,7 +101,7 @@ enum Command {
     /// Held-out loss and answer accuracy of a checkpoint (greedy decoding of each answer,
     /// scored as exact match), on the layout it was saved under.
     #[command(
-        after_help = "Examples:\n  hetpar data synth --out /tmp/d --seed 1234 && hetpar eval runs/demo --data /tmp/d   (the demo's set)\n  hetpar eval runs/demo/checkpoints/step-00000100 --data /tmp/d/heldout.json --json\n  hetpar eval runs/demo --data /tmp/d --show 10   (the first 10 answers next to the model's)\n  mpirun -n 3 hetpar eval runs/demo --data /tmp/d --backend mpi   (build with --features mpi)"
+        after_help = "Examples:\n  hetpar eval runs/demo   (the run's own held-out records)\n  hetpar data synth --out /tmp/d --seed 1234 && hetpar eval runs/demo --data /tmp/d   (the demo's set)\n  hetpar eval runs/demo/checkpoints/step-00000100 --data /tmp/d/heldout.json --json\n  hetpar eval runs/demo --data /tmp/d --show 10   (the first 10 answers next to the model's)\n  mpirun -n 3 hetpar eval runs/demo --data /tmp/d --backend mpi   (build with --features mpi)"
     )]
     Eval(eval_cmd::Args),
 }

@@ -69,6 +69,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             schedule.kind.name(),
             schedule.microbatches
         );
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+        }
         std::fs::write(path, svg(&schedule, &timeline, &title))
             .with_context(|| format!("cannot write {}", path.display()))?;
         out.push_str(&format!("wrote {}\n", path.display()));

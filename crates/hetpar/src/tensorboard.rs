@@ -85,8 +85,29 @@ impl Events {
     /// A new event file under `dir` (a resumed run adds one; TensorBoard reads them all).
     pub fn create(dir: &Path) -> std::io::Result<Events> {
         let t = now();
-        let path = dir.join(format!("{PREFIX}{}.hetpar.{}", t as u64, std::process::id()));
-        let mut file = std::fs::File::create(&path)?;
+        let name = format!("{PREFIX}{}.hetpar.{}", t as u64, std::process::id());
+        // Never over an existing file (one made in the same second by this process, whose
+        // events a resumed run may be carrying): a numbered name beside it instead.
+        let mut path = dir.join(&name);
+        let mut file = None;
+        for n in 1..100 {
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+                Ok(f) => {
+                    file = Some(f);
+                    break;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    path = dir.join(format!("{name}.{n}"));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let mut file = file.ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("{}: 99 files of this name", path.display()),
+            )
+        })?;
         file.write_all(&record(&event(t, 0, Some("brain.Event:2"), &[])))?;
         Ok(Events { file, path })
     }
@@ -94,6 +115,25 @@ impl Events {
     /// The file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Copies into this file the events of `earlier` files (a resumed run's, in order) with
+    /// steps before `before`, as they were written (their wall times kept): what a run
+    /// resumed at step `before` keeps of its history, so no step shows twice. A file's
+    /// records after one cut short or failing its CRC are left out; the number copied.
+    pub fn carry(&mut self, earlier: &[PathBuf], before: usize) -> std::io::Result<usize> {
+        let mut copied = 0;
+        for path in earlier {
+            let bytes = std::fs::read(path)?;
+            for (record, data) in records(&bytes) {
+                if step_of(data).is_some_and(|(step, version)| !version && step < before as u64) {
+                    self.file.write_all(record)?;
+                    copied += 1;
+                }
+            }
+        }
+        self.file.flush()?;
+        Ok(copied)
     }
 
     /// Scalars of `step` (non-finite values are left out: TensorBoard would plot them as
@@ -106,11 +146,92 @@ impl Events {
     }
 }
 
+fn read_varint(b: &[u8], at: &mut usize) -> Result<u64, String> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*at).ok_or("a varint runs past the end")?;
+        *at += 1;
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte < 0x80 {
+            return Ok(v);
+        }
+    }
+    Err("a varint longer than 10 bytes".into())
+}
+
+/// The fields of one protobuf message: (field, wire type, payload bytes or value).
+fn fields(b: &[u8]) -> Result<Vec<(u64, Vec<u8>)>, String> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < b.len() {
+        let key = read_varint(b, &mut at)?;
+        let (field, wire) = (key >> 3, key & 7);
+        let take = |at: &mut usize, n: usize| -> Result<Vec<u8>, String> {
+            let end =
+                at.checked_add(n).filter(|&e| e <= b.len()).ok_or("a field runs past the end")?;
+            let v = b[*at..end].to_vec();
+            *at = end;
+            Ok(v)
+        };
+        let value = match wire {
+            0 => read_varint(b, &mut at)?.to_le_bytes().to_vec(),
+            1 => take(&mut at, 8)?,
+            2 => {
+                let n = read_varint(b, &mut at)? as usize;
+                take(&mut at, n)?
+            }
+            5 => take(&mut at, 4)?,
+            w => return Err(format!("wire type {w}")),
+        };
+        out.push((field, value));
+    }
+    Ok(out)
+}
+
+/// The records of an event file's `bytes` (whole, framing included) with their events'
+/// data, up to the first one cut short or failing a CRC (a run killed while writing).
+fn records(bytes: &[u8]) -> Vec<(&[u8], &[u8])> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(head) = bytes.get(at..at + 12) {
+        let len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+        let Some(n) = usize::try_from(len).ok().filter(|n| *n <= bytes.len()) else { break };
+        let (Some(data), Some(crc)) =
+            (bytes.get(at + 12..at + 12 + n), bytes.get(at + 12 + n..at + 16 + n))
+        else {
+            break;
+        };
+        if masked_crc(&head[..8]).to_le_bytes() != head[8..12]
+            || masked_crc(data).to_le_bytes() != crc
+        {
+            break;
+        }
+        out.push((&bytes[at..at + 16 + n], data));
+        at += 16 + n;
+    }
+    out
+}
+
+/// An event's step, and whether it is a file's version record; `None` where its data does
+/// not parse.
+fn step_of(data: &[u8]) -> Option<(u64, bool)> {
+    let mut step = 0;
+    let mut version = false;
+    for (field, v) in fields(data).ok()? {
+        match field {
+            2 => step = u64::from_le_bytes(v.get(..8)?.try_into().ok()?),
+            3 => version = true,
+            _ => {}
+        }
+    }
+    Some((step, version))
+}
+
 /// A reader of what [`Events`] writes, for the tests: every record's CRCs checked, the
 /// fields decoded.
 #[cfg(test)]
 mod reader {
-    use super::masked_crc;
+    use super::{fields, masked_crc};
 
     /// What [`read`] finds in one event.
     #[derive(Debug, PartialEq)]
@@ -121,50 +242,6 @@ mod reader {
         pub version: Option<String>,
         /// Scalars by tag.
         pub scalars: Vec<(String, f32)>,
-    }
-
-    fn read_varint(b: &[u8], at: &mut usize) -> Result<u64, String> {
-        let mut v = 0u64;
-        for shift in (0..64).step_by(7) {
-            let byte = *b.get(*at).ok_or("a varint runs past the end")?;
-            *at += 1;
-            v |= u64::from(byte & 0x7f) << shift;
-            if byte < 0x80 {
-                return Ok(v);
-            }
-        }
-        Err("a varint longer than 10 bytes".into())
-    }
-
-    /// The fields of one protobuf message: (field, wire type, payload bytes or value).
-    fn fields(b: &[u8]) -> Result<Vec<(u64, Vec<u8>)>, String> {
-        let mut out = Vec::new();
-        let mut at = 0;
-        while at < b.len() {
-            let key = read_varint(b, &mut at)?;
-            let (field, wire) = (key >> 3, key & 7);
-            let take = |at: &mut usize, n: usize| -> Result<Vec<u8>, String> {
-                let end = at
-                    .checked_add(n)
-                    .filter(|&e| e <= b.len())
-                    .ok_or("a field runs past the end")?;
-                let v = b[*at..end].to_vec();
-                *at = end;
-                Ok(v)
-            };
-            let value = match wire {
-                0 => read_varint(b, &mut at)?.to_le_bytes().to_vec(),
-                1 => take(&mut at, 8)?,
-                2 => {
-                    let n = read_varint(b, &mut at)? as usize;
-                    take(&mut at, n)?
-                }
-                5 => take(&mut at, 4)?,
-                w => return Err(format!("wire type {w}")),
-            };
-            out.push((field, value));
-        }
-        Ok(out)
     }
 
     /// Every event of an event file, each record's CRCs checked.
@@ -249,5 +326,37 @@ mod tests {
         let n = bad.len();
         bad[n - 6] ^= 1;
         assert!(read(&bad).unwrap_err().contains("CRC"));
+    }
+
+    /// A resumed run's file carries the earlier files' events before its step, bytes and
+    /// wall times as written, and stops at a record cut short (a run killed while writing).
+    #[test]
+    fn a_resumed_file_carries_the_events_before_its_step() {
+        let dir = tempfile::Builder::new().prefix("hetpar-tb-").tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        let mut first = Events::create(&a).unwrap();
+        for step in 0..4 {
+            first.scalars(step, &[("loss", step as f64)]).unwrap();
+        }
+        let mut second = Events::create(&b).unwrap();
+        for step in 4..8 {
+            second.scalars(step, &[("loss", step as f64)]).unwrap();
+        }
+        // The second file's last record cut short.
+        let cut = std::fs::read(second.path()).unwrap();
+        std::fs::write(second.path(), &cut[..cut.len() - 3]).unwrap();
+        let mut resumed = Events::create(dir.path()).unwrap();
+        let copied = resumed.carry(&[first.path().into(), second.path().into()], 6).unwrap();
+        assert_eq!(copied, 6);
+        let events = read(&std::fs::read(resumed.path()).unwrap()).unwrap();
+        let steps: Vec<i64> = events.iter().skip(1).map(|e| e.step).collect();
+        assert_eq!(steps, [0, 1, 2, 3, 4, 5]);
+        let old = read(&std::fs::read(first.path()).unwrap()).unwrap();
+        assert_eq!(events[1..5], old[1..5]);
+        // Steps past the cut: the whole of the first file, the second's up to the cut.
+        let mut all = Events::create(&a).unwrap();
+        assert_eq!(all.carry(&[first.path().into(), second.path().into()], 100).unwrap(), 7);
     }
 }

@@ -27,7 +27,8 @@ pub struct Args {
     /// encoder colocated with the LLM and an audio encoder on its own rank, trained on the
     /// synthetic LLaVA set (generated once into the cache).
     pub config: Option<PathBuf>,
-    /// Steps to run (default: the config's train.steps).
+    /// The step to train to, counted from the run's start (default: the config's
+    /// train.steps): a run resumed at step 40 with --steps 100 trains 60 more.
     #[arg(long)]
     pub steps: Option<usize>,
     /// Element type: f32, f64, or bf16 (f32 weights and activations, bf16 products in the
@@ -74,8 +75,9 @@ pub struct Args {
     /// ranks).
     #[arg(long, value_name = "TFLOPS")]
     pub peak_tflops: Option<f64>,
-    /// Evaluate held-out loss and answer accuracy every N steps (0: only before the first
-    /// step and after the last). Runs whose data has a held-out split only.
+    /// Evaluate held-out loss and answer accuracy every N steps (default: a quarter of the
+    /// run; 0: only before the first step and after the last, which every run with a
+    /// held-out split evaluates). Runs whose data has a held-out split only.
     #[arg(long, value_name = "N")]
     pub eval_every: Option<usize>,
     /// Override a config value before validation (repeatable): a dotted key and a TOML
@@ -277,9 +279,9 @@ impl Report {
             Some(made) => made,
             none => {
                 let Pending { out, resolved, history, start, aside } = &self.pending;
-                let moved = match aside {
+                let (moved, branch) = match aside {
                     Some(a) => a.carry_out(out, &|l| self.println(l))?,
-                    None => None,
+                    None => (None, None),
                 };
                 // A checkpoint kept elsewhere in `out` goes on with the metrics just moved
                 // (`history` names them by the checkpoint's resolved path, `out` as given).
@@ -304,9 +306,7 @@ impl Report {
                     writeln!(metrics, "{l}")
                         .with_context(|| format!("cannot write {}", path.display()))?;
                 }
-                let events = crate::tensorboard::Events::create(out).with_context(|| {
-                    format!("cannot write a TensorBoard event file in {}", out.display())
-                })?;
+                let events = continue_events(out, *start, branch.as_deref())?;
                 none.insert(Files { metrics, events })
             }
         };
@@ -1344,8 +1344,12 @@ enum Aside {
 
 impl Aside {
     /// Moves the files aside from `out`, telling `say` where they went; where a whole run
-    /// went.
-    fn carry_out(&self, out: &Path, say: &dyn Fn(&str)) -> anyhow::Result<Option<PathBuf>> {
+    /// went, and where a branch past the checkpoint resumed from went.
+    fn carry_out(
+        &self,
+        out: &Path,
+        say: &dyn Fn(&str),
+    ) -> anyhow::Result<(Option<PathBuf>, Option<PathBuf>)> {
         match self {
             Aside::Past(start) => {
                 if let Some((moved, past)) = set_aside_past(out, *start)? {
@@ -1356,6 +1360,7 @@ impl Aside {
                         if past == 1 { "it" } else { "them" },
                         moved.display()
                     ));
+                    return Ok((None, Some(moved)));
                 }
             }
             Aside::Whole(why) => {
@@ -1365,12 +1370,48 @@ impl Aside {
                         out.display(),
                         moved.display()
                     ));
-                    return Ok(Some(moved));
+                    return Ok((Some(moved), None));
                 }
             }
         }
-        Ok(None)
+        Ok((None, None))
     }
+}
+
+/// The run's new TensorBoard event file in `out`, holding first what the event files
+/// already there (the run's own, as it resumes at step `start`) hold before `start`, so that
+/// TensorBoard shows no step twice; those files then go: to `branch` where the run left a
+/// branch past `start` there ([`set_aside_past`]), with its checkpoints and metrics, else
+/// deleted (what they hold past `start` is being trained again).
+fn continue_events(
+    out: &Path,
+    start: usize,
+    branch: Option<&Path>,
+) -> anyhow::Result<crate::tensorboard::Events> {
+    let mut earlier: Vec<(u64, String)> = std::fs::read_dir(out)
+        .with_context(|| format!("cannot read {}", out.display()))?
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            // `events.out.tfevents.<seconds>.<host>.<pid>`: in the order they were made.
+            let seconds = name.strip_prefix(crate::tensorboard::PREFIX)?.split('.').next()?;
+            Some((seconds.parse().ok()?, name))
+        })
+        .collect();
+    earlier.sort();
+    let paths: Vec<PathBuf> = earlier.iter().map(|(_, n)| out.join(n)).collect();
+    let what = || format!("cannot write a TensorBoard event file in {}", out.display());
+    let mut events = crate::tensorboard::Events::create(out).with_context(what)?;
+    events.carry(&paths, start).with_context(what)?;
+    for path in paths.iter().filter(|p| p.as_path() != events.path()) {
+        let gone = match (branch, path.file_name()) {
+            (Some(to), Some(name)) => std::fs::rename(path, to.join(name)),
+            _ => std::fs::remove_file(path),
+        };
+        gone.with_context(|| format!("cannot move {} out of the way", path.display()))?;
+    }
+    Ok(events)
 }
 
 /// Moves an earlier run's files out of `out` into a new `out/earlier-N` ([`new_earlier`]), where

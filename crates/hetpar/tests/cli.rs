@@ -374,7 +374,8 @@ fn schedule_for_every_example_with_an_svg() {
     let dir_tmp = temp("svg");
     let dir = dir_tmp.path();
     for example in examples() {
-        let svg = dir.join("s.svg");
+        // In a directory that is not there yet: made for it.
+        let svg = dir.join(example.replace(['/', '.'], "-")).join("s.svg");
         let text = stdout(&hetpar(&["schedule", &example, "--svg", svg.to_str().expect("utf-8")]));
         assert!(text.contains("\nvalid: "), "{example}:\n{text}");
         let picture = std::fs::read_to_string(&svg).expect("svg written");
@@ -919,6 +920,11 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
     }
     let plain = stdout(&hetpar(&["eval", out, "--data", generated, "--show", "3"]));
     assert!(plain.contains("\nthe first 3 of "), "{plain}");
+    // Without --data: the run's own held-out records, the same numbers.
+    let own = stdout(&hetpar(&["eval", out, "--show", "3"]));
+    let at = |t: &str| t.split_once(": ").map(|(_, r)| r.to_string()).expect("a result");
+    assert_eq!(at(&own), at(&plain), "{own}");
+    assert!(own.contains(&format!(" on {generated}/heldout.json: ")), "{own}");
     assert_eq!(plain.lines().filter(|l| l.starts_with("  ") && l.contains("\"")).count(), 3);
     assert_eq!(e["step"], 4);
     for key in ["loss", "answer_accuracy", "token_accuracy", "targets", "by_kind"] {
@@ -2267,6 +2273,57 @@ fn going_back_to_an_earlier_checkpoint_moves_the_later_ones_aside() {
     assert_eq!(std::fs::read_to_string(moved.join("latest")).expect("latest"), "step-00000004");
     let kept: Vec<u64> = losses(&dir).iter().map(|l| l.0).collect();
     assert_eq!(kept, [0, 1, 2, 3, 4]);
+    // TensorBoard's events likewise: one file for the run, each step once (the run's
+    // history before step 1 carried over), and the branch's own beside its checkpoints.
+    assert_eq!(event_steps(&dir), [vec![0, 1, 2, 3, 4]]);
+    assert_eq!(event_steps(&dir.join("earlier-1")), [vec![0, 1, 2, 3]]);
+}
+
+/// The steps of each TensorBoard event file in `dir` (in name order), its version record
+/// left out: TFRecord framing around `Event` protobufs, whose field 2 is the step.
+fn event_steps(dir: &Path) -> Vec<Vec<u64>> {
+    fn varint(b: &[u8], at: &mut usize) -> u64 {
+        let mut v = 0;
+        for shift in (0..64).step_by(7) {
+            let byte = b[*at];
+            *at += 1;
+            v |= u64::from(byte & 0x7f) << shift;
+            if byte < 0x80 {
+                break;
+            }
+        }
+        v
+    }
+    let files = entries(dir).into_iter().filter(|n| n.starts_with("events.out.tfevents."));
+    files
+        .map(|name| {
+            let bytes = std::fs::read(dir.join(name)).expect("events");
+            let (mut at, mut steps) = (0, Vec::new());
+            while at < bytes.len() {
+                let n = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8")) as usize;
+                let data = &bytes[at + 12..at + 12 + n];
+                at += 16 + n;
+                let (mut i, mut step, mut version) = (0, 0, false);
+                while i < data.len() {
+                    let key = varint(data, &mut i);
+                    match key & 7 {
+                        0 if key >> 3 == 2 => step = varint(data, &mut i),
+                        0 => _ = varint(data, &mut i),
+                        1 => i += 8,
+                        2 => {
+                            version |= key >> 3 == 3;
+                            i += varint(data, &mut i) as usize;
+                        }
+                        _ => i += 4,
+                    }
+                }
+                if !version {
+                    steps.push(step);
+                }
+            }
+            steps
+        })
+        .collect()
 }
 
 /// The saved config holds the steps the run was given (its learning-rate schedule ran over
