@@ -159,7 +159,7 @@ impl Dtype {
 }
 
 /// `[data]`.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
     /// Where samples come from.
@@ -194,6 +194,45 @@ pub struct DataConfig {
 
 fn thousand() -> usize {
     DataConfig::SYNTH_SAMPLES
+}
+
+/// Written as read, but for the keys only another source reads, left out at their defaults
+/// (validation refuses them otherwise): a resolved `source = "synthetic"` config does not
+/// show a synth set's size, nor a `synth` one the synthetic source's items per sample.
+impl Serialize for DataConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Written<'a> {
+            source: DataSource,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            path: &'a Option<String>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            image_root: &'a Option<String>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            tokenizer: &'a Option<String>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            heldout: &'a Option<String>,
+            on_bad: OnBad,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            samples: Option<usize>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            max_items: Option<usize>,
+        }
+        let d = self;
+        Written {
+            source: d.source,
+            path: &d.path,
+            image_root: &d.image_root,
+            tokenizer: &d.tokenizer,
+            heldout: &d.heldout,
+            on_bad: d.on_bad,
+            samples: (d.source == DataSource::Synth || d.samples != DataConfig::SYNTH_SAMPLES)
+                .then_some(d.samples),
+            max_items: (d.source == DataSource::Synthetic || d.max_items != 1)
+                .then_some(d.max_items),
+        }
+        .serialize(s)
+    }
 }
 
 impl DataConfig {

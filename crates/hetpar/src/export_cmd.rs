@@ -163,8 +163,65 @@ fn run_tokenizer(ckpt: &Path) -> anyhow::Result<Option<(PathBuf, Tokens)>> {
     Ok(Some((paths.tokenizer, tokens)))
 }
 
+/// The files an export writes into a module's directory (with the temporary name the model
+/// is written under, which an interrupted export leaves).
+const EXPORT_FILES: [&str; 8] = [
+    "model.safetensors",
+    ".model.safetensors.tmp",
+    "config.json",
+    "preprocessor_config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+];
+
+/// Refuses `hf` where it holds what an export of `ckpt`'s modules would not write (a
+/// dataset, another run's modules): the model's files would land among them, or over them.
+/// An earlier export of the same modules is written over; a repository's README.md,
+/// .gitattributes and .git may sit beside them.
+fn check_target(ckpt: &Path, hf: &Path) -> anyhow::Result<()> {
+    let Ok(entries) = std::fs::read_dir(hf) else { return Ok(()) };
+    let graph = hetpar_runtime::export::checkpoint_graph(ckpt)?;
+    let mut foreign = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let module = graph.modules.iter().any(|m| m.name == name);
+        // What a model repository keeps beside its models.
+        if !module && ["README.md", ".gitattributes", ".git"].contains(&name.as_str()) {
+            continue;
+        }
+        match std::fs::read_dir(e.path()) {
+            Ok(files) if module && e.file_type().is_ok_and(|t| t.is_dir()) => {
+                for f in files.flatten() {
+                    let file = f.file_name().to_string_lossy().into_owned();
+                    if !EXPORT_FILES.contains(&file.as_str()) {
+                        foreign.push(format!("{name}/{file}"));
+                    }
+                }
+            }
+            _ => foreign.push(name),
+        }
+    }
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    foreign.sort();
+    let more = match foreign.len() {
+        n if n > 3 => format!(" and {} more", n - 3),
+        _ => String::new(),
+    };
+    bail!(
+        "--hf {}: holds what an export of this checkpoint's modules ({}) does not write: {}{more}; give an empty or new directory (an earlier export of the same modules is written over)",
+        hf.display(),
+        graph.modules.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", "),
+        foreign.iter().take(3).cloned().collect::<Vec<_>>().join(", ")
+    );
+}
+
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let ckpt = checkpoint_said(&a.ckpt)?;
+    check_target(&ckpt, &a.hf)?;
     let run = run_tokenizer(&ckpt)?;
     let done = export_hf(&ckpt, &a.hf, run.as_ref().map(|r| r.1))?;
     let tokenizer = match &run {

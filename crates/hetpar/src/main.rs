@@ -216,15 +216,15 @@ fn bad_usage(e: &clap::Error) -> ExitCode {
     ) {
         e.exit();
     }
-    // The reason is what clap writes before its usage and tips, on one line.
+    // The reason is what clap writes before its usage, on one line, with its tips (a
+    // similar subcommand or flag: "did you mean").
     let text = e.render().to_string();
     let reason: Vec<&str> = text
         .lines()
         .map(str::trim)
-        .take_while(|l| {
-            !l.starts_with("Usage:") && !l.starts_with("tip:") && !l.starts_with("For more")
-        })
-        .filter(|l| !l.is_empty())
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more"))
+        // Of the tips, the "did you mean" ones (not "to pass '--x' as a value, use '--'").
+        .filter(|l| !l.is_empty() && (!l.starts_with("tip:") || l.contains(" similar ")))
         .collect();
     // The (sub)command whose help to point at: the leading words that name one.
     let mut cmd = <Cli as clap::CommandFactory>::command();
@@ -235,7 +235,17 @@ fn bad_usage(e: &clap::Error) -> ExitCode {
         cmd = sub;
     }
     let help: String = words.iter().map(|w| format!(" {w}")).collect();
-    stderr_line(&format!("{} (see hetpar{help} --help)", reason.join(" ")));
+    let mut line = String::new();
+    for part in reason {
+        let gap = match (line.is_empty(), part.starts_with("tip:")) {
+            (true, _) => "",
+            (false, true) => "; ",
+            (false, false) => " ",
+        };
+        line += gap;
+        line += part;
+    }
+    stderr_line(&format!("{line} (see hetpar{help} --help)"));
     ExitCode::from(2)
 }
 

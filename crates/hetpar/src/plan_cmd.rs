@@ -70,7 +70,10 @@ fn hardware(name: &str) -> anyhow::Result<Hardware> {
     if name != "local" {
         return Ok(builtin(name)?);
     }
-    let mut table = read_tables(LOCAL_SPEC, ": run `hetpar calibrate` on this machine first")?;
+    let mut table = read_tables(
+        LOCAL_SPEC,
+        ": run `hetpar calibrate` on this machine first (it writes this path under the current directory; or pass --hardware FILE)",
+    )?;
     table.remove("local").with_context(|| format!("{LOCAL_SPEC} has no [local] table"))
 }
 
@@ -416,7 +419,8 @@ fn emit(wl: &Workload, plan: &Plan, path: &Path) -> anyhow::Result<()> {
 /// Arguments of `hetpar calibrate`.
 #[derive(clap::Args)]
 pub struct CalibrateArgs {
-    /// Where to write the spec.
+    /// Where to write the spec (the default is relative to the current directory, where
+    /// `hetpar plan --hardware local` reads it; elsewhere give plan the file's path).
     #[arg(long, default_value = LOCAL_SPEC)]
     out: PathBuf,
     /// Timed repetitions per measurement (the best is kept).
@@ -447,7 +451,8 @@ pub fn calibrate(a: &CalibrateArgs) -> anyhow::Result<()> {
     let w0 = (w1 * w2 * (r2 - r1) / (r1 * w2 - r2 * w1)).max(0.0);
     let peak = r2 * (w2 + w0) / w2;
     note(&format!(
-        "  matmul: {r1:.1} GFLOP/s at 128, {r2:.1} at 1024: peak {peak:.1}, half rate at width {w0:.0}"
+        "  matmul: {r1:.1} GFLOP/s at 128, {r2:.1} at 1024: peak {peak:.1}, half rate at width {w0:.0} (rate = peak * w / (w + {w0:.0}) for a product of width w{})",
+        if w0 == 0.0 { "; as fast at 128 as at 1024, so no narrow-product penalty" } else { "" }
     ));
     let attn = attention_gflops(512, 64, 4, a.iters, DType::F32)?;
     note(&format!("  attention core (512 x 64, 4 heads): {attn:.1} GFLOP/s"));

@@ -2087,7 +2087,9 @@ fn agree_mpi(
     Ok(())
 }
 
-/// Every rank's logs of a local run without checkpoints, by rank.
+/// Every rank's logs of a local run without checkpoints, by rank (`bench train`'s). What
+/// opening the data says (a synth set generated on first use, the records read) goes to
+/// stderr, away from the report.
 pub fn train_local_ranks(
     graph: &ModelGraph,
     dtype: DType,
@@ -2095,7 +2097,7 @@ pub fn train_local_ranks(
     timeout: Duration,
     on_step: OnStep<'_>,
 ) -> anyhow::Result<Vec<Vec<StepLog>>> {
-    let data = crate::data_open::open(graph, &|_| {})?;
+    let data = crate::data_open::open(graph, &crate::stderr_line)?;
     let run = LocalRun {
         data: &data,
         hooks: Hooks::steps(on_step),

@@ -334,6 +334,15 @@ fn bad_command_lines_are_one_line() {
             "error: unexpected argument '--nope' found (see hetpar bench train --help)",
         ),
         (&["frob"], "error: unrecognized subcommand 'frob' (see hetpar --help)"),
+        // With clap's "did you mean".
+        (
+            &["trian"],
+            "error: unrecognized subcommand 'trian'; tip: a similar subcommand exists: 'train' (see hetpar --help)",
+        ),
+        (
+            &["train", "--stpes", "3"],
+            "error: unexpected argument '--stpes' found; tip: a similar argument exists: '--steps' (see hetpar train --help)",
+        ),
         (
             &["layout"],
             "error: the following required arguments were not provided: <CONFIG> (see hetpar layout --help)",
@@ -1146,6 +1155,19 @@ fn train_on_the_synth_set_evaluates_held_out_answers_and_eval_agrees() {
         "tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json";
     assert!(err.contains(&format!("note: removed an earlier export's {files} from")), "{err}");
     assert!(!tok.exists());
+    // A directory holding other files (a dataset, whose audio/ bears a module's name) is
+    // refused before anything is written there.
+    let (_set, set_dir) = synth_set("export-into-a-set");
+    let into = hetpar(&["export", mem_s, "--hf", set_dir.to_str().expect("utf-8")]);
+    let err = String::from_utf8_lossy(&into.stderr).to_string();
+    assert_eq!(into.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "holds what an export of this checkpoint's modules (audio, llm, vision) does not write: audio/"
+        ),
+        "{err}"
+    );
+    assert!(!set_dir.join("llm").exists());
 }
 
 /// An f64 run's checkpoint evaluates in f64, as the run evaluated its held-out set: the
