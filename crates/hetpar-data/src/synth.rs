@@ -134,19 +134,59 @@ pub struct SynthSummary {
     pub bytes: u64,
 }
 
-/// Refuses `dir` as a place to write a synthetic dataset into when it holds files that are
-/// not one (an earlier synthetic dataset there may be replaced).
+/// The entries of a synthetic dataset's directory.
+pub const SET_ENTRIES: [&str; 6] =
+    ["synth.json", "train.json", "heldout.json", "tokenizer.json", "images", "audio"];
+
+/// How the name of a new set being written inside an earlier set's directory begins (to
+/// replace it there).
+pub const TMP_PREFIX: &str = ".synth-tmp-";
+
+/// Refuses `dir` as a place to write a synthetic dataset into unless it is absent, an empty
+/// directory, or a directory holding a synthetic dataset (its `synth.json`) and nothing
+/// else, which is replaced: other files there would be lost with it, and a directory of
+/// another dataset's files (train.json, images/) is not ours to replace.
 pub fn check_target(dir: &Path) -> Result<()> {
-    if dir.is_dir() && !dir.join("synth.json").is_file() {
-        let mut entries = std::fs::read_dir(dir).map_err(io(dir))?;
-        if entries.next().is_some() {
-            return Err(DataError::Options(format!(
-                "{} exists and holds files that are not a synthetic dataset; give an empty or new directory",
-                dir.display()
-            )));
-        }
+    if std::fs::symlink_metadata(dir).is_err() {
+        return Ok(());
     }
-    Ok(())
+    if !dir.is_dir() {
+        let what = match std::fs::metadata(dir) {
+            Ok(m) => crate::files::describe(m.file_type()),
+            Err(_) => "a link to nothing",
+        };
+        return Err(DataError::Options(format!(
+            "{} is {what}, not a directory; give a directory to write the dataset into",
+            dir.display()
+        )));
+    }
+    let mut others: Vec<String> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !SET_ENTRIES.contains(&n.as_str()) && !n.starts_with(TMP_PREFIX))
+        .collect();
+    let marked = dir.join("synth.json").is_file();
+    let empty = || std::fs::read_dir(dir).is_ok_and(|mut e| e.next().is_none());
+    if (marked && others.is_empty()) || empty() {
+        return Ok(());
+    }
+    if !marked {
+        return Err(DataError::Options(format!(
+            "{} exists and holds files that are not a synthetic dataset; give an empty or new directory",
+            dir.display()
+        )));
+    }
+    others.sort();
+    let more = match others.len() {
+        n if n > 3 => format!(" and {} more", n - 3),
+        _ => String::new(),
+    };
+    Err(DataError::Options(format!(
+        "{} holds a synthetic dataset and other files ({}{more}), which replacing the set would lose; move them out first, or give another directory",
+        dir.display(),
+        others[..others.len().min(3)].join(", ")
+    )))
 }
 
 /// Samples [`footprint`] makes in memory to estimate a whole set's.

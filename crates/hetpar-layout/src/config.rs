@@ -218,18 +218,19 @@ impl Serialize for DataConfig {
             #[serde(skip_serializing_if = "Option::is_none")]
             max_items: Option<usize>,
         }
-        let d = self;
+        // Every field named, so one added to the struct is added here too.
+        let DataConfig { source, path, image_root, tokenizer, heldout, on_bad, samples, max_items } =
+            self;
         Written {
-            source: d.source,
-            path: &d.path,
-            image_root: &d.image_root,
-            tokenizer: &d.tokenizer,
-            heldout: &d.heldout,
-            on_bad: d.on_bad,
-            samples: (d.source == DataSource::Synth || d.samples != DataConfig::SYNTH_SAMPLES)
-                .then_some(d.samples),
-            max_items: (d.source == DataSource::Synthetic || d.max_items != 1)
-                .then_some(d.max_items),
+            source: *source,
+            path,
+            image_root,
+            tokenizer,
+            heldout,
+            on_bad: *on_bad,
+            samples: (*source == DataSource::Synth || *samples != DataConfig::SYNTH_SAMPLES)
+                .then_some(*samples),
+            max_items: (*source == DataSource::Synthetic || *max_items != 1).then_some(*max_items),
         }
         .serialize(s)
     }

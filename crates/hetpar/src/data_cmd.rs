@@ -51,8 +51,9 @@ struct CheckArgs {
 #[derive(clap::Args)]
 struct SynthArgs {
     /// Directory to write (created if absent; an earlier synthetic dataset there is
-    /// replaced, any other content refused). The set is written beside it and moved into
-    /// place when complete, so an interrupted run leaves no half-written set.
+    /// replaced, any other content refused). A new directory is written beside it and
+    /// renamed into place when complete; an earlier set is replaced from inside it, its
+    /// synth.json last; so an interrupted run leaves no half-written set.
     #[arg(long)]
     out: PathBuf,
     /// Samples in all, at least 2; a tenth of them (at least one) are held out.

@@ -101,22 +101,45 @@ pub fn synth_dir(samples: usize, seed: u64) -> PathBuf {
 /// How the name of a synth set being generated in the cache begins.
 const TMP_PREFIX: &str = ".tmp-";
 
-/// A name for a directory being written, unique to this process and moment (`tag`, the
-/// process id and the time in nanoseconds, so [`process_gone`] can tell one left by a
-/// process that ended).
+/// This machine's name, as its kernel has it (empty where it cannot be read).
+fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().replace('/', "_"))
+        .unwrap_or_default()
+}
+
+/// A name for a directory being written, unique to this process and moment: `tag`, the
+/// machine's name, the process id and the time in nanoseconds (so [`process_gone`] can tell
+/// one left by a process that ended, on a filesystem several machines share).
 fn tmp_name(tag: &str) -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    format!("{tag}{}-{nanos}", std::process::id())
+    format!("{tag}{}-{}-{nanos}", host(), std::process::id())
 }
 
-/// Whether the process that named `name` (`tag` then [`tmp_name`]'s process id) has ended
-/// on this machine.
+/// Whether the process that named `name` ([`tmp_name`] with `tag`) ran on this machine and
+/// has ended.
 fn process_gone(name: &str, tag: &str) -> bool {
-    let pid = name.strip_prefix(tag).and_then(|rest| rest.split('-').next());
-    pid.and_then(|p| p.parse::<u32>().ok())
-        .is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists())
+    let Some(rest) = name.strip_prefix(tag) else { return false };
+    let mut parts = rest.rsplitn(3, '-');
+    let (_nanos, pid, machine) = (parts.next(), parts.next(), parts.next());
+    machine == Some(host().as_str())
+        && pid
+            .and_then(|p| p.parse::<u32>().ok())
+            .is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists())
+}
+
+/// Removes the directories under `dir` whose names begin with `tag` and whose process
+/// ([`tmp_name`]) has ended on this machine: what interrupted writes left.
+fn clear_leftovers(dir: &Path, tag: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if process_gone(&name, tag) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Refuses a synth set that `opts` describe when its files would not fit on the disk
@@ -150,72 +173,67 @@ pub fn synth_fits(opts: &SynthOptions, dir: &Path, samples: &str) -> anyhow::Res
     Ok(())
 }
 
-/// Writes the synth set `opts` describe to `out` whole or not at all: into a directory
-/// beside it, renamed into place when complete (an earlier synth set at `out` is replaced
-/// then, other content refused first). Directories left beside `out` by generations whose
-/// process ended (interrupted) are removed first.
+/// Writes the synth set `opts` describe to `out` so that an interruption never leaves a
+/// half-written set where a whole one is expected. A new `out` is written beside it and
+/// renamed into place. An existing one (empty, or an earlier set alone: anything else is
+/// refused first) is written inside it and swapped in entry by entry, its `synth.json` (the
+/// mark of a whole set, which the next run replaces) last; so `out` itself, a mount point
+/// or the working directory, stays. What interrupted writes left is removed first.
 pub fn synth_into(
     out: &Path,
     opts: &SynthOptions,
     progress: &mut dyn FnMut(usize),
 ) -> anyhow::Result<hetpar_data::SynthSummary> {
-    hetpar_data::synth::check_target(out)?;
-    // A link to a directory is written through: the set replaces what it points at.
-    let out = if out.is_symlink() && out.is_dir() {
-        std::fs::canonicalize(out).with_context(|| format!("cannot resolve {}", out.display()))?
-    } else {
-        out.to_path_buf()
+    use hetpar_data::synth::{SET_ENTRIES, TMP_PREFIX as IN_SET, check_target, generate};
+    check_target(out)?;
+    let writing = || format!("writing the synthetic dataset to {}", out.display());
+    let generated = |tmp: &Path, progress: &mut dyn FnMut(usize)| {
+        generate(tmp, opts, progress).map_err(|e| {
+            let _ = std::fs::remove_dir_all(tmp);
+            anyhow::Error::from(e).context(writing())
+        })
     };
-    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| {
-        anyhow::anyhow!("{}: give a directory to write the dataset into", out.display())
-    })?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent)
-        .with_context(|| format!("cannot create {}", parent.display()))?;
-    let tag = format!(".{name}.tmp-");
-    if let Ok(entries) = std::fs::read_dir(&parent) {
-        for e in entries.flatten() {
-            let n = e.file_name().to_string_lossy().into_owned();
-            if n.starts_with(&tag) && process_gone(&n, &tag) {
-                let _ = std::fs::remove_dir_all(e.path());
+    if out.is_dir() {
+        clear_leftovers(out, IN_SET);
+        let tmp = out.join(tmp_name(IN_SET));
+        let summary = generated(&tmp, progress)?;
+        // The earlier set's entries into the new one's directory, which goes at the end.
+        let earlier = tmp.join(".earlier");
+        let swap = || -> std::io::Result<()> {
+            std::fs::create_dir(&earlier)?;
+            for name in &SET_ENTRIES[1..] {
+                if std::fs::symlink_metadata(out.join(name)).is_ok() {
+                    std::fs::rename(out.join(name), earlier.join(name))?;
+                }
             }
-        }
-    }
-    let tmp = parent.join(tmp_name(&tag));
-    let summary = match hetpar_data::synth::generate(&tmp, opts, progress) {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            return Err(e)
-                .with_context(|| format!("writing the synthetic dataset to {}", out.display()));
-        }
-    };
-    // An earlier set out of the way first: a directory cannot be renamed over one that is
-    // not empty.
-    let old = parent.join(tmp_name(&format!(".{name}.old-")));
-    let earlier = out.exists();
-    let moved = match earlier {
-        true => std::fs::rename(&out, &old).with_context(|| {
-            format!("cannot move the earlier {} aside to replace it", out.display())
-        }),
-        false => Ok(()),
-    }
-    .and_then(|()| {
-        std::fs::rename(&tmp, &out)
-            .with_context(|| format!("cannot move the new set into {}", out.display()))
-    });
-    if let Err(e) = moved {
-        if earlier && !out.exists() {
-            let _ = std::fs::rename(&old, &out);
-        }
+            for name in SET_ENTRIES[1..].iter().chain(&SET_ENTRIES[..1]) {
+                std::fs::rename(tmp.join(name), out.join(name))?;
+            }
+            Ok(())
+        };
+        swap().with_context(|| {
+            format!(
+                "cannot move the new set into {} (what it holds now is incomplete: run again to replace it)",
+                out.display()
+            )
+        })?;
         let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
+        return Ok(summary);
     }
-    if earlier {
-        let _ = std::fs::remove_dir_all(&old);
+    // `dir/.` and `./dir` as the directory they name, for its parent and name.
+    let whole = std::path::absolute(out).with_context(writing)?;
+    let (Some(parent), Some(name)) = (whole.parent(), whole.file_name()) else {
+        bail!("{}: give a directory to write the dataset into", out.display());
+    };
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("cannot create {}", parent.display()))?;
+    let tag = format!(".{}.tmp-", name.to_string_lossy());
+    clear_leftovers(parent, &tag);
+    let tmp = parent.join(tmp_name(&tag));
+    let summary = generated(&tmp, progress)?;
+    if let Err(e) = std::fs::rename(&tmp, &whole) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e).with_context(|| format!("cannot move the new set into {}", out.display()));
     }
     Ok(summary)
 }

@@ -166,13 +166,15 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let (_, trained) = crate::config_load::load_text(text.clone(), name.clone(), &[])?;
     if trained.data.source == hetpar_layout::config::DataSource::Synthetic {
         anyhow::bail!(
-            "{}: the run trained on in-process synthetic tokens (data.source = \"synthetic\"), which no tokenizer spells: records read through --data's tokenizer would be ids the model never learned; evaluate a run trained on files (data.source = \"synth\" or \"llava\")",
+            "{}: the run trained on in-process synthetic tokens (data.source = \"synthetic\"), which no tokenizer spells: records read through a tokenizer would be ids the model never learned; evaluate a run trained on files (data.source = \"synth\" or \"llava\")",
             ckpt.display()
         );
     }
     let records = match &a.data {
         Some(data) => Records::given(data)?,
-        None => Records::trained(&trained)?,
+        None => Records::trained(&trained).context(
+            "the run's own held-out records, read without --data (give --data to name them)",
+        )?,
     };
     // Each path as a TOML string (Rust's `{:?}` escapes other characters than TOML does).
     let quoted = |p: &Path| toml::Value::String(p.display().to_string()).to_string();

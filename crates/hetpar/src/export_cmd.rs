@@ -181,6 +181,9 @@ const EXPORT_FILES: [&str; 8] = [
 /// An earlier export of the same modules is written over; a repository's README.md,
 /// .gitattributes and .git may sit beside them.
 fn check_target(ckpt: &Path, hf: &Path) -> anyhow::Result<()> {
+    if std::fs::symlink_metadata(hf).is_ok() && !hf.is_dir() {
+        bail!("--hf {}: not a directory; give a directory to export into", hf.display());
+    }
     let Ok(entries) = std::fs::read_dir(hf) else { return Ok(()) };
     let graph = hetpar_runtime::export::checkpoint_graph(ckpt)?;
     let mut foreign = Vec::new();

@@ -315,7 +315,7 @@ pub(crate) fn say(line: &str) {
     if STOPS_ON_CLOSED_OUTPUT.load(Ordering::SeqCst) {
         if !OUTPUT_CLOSED.swap(true, Ordering::SeqCst) {
             stderr_line(&format!(
-                "note: the output cannot be written ({e}): stopping after this step, with a checkpoint; continue with --resume auto (same --out)"
+                "note: the output cannot be written ({e}): the run stops as a signal would stop it (after the step under way, with a checkpoint to continue from with --resume auto; before its first step, with nothing written)"
             ));
         }
         return;

@@ -81,6 +81,23 @@ fn now() -> f64 {
 /// How the name of every event file begins.
 pub const PREFIX: &str = "events.out.tfevents.";
 
+/// The event files [`Events::create`] made in `dir` (`PREFIX<seconds>.hetpar.<pid>`,
+/// perhaps numbered), in the order they were made; other writers' are left out.
+pub fn ours(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut found: Vec<(u64, String)> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let (seconds, rest) = name.strip_prefix(PREFIX)?.split_once('.')?;
+            rest.starts_with("hetpar.").then_some(())?;
+            Some((seconds.parse().ok()?, name))
+        })
+        .collect();
+    found.sort();
+    Ok(found.into_iter().map(|(_, n)| dir.join(n)).collect())
+}
+
 impl Events {
     /// A new event file under `dir` (a resumed run adds one; TensorBoard reads them all).
     pub fn create(dir: &Path) -> std::io::Result<Events> {
@@ -105,7 +122,7 @@ impl Events {
         let mut file = file.ok_or_else(|| {
             std::io::Error::new(
                 std::io::ErrorKind::AlreadyExists,
-                format!("{}: 99 files of this name", path.display()),
+                format!("{name} and 98 numbered names beside it are taken in {}", dir.display()),
             )
         })?;
         file.write_all(&record(&event(t, 0, Some("brain.Event:2"), &[])))?;

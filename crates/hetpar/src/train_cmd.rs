@@ -306,7 +306,8 @@ impl Report {
                     writeln!(metrics, "{l}")
                         .with_context(|| format!("cannot write {}", path.display()))?;
                 }
-                let events = continue_events(out, *start, branch.as_deref())?;
+                let from = history.as_deref().and_then(Path::parent);
+                let events = continue_events(out, (from, *start), branch.as_deref())?;
                 none.insert(Files { metrics, events })
             }
         };
@@ -1378,33 +1379,30 @@ impl Aside {
     }
 }
 
-/// The run's new TensorBoard event file in `out`, holding first what the event files
-/// already there (the run's own, as it resumes at step `start`) hold before `start`, so that
-/// TensorBoard shows no step twice; those files then go: to `branch` where the run left a
-/// branch past `start` there ([`set_aside_past`]), with its checkpoints and metrics, else
-/// deleted (what they hold past `start` is being trained again).
+/// The run's new TensorBoard event file in `out`, holding first what hetpar's event files
+/// in `from` (the directory of the metrics the run goes on from) hold before step `start`,
+/// so that TensorBoard shows the run's history with no step twice. Where `from` is `out`
+/// itself, those files then go: to `branch` where the run left a branch past `start` there
+/// ([`set_aside_past`]), with its checkpoints and metrics, else deleted (what they hold past
+/// `start` is being trained again); another run's stay where they are. Other writers' event
+/// files are not touched.
 fn continue_events(
     out: &Path,
-    start: usize,
+    (from, start): (Option<&Path>, usize),
     branch: Option<&Path>,
 ) -> anyhow::Result<crate::tensorboard::Events> {
-    let mut earlier: Vec<(u64, String)> = std::fs::read_dir(out)
-        .with_context(|| format!("cannot read {}", out.display()))?
-        .flatten()
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            // `events.out.tfevents.<seconds>.<host>.<pid>`: in the order they were made.
-            let seconds = name.strip_prefix(crate::tensorboard::PREFIX)?.split('.').next()?;
-            Some((seconds.parse().ok()?, name))
-        })
-        .collect();
-    earlier.sort();
-    let paths: Vec<PathBuf> = earlier.iter().map(|(_, n)| out.join(n)).collect();
+    let earlier = match from {
+        Some(dir) => crate::tensorboard::ours(dir)
+            .with_context(|| format!("cannot read {}", dir.display()))?,
+        None => Vec::new(),
+    };
     let what = || format!("cannot write a TensorBoard event file in {}", out.display());
     let mut events = crate::tensorboard::Events::create(out).with_context(what)?;
-    events.carry(&paths, start).with_context(what)?;
-    for path in paths.iter().filter(|p| p.as_path() != events.path()) {
+    events.carry(&earlier, start).with_context(what)?;
+    if !from.is_some_and(|dir| same_dir(dir, out)) {
+        return Ok(events);
+    }
+    for path in earlier.iter().filter(|p| p.as_path() != events.path()) {
         let gone = match (branch, path.file_name()) {
             (Some(to), Some(name)) => std::fs::rename(path, to.join(name)),
             _ => std::fs::remove_file(path),
@@ -1569,6 +1567,13 @@ pub(crate) fn value_changes(
 /// module `lr` equal to `train.lr` (which an unset one takes).
 fn effective(v: &toml::Value) -> toml::Value {
     let mut v = v.clone();
+    // The keys a resolved config leaves out under another data source, at their defaults
+    // (configs saved before it left them out wrote them).
+    if let Some(data) = v.get_mut("data").and_then(toml::Value::as_table_mut) {
+        let samples = hetpar_layout::config::DataConfig::SYNTH_SAMPLES as i64;
+        data.entry("samples").or_insert(toml::Value::Integer(samples));
+        data.entry("max_items").or_insert(toml::Value::Integer(1));
+    }
     let lr = v.get("train").and_then(|t| t.get("lr")).cloned();
     if let Some(modules) = v.get_mut("modules").and_then(toml::Value::as_table_mut) {
         for (_, m) in modules.iter_mut() {
@@ -2263,6 +2268,15 @@ mod tests {
         assert_eq!(
             changes("lr = 0.0001", "lr = 0.001"),
             shown("modules.vision.lr", "0.0001", "train.lr")
+        );
+        // An earlier build's config wrote the data keys another source reads at their
+        // defaults; one without them is the same config.
+        let data = |d: &str| -> toml::Value { toml::from_str(&format!("[data]\n{d}")).unwrap() };
+        let old = data("source = \"synthetic\"\nsamples = 1000\nmax_items = 1");
+        assert!(value_changes(&old, &data("source = \"synthetic\""), &[]).is_empty());
+        assert_eq!(
+            value_changes(&old, &data("source = \"synthetic\"\nmax_items = 2"), &[]),
+            shown("data.max_items", "1", "2")
         );
     }
 

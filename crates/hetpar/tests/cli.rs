@@ -2299,6 +2299,20 @@ fn going_back_to_an_earlier_checkpoint_moves_the_later_ones_aside() {
     // history before step 1 carried over), and the branch's own beside its checkpoints.
     assert_eq!(event_steps(&dir), [vec![0, 1, 2, 3, 4]]);
     assert_eq!(event_steps(&dir.join("earlier-1")), [vec![0, 1, 2, 3]]);
+    // Another writer's event file is not hetpar's to carry or delete.
+    let theirs = dir.join("events.out.tfevents.1700000000.otherhost.99");
+    std::fs::write(&theirs, b"").expect("write");
+    train("6", &["--resume", "auto"]);
+    assert!(theirs.exists());
+    assert_eq!(event_steps(&dir), [vec![], vec![0, 1, 2, 3, 4, 5]]);
+    // A run going on from the branch's checkpoint in a directory of its own carries the
+    // branch's history, which stays where it is.
+    let other = tmp.path().join("other");
+    let branch = dir.join("earlier-1/checkpoints/step-00000004");
+    let args = ["train", IN_MEMORY, "--steps", "5", "--out", other.to_str().expect("utf-8")];
+    stdout(&hetpar(&[&args[..], &["--resume", branch.to_str().expect("utf-8")]].concat()));
+    assert_eq!(event_steps(&other), [vec![0, 1, 2, 3, 4]]);
+    assert_eq!(event_steps(&dir.join("earlier-1")), [vec![0, 1, 2, 3]]);
 }
 
 /// The steps of each TensorBoard event file in `dir` (in name order), its version record
@@ -2815,6 +2829,27 @@ fn a_closed_output_stops_a_run_without_a_panic() {
     let (status, err) = ended(&["check", IN_MEMORY, "--steps", "1"]);
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(status.code(), Some(141), "{err}");
+    // Closed after the first checkpoint's line: the run stops after the step under way,
+    // with a checkpoint, long before its 50 steps.
+    use std::io::BufRead;
+    let args = ["train", IN_MEMORY, "--steps", "50", "--save-every", "1", "--out", o];
+    let mut child = command(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("hetpar runs");
+    let mut lines = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let first =
+        lines.by_ref().map_while(Result::ok).find(|l| l.starts_with("checkpoint after step 1 "));
+    assert!(first.is_some(), "no checkpoint line");
+    drop(lines);
+    let done = child.wait_with_output().expect("hetpar ends");
+    let err = String::from_utf8(done.stderr).expect("utf-8");
+    assert!(done.status.success(), "{err}");
+    assert!(err.contains("note: the output cannot be written ("), "{err}");
+    let latest = std::fs::read_to_string(out.join("checkpoints/latest")).expect("latest");
+    let step: usize = latest.trim().trim_start_matches("step-").parse().expect("a step");
+    assert!((2..10).contains(&step), "{latest}");
 }
 
 /// A checkpoint trained on in-process tokens has no tokenizer to read records through: its
@@ -2846,9 +2881,11 @@ fn eval_refuses_a_checkpoint_of_in_process_tokens() {
     );
 }
 
-/// `data synth` writes its set beside `--out` and moves it into place when complete: while
-/// it runs (and after it is killed) `--out` holds the earlier set or nothing, the next run
-/// removes what a killed one left, and a set larger than the disk is refused before any
+/// `data synth` never leaves a half-written set where a whole one is expected: a new
+/// `--out` is written beside it and renamed into place, an earlier set is replaced from
+/// inside its directory with its `synth.json` last. A killed run leaves `--out` as it was
+/// and the next one removes what it left (but a live process's); a `--out` holding other
+/// files than a set, or a file, is refused, as is a set larger than the disk, before any
 /// file is written.
 #[test]
 fn data_synth_is_whole_or_absent() {
@@ -2858,38 +2895,65 @@ fn data_synth_is_whole_or_absent() {
     let d = dir.to_str().expect("utf-8 path");
     stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "10"]));
     let earlier = std::fs::read(dir.join("train.json")).expect("train.json");
-    let partial = || {
-        std::fs::read_dir(tmp.path())
+    let begun = |at: &Path, prefix: &str| {
+        let mut v: Vec<String> = std::fs::read_dir(at)
             .expect("list")
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with(".set.tmp-"))
-            .collect::<Vec<_>>()
+            .filter(|n| n.starts_with(prefix))
+            .collect();
+        v.sort();
+        v
     };
     // Long enough to be caught writing (some seconds on one core), killed once it is.
-    let mut child = command(&["data", "synth", "--out", d, "--samples", "200000"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("hetpar runs");
-    let start = Instant::now();
-    while partial().is_empty() {
-        assert!(start.elapsed() < Duration::from_secs(60), "no set being written beside --out");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    std::thread::sleep(Duration::from_millis(300));
-    child.kill().expect("kill");
-    child.wait().expect("wait");
+    let killed = |out: &str, at: &Path, prefix: &str| {
+        let mut child = command(&["data", "synth", "--out", out, "--samples", "200000"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("hetpar runs");
+        let start = Instant::now();
+        while begun(at, prefix).is_empty() {
+            assert!(start.elapsed() < Duration::from_secs(60), "no set being written");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        child.kill().expect("kill");
+        child.wait().expect("wait");
+    };
+    killed(d, &dir, ".synth-tmp-");
     assert_eq!(std::fs::read(dir.join("train.json")).expect("train.json"), earlier);
-    assert_eq!(partial().len(), 1, "the killed run's directory");
+    assert_eq!(begun(&dir, ".synth-tmp-").len(), 1, "the killed run's directory");
     // One named for a process still running is left alone (it may be writing).
-    let live = tmp.path().join(format!(".set.tmp-{}-1", std::process::id()));
-    std::fs::create_dir(&live).expect("mkdir");
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
+    let live = format!(".synth-tmp-{}-{}-1", host.trim(), std::process::id());
+    std::fs::create_dir(dir.join(&live)).expect("mkdir");
     let text = stdout(&hetpar(&["data", "synth", "--out", d, "--samples", "12"]));
     assert!(text.starts_with("wrote 12 samples to "), "{text}");
-    assert_eq!(partial(), vec![format!(".set.tmp-{}-1", std::process::id())]);
+    assert_eq!(begun(&dir, ".synth-tmp-"), [live]);
     let made = std::fs::read_to_string(dir.join("synth.json")).expect("synth.json");
     assert!(made.contains("\"samples\": 12"), "{made}");
+    // Other files beside a set would go with it; a file is not a directory.
+    std::fs::write(dir.join("notes.txt"), "mine").expect("write");
+    let refused = |out: &str, want: &str| {
+        let run = hetpar(&["data", "synth", "--out", out, "--samples", "5"]);
+        let err = String::from_utf8(run.stderr).expect("utf-8");
+        assert!(run.status.code() == Some(1) && err.contains(want), "{out}: {err}");
+    };
+    refused(d, "holds a synthetic dataset and other files (notes.txt), which replacing");
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "mine").expect("write");
+    refused(file.to_str().expect("utf-8"), "is a regular file, not a directory");
+    assert_eq!(std::fs::read_to_string(&file).expect("file"), "mine");
+    // A new directory: written beside it; killed, nothing at --out. Then `fresh/.`, the
+    // same directory, written whole.
+    let fresh = tmp.path().join("fresh");
+    let f = fresh.to_str().expect("utf-8 path");
+    killed(f, tmp.path(), ".fresh.tmp-");
+    assert!(!fresh.exists());
+    let text = stdout(&hetpar(&["data", "synth", "--out", &format!("{f}/."), "--samples", "5"]));
+    assert!(text.starts_with("wrote 5 samples to "), "{text}");
+    assert!(fresh.join("synth.json").is_file() && begun(tmp.path(), ".fresh.tmp-").is_empty());
     // Far past any disk: refused with the numbers, nothing written.
     let other = tmp.path().join("huge");
     let o = other.to_str().expect("utf-8 path");
@@ -2902,7 +2966,7 @@ fn data_synth_is_whole_or_absent() {
         ) && err.contains(" free on the disk holding "),
         "{err}"
     );
-    assert!(!other.exists() && partial().len() == 1);
+    assert!(!other.exists());
 }
 
 /// A step that fails commits no checkpoint: saving after every step, a run whose second
