@@ -250,9 +250,11 @@ pub fn synth_cache(samples: usize, seed: u64, say: &dyn Fn(&str)) -> anyhow::Res
     }
     say(&format!("generating the synthetic dataset ({samples} samples) into {}", dir.display()));
     std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
-    // Unique per process and moment (processes of one job on several hosts may share the
-    // cache).
-    let tmp = root.join(format!("{}-{name}", tmp_name(TMP_PREFIX)));
+    // Unique per machine, process and moment (processes of one job on several hosts may
+    // share the cache); this machine's ended processes' leftovers go first.
+    let tag = format!("{TMP_PREFIX}{name}-");
+    clear_leftovers(&root, &tag);
+    let tmp = root.join(tmp_name(&tag));
     // Left by generations killed before their rename (or running now, on another host
     // sharing the cache, so they are named rather than removed).
     let left: Vec<String> = std::fs::read_dir(&root)

@@ -2501,6 +2501,11 @@ fn a_damaged_synth_cache_says_how_to_repair_it() {
     };
     let killed = cache.join(".tmp-1-2-synth-killed");
     std::fs::create_dir_all(&killed).expect("a generation left behind");
+    // One of this machine's, by a process that has ended: removed, not noted.
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").expect("hostname");
+    let ended =
+        cache.join(format!(".tmp-synth-hetpar-synth-2-n20-seed1234-{}-999999999-1", host.trim()));
+    std::fs::create_dir_all(&ended).expect("a generation left behind");
     let first = run();
     assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
     let said = String::from_utf8_lossy(&first.stdout);
@@ -2508,6 +2513,7 @@ fn a_damaged_synth_cache_says_how_to_repair_it() {
         said.contains(&format!("note: {} holds 1 unfinished generation", cache.display())),
         "{said}"
     );
+    assert!(!ended.exists());
     std::fs::remove_dir(&killed).expect("removed");
     let set = std::fs::read_dir(&cache)
         .expect("cache")
